@@ -1,0 +1,478 @@
+"""The task ABI: the one source of truth shared by the compiler, the CPU VM and
+the device code.
+
+Everything the device reads is defined here once (opcode numbers, the uniform
+header, each opcode's descriptor fields, sentinels, the claimer queue record,
+the target-word layout, the watchdog error record, the KV layout and the launch
+descriptor). ``megac.codegen.abi_header`` renders it as ``megac_abi.h`` and a
+test parses that header back and compares, so the two sides cannot drift.
+
+Frozen at ABI_VERSION; any change to a number or an offset bumps the version.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+ABI_VERSION = 1
+
+TASK_WORDS = 32
+HEADER_WORDS = 8
+
+#: A counter index of -1 means "no wait" / "no signal".
+NO_COUNTER = -1
+#: A wait target (or a count field documented as "dynamic-capable") with this
+#: bit set is not a number but an index into the int32 *target word* buffer:
+#: the consumer reads ``targets[value & DYN_INDEX_MASK]``. The word is written
+#: earlier in the same step, on the device (ROUTE_FINALIZE) or by the host
+#: before launch (per-row attention split counts, the attention queue length).
+DYN_FLAG = 0x40000000
+DYN_INDEX_MASK = 0x3FFFFFFF
+
+
+def dyn(word_index: int) -> int:
+    """Encode 'read the value from target word ``word_index``'."""
+    assert 0 <= word_index <= DYN_INDEX_MASK
+    return DYN_FLAG | word_index
+
+
+def is_dyn(value: int) -> bool:
+    return value >= 0 and bool(value & DYN_FLAG)
+
+
+def dyn_index(value: int) -> int:
+    return value & DYN_INDEX_MASK
+
+
+class Op(enum.IntEnum):
+    NOP = 0
+    QKV_PROJ = 1
+    ATTN_DECODE = 2
+    ATTN_DRAIN = 3
+    ATTN_COMBINE = 4
+    O_PROJ = 5
+    FFN_UPGATE_ACT = 6
+    FFN_DOWN = 7
+    ROUTER_GEMM = 8
+    ROUTER_TOPK = 9
+    ROUTE_FINALIZE = 10
+    MOE_GATHER = 11
+    MOE_UPGATE_DRAIN = 12
+    MOE_DOWN_DRAIN = 13
+    MOE_COMBINE = 14
+    ADD_RMSNORM = 15
+    LM_HEAD = 16
+
+
+OP_DOC = {
+    Op.NOP: "padding; zero words are a valid program",
+    Op.QKV_PROJ: "one head tile of the fused Q/K/V projection; RoPE if flagged; K/V appended to the paged cache",
+    Op.ATTN_DECODE: "one (row, kv head, KV split) of paged GQA flash-decode; sliding-window aware",
+    Op.ATTN_DRAIN: "claimer: pulls ATTN_DECODE records from the shared attention queue",
+    Op.ATTN_COMBINE: "log-sum-exp merge of one (row, kv head)'s splits, fixed order",
+    Op.O_PROJ: "one N tile of one split-K slice (= one KV head's query heads) of the output projection",
+    Op.FFN_UPGATE_ACT: "one tile of the dense gate+up GEMM with the SiLU*up epilogue",
+    Op.FFN_DOWN: "one N tile of one split-K slice of the dense down projection",
+    Op.ROUTER_GEMM: "one split-K slice of the router logits",
+    Op.ROUTER_TOPK: "per row: top-k experts and their weights",
+    Op.ROUTE_FINALIZE: "per-expert counts -> offsets -> slot map -> MoE task queues (on the device)",
+    Op.MOE_GATHER: "copy a row's normed activations to its routed slots",
+    Op.MOE_UPGATE_DRAIN: "claimer: expert gate+up tiles with SiLU*up",
+    Op.MOE_DOWN_DRAIN: "claimer: expert down tiles",
+    Op.MOE_COMBINE: "per row: score-weighted sum of its experts' outputs, k order, fp32",
+    Op.ADD_RMSNORM: "per row: residual += partial outputs (fixed order), RMSNorm with the next gamma",
+    Op.LM_HEAD: "one vocab tile of the LM head: logits slice + argmax partial",
+}
+
+# --------------------------------------------------------------------------
+# Uniform header (words 0..7), read without knowing the opcode.
+# --------------------------------------------------------------------------
+HEADER_FIELDS = (
+    ("OPCODE", "opcode (Op)"),
+    ("LAYER", "layer index (num_layers for the LM head)"),
+    ("WAIT0", "first wait counter index, -1: none"),
+    ("TARGET0", "first wait target (DYN_FLAG|i: read target word i)"),
+    ("WAIT1", "second wait counter index, -1: none; waited after WAIT0"),
+    ("TARGET1", "second wait target"),
+    ("SIGNAL", "counter incremented once when the task is done, -1: none"),
+    ("FLAGS", "Flag bits"),
+)
+H = enum.IntEnum("H", {name: i for i, (name, _) in enumerate(HEADER_FIELDS)})
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+    ROPE = 1 << 0  # QKV_PROJ: apply RoPE to this Q/K head
+    ROPE_HALF = 1 << 1  # rotate-half (Llama) pairs instead of interleaved pairs
+    SLIDING = 1 << 2  # attention: window applies
+    ADD_ATTN = 1 << 3  # ADD_RMSNORM: add the O-proj partials
+    ADD_FFN = 1 << 4  # ADD_RMSNORM: add the FFN partials (dense down or MoE combine)
+    SOFTMAX_ROUTER = 1 << 5  # ROUTER_TOPK: softmax weights (else sigmoid)
+    RENORMALIZE = 1 << 6  # ROUTER_TOPK: renormalise the top-k weights to sum 1
+    LAST_LAYER = 1 << 7  # ADD_RMSNORM: the final norm of the model
+
+
+class QkvPart(enum.IntEnum):
+    Q = 0
+    K = 1
+    V = 2
+
+
+# --------------------------------------------------------------------------
+# Opcode-specific descriptor fields (words 8..31).
+# A field marked (dyn) may hold DYN_FLAG|i instead of a value.
+# --------------------------------------------------------------------------
+_GEMM = (
+    ("N0", "first output feature of the tile"),
+    ("N_LEN", "output features in the tile"),
+    ("K0", "first reduction index of the slice"),
+    ("K_LEN", "reduction length of the slice"),
+    ("SPLIT", "split-K index (partial buffer slot)"),
+)
+
+OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
+    Op.NOP: (),
+    Op.QKV_PROJ: _GEMM
+    + (
+        ("PART", "QkvPart: 0 Q, 1 K, 2 V"),
+        ("HEAD", "head index within its part (q head, or kv head for K/V)"),
+    ),
+    Op.ATTN_DECODE: (
+        ("ROW", "batch row"),
+        ("KV_HEAD", "kv head"),
+        ("SPLIT", "KV split index"),
+        ("NUM_SPLITS", "(dyn) splits of this row; tasks with SPLIT >= it write an empty partial"),
+        ("WINDOW", "sliding window in tokens including the current one, 0: full"),
+    ),
+    Op.ATTN_DRAIN: (
+        ("QUEUE", "Queue id"),
+        ("QUEUE_LEN", "(dyn) records in the queue"),
+        ("TASK_WAIT_BASE", "claimed task waits counter TASK_WAIT_BASE + kv_head"),
+        ("TASK_WAIT_TARGET", "... for this target"),
+        ("TASK_SIGNAL_BASE", "claimed task signals TASK_SIGNAL_BASE + row*kv_heads + kv_head"),
+        ("WINDOW", "as ATTN_DECODE"),
+    ),
+    Op.ATTN_COMBINE: (
+        ("ROW", "batch row"),
+        ("KV_HEAD", "kv head"),
+        ("NUM_SPLITS", "(dyn) splits to merge, in index order"),
+    ),
+    Op.O_PROJ: _GEMM,
+    Op.FFN_UPGATE_ACT: _GEMM
+    + (("OUT0", "first hidden column written (N0/2: gate/up rows interleaved in chunks of N_LEN/2)"),),
+    Op.FFN_DOWN: _GEMM,
+    Op.ROUTER_GEMM: _GEMM,
+    Op.ROUTER_TOPK: (
+        ("ROW", "batch row"),
+        ("NUM_SPLITS", "router split-K partials to sum, in index order"),
+    ),
+    Op.ROUTE_FINALIZE: (
+        ("UP_TILES", "gate/up tiles per active expert"),
+        ("DOWN_TILES", "down tiles per active expert"),
+        ("UP_COUNT_WORD", "target word receiving the up-queue length"),
+        ("DOWN_COUNT_WORD", "target word receiving the down-queue length"),
+        ("UP_QUEUE", "Queue id of the up queue"),
+        ("DOWN_QUEUE", "Queue id of the down queue"),
+        ("NUM_ROWS", "batch rows routed"),
+    ),
+    Op.MOE_GATHER: (("ROW", "batch row"),),
+    Op.MOE_UPGATE_DRAIN: (
+        ("QUEUE", "Queue id"),
+        ("QUEUE_LEN", "(dyn) records in the queue"),
+        ("TASK_WAIT_BASE", "claimed task waits this counter (gathered rows)"),
+        ("TASK_WAIT_TARGET", "... for this target"),
+        ("TASK_SIGNAL_BASE", "claimed task signals TASK_SIGNAL_BASE + expert"),
+        ("N_LEN", "rows of interleaved gate/up weights per tile"),
+    ),
+    Op.MOE_DOWN_DRAIN: (
+        ("QUEUE", "Queue id"),
+        ("QUEUE_LEN", "(dyn) records in the queue"),
+        ("TASK_WAIT_BASE", "claimed task waits counter TASK_WAIT_BASE + expert"),
+        ("TASK_WAIT_TARGET", "... for this target (= up tiles per expert)"),
+        ("TASK_SIGNAL_BASE", "claimed task signals this counter"),
+        ("N_LEN", "output features per tile"),
+    ),
+    Op.MOE_COMBINE: (("ROW", "batch row"),),
+    Op.ADD_RMSNORM: (
+        ("ROW", "batch row"),
+        ("ATTN_SPLITS", "O-proj split-K partials to add, in index order"),
+        ("FFN_SPLITS", "FFN partials to add, in index order"),
+        ("GAMMA", "norm index = x_norm slot written: l input norm of layer l, num_layers+l post-attention norm of a sequential layer l, 2*num_layers final norm"),
+    ),
+    Op.LM_HEAD: _GEMM,
+}
+
+
+def field_index(op: Op, name: str) -> int:
+    """Word index of an opcode-specific field."""
+    for i, (fname, _) in enumerate(OP_FIELDS[op]):
+        if fname == name:
+            return HEADER_WORDS + i
+    raise KeyError(f"{op.name} has no field {name}")
+
+
+for _op, _fields in OP_FIELDS.items():
+    assert HEADER_WORDS + len(_fields) <= TASK_WORDS, _op
+
+#: Fields that may hold a dynamic (DYN_FLAG) reference.
+DYN_CAPABLE = {
+    (Op.ATTN_DECODE, "NUM_SPLITS"),
+    (Op.ATTN_DRAIN, "QUEUE_LEN"),
+    (Op.ATTN_COMBINE, "NUM_SPLITS"),
+    (Op.MOE_UPGATE_DRAIN, "QUEUE_LEN"),
+    (Op.MOE_DOWN_DRAIN, "QUEUE_LEN"),
+}
+
+CLAIMERS = (Op.ATTN_DRAIN, Op.MOE_UPGATE_DRAIN, Op.MOE_DOWN_DRAIN)
+
+
+# --------------------------------------------------------------------------
+# Claimer queues: fixed-width records that expand to a full descriptor.
+# --------------------------------------------------------------------------
+QUEUE_RECORD_WORDS = 4
+
+
+class Queue(enum.IntEnum):
+    """Queue ids. The attention queue is shared by every full-attention layer
+    (host-written each step, one claim head per layer); MoE queues are per
+    layer (device-written by ROUTE_FINALIZE): queue slot = layer."""
+
+    ATTN = 0
+    MOE_UP = 1
+    MOE_DOWN = 2
+
+
+QUEUE_RECORDS: dict[Queue, tuple[tuple[str, str], ...]] = {
+    Queue.ATTN: (
+        ("ROW", "batch row"),
+        ("KV_HEAD", "kv head"),
+        ("SPLIT", "KV split index"),
+        ("NUM_SPLITS", "splits of this row"),
+    ),
+    Queue.MOE_UP: (
+        ("EXPERT", "expert id"),
+        ("N_TILE", "tile index over the interleaved gate/up rows"),
+        ("SLOT0", "first routed slot of the expert"),
+        ("ROWS", "routed rows of the expert"),
+    ),
+    Queue.MOE_DOWN: (
+        ("EXPERT", "expert id"),
+        ("N_TILE", "tile index over the hidden size"),
+        ("SLOT0", "first routed slot of the expert"),
+        ("ROWS", "routed rows of the expert"),
+    ),
+}
+
+
+def record_index(queue: Queue, name: str) -> int:
+    for i, (fname, _) in enumerate(QUEUE_RECORDS[queue]):
+        if fname == name:
+            return i
+    raise KeyError(f"queue {queue.name} record has no field {name}")
+
+
+# --------------------------------------------------------------------------
+# Target words: int32 buffer read through DYN_FLAG references.
+# Host region first (written before every launch), then the device region.
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetWords:
+    """Layout of the target-word buffer for one (batch, layers) geometry."""
+
+    max_rows: int
+    num_layers: int
+
+    # host region
+    @property
+    def attn_queue_len(self) -> int:
+        return 0
+
+    def attn_splits_full(self, row: int) -> int:
+        return 1 + row
+
+    def attn_splits_sliding(self, row: int) -> int:
+        return 1 + self.max_rows + row
+
+    @property
+    def host_words(self) -> int:
+        return 1 + 2 * self.max_rows
+
+    # device region (ROUTE_FINALIZE, one pair per layer)
+    def moe_up_count(self, layer: int) -> int:
+        return self.host_words + 2 * layer
+
+    def moe_down_count(self, layer: int) -> int:
+        return self.host_words + 2 * layer + 1
+
+    @property
+    def total(self) -> int:
+        return self.host_words + 2 * self.num_layers
+
+
+# --------------------------------------------------------------------------
+# Watchdog error record (int32 words); first writer wins.
+# --------------------------------------------------------------------------
+ERROR_FIELDS = (
+    ("VALID", "1 once a record is written"),
+    ("SM", "CTA / SM index"),
+    ("TASK", "task index in that SM's queue"),
+    ("OPCODE", "opcode of the waiting task"),
+    ("COUNTER", "counter index waited on (-1: a queue/mbarrier wait)"),
+    ("VALUE", "counter value seen last"),
+    ("TARGET", "target waited for"),
+    ("LAYER", "layer of the waiting task"),
+)
+ERROR_WORDS = len(ERROR_FIELDS)
+DEFAULT_WATCHDOG_NS = 2_000_000_000
+
+
+# --------------------------------------------------------------------------
+# KV layout
+# --------------------------------------------------------------------------
+KV_LAYOUT = {
+    "k_pool": "[num_blocks, block_size, kv_heads, head_dim] bf16 (one pool for all layers)",
+    "v_pool": "[num_blocks, block_size, kv_heads, head_dim] bf16",
+    "page_table": "[num_layers, max_rows, max_blocks_per_seq] int32, -1 = unmapped/released",
+    "seq_pos": "[max_rows] int32: tokens already cached = position of the current token",
+    "row_active": "[max_rows] int32: 0 rows compute but write nothing visible",
+}
+
+
+# --------------------------------------------------------------------------
+# Launch descriptor: every pointer and scalar the kernel reads, filled by name.
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DescField:
+    name: str
+    ctype: str  # "ptr", "i32", "f32", "u64"
+    doc: str
+
+
+_D = DescField
+LAUNCH_DESC: tuple[DescField, ...] = (
+    # schedule
+    _D("tasks", "ptr", "int32 [num_sms, max_tasks, 32] task words"),
+    _D("task_counts", "ptr", "int32 [num_sms] tasks per SM"),
+    _D("max_tasks", "i32", "row stride of tasks"),
+    _D("num_sms", "i32", "SMs the schedule was built for"),
+    _D("counters", "ptr", "uint32 [num_counters], zeroed each step"),
+    _D("num_counters", "i32", "counters in use"),
+    _D("targets", "ptr", "int32 target words (TargetWords)"),
+    _D("queue_heads", "ptr", "uint32 [3, num_layers] claim cursors, zeroed each step"),
+    _D("attn_queue", "ptr", "int32 [attn_queue_cap, 4] host-written attention records"),
+    _D("moe_up_queue", "ptr", "int32 [num_layers, moe_queue_cap, 4]"),
+    _D("moe_down_queue", "ptr", "int32 [num_layers, moe_queue_cap, 4]"),
+    _D("moe_queue_cap", "i32", "records per layer in each MoE queue (worst case)"),
+    _D("error", "ptr", "int32 [ERROR_WORDS] watchdog record"),
+    _D("abort_flag", "ptr", "uint32 polled by every wait"),
+    _D("watchdog_ns", "u64", "bound of every wait"),
+    # weights (layouts from the plan pass)
+    _D("w_embed", "ptr", "bf16 [vocab, hidden]; also the LM head when tied"),
+    _D("w_lm_head", "ptr", "bf16 [vocab, hidden]"),
+    _D("w_norm", "ptr", "bf16 [2*num_layers+1, hidden] norm gammas (GAMMA index)"),
+    _D("w_qkv", "ptr", "bf16 [num_layers, qkv_width, hidden]: Q rows, K rows, V rows"),
+    _D("w_o", "ptr", "bf16 [num_layers, hidden, q_width]"),
+    _D("w_upgate", "ptr", "bf16 [dense_layers, 2*dense_width, hidden], gate/up interleaved per tile"),
+    _D("w_down", "ptr", "bf16 [dense_layers, hidden, dense_width]"),
+    _D("w_router", "ptr", "bf16 [moe_layers, experts, hidden]"),
+    _D("w_moe_upgate", "ptr", "bf16 [moe_layers, experts, 2*expert_width, hidden], interleaved per tile"),
+    _D("w_moe_down", "ptr", "bf16 [moe_layers, experts, hidden, expert_width]"),
+    _D("layer_slot", "ptr", "int32 [num_layers]: index of the layer in its dense/moe weight stack"),
+    _D("rope_inv_freq", "ptr", "fp32 [head_dim/2]"),
+    # KV
+    _D("k_pool", "ptr", KV_LAYOUT["k_pool"]),
+    _D("v_pool", "ptr", KV_LAYOUT["v_pool"]),
+    _D("page_table", "ptr", KV_LAYOUT["page_table"]),
+    _D("seq_pos", "ptr", KV_LAYOUT["seq_pos"]),
+    _D("row_active", "ptr", KV_LAYOUT["row_active"]),
+    _D("kv_block_size", "i32", "tokens per KV block"),
+    _D("max_blocks_per_seq", "i32", "page table row length"),
+    # activations / scratch (sizes from the buffer plan)
+    _D("x_resid", "ptr", "fp32 [rows, hidden] residual stream"),
+    _D("x_norm", "ptr", "bf16 [2*num_layers+1, rows, hidden] normed activations, slot = GAMMA index"),
+    _D("q", "ptr", "bf16 [num_layers, rows, q_width]"),
+    _D("attn_o_part", "ptr", "fp32 [num_layers, rows, num_heads, max_splits, head_dim]"),
+    _D("attn_lse_part", "ptr", "fp32 [num_layers, rows, num_heads, max_splits]"),
+    _D("attn_out", "ptr", "bf16 [num_layers, rows, q_width]"),
+    _D("o_part", "ptr", "fp32 [num_layers, kv_heads, rows, hidden] O-proj split-K partials"),
+    _D("ffn_act", "ptr", "bf16 [num_layers, rows, dense_width]"),
+    _D("ffn_part", "ptr", "fp32 [num_layers, ffn_splits, rows, hidden]: dense down split-K partials, or the MoE combine in slot 0"),
+    _D("router_part", "ptr", "fp32 [num_layers, router_splits, rows, experts]"),
+    _D("topk_ids", "ptr", "int32 [num_layers, rows, top_k]"),
+    _D("topk_w", "ptr", "fp32 [num_layers, rows, top_k]"),
+    _D("route_slot", "ptr", "int32 [num_layers, rows, top_k]"),
+    _D("moe_x", "ptr", "bf16 [num_layers, rows*top_k, hidden]"),
+    _D("moe_act", "ptr", "bf16 [num_layers, rows*top_k, expert_width]"),
+    _D("moe_out", "ptr", "fp32 [num_layers, rows*top_k, hidden]"),
+    _D("logits", "ptr", "fp32 [rows, vocab]"),
+    _D("argmax_part", "ptr", "fp32x2 [rows, lm_tiles] (value, index)"),
+    # scalars
+    _D("rows", "i32", "batch rows of this schedule"),
+    _D("num_layers", "i32", ""),
+    _D("hidden", "i32", ""),
+    _D("num_heads", "i32", ""),
+    _D("kv_heads", "i32", ""),
+    _D("head_dim", "i32", ""),
+    _D("vocab", "i32", ""),
+    _D("top_k", "i32", ""),
+    _D("num_experts", "i32", ""),
+    _D("expert_width", "i32", ""),
+    _D("dense_width", "i32", ""),
+    _D("max_splits", "i32", "attention partial slots per (row, head)"),
+    _D("norm_eps", "f32", ""),
+    _D("attn_scale", "f32", "1/sqrt(head_dim)"),
+)
+DESC_NAMES = tuple(f.name for f in LAUNCH_DESC)
+assert len(set(DESC_NAMES)) == len(DESC_NAMES)
+
+
+def opcode_table() -> list[dict]:
+    """The opcode table as recorded in every manifest."""
+    out = []
+    for op in Op:
+        out.append(
+            {
+                "opcode": int(op),
+                "name": op.name,
+                "doc": OP_DOC[op],
+                "fields": {name: field_index(op, name) for name, _ in OP_FIELDS[op]},
+            }
+        )
+    return out
+
+
+def abi_summary() -> dict:
+    """Machine-readable ABI (manifest, docs, codegen)."""
+    return {
+        "version": ABI_VERSION,
+        "task_words": TASK_WORDS,
+        "header": {name: i for i, (name, _) in enumerate(HEADER_FIELDS)},
+        "no_counter": NO_COUNTER,
+        "dyn_flag": DYN_FLAG,
+        "flags": {f.name: int(f) for f in Flag if f.name and f != Flag.NONE},
+        "opcodes": opcode_table(),
+        "queues": {
+            q.name: {name: i for i, (name, _) in enumerate(QUEUE_RECORDS[q])} for q in Queue
+        },
+        "queue_record_words": QUEUE_RECORD_WORDS,
+        "error_record": [name for name, _ in ERROR_FIELDS],
+        "kv_layout": KV_LAYOUT,
+        "launch_descriptor": [(f.name, f.ctype) for f in LAUNCH_DESC],
+    }
+
+
+_CSIZE = {"ptr": 8, "u64": 8, "i32": 4, "f32": 4}
+
+
+def descriptor_offsets() -> dict:
+    """Byte offset of every launch-descriptor field (C alignment rules), so the
+    host can pack the struct by name without a compiler."""
+    off = 0
+    fields = {}
+    for f in LAUNCH_DESC:
+        size = _CSIZE[f.ctype]
+        off = (off + size - 1) // size * size
+        fields[f.name] = off
+        off += size
+    return {"fields": fields, "size": (off + 7) // 8 * 8}

@@ -1,0 +1,130 @@
+"""The `megac` command line.
+
+Every user mistake surfaces as a :class:`megac.errors.MegacError`: one line on
+stderr (``error: ...``) and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from megac.errors import MegacError
+
+ORDERS = ("tuned", "interleaved", "attention-first")
+
+
+class _Cli(click.Group):
+    """Turns MegacError (and a few expected OS errors) into one-line exit 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MegacError as err:
+            click.echo(f"error: {err.message}", err=True)
+            sys.exit(2)
+        except (FileNotFoundError, IsADirectoryError, PermissionError) as err:
+            click.echo(f"error: {err.filename or ''}: {err.strerror}", err=True)
+            sys.exit(2)
+
+
+def _progress(msg: str) -> None:
+    click.echo(f"[megac] {msg}", err=True)
+
+
+def _load(model: str, target: str | None):
+    from megac.spec import load_spec
+
+    overrides = {"gpu": target} if target else None
+    return load_spec(model, target_overrides=overrides)
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="megac")
+def main() -> None:
+    """megac: compile an LLM decode step into a persistent CUDA megakernel."""
+
+
+@main.command("compile")
+@click.argument("model")
+@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=None, help="Artifact directory (default: ./artifacts/<model name>).")
+@click.option("--order", type=click.Choice(ORDERS), default="tuned", show_default=True,
+              help="Wave order (schedules/<order>.yaml).")
+@click.option("--batch-size", "batch_sizes", type=click.IntRange(1, 64), multiple=True,
+              help="Batch size(s) to build schedules for (default: the target's).")
+@click.option("--target", type=click.Choice(["h100", "h200"]), default=None,
+              help="GPU target (default: the spec's).")
+@click.option("--dump-passes", is_flag=True, help="Print each pass with its wall time and summary.")
+def compile_cmd(model, out_dir, order, batch_sizes, target, dump_passes):
+    """Compile MODEL (bundled name, model.yaml or HF checkpoint dir) to an artifact."""
+    from megac.artifact import write_artifact
+    from megac.passes.pipeline import compile_schedules
+
+    t0 = time.perf_counter()
+    spec = _load(model, target)
+    _progress(f"loaded spec {spec.name}: {spec.num_layers} layers, hidden {spec.hidden_size}")
+    result = compile_schedules(spec, order=order, batch_sizes=list(batch_sizes) or None,
+                               progress=_progress)
+    out_dir = out_dir or Path("artifacts") / spec.name
+    manifest = write_artifact(out_dir, spec, result)
+    elapsed = time.perf_counter() - t0
+    if dump_passes:
+        for entry in result.pass_log:
+            click.echo(f"  {entry['pass']:<8} {entry['ms']:9.1f} ms  {entry.get('summary', '')}")
+    for key in manifest["schedules"]:
+        click.echo(
+            f"  batch {key['batch_size']:>2}  context <= {key['context']:>6}  "
+            f"{key['num_tasks']:>6} tasks  {key['num_counters']:>6} counters  "
+            f"max {key['max_tasks']} tasks/SM"
+        )
+    click.echo(f"wrote {out_dir}/manifest.json and schedule.npz "
+               f"({len(manifest['schedules'])} schedules) in {elapsed:.2f} s")
+
+
+@main.command("schedule")
+@click.argument("model")
+@click.option("--order", type=click.Choice(ORDERS), default="tuned", show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 64), default=1, show_default=True)
+@click.option("--context", type=click.IntRange(1), default=None,
+              help="Context length the schedule serves (default: 8192 or the model's limit).")
+@click.option("--target", type=click.Choice(["h100", "h200"]), default=None)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw the per-SM timeline under the cost model (.png or .svg).")
+def schedule_cmd(model, order, batch_size, context, target, as_json, plot):
+    """Show the schedule of MODEL: waves per layer kind, tasks per opcode and SM, critical path."""
+    from megac.passes.pipeline import compile_one
+    from megac.report import schedule_report, format_report
+
+    spec = _load(model, target)
+    if context is not None and context > spec.max_context:
+        raise MegacError(f"--context {context} exceeds the model's max_context {spec.max_context}")
+    ctx = context or min(8192, spec.max_context)
+    sched = compile_one(spec, order=order, rows=batch_size, context=ctx)
+    report = schedule_report(sched)
+    if plot is not None:
+        if plot.suffix.lower() not in (".png", ".svg"):
+            raise MegacError(f"--plot {plot}: use a .png or .svg file name")
+        from megac.costmodel import simulate
+        from megac.plot import plot_timeline
+
+        sim = simulate(sched)
+        plot_timeline(sim, plot)
+        report["predicted"] = sim.summary()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(format_report(report))
+        if plot is not None:
+            p = report["predicted"]
+            click.echo(f"cost model: predicted step {p['step_us']:.1f} us "
+                       f"({p['tokens_per_s']:.0f} tok/s at batch {batch_size}); timeline -> {plot}")
+
+
+if __name__ == "__main__":
+    main()

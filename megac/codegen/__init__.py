@@ -1,0 +1,1 @@
+"""Code generation from the Python sources of truth (Jinja templates in templates/)."""

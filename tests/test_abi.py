@@ -1,0 +1,91 @@
+"""The generated C++ header agrees with megac/abi.py, field by field."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from megac import abi
+from megac.codegen import abi_header
+
+
+def test_header_on_disk_is_current():
+    assert abi_header.HEADER_PATH.read_text() == abi_header.render(), (
+        "opcodes/generated/megac_abi.h is stale: run python -m megac.codegen.abi_header"
+    )
+
+
+def _parse(text: str) -> dict:
+    out: dict = {"ops": {}, "header": {}, "flags": {}, "fields": {}, "records": {}, "desc": []}
+    for name, val in re.findall(r"^\s*OP_(\w+) = (\d+),", text, re.M):
+        out["ops"][name] = int(val)
+    for name, val in re.findall(r"^\s*H_(\w+) = (\d+),", text, re.M):
+        out["header"][name] = int(val)
+    for name, val in re.findall(r"^\s*FLAG_(\w+) = (\d+),", text, re.M):
+        out["flags"][name] = int(val)
+    for ns, body in re.findall(r"namespace f_(\w+) \{(.*?)\}", text, re.S):
+        out["fields"][ns] = {n: int(v) for n, v in re.findall(r"constexpr int (\w+) = (\d+);", body)}
+    for ns, body in re.findall(r"namespace rec_(\w+) \{(.*?)\}", text, re.S):
+        out["records"][ns] = {n: int(v) for n, v in re.findall(r"constexpr int (\w+) = (\d+);", body)}
+    struct = re.search(r"struct LaunchDesc \{(.*?)\};", text, re.S).group(1)
+    out["desc"] = re.findall(r"^\s*(\w+) (\w+);", struct, re.M)
+    out["dyn_flag"] = int(re.search(r"DYN_FLAG = (0x[0-9A-F]+);", text).group(1), 16)
+    return out
+
+
+def test_header_parses_back_to_the_python_abi():
+    parsed = _parse(abi_header.render())
+    assert parsed["ops"] == {op.name: int(op) for op in abi.Op}
+    assert parsed["header"] == {name: i for i, (name, _) in enumerate(abi.HEADER_FIELDS)}
+    assert parsed["flags"] == {f.name: int(f) for f in abi.Flag if f != abi.Flag.NONE}
+    for op in abi.Op:
+        expected = {name: abi.field_index(op, name) for name, _ in abi.OP_FIELDS[op]}
+        assert parsed["fields"].get(op.name.lower(), {}) == expected, op.name
+    for q in abi.Queue:
+        expected = {name: i for i, (name, _) in enumerate(abi.QUEUE_RECORDS[q])}
+        assert parsed["records"][q.name.lower()] == expected
+    assert [n for _, n in parsed["desc"]] == list(abi.DESC_NAMES)
+    assert parsed["dyn_flag"] == abi.DYN_FLAG
+
+
+def test_abi_invariants():
+    assert abi.Op.NOP == 0 and len(abi.Op) == 17  # NOP + the 16 opcodes
+    assert len(abi.HEADER_FIELDS) == abi.HEADER_WORDS == 8
+    for op, fields in abi.OP_FIELDS.items():
+        assert abi.HEADER_WORDS + len(fields) <= abi.TASK_WORDS
+        names = [n for n, _ in fields]
+        assert len(set(names)) == len(names), op
+    for op, name in abi.DYN_CAPABLE:
+        abi.field_index(op, name)
+    w = abi.dyn(17)
+    assert abi.is_dyn(w) and abi.dyn_index(w) == 17 and not abi.is_dyn(17) and not abi.is_dyn(-1)
+    tw = abi.TargetWords(max_rows=8, num_layers=3)
+    words = [tw.attn_queue_len] + [tw.attn_splits_full(r) for r in range(8)]
+    words += [tw.attn_splits_sliding(r) for r in range(8)]
+    words += [f(l) for l in range(3) for f in (tw.moe_up_count, tw.moe_down_count)]
+    assert sorted(words) == list(range(tw.total))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_header_compiles_and_descriptor_layout_is_packed(tmp_path):
+    """The struct has no padding surprises: every field where Python thinks."""
+    src = tmp_path / "probe.cpp"
+    fields = "\n".join(
+        f'  std::printf("%s %zu\\n", "{f.name}", offsetof(megac::LaunchDesc, {f.name}));'
+        for f in abi.LAUNCH_DESC
+    )
+    src.write_text(
+        f'#include <cstddef>\n#include <cstdio>\n#include "{abi_header.HEADER_PATH}"\n'
+        f'int main() {{\n{fields}\n  std::printf("sizeof %zu\\n", sizeof(megac::LaunchDesc));\n}}\n'
+    )
+    exe = tmp_path / "probe"
+    subprocess.run(["g++", "-std=c++17", str(src), "-o", str(exe)], check=True)
+    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    got = dict(line.split() for line in lines if line)
+    offsets = abi.descriptor_offsets()
+    for name, off in offsets["fields"].items():
+        assert int(got[name]) == off, name
+    assert int(got["sizeof"]) == offsets["size"]
