@@ -1,0 +1,29 @@
+"""User-facing errors.
+
+A :class:`MegacError` carries ONE line that names the problem (and, where there
+is one, the file and field it comes from). The CLI prints ``error: <message>``
+and exits with status 2; it never prints a traceback for these.
+"""
+
+from __future__ import annotations
+
+
+class MegacError(Exception):
+    """An error the user can act on; ``str(err)`` is a single line."""
+
+    def __init__(self, message: str) -> None:
+        # Keep the promise of one line even if a caller passes a multi-line text.
+        message = " ".join(str(message).split("\n")).strip()
+        super().__init__(message)
+
+    @property
+    def message(self) -> str:
+        return self.args[0]
+
+
+class SpecError(MegacError):
+    """A model spec (model.yaml, bundled spec, HF config.json) is invalid or
+    outside the supported envelope."""
+
+
+__all__ = ["MegacError", "SpecError"]
