@@ -311,19 +311,38 @@ class TargetWords:
 
 
 # --------------------------------------------------------------------------
-# Watchdog error record (int32 words); first writer wins.
+# Watchdog status buffer: int32[STATUS_WORDS] per launch, zeroed by the host.
+# Every bounded wait polls the abort word; the first wait to time out claims
+# the record, writes and fences it, then raises the abort word to its kind.
 # --------------------------------------------------------------------------
+STATUS_WORDS = 16
+STATUS_ABORT = 0  # 0 running, else the ErrorKind of the first failure
+STATUS_CLAIM = 1  # atomicCAS 0 -> 1 by the CTA that writes the record
+STATUS_TIMEOUTS = 2  # waits that timed out on their own (not via abort)
+STATUS_DONE = 3  # 1 once the record is complete
+STATUS_RECORD = 8  # first word of the record
 ERROR_FIELDS = (
-    ("VALID", "1 once a record is written"),
-    ("SM", "CTA / SM index"),
-    ("TASK", "task index in that SM's queue"),
+    ("SM", "CTA index = which task list"),
+    ("TASK", "task index in that list"),
     ("OPCODE", "opcode of the waiting task"),
-    ("COUNTER", "counter index waited on (-1: a queue/mbarrier wait)"),
-    ("VALUE", "counter value seen last"),
+    ("COUNTER", "counter index waited on (ring slot for a pipeline stall)"),
+    ("VALUE", "value seen last"),
     ("TARGET", "target waited for"),
     ("LAYER", "layer of the waiting task"),
+    ("KIND", "ErrorKind"),
 )
 ERROR_WORDS = len(ERROR_FIELDS)
+assert STATUS_RECORD + ERROR_WORDS <= STATUS_WORDS
+
+
+class ErrorKind(enum.IntEnum):
+    NONE = 0
+    COUNTER_TIMEOUT = 1  # a counter never reached its target
+    MBARRIER_TIMEOUT = 2  # a shared-memory pipeline stage never completed
+    QUEUE_OVERFLOW = 3  # a claimer queue ran past its capacity
+    BAD_TASK = 4  # an opcode or field the kernel does not know
+
+
 DEFAULT_WATCHDOG_NS = 2_000_000_000
 
 
@@ -364,8 +383,7 @@ LAUNCH_DESC: tuple[DescField, ...] = (
     _D("moe_up_queue", "ptr", "int32 [num_layers, moe_queue_cap, 4]"),
     _D("moe_down_queue", "ptr", "int32 [num_layers, moe_queue_cap, 4]"),
     _D("moe_queue_cap", "i32", "records per layer in each MoE queue (worst case)"),
-    _D("error", "ptr", "int32 [ERROR_WORDS] watchdog record"),
-    _D("abort_flag", "ptr", "uint32 polled by every wait"),
+    _D("status", "ptr", "int32 [STATUS_WORDS] watchdog status: abort word + error record"),
     _D("watchdog_ns", "u64", "bound of every wait"),
     # weights (layouts from the plan pass)
     _D("w_embed", "ptr", "bf16 [vocab, hidden]; also the LM head when tied"),
@@ -456,7 +474,10 @@ def abi_summary() -> dict:
             q.name: {name: i for i, (name, _) in enumerate(QUEUE_RECORDS[q])} for q in Queue
         },
         "queue_record_words": QUEUE_RECORD_WORDS,
+        "status": {"words": STATUS_WORDS, "abort": STATUS_ABORT, "claim": STATUS_CLAIM,
+                   "timeouts": STATUS_TIMEOUTS, "done": STATUS_DONE, "record": STATUS_RECORD},
         "error_record": [name for name, _ in ERROR_FIELDS],
+        "error_kinds": {k.name: int(k) for k in ErrorKind},
         "kv_layout": KV_LAYOUT,
         "launch_descriptor": [(f.name, f.ctype) for f in LAUNCH_DESC],
     }

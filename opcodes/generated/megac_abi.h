@@ -194,16 +194,29 @@ constexpr int SLOT0 = 2;
 constexpr int ROWS = 3;
 }  // namespace rec_moe_down
 
-// Watchdog error record: word index of each field.
+// Watchdog status buffer (int32 words) and the error record inside it.
+constexpr int STATUS_WORDS = 16;
+constexpr int STATUS_ABORT = 0;
+constexpr int STATUS_CLAIM = 1;
+constexpr int STATUS_TIMEOUTS = 2;
+constexpr int STATUS_DONE = 3;
+constexpr int STATUS_RECORD = 8;
 enum ErrorField : int {
-  ERR_VALID = 0,
-  ERR_SM = 1,
-  ERR_TASK = 2,
-  ERR_OPCODE = 3,
-  ERR_COUNTER = 4,
-  ERR_VALUE = 5,
-  ERR_TARGET = 6,
-  ERR_LAYER = 7,
+  ERR_SM = 0,
+  ERR_TASK = 1,
+  ERR_OPCODE = 2,
+  ERR_COUNTER = 3,
+  ERR_VALUE = 4,
+  ERR_TARGET = 5,
+  ERR_LAYER = 6,
+  ERR_KIND = 7,
+};
+enum ErrorKindCode : int32_t {
+  ERRKIND_NONE = 0,
+  ERRKIND_COUNTER_TIMEOUT = 1,
+  ERRKIND_MBARRIER_TIMEOUT = 2,
+  ERRKIND_QUEUE_OVERFLOW = 3,
+  ERRKIND_BAD_TASK = 4,
 };
 
 // Launch descriptor: every pointer and scalar the kernel reads. Filled by name
@@ -221,8 +234,7 @@ struct LaunchDesc {
   uint64_t moe_up_queue;  // int32 [num_layers, moe_queue_cap, 4]
   uint64_t moe_down_queue;  // int32 [num_layers, moe_queue_cap, 4]
   int32_t moe_queue_cap;  // records per layer in each MoE queue (worst case)
-  uint64_t error;  // int32 [ERROR_WORDS] watchdog record
-  uint64_t abort_flag;  // uint32 polled by every wait
+  uint64_t status;  // int32 [STATUS_WORDS] watchdog status: abort word + error record
   uint64_t watchdog_ns;  // bound of every wait
   uint64_t w_embed;  // bf16 [vocab, hidden]; also the LM head when tied
   uint64_t w_lm_head;  // bf16 [vocab, hidden]

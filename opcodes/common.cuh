@@ -1,0 +1,184 @@
+// Shared device helpers for every opcode header: wide non-caching loads, the
+// global timer, and the watchdog / error-record protocol that every bounded
+// wait in the megakernel reports through.
+//
+// Header-only, no host code, no model constants.
+#pragma once
+
+#include <cstdint>
+
+#include "generated/megac_abi.h"
+
+namespace megac {
+
+// ---------------------------------------------------------------------------
+// Loads
+// ---------------------------------------------------------------------------
+
+// Weights and KV are read exactly once per step: keep them out of L1 so they
+// do not evict activations, and read through the non-coherent path, which is
+// legal because nothing writes them during a launch.
+__device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Same, asking L2 to fetch the whole 256-byte sector group: fewer DRAM
+// requests when a warp streams a contiguous range.
+__device__ __forceinline__ uint4 ld_stream_u4_l2_256(const void* p) {
+  uint4 v;
+  asm volatile(
+      "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// Data that another CTA of this launch wrote (activations): must not come
+// from the non-coherent path, and a plain 16-byte load is enough once the
+// counter wait has acquired.
+__device__ __forceinline__ uint4 ld_u4(const void* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ void st_u4(void* p, uint4 v) {
+  *reinterpret_cast<uint4*>(p) = v;
+}
+
+// Relaxed gpu-scope load: sees other SMs' writes without ordering anything
+// else. Used for polling flags whose value alone is the message.
+__device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Acquire gpu-scope load: every read after it in this thread (and, through a
+// CTA barrier, in the threads it synchronises with) sees what the releasing
+// writer made visible before its release.
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// ---------------------------------------------------------------------------
+// Time
+// ---------------------------------------------------------------------------
+
+// Nanoseconds, common to all SMs, but it ticks coarsely (its update period is
+// chip dependent, up to 1 us): good for watchdogs and long intervals, not for
+// sub-microsecond latencies (use clock64 on one SM for those).
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t smid() {
+  uint32_t s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Watchdog and error record
+// ---------------------------------------------------------------------------
+//
+// Every launch gets one int32[kStatusWords] status buffer, zeroed by the host.
+// Layout (defined once in megac/abi.py, rendered into generated/megac_abi.h):
+//   [0]      abort flag: 0 = running, else the kind of the first error.
+//            Every CTA polls it inside every wait and leaves when it is set.
+//   [1]      record claim (atomicCAS 0 -> 1): the first CTA to fail writes the
+//            record, later failures only count themselves.
+//   [2]      number of waits that timed out on their own (not via abort).
+//   [3]      record complete (1 once words 8..15 are written and fenced).
+//   [8..15]  the record: sm (blockIdx.x, i.e. which task list), task index,
+//            opcode, counter index, value seen, target, layer, kind.
+constexpr int kStatusWords = STATUS_WORDS;
+constexpr int kStatusAbort = STATUS_ABORT;
+constexpr int kStatusClaim = STATUS_CLAIM;
+constexpr int kStatusTimeouts = STATUS_TIMEOUTS;
+constexpr int kStatusDone = STATUS_DONE;
+constexpr int kStatusRecord = STATUS_RECORD;
+
+enum ErrorKind : int32_t {
+  kErrNone = ERRKIND_NONE,
+  kErrCounterTimeout = ERRKIND_COUNTER_TIMEOUT,
+  kErrMbarrierTimeout = ERRKIND_MBARRIER_TIMEOUT,
+  kErrQueueOverflow = ERRKIND_QUEUE_OVERFLOW,
+  kErrBadTask = ERRKIND_BAD_TASK,
+};
+
+// Default watchdog: long enough that no legitimate wait in a decode step
+// (1-2 ms) comes near it, short enough that a hang costs seconds.
+constexpr uint64_t kDefaultWatchdogNs = DEFAULT_WATCHDOG_NS;
+
+// Who is waiting: copied into the error record when a wait gives up.
+struct WaitSite {
+  int32_t* status;      // the launch's status buffer (may be null: no watchdog record)
+  uint64_t timeout_ns;  // 0 means kDefaultWatchdogNs
+  int32_t task;         // index of the task in this CTA's list
+  int32_t opcode;
+  int32_t layer;
+};
+
+__device__ __forceinline__ bool abort_raised(const int32_t* status) {
+  return status != nullptr &&
+         ld_relaxed_gpu(reinterpret_cast<const uint32_t*>(status + kStatusAbort)) != 0;
+}
+
+// Records the first failure of the launch and raises the abort flag. The
+// record is written and fenced before the flag goes up, so a host that sees
+// the flag after the kernel ends always finds a complete record.
+__device__ __noinline__ void report_error(int32_t* status, int32_t task,
+                                          int32_t opcode, int32_t counter,
+                                          int32_t seen, int32_t target,
+                                          int32_t layer, int32_t kind) {
+  if (status == nullptr) return;
+  atomicAdd(status + kStatusTimeouts, 1);
+  if (atomicCAS(status + kStatusClaim, 0, 1) == 0) {
+    int32_t* r = status + kStatusRecord;
+    r[0] = static_cast<int32_t>(blockIdx.x);
+    r[1] = task;
+    r[2] = opcode;
+    r[3] = counter;
+    r[4] = seen;
+    r[5] = target;
+    r[6] = layer;
+    r[7] = kind;
+    __threadfence();
+    atomicExch(status + kStatusDone, 1);
+  }
+  __threadfence();
+  atomicCAS(status + kStatusAbort, 0, kind);
+}
+
+// Bookkeeping for one bounded spin: the timer is read only after a few
+// failed polls, so a wait that succeeds at once costs no timer read.
+struct SpinBound {
+  uint64_t deadline = 0;
+  uint32_t polls = 0;
+  bool expired = false;  // our own deadline passed (vs. someone else's abort)
+
+  // True while the caller may keep spinning. Checks the abort flag every
+  // call and the clock every 16 calls.
+  __device__ __forceinline__ bool keep_going(const WaitSite& site) {
+    if (abort_raised(site.status)) return false;
+    if ((++polls & 15u) == 0u) {
+      const uint64_t now = globaltimer_ns();
+      if (deadline == 0) {
+        deadline = now + (site.timeout_ns ? site.timeout_ns : kDefaultWatchdogNs);
+      } else if (now > deadline) {
+        expired = true;
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+}  // namespace megac
