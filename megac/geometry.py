@@ -1,0 +1,354 @@
+"""Geometry: every size one schedule needs, for one (spec, batch rows, context bucket).
+
+Interface (stable; ``megac.access``, the passes and the verifier read it)::
+
+    geo = Geometry.from_spec(spec, rows, context, **tile_overrides)
+
+``context`` is the bucket's UPPER bound (a row's length, current token
+included, never exceeds it). ``tile_overrides`` may set any of the tile
+fields below (tests use it); values are clamped to the dimensions.
+
+Model dimensions
+    spec_name, block ("parallel"|"sequential"), rows, context, num_sms,
+    num_layers, hidden, num_heads, kv_heads, head_dim, heads_per_kv, q_width,
+    kv_width, qkv_width, vocab, dense_width (0: no dense layer), experts,
+    top_k, expert_width (0: no MoE layer), norm_slots (= 2*num_layers + 1,
+    the x_norm slots: GAMMA index).
+
+Tiles (one task = one tile)
+    o_proj_bn      N tile of the O projection (split-K = kv_heads, split s =
+                   the K range of KV head s's query heads)
+    upgate_bn      rows of interleaved gate/up weights per dense tile
+                   (upgate_bn/2 gate rows then upgate_bn/2 up rows ->
+                   upgate_bn/2 hidden columns)
+    down_bn, ffn_splits   dense down: N tile, split-K count (split boundaries
+                   are aligned to upgate column tiles: ``ffn_split_bounds``)
+    router_bn, router_splits   router GEMM: N tile over experts, split-K count
+                   (``router_split_bounds``)
+    moe_up_bn, moe_down_bn     expert tiles (interleaved gate/up rows; hidden)
+    up_tiles, down_tiles       tiles per active expert
+    lm_bn, lm_tiles            LM head vocab tile
+
+Attention splits
+    attn_split_tokens, attn_max_splits (from the target)
+    attn_splits(span)          = min(attn_max_splits, max(1, ceil(span / attn_split_tokens)))
+    sliding_static_splits      = attn_splits(min(context, max sliding window)),
+                                 static ATTN_DECODE tasks per (row, kv head) of a
+                                 sliding layer (0 when there is no sliding layer)
+    max_splits                 partial slots per (row, head) =
+                                 max(attn_splits(context), sliding_static_splits)
+    split_signature            what distinguishes the task words of two buckets
+
+Queues
+    attn_queue_cap = rows * kv_heads * attn_max_splits
+    moe_queue_cap  = min(experts, rows*top_k) * max(up_tiles, down_tiles)
+    target_words   = abi.TargetWords(rows, num_layers)
+    dyn_bound(word) the largest value target word ``word`` can hold this step
+
+Per layer (tuples indexed by layer)
+    sliding, window (0 for full), rope, ffn ("dense"|"moe"), layer_slot
+    (index in the dense or the MoE weight stack); and the index lists
+    dense_layers, moe_layers, full_layers, sliding_layers.
+    ``norm_input_slot(l)``: the x_norm slot FFN inputs of layer l read
+    (l for parallel blocks, L + l for sequential ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from functools import cached_property
+
+from megac import abi
+
+#: Default tile sizes (clamped to the model's dimensions by ``from_spec``).
+DEFAULT_TILES = {
+    "o_proj_bn": 64,
+    "upgate_bn": 128,
+    "down_bn": 64,
+    "ffn_splits": 2,
+    "router_bn": 128,
+    "router_splits": 4,
+    "moe_up_bn": 128,
+    "moe_down_bn": 128,
+    "lm_bn": 256,
+}
+
+#: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
+K_ALIGN = 8
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _even_bounds(total: int, parts: int, align: int) -> tuple[int, ...]:
+    """``parts + 1`` boundaries splitting ``[0, total)`` into near-equal,
+    ``align``-aligned, non-empty ranges (fewer parts if ``total`` is small)."""
+    units = _ceil_div(total, align)
+    parts = max(1, min(parts, units))
+    bounds = [min(total, (units * i // parts) * align) for i in range(parts)] + [total]
+    return tuple(bounds)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    spec_name: str
+    block: str
+    rows: int
+    context: int
+    num_sms: int
+    # model
+    num_layers: int
+    hidden: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    heads_per_kv: int
+    q_width: int
+    kv_width: int
+    qkv_width: int
+    vocab: int
+    dense_width: int
+    experts: int
+    top_k: int
+    expert_width: int
+    # tiles
+    o_proj_bn: int
+    upgate_bn: int
+    down_bn: int
+    ffn_splits: int
+    ffn_split_bounds: tuple[int, ...]
+    router_bn: int
+    router_splits: int
+    router_split_bounds: tuple[int, ...]
+    moe_up_bn: int
+    moe_down_bn: int
+    lm_bn: int
+    # attention policy
+    attn_split_tokens: int
+    attn_max_splits: int
+    # per layer
+    sliding: tuple[bool, ...]
+    window: tuple[int, ...]
+    rope: tuple[bool, ...]
+    ffn: tuple[str, ...]
+    layer_slot: tuple[int, ...]
+    rope_half: bool = False
+    router_softmax: bool = False
+    router_renormalize: bool = False
+
+    # ------------------------------------------------------------- builders
+    @classmethod
+    def from_spec(cls, spec, rows: int, context: int, **tile_overrides) -> "Geometry":
+        unknown = set(tile_overrides) - set(DEFAULT_TILES)
+        if unknown:
+            raise ValueError(f"unknown tile override(s): {sorted(unknown)}")
+        t = {**DEFAULT_TILES, **tile_overrides}
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1 (got {rows})")
+        if context < 1:
+            raise ValueError(f"context must be >= 1 (got {context})")
+        hidden = spec.hidden_size
+        dense_width = spec.dense_intermediate_size or 0
+        moe = spec.moe
+        experts = moe.num_experts if moe else 0
+        expert_width = moe.expert_intermediate_size if moe else 0
+        layers = spec.layers
+
+        # Clamp tiles to the dims they tile (a tile never exceeds its dim).
+        o_proj_bn = min(t["o_proj_bn"], hidden)
+        upgate_bn = min(t["upgate_bn"], 2 * dense_width) if dense_width else t["upgate_bn"]
+        upgate_bn -= upgate_bn % 2  # gate half + up half
+        down_bn = min(t["down_bn"], hidden)
+        router_bn = min(t["router_bn"], experts) if experts else t["router_bn"]
+        moe_up_bn = min(t["moe_up_bn"], 2 * expert_width) if experts else t["moe_up_bn"]
+        moe_up_bn -= moe_up_bn % 2
+        moe_down_bn = min(t["moe_down_bn"], hidden)
+        lm_bn = min(t["lm_bn"], spec.vocab_size)
+
+        # Dense down split-K boundaries on upgate column-tile boundaries, so a
+        # split waits only for the upgate tiles that produce its K range.
+        if dense_width:
+            half = upgate_bn // 2
+            col_tiles = _ceil_div(dense_width, half)
+            tb = _even_bounds(col_tiles, t["ffn_splits"], 1)
+            ffn_bounds = tuple(min(dense_width, b * half) for b in tb)
+        else:
+            ffn_bounds = (0, 0)
+        router_bounds = _even_bounds(hidden, t["router_splits"], K_ALIGN) if experts else (0, 0)
+
+        slots, nd, nm = [], 0, 0
+        for layer in layers:
+            if layer.ffn == "dense":
+                slots.append(nd)
+                nd += 1
+            else:
+                slots.append(nm)
+                nm += 1
+
+        target = spec.target
+        return cls(
+            spec_name=spec.name,
+            block=spec.block,
+            rows=rows,
+            context=context,
+            num_sms=target.num_sms,
+            num_layers=spec.num_layers,
+            hidden=hidden,
+            num_heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            heads_per_kv=spec.num_heads // spec.num_kv_heads,
+            q_width=spec.q_width,
+            kv_width=spec.num_kv_heads * spec.head_dim,
+            qkv_width=spec.q_width + 2 * spec.num_kv_heads * spec.head_dim,
+            vocab=spec.vocab_size,
+            dense_width=dense_width,
+            experts=experts,
+            top_k=moe.top_k if moe else 0,
+            expert_width=expert_width,
+            o_proj_bn=o_proj_bn,
+            upgate_bn=upgate_bn,
+            down_bn=down_bn,
+            ffn_splits=len(ffn_bounds) - 1,
+            ffn_split_bounds=ffn_bounds,
+            router_bn=router_bn,
+            router_splits=len(router_bounds) - 1,
+            router_split_bounds=router_bounds,
+            moe_up_bn=moe_up_bn,
+            moe_down_bn=moe_down_bn,
+            lm_bn=lm_bn,
+            attn_split_tokens=target.attn_split_tokens,
+            attn_max_splits=target.attn_max_splits,
+            sliding=tuple(l.attention == "sliding" for l in layers),
+            window=tuple(l.window or 0 for l in layers),
+            rope=tuple(bool(l.rope) for l in layers),
+            ffn=tuple(l.ffn for l in layers),
+            layer_slot=tuple(slots),
+            rope_half=spec.rope_style == "half",
+            router_softmax=bool(moe and moe.router == "softmax"),
+            router_renormalize=bool(moe and moe.renormalize),
+        )
+
+    def with_context(self, context: int) -> "Geometry":
+        return replace(self, context=context)
+
+    # ------------------------------------------------------------ attention
+    def attn_splits(self, span_tokens: int) -> int:
+        """Splits of a row whose attention spans ``span_tokens`` keys. Depends
+        only on that row (batch invariance)."""
+        return min(self.attn_max_splits, max(1, _ceil_div(span_tokens, self.attn_split_tokens)))
+
+    @cached_property
+    def max_window(self) -> int:
+        return max((w for w, s in zip(self.window, self.sliding) if s), default=0)
+
+    @cached_property
+    def sliding_static_splits(self) -> int:
+        if not any(self.sliding):
+            return 0
+        return self.attn_splits(min(self.context, self.max_window))
+
+    @cached_property
+    def full_max_splits(self) -> int:
+        return self.attn_splits(self.context)
+
+    @cached_property
+    def max_splits(self) -> int:
+        return max(self.full_max_splits, self.sliding_static_splits)
+
+    @cached_property
+    def split_signature(self) -> tuple:
+        """Two buckets with the same signature compile to the same task words
+        (``max_splits`` only sizes a buffer: take the largest bucket's)."""
+        return (self.sliding_static_splits,)
+
+    @cached_property
+    def attn_queue_cap(self) -> int:
+        return self.rows * self.kv_heads * self.attn_max_splits
+
+    # ------------------------------------------------------------------ FFN
+    @cached_property
+    def upgate_col_tiles(self) -> int:
+        return _ceil_div(self.dense_width, self.upgate_bn // 2) if self.dense_width else 0
+
+    @cached_property
+    def up_tiles(self) -> int:
+        return _ceil_div(2 * self.expert_width, self.moe_up_bn) if self.experts else 0
+
+    @cached_property
+    def down_tiles(self) -> int:
+        return _ceil_div(self.hidden, self.moe_down_bn) if self.experts else 0
+
+    @cached_property
+    def moe_queue_cap(self) -> int:
+        if not self.experts:
+            return 0
+        return min(self.experts, self.rows * self.top_k) * max(self.up_tiles, self.down_tiles)
+
+    @cached_property
+    def lm_tiles(self) -> int:
+        return _ceil_div(self.vocab, self.lm_bn)
+
+    # --------------------------------------------------------------- layers
+    @cached_property
+    def norm_slots(self) -> int:
+        return 2 * self.num_layers + 1
+
+    @cached_property
+    def final_norm_slot(self) -> int:
+        return 2 * self.num_layers
+
+    def norm_input_slot(self, layer: int) -> int:
+        """x_norm slot the FFN (and router, gather) of ``layer`` read."""
+        return layer if self.block == "parallel" else self.num_layers + layer
+
+    @cached_property
+    def dense_layers(self) -> list[int]:
+        return [i for i, f in enumerate(self.ffn) if f == "dense"]
+
+    @cached_property
+    def moe_layers(self) -> list[int]:
+        return [i for i, f in enumerate(self.ffn) if f == "moe"]
+
+    @cached_property
+    def full_layers(self) -> list[int]:
+        return [i for i, s in enumerate(self.sliding) if not s]
+
+    @cached_property
+    def sliding_layers(self) -> list[int]:
+        return [i for i, s in enumerate(self.sliding) if s]
+
+    # --------------------------------------------------------- target words
+    @cached_property
+    def target_words(self) -> abi.TargetWords:
+        return abi.TargetWords(self.rows, self.num_layers)
+
+    def dyn_bound(self, word: int) -> int:
+        """Upper bound of the value target word ``word`` holds in a step."""
+        tw = self.target_words
+        if word == tw.attn_queue_len:
+            return self.attn_queue_cap
+        if 1 <= word < 1 + self.rows:
+            return self.full_max_splits
+        if 1 + self.rows <= word < tw.host_words:
+            return self.sliding_static_splits
+        if tw.host_words <= word < tw.total:
+            return self.moe_queue_cap
+        raise ValueError(f"target word {word} outside the layout (0..{tw.total - 1})")
+
+    def summary(self) -> dict:
+        """Plain-data view (manifest, dumps)."""
+        out = {}
+        for f in fields(self):
+            if f.name.startswith("_"):
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        for name in ("sliding_static_splits", "max_splits", "attn_queue_cap", "up_tiles",
+                     "down_tiles", "moe_queue_cap", "lm_tiles", "upgate_col_tiles"):
+            out[name] = getattr(self, name)
+        return out
+
+
+__all__ = ["DEFAULT_TILES", "Geometry", "K_ALIGN"]

@@ -1,0 +1,206 @@
+"""Decode graph IR: one networkx node per op of one decode step.
+
+Interface (stable)::
+
+    g = build_graph(spec)            # nx.DiGraph
+
+Nodes, in program order (``g.graph["order"]``, a topological order):
+
+* per layer ``l``: ``L{l}.qkv``, ``L{l}.attn``, ``L{l}.attn_combine``,
+  ``L{l}.o_proj``; a dense FFN: ``L{l}.ffn_upgate``, ``L{l}.ffn_down``;
+  a MoE FFN: ``L{l}.router``, ``.topk``, ``.route_finalize``, ``.moe_gather``,
+  ``.moe_upgate``, ``.moe_down``, ``.moe_combine``; sequential blocks
+  (Llama) also ``L{l}.norm_attn`` (post-attention residual add + norm);
+  every layer ``L{l}.norm`` (residual add + the next norm);
+* then ``lm_head``.
+
+Node attributes: ``kind`` (the suffix: ``"qkv"``, ..., ``"lm_head"``),
+``layer`` (``num_layers`` for the LM head), ``reads`` / ``writes`` (tensor
+names), ``weights`` (weight tensor names read).
+
+Graph attributes: ``tensors`` = ``{name: Tensor}``, ``order`` (node names),
+``spec_name``, ``num_layers``, ``block``.
+
+Edges ``producer -> consumer`` carry ``tensor`` (the name that flows). The
+residual stream ``x_resid`` is one tensor rewritten by every norm of a row's
+chain; its edges go from the latest writer.
+
+Tensors are typed: ``weight`` (immutable), ``activation`` (normed inputs,
+residual), ``kv`` (the KV cache), ``scratch`` (per-layer intermediates).
+Shapes may contain the symbol ``"rows"`` (the batch size is a schedule key,
+not a property of the model).
+
+Parallel block (Cohere2): attention and FFN both read ``x_norm[l]``; ``norm``
+adds both. Sequential block (Llama): attention -> ``norm_attn`` (writes
+``x_norm[L+l]``) -> FFN -> ``norm``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+#: Node kinds of one layer in program order (a valid topological order).
+PARALLEL_DENSE = ("qkv", "attn", "attn_combine", "o_proj", "ffn_upgate", "ffn_down", "norm")
+PARALLEL_MOE = ("qkv", "attn", "attn_combine", "o_proj", "router", "topk", "route_finalize",
+                "moe_gather", "moe_upgate", "moe_down", "moe_combine", "norm")
+SEQUENTIAL_DENSE = ("qkv", "attn", "attn_combine", "o_proj", "norm_attn", "ffn_upgate", "ffn_down", "norm")
+SEQUENTIAL_MOE = ("qkv", "attn", "attn_combine", "o_proj", "norm_attn", "router", "topk",
+                  "route_finalize", "moe_gather", "moe_upgate", "moe_down", "moe_combine", "norm")
+
+#: Every node kind (the wave names a schedule YAML may use).
+NODE_KINDS = tuple(dict.fromkeys(PARALLEL_MOE + SEQUENTIAL_DENSE + ("lm_head",)))
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    kind: str  # weight | activation | kv | scratch
+    shape: tuple
+    dtype: str
+
+
+def layer_kind(block: str, ffn: str) -> str:
+    """Layer kind name used by schedules/*.yaml: dense, moe, sequential_dense, sequential_moe."""
+    return ffn if block == "parallel" else f"sequential_{ffn}"
+
+
+def layer_node_kinds(block: str, ffn: str) -> tuple[str, ...]:
+    return {
+        ("parallel", "dense"): PARALLEL_DENSE,
+        ("parallel", "moe"): PARALLEL_MOE,
+        ("sequential", "dense"): SEQUENTIAL_DENSE,
+        ("sequential", "moe"): SEQUENTIAL_MOE,
+    }[(block, ffn)]
+
+
+def node_name(layer: int | None, kind: str) -> str:
+    return kind if layer is None else f"L{layer}.{kind}"
+
+
+def build_graph(spec) -> nx.DiGraph:
+    L = spec.num_layers
+    D = spec.hidden_size
+    R = "rows"
+    moe = spec.moe
+    g = nx.DiGraph(spec_name=spec.name, num_layers=L, block=spec.block)
+    tensors: dict[str, Tensor] = {}
+    order: list[str] = []
+    last_writer: dict[str, str] = {}
+
+    def tensor(name, kind, shape, dtype):
+        tensors.setdefault(name, Tensor(name, kind, tuple(shape), dtype))
+        return name
+
+    def add(name, kind, layer, reads, writes, weights=()):
+        g.add_node(name, kind=kind, layer=layer, reads=list(reads), writes=list(writes), weights=list(weights))
+        order.append(name)
+        for t in reads:
+            src = last_writer.get(t)
+            if src is not None:
+                if g.has_edge(src, name):
+                    g.edges[src, name]["tensors"].append(t)
+                else:
+                    g.add_edge(src, name, tensor=t, tensors=[t])
+        for t in writes:
+            last_writer[t] = name
+
+    tensor("x_resid", "activation", (R, D), "fp32")
+    tensor("x_norm[0]", "activation", (R, D), "bf16")
+    tensor("kv_cache", "kv", ("blocks", "block_size", spec.num_kv_heads, spec.head_dim), "bf16")
+    seq = spec.block == "sequential"
+    for l, layer in enumerate(spec.layers):
+        p = f"L{l}."
+        x_in = f"x_norm[{l}]"
+        w = lambda n: tensor(f"{n}[{l}]", "weight", _weight_shape(spec, n), "bf16")  # noqa: E731
+        q = tensor(f"q[{l}]", "scratch", (R, spec.q_width), "bf16")
+        kv = tensor(f"kv_new[{l}]", "kv", (R, 2 * spec.kv_width), "bf16")
+        part = tensor(f"attn_part[{l}]", "scratch", (R, spec.num_heads, "splits", spec.head_dim + 1), "fp32")
+        aout = tensor(f"attn_out[{l}]", "scratch", (R, spec.q_width), "bf16")
+        opart = tensor(f"o_part[{l}]", "scratch", (spec.num_kv_heads, R, D), "fp32")
+        add(p + "qkv", "qkv", l, [x_in], [q, kv], [w("w_qkv")])
+        add(p + "attn", "attn", l, [q, kv, "kv_cache"], [part])
+        add(p + "attn_combine", "attn_combine", l, [part], [aout])
+        add(p + "o_proj", "o_proj", l, [aout], [opart], [w("w_o")])
+        ffn_in = x_in
+        if seq:
+            ffn_in = tensor(f"x_norm[{L + l}]", "activation", (R, D), "bf16")
+            add(p + "norm_attn", "norm_attn", l, ["x_resid", opart], ["x_resid", ffn_in], [w("w_norm_attn")])
+        if layer.ffn == "dense":
+            F = spec.dense_intermediate_size
+            act = tensor(f"ffn_act[{l}]", "scratch", (R, F), "bf16")
+            fpart = tensor(f"ffn_part[{l}]", "scratch", ("ffn_splits", R, D), "fp32")
+            add(p + "ffn_upgate", "ffn_upgate", l, [ffn_in], [act], [w("w_upgate")])
+            add(p + "ffn_down", "ffn_down", l, [act], [fpart], [w("w_down")])
+        else:
+            E, K, F = moe.num_experts, moe.top_k, moe.expert_intermediate_size
+            rpart = tensor(f"router_part[{l}]", "scratch", ("router_splits", R, E), "fp32")
+            topk = tensor(f"topk[{l}]", "scratch", (R, K), "int32+fp32")
+            route = tensor(f"route[{l}]", "scratch", ("route_slot+queues+counts",), "int32")
+            mx = tensor(f"moe_x[{l}]", "scratch", (E, R, K, D), "bf16")
+            ma = tensor(f"moe_act[{l}]", "scratch", (E, R, K, F), "bf16")
+            mo = tensor(f"moe_out[{l}]", "scratch", (E, R, K, D), "fp32")
+            fpart = tensor(f"ffn_part[{l}]", "scratch", (1, R, D), "fp32")
+            add(p + "router", "router", l, [ffn_in], [rpart], [w("w_router")])
+            add(p + "topk", "topk", l, [rpart], [topk])
+            add(p + "route_finalize", "route_finalize", l, [topk], [route])
+            add(p + "moe_gather", "moe_gather", l, [ffn_in, route], [mx])
+            add(p + "moe_upgate", "moe_upgate", l, [mx, route], [ma], [w("w_moe_upgate")])
+            add(p + "moe_down", "moe_down", l, [ma, route], [mo], [w("w_moe_down")])
+            add(p + "moe_combine", "moe_combine", l, [mo, topk, route], [fpart])
+        x_next = tensor(f"x_norm[{2 * L if l == L - 1 else l + 1}]", "activation", (R, D), "bf16")
+        reads = ["x_resid", fpart] if seq else ["x_resid", opart, fpart]
+        add(p + "norm", "norm", l, reads, ["x_resid", x_next], [w("w_norm")])
+    tensor("w_lm_head", "weight", (spec.vocab_size, D), "bf16")
+    logits = tensor("logits", "scratch", (R, spec.vocab_size), "fp32")
+    add("lm_head", "lm_head", L, [f"x_norm[{2 * L}]"], [logits], ["w_lm_head"])
+    g.graph["tensors"] = tensors
+    g.graph["order"] = order
+    return g
+
+
+def _weight_shape(spec, name: str) -> tuple:
+    D = spec.hidden_size
+    if name == "w_qkv":
+        return (spec.qkv_width, D)
+    if name == "w_o":
+        return (D, spec.q_width)
+    if name == "w_upgate":
+        return (2 * spec.dense_intermediate_size, D)
+    if name == "w_down":
+        return (D, spec.dense_intermediate_size)
+    if name == "w_router":
+        return (spec.moe.num_experts, D)
+    if name == "w_moe_upgate":
+        return (spec.moe.num_experts, 2 * spec.moe.expert_intermediate_size, D)
+    if name == "w_moe_down":
+        return (spec.moe.num_experts, D, spec.moe.expert_intermediate_size)
+    if name in ("w_norm", "w_norm_attn"):
+        return (D,)
+    raise KeyError(name)
+
+
+def check_graph(g: nx.DiGraph) -> None:
+    """Structural invariants (tests call it; passes rely on it)."""
+    assert nx.is_directed_acyclic_graph(g), "decode graph has a cycle"
+    order = g.graph["order"]
+    pos = {n: i for i, n in enumerate(order)}
+    assert set(order) == set(g.nodes), "order does not list every node"
+    for u, v in g.edges:
+        assert pos[u] < pos[v], f"edge {u} -> {v} goes backwards in program order"
+    tensors = g.graph["tensors"]
+    for n, d in g.nodes(data=True):
+        for t in d["reads"] + d["writes"] + d["weights"]:
+            assert t in tensors, f"{n}: unknown tensor {t}"
+
+
+__all__ = [
+    "NODE_KINDS",
+    "Tensor",
+    "build_graph",
+    "check_graph",
+    "layer_kind",
+    "layer_node_kinds",
+    "node_name",
+]

@@ -1,0 +1,232 @@
+"""Pass ``order``: wave order per layer kind (``schedules/<order>.yaml``) -> global task list.
+
+A schedule YAML gives, per layer kind (``dense``, ``moe``,
+``sequential_dense``, ``sequential_moe``), the waves of one layer in order,
+and the ``final`` waves after the last layer. A wave is a node kind
+(``qkv``, ``attn``, ...) or ``{interleave: [a, b]}``: the tasks of a and b
+alternate (a0 b0 a1 b1 ...; the longer one's tail follows). Each node kind of
+a layer appears exactly once; an omitted, repeated or unknown wave is
+rejected with a one-line error naming the file and the wave.
+
+A claimer node's template is emitted ``num_sms`` times (one claimer per SM;
+``assign`` gives them distinct SMs).
+
+Ensures: the global list is a topological order of the dependencies: every
+wait's counter has all its signallers earlier (for a counter signalled by
+claimed tasks: every claimer of that queue), every claimed task's wait
+counter is complete before the first claimer of its queue; otherwise a
+one-line error names the offending pair.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from megac import abi
+from megac.abi import H
+from megac.errors import MegacError
+from megac.ir import layer_kind, layer_node_kinds
+from megac.passes import Lowering, PassError
+
+NAME = "order"
+
+#: schedules/ at the repository top level.
+SCHEDULES_DIR = Path(__file__).resolve().parents[2] / "schedules"
+ORDERS = ("tuned", "interleaved", "attention-first")
+LAYER_KINDS = ("dense", "moe", "sequential_dense", "sequential_moe")
+
+
+class OrderError(MegacError):
+    """A schedule YAML is malformed (one line naming the file and the wave)."""
+
+
+def schedule_path(order: str) -> Path:
+    p = Path(order)
+    if p.suffix in (".yaml", ".yml"):
+        return p
+    return SCHEDULES_DIR / f"{order}.yaml"
+
+
+def _wave_name(w) -> str:
+    return w if isinstance(w, str) else "interleave(" + ",".join(w) + ")"
+
+
+def parse_waves(raw, where: str, expected: tuple[str, ...]) -> list:
+    """Validate one wave list: returns [str | tuple(a, b)]."""
+    if not isinstance(raw, list) or not raw:
+        raise OrderError(f"{where}: must be a non-empty list of waves")
+    out, seen = [], []
+    for i, w in enumerate(raw):
+        if isinstance(w, str):
+            names = [w]
+            out.append(w)
+        elif isinstance(w, dict) and set(w) == {"interleave"}:
+            pair = w["interleave"]
+            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise OrderError(f"{where}[{i}]: interleave takes a list of two wave names")
+            names = list(pair)
+            out.append(tuple(pair))
+        else:
+            raise OrderError(f"{where}[{i}]: a wave is a node kind or {{interleave: [a, b]}} (got {w!r})")
+        for n in names:
+            if n not in expected:
+                raise OrderError(f"{where}[{i}]: unknown wave '{n}' (this layer kind has: {', '.join(expected)})")
+            if n in seen:
+                raise OrderError(f"{where}[{i}]: wave '{n}' is repeated")
+            seen.append(n)
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        raise OrderError(f"{where}: wave(s) {', '.join(missing)} missing")
+    return out
+
+
+def load_order(order: str) -> dict:
+    """Parse and validate schedules/<order>.yaml (or a path to a YAML)."""
+    path = schedule_path(order)
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in SCHEDULES_DIR.glob("*.yaml")))
+        raise OrderError(f"unknown wave order '{order}' (known: {known})")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise OrderError(f"{path.name}: invalid YAML: {err}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("layers"), dict):
+        raise OrderError(f"{path.name}: needs a 'layers' mapping of layer kind -> waves")
+    unknown = set(doc) - {"name", "layers", "final", "description"}
+    if unknown:
+        raise OrderError(f"{path.name}: unknown key(s) {', '.join(sorted(unknown))}")
+    layers = {}
+    for kind, raw in doc["layers"].items():
+        if kind not in LAYER_KINDS:
+            raise OrderError(f"{path.name}: layers.{kind}: unknown layer kind (known: {', '.join(LAYER_KINDS)})")
+        block, ffn = ("sequential", kind.split("_", 1)[1]) if kind.startswith("sequential_") else ("parallel", kind)
+        layers[kind] = parse_waves(raw, f"{path.name}: layers.{kind}", layer_node_kinds(block, ffn))
+    final = parse_waves(doc.get("final", ["lm_head"]), f"{path.name}: final", ("lm_head",))
+    return {"name": doc.get("name", path.stem), "layers": layers, "final": final, "path": str(path)}
+
+
+def requires(lw: Lowering) -> None:
+    if not lw.counters and any(nt.words is None for nt in lw.nodes):
+        raise PassError(NAME, "needs dependencies (run depend first)")
+
+
+def _node_positions(nt, num_sms: int) -> tuple[np.ndarray, np.ndarray]:
+    """(task index, claimer ordinal) of a node's entries in the global list."""
+    if nt.claimer:
+        return np.zeros(num_sms, dtype=np.int64), np.arange(num_sms, dtype=np.int64)
+    return np.arange(nt.n, dtype=np.int64), np.full(nt.n, -1, dtype=np.int64)
+
+
+def run(lw: Lowering) -> str:
+    geo = lw.geo
+    spec_order = load_order(lw.order_name)
+    num_sms = geo.num_sms
+    g_node, g_task, g_cl = [], [], []
+    waves: dict[str, list[tuple[str, int]]] = {}
+    lw.layer_kinds = []
+
+    def emit(wave_list, prefix, key):
+        record = key not in waves
+        rec = []
+        for w in wave_list:
+            parts = [w] if isinstance(w, str) else list(w)
+            ents = []
+            for kind in parts:
+                nt = lw.by_name[f"{prefix}{kind}" if prefix else kind]
+                t, c = _node_positions(nt, num_sms)
+                ents.append((np.full(len(t), nt.index, dtype=np.int64), t, c))
+            if len(ents) == 1:
+                n_, t_, c_ = ents[0]
+            else:
+                (na, ta, ca), (nb, tb, cb) = ents
+                m = min(len(ta), len(tb))
+                # a0 b0 a1 b1 ... then the longer tail
+                n_ = np.concatenate([np.stack([na[:m], nb[:m]], 1).ravel(), na[m:], nb[m:]])
+                t_ = np.concatenate([np.stack([ta[:m], tb[:m]], 1).ravel(), ta[m:], tb[m:]])
+                c_ = np.concatenate([np.stack([ca[:m], cb[:m]], 1).ravel(), ca[m:], cb[m:]])
+            g_node.append(n_)
+            g_task.append(t_)
+            g_cl.append(c_)
+            rec.append((_wave_name(w), int(len(n_))))
+        if record:
+            waves[key] = rec
+
+    for l in range(geo.num_layers):
+        kind = layer_kind(geo.block, geo.ffn[l])
+        if kind not in spec_order["layers"]:
+            raise PassError(NAME, f"wave order '{spec_order['name']}' has no waves for layer kind "
+                                  f"'{kind}' (layer {l})")
+        key = f"{kind}:{'sliding' if geo.sliding[l] else 'full'}"
+        lw.layer_kinds.append(key)
+        emit(spec_order["layers"][kind], f"L{l}.", key)
+    emit(spec_order["final"], "", "final")
+    lw.g_node = np.concatenate(g_node)
+    lw.g_task = np.concatenate(g_task)
+    lw.g_claimer = np.concatenate(g_cl)
+    lw.waves = waves
+    return f"'{spec_order['name']}': {len(lw.g_node)} tasks in {sum(len(v) for v in waves.values())} waves " \
+           f"over {len(waves)} layer kinds"
+
+
+def ensures(lw: Lowering) -> None:
+    n = len(lw.g_node)
+    expect = sum(lw.geo.num_sms if nt.claimer else nt.n for nt in lw.nodes)
+    if n != expect:
+        raise PassError(NAME, f"global list has {n} tasks, nodes have {expect}")
+    words = lw.global_words().astype(np.int64)
+    C = len(lw.counters)
+    pos = np.arange(n, dtype=np.int64)
+    claimer = lw.g_claimer >= 0
+    # last position at which each counter can be signalled
+    last = np.full(C, -1, dtype=np.int64)
+    sig = words[:, H.SIGNAL]
+    m = sig >= 0
+    np.maximum.at(last, sig[m], pos[m])
+    node_last = np.full(len(lw.nodes), -1, dtype=np.int64)
+    node_first = np.full(len(lw.nodes), n, dtype=np.int64)
+    np.maximum.at(node_last, lw.g_node, pos)
+    np.minimum.at(node_first, lw.g_node, pos)
+    group = np.array([lw.nodes[int(ni)].claimer for ni in lw.counter_node], dtype=bool) if C else np.zeros(0, bool)
+    last[group] = node_last[lw.counter_node[group]]
+
+    def name(k):
+        nt = lw.nodes[int(lw.g_node[k])]
+        return f"{nt.name} (global task {k})"
+
+    def producer(c):
+        return lw.nodes[int(lw.counter_node[c])].name
+
+    for wc in (H.WAIT0, H.WAIT1):
+        c = words[:, wc]
+        has = c >= 0
+        bad = np.flatnonzero(has & (last[np.where(has, c, 0)] >= pos))
+        if len(bad):
+            k = int(bad[0])
+            cc = int(c[k])
+            raise PassError(NAME, f"not topological: {name(k)} waits {lw.counters[cc].name} signalled by "
+                                  f"{producer(cc)} at global task {int(last[cc])}")
+    # claimed tasks: their wait counters complete before the queue's first claimer
+    from megac.access import queue_subtasks
+    from megac.abi import Queue
+    for nt in lw.nodes:
+        if not nt.claimer:
+            continue
+        op = nt.op
+        base = int(nt.words[0, abi.field_index(op, "TASK_WAIT_BASE")])
+        if base < 0:
+            continue
+        offs = np.unique(queue_subtasks(Queue(nt.queue), nt.layer, lw.geo, merged=True).wait_offset)
+        first = node_first[nt.index]
+        for o in offs:
+            cc = base + int(o)
+            if last[cc] >= first:
+                raise PassError(NAME, f"not topological: claimed tasks of {nt.name} wait {lw.counters[cc].name} "
+                                      f"signalled by {producer(cc)} at global task {int(last[cc])}, after the "
+                                      f"first claimer at {int(first)}")
+
+
+__all__ = ["NAME", "ORDERS", "OrderError", "SCHEDULES_DIR", "ensures", "load_order", "parse_waves",
+           "requires", "run", "schedule_path"]

@@ -1,0 +1,259 @@
+"""Pass ``tile``: op node -> tiles (one future task each).
+
+Each op node becomes a set of tiles with named coordinates (the opcode field
+names of ``megac.abi``; ``select`` encodes them) and, for the coverage
+check, the box each tile produces in the node's output space.
+
+Tiling (sizes from :class:`~megac.geometry.Geometry`):
+
+=================  =========================================================
+qkv                one tile per Q head, K head, V head (N_LEN = head_dim,
+                   K = hidden); output space: the fused qkv columns
+attn (sliding)     (row, kv head, split) for split < sliding_static_splits
+attn (full)        one claimer template (ATTN queue); output = its subtasks
+attn_combine       (row, kv head)
+o_proj             kv_heads split-K slices (slice s = KV head s's query
+                   heads) x o_proj_bn tiles over hidden
+ffn_upgate         upgate_bn rows of interleaved gate/up = upgate_bn/2 columns
+ffn_down           ffn_splits split-K slices (ffn_split_bounds) x down_bn tiles
+router             router_splits split-K slices x router_bn tiles over experts
+topk, moe_gather,  one per row
+moe_combine, norm,
+norm_attn
+route_finalize     one per MoE layer
+moe_upgate/down    one claimer template each (MOE_UP / MOE_DOWN queue)
+lm_head            lm_bn tiles over the vocabulary
+=================  =========================================================
+
+Ensures: every node has >= 1 tile; the tiles of a node cover its output
+exactly (in bounds, disjoint, complete); claimer queues' worst-case subtasks
+cover the claimer node's output exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megac import abi
+from megac.abi import Queue
+from megac.access import queue_subtasks, subtask_boxes
+from megac.geometry import Geometry
+from megac.passes import Lowering, NodeTasks, PassError
+
+NAME = "tile"
+
+
+def _ranges(total: int, bn: int) -> tuple[np.ndarray, np.ndarray]:
+    n0 = np.arange(0, total, bn, dtype=np.int64)
+    return n0, np.minimum(bn, total - n0)
+
+
+def _grid(*axes):
+    """Cartesian product (first axis slowest) as flat int64 arrays."""
+    mesh = np.meshgrid(*[np.asarray(a, dtype=np.int64) for a in axes], indexing="ij")
+    return [m.ravel() for m in mesh]
+
+
+def _boxes(*dims):
+    """dims: (lo, hi) per dimension, arrays or scalars, broadcast to n."""
+    n = max(np.size(a) for d in dims for a in d)
+    lo = np.empty((n, len(dims)), dtype=np.int64)
+    hi = np.empty((n, len(dims)), dtype=np.int64)
+    for i, (a, b) in enumerate(dims):
+        lo[:, i] = a
+        hi[:, i] = b
+    return lo, hi
+
+
+def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
+    k, l = nt.kind, nt.layer
+    R, D, hd = geo.rows, geo.hidden, geo.head_dim
+    tw = geo.target_words
+    F: dict[str, np.ndarray] = {}
+    if k == "qkv":
+        nq, nkv = geo.num_heads, geo.kv_heads
+        part = np.concatenate([np.zeros(nq), np.ones(nkv), np.full(nkv, 2)]).astype(np.int64)
+        head = np.concatenate([np.arange(nq), np.arange(nkv), np.arange(nkv)]).astype(np.int64)
+        n0 = np.arange(nq + 2 * nkv, dtype=np.int64) * hd
+        F = dict(N0=n0, N_LEN=np.full_like(n0, hd), K0=np.zeros_like(n0), K_LEN=np.full_like(n0, D),
+                 SPLIT=np.zeros_like(n0), PART=part, HEAD=head)
+        shape, box = (geo.qkv_width,), _boxes((n0, n0 + hd))
+    elif k == "attn" and geo.sliding[l]:
+        S = geo.sliding_static_splits
+        row, kvh, split = _grid(range(R), range(geo.kv_heads), range(S))
+        F = dict(ROW=row, KV_HEAD=kvh, SPLIT=split,
+                 NUM_SPLITS=abi.dyn(tw.attn_splits_sliding(0)) + row,
+                 WINDOW=np.full_like(row, geo.window[l]))
+        shape, box = (R, geo.kv_heads, S), _boxes((row, row + 1), (kvh, kvh + 1), (split, split + 1))
+    elif k in ("attn", "moe_upgate", "moe_down"):
+        queue = {"attn": Queue.ATTN, "moe_upgate": Queue.MOE_UP, "moe_down": Queue.MOE_DOWN}[k]
+        nt.claimer, nt.queue = True, int(queue)
+        if queue == Queue.ATTN:
+            qlen, n_len = abi.dyn(tw.attn_queue_len), None
+        elif queue == Queue.MOE_UP:
+            qlen, n_len = abi.dyn(tw.moe_up_count(l)), geo.moe_up_bn
+        else:
+            qlen, n_len = abi.dyn(tw.moe_down_count(l)), geo.moe_down_bn
+        one = np.ones(1, dtype=np.int64)
+        F = dict(QUEUE=one * int(queue), QUEUE_LEN=one * qlen, TASK_WAIT_BASE=-one,
+                 TASK_WAIT_TARGET=0 * one, TASK_SIGNAL_BASE=-one)
+        if queue == Queue.ATTN:
+            F["WINDOW"] = 0 * one  # full attention
+        else:
+            F["N_LEN"] = one * n_len
+        shape, box = (1,), _boxes((0, 1))
+    elif k == "attn_combine":
+        row, kvh = _grid(range(R), range(geo.kv_heads))
+        if geo.sliding[l]:
+            ns = abi.dyn(tw.attn_splits_sliding(0)) + row
+        else:
+            ns = abi.dyn(tw.attn_splits_full(0)) + row
+        F = dict(ROW=row, KV_HEAD=kvh, NUM_SPLITS=ns)
+        shape, box = (R, geo.kv_heads), _boxes((row, row + 1), (kvh, kvh + 1))
+    elif k == "o_proj":
+        kw = geo.heads_per_kv * hd
+        nn0, nlen = _ranges(D, geo.o_proj_bn)
+        s, t = _grid(range(geo.kv_heads), range(len(nn0)))
+        F = dict(N0=nn0[t], N_LEN=nlen[t], K0=s * kw, K_LEN=np.full_like(s, kw), SPLIT=s)
+        shape, box = (geo.kv_heads, D), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
+    elif k == "ffn_upgate":
+        half = geo.upgate_bn // 2
+        out0, cols = _ranges(geo.dense_width, half)
+        F = dict(N0=2 * out0, N_LEN=2 * cols, K0=np.zeros_like(out0), K_LEN=np.full_like(out0, D),
+                 SPLIT=np.zeros_like(out0), OUT0=out0)
+        shape, box = (geo.dense_width,), _boxes((out0, out0 + cols))
+    elif k == "ffn_down":
+        b = np.asarray(geo.ffn_split_bounds, dtype=np.int64)
+        nn0, nlen = _ranges(D, geo.down_bn)
+        s, t = _grid(range(geo.ffn_splits), range(len(nn0)))
+        F = dict(N0=nn0[t], N_LEN=nlen[t], K0=b[s], K_LEN=b[s + 1] - b[s], SPLIT=s)
+        shape, box = (geo.ffn_splits, D), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
+    elif k == "router":
+        b = np.asarray(geo.router_split_bounds, dtype=np.int64)
+        nn0, nlen = _ranges(geo.experts, geo.router_bn)
+        s, t = _grid(range(geo.router_splits), range(len(nn0)))
+        F = dict(N0=nn0[t], N_LEN=nlen[t], K0=b[s], K_LEN=b[s + 1] - b[s], SPLIT=s)
+        shape, box = (geo.router_splits, geo.experts), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
+    elif k == "topk":
+        row = np.arange(R, dtype=np.int64)
+        F = dict(ROW=row, NUM_SPLITS=np.full_like(row, geo.router_splits))
+        shape, box = (R,), _boxes((row, row + 1))
+    elif k == "route_finalize":
+        one = np.ones(1, dtype=np.int64)
+        F = dict(UP_TILES=one * geo.up_tiles, DOWN_TILES=one * geo.down_tiles,
+                 UP_COUNT_WORD=one * tw.moe_up_count(l), DOWN_COUNT_WORD=one * tw.moe_down_count(l),
+                 UP_QUEUE=one * int(Queue.MOE_UP), DOWN_QUEUE=one * int(Queue.MOE_DOWN), NUM_ROWS=one * R)
+        shape, box = (1,), _boxes((0, 1))
+    elif k in ("moe_gather", "moe_combine"):
+        row = np.arange(R, dtype=np.int64)
+        F = dict(ROW=row)
+        shape, box = (R,), _boxes((row, row + 1))
+    elif k in ("norm", "norm_attn"):
+        row = np.arange(R, dtype=np.int64)
+        L = geo.num_layers
+        seq = geo.block == "sequential"
+        moe = geo.ffn[l] == "moe"
+        if k == "norm_attn":
+            gamma = L + l
+            a_splits, f_splits = geo.kv_heads, 0
+        else:
+            gamma = 2 * L if l == L - 1 else l + 1
+            a_splits = 0 if seq else geo.kv_heads
+            f_splits = 1 if moe else geo.ffn_splits
+        F = dict(ROW=row, ATTN_SPLITS=np.full_like(row, a_splits), FFN_SPLITS=np.full_like(row, f_splits),
+                 GAMMA=np.full_like(row, gamma))
+        shape, box = (R,), _boxes((row, row + 1))
+    elif k == "lm_head":
+        n0, nlen = _ranges(geo.vocab, geo.lm_bn)
+        F = dict(N0=n0, N_LEN=nlen, K0=np.zeros_like(n0), K_LEN=np.full_like(n0, D), SPLIT=np.zeros_like(n0))
+        shape, box = (geo.vocab,), _boxes((n0, n0 + nlen))
+    else:
+        raise PassError(NAME, f"{nt.name}: no tiling for node kind {k!r}")
+    nt.fields = {name: np.asarray(v, dtype=np.int64) for name, v in F.items()}
+    nt.out_shape = tuple(int(x) for x in shape)
+    nt.out_lo, nt.out_hi = box
+
+
+def requires(lw: Lowering) -> None:
+    g = lw.graph
+    if g is None or not g.graph.get("order"):
+        raise PassError(NAME, "needs a decode graph (megac.ir.build_graph)")
+    if g.graph.get("num_layers") != lw.geo.num_layers:
+        raise PassError(NAME, "graph and geometry disagree on num_layers")
+
+
+def run(lw: Lowering) -> str:
+    lw.nodes, lw.by_name = [], {}
+    for i, name in enumerate(lw.graph.graph["order"]):
+        d = lw.graph.nodes[name]
+        nt = NodeTasks(name=name, kind=d["kind"], layer=d["layer"], index=i)
+        _tile_node(nt, lw.geo)
+        lw.add_node(nt)
+    n = sum(nt.n for nt in lw.nodes if not nt.claimer)
+    c = sum(1 for nt in lw.nodes if nt.claimer)
+    return f"{len(lw.nodes)} nodes -> {n} static tiles + {c} claimer nodes"
+
+
+# ---------------------------------------------------------------------------
+# Coverage: tiles of a node are in bounds, disjoint and complete.
+# ---------------------------------------------------------------------------
+def exact_cover_problem(lo: np.ndarray, hi: np.ndarray, shape: tuple[int, ...]) -> str | None:
+    """None if the boxes tile ``shape`` exactly, else what is wrong."""
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    if len(lo) == 0:
+        return "no tiles"
+    shp = np.asarray(shape, dtype=np.int64)
+    if (lo < 0).any() or (hi > shp).any() or (hi <= lo).any():
+        i = int(np.nonzero(((lo < 0) | (hi > shp) | (hi <= lo)).any(axis=1))[0][0])
+        return f"tile {i} box {list(zip(lo[i].tolist(), hi[i].tolist()))} is empty or outside {tuple(shape)}"
+    vol = np.prod(hi - lo, axis=1).sum()
+    total = int(np.prod(shp))
+    if vol != total:
+        return f"tiles cover {int(vol)} cells of {total} (overlap or gap)"
+    # Equal volume + every compressed cell painted exactly once => exact cover.
+    cuts = [np.unique(np.concatenate([lo[:, d], hi[:, d], [0, shp[d]]])) for d in range(lo.shape[1])]
+    ilo = np.stack([np.searchsorted(cuts[d], lo[:, d]) for d in range(lo.shape[1])], axis=1)
+    ihi = np.stack([np.searchsorted(cuts[d], hi[:, d]) for d in range(lo.shape[1])], axis=1)
+    gshape = tuple(len(c) for c in cuts)  # one extra slot per dim for the diff array
+    diff = np.zeros(gshape, dtype=np.int64)
+    d = lo.shape[1]
+    for corner in range(1 << d):
+        idx = tuple(np.where((corner >> k) & 1, ihi[:, k], ilo[:, k]) for k in range(d))
+        sign = (-1) ** bin(corner).count("1")
+        np.add.at(diff, idx, sign)
+    for k in range(d):
+        diff = np.cumsum(diff, axis=k)
+    cells = diff[tuple(slice(0, len(c) - 1) for c in cuts)]
+    if not (cells == 1).all():
+        return "tiles overlap or leave a gap"
+    return None
+
+
+def ensures(lw: Lowering) -> None:
+    geo = lw.geo
+    checked: set = set()  # layers of one kind tile identically: check each tiling once
+    for nt in lw.nodes:
+        if nt.n < 1:
+            raise PassError(NAME, f"{nt.name} has no tile")
+        key = (nt.claimer, nt.queue, nt.out_shape, nt.out_lo.tobytes(), nt.out_hi.tobytes())
+        if key in checked:
+            continue
+        checked.add(key)
+        if nt.claimer:
+            sub = queue_subtasks(Queue(nt.queue), nt.layer, geo)
+            if len(sub) < 1:
+                raise PassError(NAME, f"{nt.name}: queue {Queue(nt.queue).name} has no subtask")
+            writes = [b for b in subtask_boxes(sub, geo) if b.write]
+            lo = np.concatenate([b.lo for b in writes if b.buffer == writes[0].buffer])
+            hi = np.concatenate([b.hi for b in writes if b.buffer == writes[0].buffer])
+            # ignore the layer dimension and, for MoE, the (row, k) dims the
+            # record's rows resolve at run time
+            shape = tuple(int(x) for x in (hi.max(axis=0) - lo.min(axis=0)))
+            problem = exact_cover_problem(lo - lo.min(axis=0), hi - lo.min(axis=0), shape)
+        else:
+            problem = exact_cover_problem(nt.out_lo, nt.out_hi, nt.out_shape)
+        if problem:
+            raise PassError(NAME, f"{nt.name}: {problem}")
+
+
+__all__ = ["NAME", "ensures", "exact_cover_problem", "requires", "run"]

@@ -1,0 +1,141 @@
+"""Cost model and timeline plot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megac import costmodel as cm
+from megac.abi import H, Op
+from megac.errors import MegacError
+from megac.plot import plot_timeline
+from megac.spec import load_spec
+from test_verify import build_handmade, clone, find, insert, remove
+
+
+def _compiled(model: str, rows: int):
+    pl = pytest.importorskip("megac.passes.pipeline")
+    return pl.compile_one(load_spec(model), rows=rows, verify=False)
+
+
+@pytest.fixture(scope="module")
+def hand():
+    return build_handmade(rows=2, num_sms=4)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return _compiled("tiny-moe", 2)
+
+
+@pytest.fixture(scope="module")
+def nmc1():
+    return _compiled("north-mini-code", 1)
+
+
+def test_step_is_at_least_the_bandwidth_bound(hand, moe, nmc1):
+    for s in (hand, moe, nmc1):
+        r = cm.simulate(s)
+        assert r.total_bytes > 0
+        assert r.step_us >= r.lower_bound_us > 0
+        assert 0 < r.bw_fraction <= 1
+        assert r.tokens_per_s == pytest.approx(s.rows / (r.step_us * 1e-6))
+    # with no fixed cost and no dependency latency, a one-SM schedule streams
+    # at exactly the ceiling: its timeline is the bandwidth bound
+    one = build_handmade(rows=1, num_sms=1)
+    r = cm.simulate(one, fixed_us=0.0, dependency_latency_us=0.0)
+    assert r.step_us == pytest.approx(r.lower_bound_us)
+
+
+def test_fixed_cost_and_latency_move_the_step(moe):
+    base = cm.simulate(moe)
+    cheaper = cm.simulate(moe, fixed_us=0.25)
+    slower = cm.simulate(moe, dependency_latency_us=3.0)
+    assert cheaper.step_us < base.step_us
+    assert slower.step_us > base.step_us
+    assert cheaper.total_bytes == base.total_bytes  # bytes do not depend on timing
+
+
+def test_north_mini_code_batch1_moves_the_design_estimate(nmc1):
+    """DESIGN: ~6.6 GB of active weights + ~0.5 GB of KV at 8K context;
+    speed of light ~1.57 ms at 4.55 TB/s."""
+    r = cm.simulate(nmc1)
+    assert 6.6e9 < r.total_bytes < 7.6e9
+    assert 1450 < r.lower_bound_us < 1700
+    assert r.meta["active_experts"] == 8 and r.meta["context"] == 8192
+    by_op = {Op(int(o)).name: r.nbytes[r.opcode == o].sum() for o in np.unique(r.opcode)}
+    # the LM head (tied 262144 x 2048 bf16) is ~1.07 GB of it
+    assert by_op["LM_HEAD"] == pytest.approx(262144 * 2048 * 2, rel=0.02)
+
+
+def test_more_context_more_attention_bytes(nmc1):
+    short = cm.simulate(nmc1, context=1024)
+    long = cm.simulate(nmc1, context=65536)
+    a_short = short.nbytes[np.isin(short.opcode, [Op.ATTN_DECODE, Op.ATTN_DRAIN])].sum()
+    a_long = long.nbytes[np.isin(long.opcode, [Op.ATTN_DECODE, Op.ATTN_DRAIN])].sum()
+    assert a_long > 4 * a_short
+
+
+def test_claimed_work_spreads_over_claimers(moe):
+    """Each MoE layer's claimed up tiles = active experts x up_tiles, run by
+    more than one SM; claimers that find the queue empty run nothing."""
+    r = cm.simulate(moe, active_experts=3)
+    geo = moe.geometry
+    m = r.claimed & (r.opcode == Op.MOE_UPGATE_DRAIN) & (r.layer == 1)
+    assert m.sum() == 3 * geo.up_tiles
+    m = r.claimed & (r.opcode == Op.MOE_DOWN_DRAIN) & (r.layer == 1)
+    assert m.sum() == 3 * geo.down_tiles
+    assert len(np.unique(r.sm[m])) > 1
+
+
+def test_timeline_respects_queues_and_dependencies(hand):
+    """Per SM the pieces do not overlap; a task starts no earlier than the
+    last signal of each counter it waits on plus the dependency latency."""
+    lat = 0.7
+    r = cm.simulate(hand, dependency_latency_us=lat)
+    for s in np.unique(r.sm):
+        o = np.argsort(r.start[r.sm == s], kind="stable")
+        st, en = r.start[r.sm == s][o], r.end[r.sm == s][o]
+        assert (st[1:] >= en[:-1] - 1e-9).all()
+    tasks = hand.tasks[np.arange(hand.tasks.shape[1])[None, :] < hand.task_counts[:, None]]
+    static = ~r.claimed
+    t_idx = r.task[static]
+    sig = tasks[t_idx, H.SIGNAL]
+    last = {}
+    for c, e in zip(sig.tolist(), r.end[static].tolist()):
+        if c >= 0:
+            last[c] = max(last.get(c, 0.0), e)
+    checked = 0
+    for k, st in zip(t_idx.tolist(), r.start[static].tolist()):
+        for col in (H.WAIT0, H.WAIT1):
+            c = int(tasks[k, col])
+            if c in last:  # a counter signalled by static tasks
+                assert st >= last[c] + lat - 1e-9
+                checked += 1
+    assert checked > 10
+
+
+def test_deadlocked_schedule_is_refused(hand):
+    s = clone(hand)
+    sm, k = find(s, Op.O_PROJ, 0)[0]
+    w = remove(s, *find(s, Op.ADD_RMSNORM, 0)[0])
+    sm, k = find(s, Op.O_PROJ, 0)[0]
+    insert(s, sm, k, w)
+    with pytest.raises(MegacError, match="does not complete"):
+        cm.simulate(s)
+
+
+def test_unknown_parameter(hand):
+    with pytest.raises(TypeError):
+        cm.simulate(hand, fixed_ms=1)
+
+
+def test_plot_png_and_svg(tmp_path, moe):
+    r = cm.simulate(moe)
+    png = plot_timeline(r, tmp_path / "t.png")
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = plot_timeline(r, tmp_path / "sub" / "t.svg", max_sms=16, time_range=(0, r.step_us / 2))
+    text = svg.read_text()
+    assert "<svg" in text and "predicted step" in text
+    with pytest.raises(MegacError, match="png or .svg"):
+        plot_timeline(r, tmp_path / "t.pdf")
