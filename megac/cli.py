@@ -71,7 +71,7 @@ def compile_cmd(model, out_dir, order, batch_sizes, target, dump_passes):
     result = compile_schedules(spec, order=order, batch_sizes=list(batch_sizes) or None,
                                progress=_progress)
     out_dir = out_dir or Path("artifacts") / spec.name
-    manifest = write_artifact(out_dir, spec, result)
+    manifest = write_artifact(out_dir, spec, result.schedules, order=order, pass_log=result.pass_log)
     elapsed = time.perf_counter() - t0
     if dump_passes:
         for entry in result.pass_log:
@@ -84,6 +84,12 @@ def compile_cmd(model, out_dir, order, batch_sizes, target, dump_passes):
         )
     click.echo(f"wrote {out_dir}/manifest.json and schedule.npz "
                f"({len(manifest['schedules'])} schedules) in {elapsed:.2f} s")
+
+
+def _verify_report(sched):
+    from megac.passes.verify import verify
+
+    return verify(sched)
 
 
 @main.command("schedule")
@@ -106,7 +112,7 @@ def schedule_cmd(model, order, batch_size, context, target, as_json, plot):
         raise MegacError(f"--context {context} exceeds the model's max_context {spec.max_context}")
     ctx = context or min(8192, spec.max_context)
     sched = compile_one(spec, order=order, rows=batch_size, context=ctx)
-    report = schedule_report(sched)
+    report = schedule_report(sched, _verify_report(sched))
     if plot is not None:
         if plot.suffix.lower() not in (".png", ".svg"):
             raise MegacError(f"--plot {plot}: use a .png or .svg file name")
@@ -115,7 +121,14 @@ def schedule_cmd(model, order, batch_size, context, target, as_json, plot):
 
         sim = simulate(sched)
         plot_timeline(sim, plot)
-        report["predicted"] = sim.summary()
+        report["predicted"] = {
+            "step_us": round(float(sim.step_us), 2),
+            "tokens_per_s": round(float(sim.tokens_per_s), 1),
+            "bandwidth_fraction": round(float(sim.bw_fraction), 4),
+            "lower_bound_us": round(float(sim.lower_bound_us), 2),
+            "bytes": int(sim.total_bytes),
+            "plot": str(plot),
+        }
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -123,7 +136,9 @@ def schedule_cmd(model, order, batch_size, context, target, as_json, plot):
         if plot is not None:
             p = report["predicted"]
             click.echo(f"cost model: predicted step {p['step_us']:.1f} us "
-                       f"({p['tokens_per_s']:.0f} tok/s at batch {batch_size}); timeline -> {plot}")
+                       f"({p['tokens_per_s']:.0f} tok/s at batch {batch_size}, "
+                       f"{100 * p['bandwidth_fraction']:.0f}% of the bandwidth ceiling); "
+                       f"timeline -> {plot}")
 
 
 if __name__ == "__main__":

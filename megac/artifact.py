@@ -1,0 +1,209 @@
+"""The compiled artifact: ``manifest.json`` + ``schedule.npz``.
+
+``manifest.json`` records everything needed to run or inspect the schedules
+without recompiling: the resolved spec and its hash, the ABI version and
+opcode table, and per schedule key (batch size, context bucket) the counter
+table, task counts, waves, the buffer plan and the sha256 of every array.
+``schedule.npz`` holds the arrays, named ``<key>/tasks`` and
+``<key>/task_counts``, plus ``<key>/global_order`` (the topological list the
+cost model and tools use).
+
+:func:`load_artifact` checks the ABI version and every hash, so a stale or
+edited artifact is refused with one line instead of running wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import megac
+from megac import abi
+from megac.errors import MegacError
+
+MANIFEST = "manifest.json"
+ARRAYS = "schedule.npz"
+FORMAT_VERSION = 1
+
+
+def schedule_key(rows: int, context: int) -> str:
+    return f"bs{rows}_ctx{context}"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _array_hash(a: np.ndarray) -> str:
+    a = np.ascontiguousarray(a)
+    return _sha256(f"{a.dtype.str}{a.shape}".encode() + a.tobytes())
+
+
+def _jsonable(obj):
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _plan_json(plan) -> dict:
+    return {
+        "buffers": {
+            name: {
+                "dtype": b.dtype,
+                "shape": list(b.shape),
+                "nbytes": int(b.nbytes),
+                "kind": b.kind,
+                "lifetime": list(b.lifetime) if b.lifetime else None,
+                "guards": list(b.guards),
+                "reset_per_step": bool(b.reset_per_step),
+            }
+            for name, b in plan.buffers.items()
+        },
+        "weights": {name: _jsonable(w) for name, w in plan.weights.items()},
+        "reset": list(plan.reset),
+        "scratch_bytes": int(plan.scratch_bytes),
+    }
+
+
+def spec_hash(spec) -> str:
+    return _sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode())
+
+
+def write_artifact(out_dir: Path, spec, schedules, *, order: str, pass_log=()) -> dict:
+    """Write the artifact for ``schedules`` (one per batch size and bucket
+    group) to ``out_dir``; returns the manifest."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MegacError(f"{out_dir}: exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arrays: dict[str, np.ndarray] = {}
+    entries = []
+    for s in schedules:
+        key = schedule_key(s.rows, s.context)
+        mine = {
+            f"{key}/tasks": np.ascontiguousarray(s.tasks, dtype=np.int32),
+            f"{key}/task_counts": np.ascontiguousarray(s.task_counts, dtype=np.int32),
+            f"{key}/global_order": np.ascontiguousarray(s.global_order, dtype=np.int32),
+        }
+        arrays.update(mine)
+        entries.append(
+            {
+                "key": key,
+                "batch_size": s.rows,
+                "context": s.context,
+                "buckets": list(s.buckets),
+                "num_sms": s.num_sms,
+                "num_tasks": s.num_tasks,
+                "max_tasks": s.max_tasks,
+                "num_counters": s.num_counters,
+                "tasks_per_opcode": dict(s.tasks_per_opcode),
+                "tasks_per_sm": dict(s.tasks_per_sm),
+                "waves": {k: [list(w) for w in v] for k, v in s.waves.items()},
+                "layer_kinds": list(s.layer_kinds),
+                # [index, name, producer, static count or null, count word or null]
+                "counters": [[c.index, c.name, c.producer, c.count, c.count_word] for c in s.counters],
+                "plan": _plan_json(s.plan),
+                "arrays": {name.split("/", 1)[1]: name for name in mine},
+                "hashes": {name.split("/", 1)[1]: _array_hash(a) for name, a in mine.items()},
+            }
+        )
+    npz_path = out_dir / ARRAYS
+    # Stored, not deflated: the arrays are a few MB and the compile must stay
+    # fast on two cores; the hashes, not the container, guard integrity.
+    with zipfile.ZipFile(npz_path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, a in arrays.items():
+            with zf.open(name + ".npy", "w", force_zip64=True) as fh:
+                np.lib.format.write_array(fh, a, allow_pickle=False)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "megac_version": megac.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "abi_version": abi.ABI_VERSION,
+        "abi": abi.abi_summary(),
+        "spec": spec.model_dump(mode="json"),
+        "spec_hash": spec_hash(spec),
+        "order": order,
+        "target": spec.target.model_dump(mode="json"),
+        "passes": [dict(p) for p in pass_log],
+        "schedules": entries,
+        "content_hashes": {ARRAYS: _sha256(npz_path.read_bytes())},
+    }
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+@dataclass
+class LoadedSchedule:
+    key: str
+    meta: dict
+    tasks: np.ndarray
+    task_counts: np.ndarray
+    global_order: np.ndarray
+
+
+@dataclass
+class Artifact:
+    path: Path
+    manifest: dict
+    schedules: dict[str, LoadedSchedule]
+
+    def spec(self):
+        from megac.spec.loader import spec_from_dict
+
+        return spec_from_dict(self.manifest["spec"])
+
+    def schedule_for(self, rows: int, context: int) -> LoadedSchedule:
+        """The schedule serving ``rows`` live rows at ``context`` tokens: the
+        smallest batch size >= rows, then the smallest bucket >= context."""
+        cands = [s for s in self.schedules.values() if s.meta["batch_size"] >= rows]
+        if not cands:
+            raise MegacError(f"no schedule for batch {rows} in {self.path}")
+        bs = min(s.meta["batch_size"] for s in cands)
+        fits = [s for s in cands if s.meta["batch_size"] == bs and max(s.meta["buckets"]) >= context]
+        if not fits:
+            raise MegacError(f"no schedule for context {context} at batch {bs} in {self.path}")
+        return min(fits, key=lambda s: max(s.meta["buckets"]))
+
+
+def load_artifact(path: Path) -> Artifact:
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise MegacError(f"{path}: not a megac artifact (no {MANIFEST})")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as err:
+        raise MegacError(f"{mpath}: corrupt JSON ({err.msg} at line {err.lineno})") from None
+    if manifest.get("abi_version") != abi.ABI_VERSION:
+        raise MegacError(
+            f"{mpath}: built for ABI version {manifest.get('abi_version')}, this megac speaks {abi.ABI_VERSION}; recompile"
+        )
+    npz_path = path / ARRAYS
+    if not npz_path.is_file():
+        raise MegacError(f"{path}: {ARRAYS} is missing")
+    if _sha256(npz_path.read_bytes()) != manifest["content_hashes"][ARRAYS]:
+        raise MegacError(f"{npz_path}: content hash does not match the manifest; recompile")
+    schedules = {}
+    with np.load(npz_path, allow_pickle=False) as npz:
+        for meta in manifest["schedules"]:
+            arrs = {field: npz[name] for field, name in meta["arrays"].items()}
+            for field, a in arrs.items():
+                if _array_hash(a) != meta["hashes"][field]:
+                    raise MegacError(f"{npz_path}: array {meta['key']}/{field} does not match its hash")
+            schedules[meta["key"]] = LoadedSchedule(meta["key"], meta, arrs["tasks"], arrs["task_counts"], arrs["global_order"])
+    return Artifact(path, manifest, schedules)
