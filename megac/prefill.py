@@ -1,0 +1,97 @@
+"""Prefill: a plain PyTorch forward of whole prompts that fills the paged KV
+cache and returns each row's last-position logits.
+
+``prefill(weights, spec, kv, prompts, rows=None)`` runs each prompt (ragged
+lengths; one row at a time, so rows never influence each other) through every
+layer with the same ops and precision as :mod:`megac.reference`, writes every
+layer's K/V of the new tokens into the row's pages, advances ``seq_pos`` and
+returns ``Prefilled(rows, logits)``: fp32 logits ``[len(prompts), vocab]``
+(times ``logit_scale``) of each prompt's last token.
+
+``rows=None`` allocates a fresh row per prompt. A given row may already hold
+tokens (a continuation, e.g. a chunked prefill or a shared prefix from
+``fork_row``): the new tokens attend to the cached ones (read from the pages,
+within each layer's window) and to each other. Sliding layers store only the
+positions a later query can still see (see :mod:`megac.kv.paged`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+import torch
+
+from megac.errors import MegacError
+from megac.reference import apply_rope, attention, layer_forward, lm_logits, rope_cos_sin
+from megac.weights.canonical import ModelWeights
+
+if TYPE_CHECKING:
+    from megac.kv.paged import PagedKVCache
+    from megac.spec.model import ModelSpec
+
+
+class Prefilled(NamedTuple):
+    rows: list[int]
+    logits: torch.Tensor  # fp32 [len(rows), vocab]
+
+
+def prefill_row(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", row: int,
+                tokens: Sequence[int]) -> torch.Tensor:
+    """Prefill ``tokens`` into ``row`` (appended at its ``seq_pos``); fp32
+    logits ``[vocab]`` of the last token."""
+    n = len(tokens)
+    if n == 0:
+        raise MegacError(f"prefill: empty prompt for row {row}")
+    ids = torch.tensor([int(t) for t in tokens], dtype=torch.int64)
+    if int(ids.min()) < 0 or int(ids.max()) >= spec.vocab_size:
+        bad = next(int(t) for t in ids if not 0 <= int(t) < spec.vocab_size)
+        raise MegacError(f"prefill: token id {bad} outside the vocabulary (0..{spec.vocab_size - 1})")
+    dtype = weights.dtype
+    p0 = int(kv.seq_pos[row])
+    # Cached keys the new tokens can see, read before the reservation (which
+    # may release sliding blocks the first new token still needs).
+    cached = []
+    for i in range(spec.num_layers):
+        start = max(kv.first_held(i, row), kv.window_start(i, p0)) if p0 else 0
+        k_old, v_old = kv.gather(i, row, start, p0)
+        cached.append((start, k_old.to(dtype), v_old.to(dtype)))
+    kv.reserve(row, n)
+
+    positions = torch.arange(p0, p0 + n, dtype=torch.int64)
+    cos, sin = rope_cos_sin(spec, positions, dtype)
+    scale = spec.head_dim ** -0.5
+    x = weights.embed[ids]
+    for i, (ls, lw) in enumerate(zip(spec.layers, weights.layers)):
+
+        def attend(q, k, v, i=i, ls=ls):
+            if ls.rope:
+                q, k = apply_rope(q, cos, sin, spec.rope_style), apply_rope(k, cos, sin, spec.rope_style)
+            kv.write(i, row, p0, k, v)
+            start, k_old, v_old = cached[i]
+            keys = torch.cat([k_old, k], dim=0)
+            vals = torch.cat([v_old, v], dim=0)
+            k_pos = torch.cat([torch.arange(start, p0), positions])
+            return attention(q, keys, vals, positions, k_pos, ls.window, scale)
+
+        x = layer_forward(x, lw, spec, i, attend)
+    logits = lm_logits(x[-1:], weights, spec)[0]
+    kv.advance(row, n)
+    return logits
+
+
+@torch.no_grad()
+def prefill(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache",
+            prompts: Sequence[Sequence[int]], rows: Sequence[int] | None = None) -> Prefilled:
+    """Prefill a batch of ragged prompts (see the module docstring)."""
+    prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in prompts]
+    if rows is None:
+        rows = [kv.allocate_row() for _ in prompts]
+    rows = list(rows)
+    if len(rows) != len(prompts):
+        raise MegacError(f"prefill: {len(prompts)} prompts for {len(rows)} rows")
+    out = [prefill_row(weights, spec, kv, r, p) for r, p in zip(rows, prompts)]
+    logits = torch.stack(out) if out else torch.empty((0, spec.vocab_size))
+    return Prefilled(rows, logits)
+
+
+__all__ = ["Prefilled", "prefill", "prefill_row"]

@@ -1,0 +1,222 @@
+"""Kernel weight layouts: canonical :class:`ModelWeights` -> the ``w_*`` tensors
+of the launch descriptor (``megac.abi.LAUNCH_DESC``), and back.
+
+This is the one place that knows them (loaders never hard-code a layout; the
+plan pass records ``chunk``). All weight tensors keep the dtype of the input
+weights (cast with ``weights.to(torch.bfloat16)`` first for the device);
+``layer_slot`` is int32 and ``rope_inv_freq`` fp32.
+
+=================  ===========================================  ==========================================
+field              shape                                        content
+=================  ===========================================  ==========================================
+``w_embed``        ``[vocab, hidden]``                          embedding
+``w_lm_head``      ``[vocab, hidden]``                          LM head; **the same tensor** as
+                                                                ``w_embed`` when tied
+``w_norm``         ``[2L+1, hidden]``                           slot ``l``: input norm of layer ``l``;
+                                                                ``L+l``: post-attention norm of sequential
+                                                                layer ``l`` (1.0 for parallel layers);
+                                                                ``2L``: final norm
+``w_qkv``          ``[L, qkv_width, hidden]``                   Q rows, then K rows, then V rows
+``w_o``            ``[L, hidden, q_width]``                     O-proj
+``w_upgate``       ``[dense_layers, 2*dense_width, hidden]``    gate/up interleaved in chunks (below)
+``w_down``         ``[dense_layers, hidden, dense_width]``      down
+``w_router``       ``[moe_layers, experts, hidden]``            router
+``w_moe_upgate``   ``[moe_layers, experts, 2*width, hidden]``   gate/up interleaved in chunks (below)
+``w_moe_down``     ``[moe_layers, experts, hidden, width]``     expert down
+``layer_slot``     ``[L]`` int32                                index of layer ``l`` in the dense stack
+                                                                (dense layers) or in the MoE stack
+``rope_inv_freq``  ``[head_dim/2]`` fp32                        ``1/theta**(arange(0, hd, 2)/hd)``
+                                                                computed exactly as transformers does
+=================  ===========================================  ==========================================
+
+Dense and MoE stacks are in layer order. A model with no dense (MoE) layer
+gets stacks with a leading dimension of 0.
+
+**Gate/up interleave.** Rows of the fused gate+up matrix come in chunks of
+``chunk`` rows: ``[gate 0..c-1 | up 0..c-1 | gate c..2c-1 | up c..2c-1 | ...]``.
+When ``width`` is not a multiple of ``chunk`` the last chunk is shorter and
+still gate-then-up (``[... | gate k*c..W-1 | up k*c..W-1]``). So a tile of
+``2*len`` rows starting at row ``N0 = 2*t*c`` holds gate and up of hidden
+columns ``t*c .. t*c+len-1`` (``OUT0 = N0/2``), and its SiLU*up epilogue needs
+nothing outside the tile. :func:`upgate_row_map` gives the permutation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from megac.errors import MegacError
+from megac.weights.canonical import LayerWeights, ModelWeights
+
+if TYPE_CHECKING:
+    from megac.spec.model import ModelSpec
+
+DEFAULT_CHUNK = 64
+
+#: Descriptor fields this module fills (all of ``abi.LAUNCH_DESC``'s weights).
+KERNEL_WEIGHT_FIELDS = (
+    "w_embed", "w_lm_head", "w_norm", "w_qkv", "w_o", "w_upgate", "w_down",
+    "w_router", "w_moe_upgate", "w_moe_down", "layer_slot", "rope_inv_freq",
+)
+
+
+# ------------------------------------------------------------------ pieces
+
+
+def upgate_row_map(width: int, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """int64 ``[2*width]``: interleaved row ``r`` holds row ``map[r]`` of
+    ``cat([gate, up])`` (``< width``: a gate row, ``>= width``: up row
+    ``map[r] - width``)."""
+    if chunk < 1:
+        raise MegacError(f"layout: chunk must be >= 1 (got {chunk})")
+    idx: list[int] = []
+    for start in range(0, width, chunk):
+        stop = min(start + chunk, width)
+        idx.extend(range(start, stop))
+        idx.extend(range(width + start, width + stop))
+    return torch.tensor(idx, dtype=torch.int64)
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """``[..., W, K]`` gate and up -> ``[..., 2W, K]`` interleaved in chunks."""
+    if gate.shape != up.shape:
+        raise MegacError(f"layout: gate {list(gate.shape)} and up {list(up.shape)} differ")
+    width = gate.shape[-2]
+    both = torch.cat([gate, up], dim=-2)
+    return both.index_select(-2, upgate_row_map(width, chunk)).contiguous()
+
+
+def deinterleave_gate_up(fused: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`interleave_gate_up`."""
+    width = fused.shape[-2] // 2
+    inv = torch.argsort(upgate_row_map(width, chunk))
+    both = fused.index_select(-2, inv)
+    return both[..., :width, :].contiguous(), both[..., width:, :].contiguous()
+
+
+def rope_inv_freq(spec: "ModelSpec") -> torch.Tensor:
+    """fp32 ``[head_dim/2]``, bit-identical to transformers'
+    ``compute_default_rope_parameters``."""
+    dim = spec.head_dim
+    return 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def layer_slots(spec: "ModelSpec") -> torch.Tensor:
+    """int32 ``[L]``: index of each layer in its dense or MoE weight stack."""
+    dense, moe = spec.dense_layers, spec.moe_layers
+    return torch.tensor(
+        [dense.index(i) if l.ffn == "dense" else moe.index(i) for i, l in enumerate(spec.layers)],
+        dtype=torch.int32,
+    )
+
+
+def norm_slot_input(spec: "ModelSpec", layer: int) -> int:
+    return layer
+
+
+def norm_slot_post_attn(spec: "ModelSpec", layer: int) -> int:
+    return spec.num_layers + layer
+
+
+def norm_slot_final(spec: "ModelSpec") -> int:
+    return 2 * spec.num_layers
+
+
+# ------------------------------------------------------------------ whole model
+
+
+def _stack(ts: list[torch.Tensor], empty_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if not ts:
+        return torch.empty((0, *empty_shape), dtype=dtype)
+    return torch.stack(ts).contiguous()
+
+
+def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEFAULT_CHUNK,
+                   moe_chunk: int | None = None) -> dict[str, torch.Tensor]:
+    """The descriptor's weight tensors (:data:`KERNEL_WEIGHT_FIELDS`) for
+    ``weights``; ``chunk`` / ``moe_chunk`` (default: ``chunk``) are the gate/up
+    interleave of dense and expert layers."""
+    weights.validate(spec)
+    moe_chunk = chunk if moe_chunk is None else moe_chunk
+    dt = weights.dtype
+    d, L = spec.hidden_size, spec.num_layers
+
+    norm = torch.ones((2 * L + 1, d), dtype=dt)
+    for i, lw in enumerate(weights.layers):
+        norm[norm_slot_input(spec, i)] = lw.input_norm
+        if lw.post_attn_norm is not None:
+            norm[norm_slot_post_attn(spec, i)] = lw.post_attn_norm
+    norm[norm_slot_final(spec)] = weights.final_norm
+
+    dense = [weights.layers[i] for i in spec.dense_layers]
+    moe = [weights.layers[i] for i in spec.moe_layers]
+    dw = spec.dense_intermediate_size or 0
+    E = spec.moe.num_experts if spec.moe else 0
+    ew = spec.moe.expert_intermediate_size if spec.moe else 0
+    return {
+        "w_embed": weights.embed,
+        "w_lm_head": weights.lm_head_weight,
+        "w_norm": norm,
+        "w_qkv": torch.stack([torch.cat([lw.q, lw.k, lw.v], dim=0) for lw in weights.layers]).contiguous(),
+        "w_o": torch.stack([lw.o for lw in weights.layers]).contiguous(),
+        "w_upgate": _stack([interleave_gate_up(lw.gate, lw.up, chunk) for lw in dense], (2 * dw, d), dt),
+        "w_down": _stack([lw.down for lw in dense], (d, dw), dt),
+        "w_router": _stack([lw.router for lw in moe], (E, d), dt),
+        "w_moe_upgate": _stack([interleave_gate_up(lw.experts_gate, lw.experts_up, moe_chunk) for lw in moe],
+                               (E, 2 * ew, d), dt),
+        "w_moe_down": _stack([lw.experts_down for lw in moe], (E, d, ew), dt),
+        "layer_slot": layer_slots(spec),
+        "rope_inv_freq": rope_inv_freq(spec),
+    }
+
+
+def canonical_from_kernel(kw: dict[str, torch.Tensor], spec: "ModelSpec", *, chunk: int = DEFAULT_CHUNK,
+                          moe_chunk: int | None = None) -> ModelWeights:
+    """Inverse of :func:`kernel_weights` (tests: the round trip is exact)."""
+    moe_chunk = chunk if moe_chunk is None else moe_chunk
+    L, q, kv = spec.num_layers, spec.q_width, spec.kv_width
+    slots = kw["layer_slot"].tolist()
+    layers = []
+    for i, ls in enumerate(spec.layers):
+        qkv = kw["w_qkv"][i]
+        lw = LayerWeights(
+            input_norm=kw["w_norm"][norm_slot_input(spec, i)].clone(),
+            q=qkv[:q].clone(), k=qkv[q:q + kv].clone(), v=qkv[q + kv:].clone(),
+            o=kw["w_o"][i].clone(),
+            post_attn_norm=(kw["w_norm"][norm_slot_post_attn(spec, i)].clone()
+                            if spec.block == "sequential" else None),
+        )
+        s = slots[i]
+        if ls.ffn == "dense":
+            lw.gate, lw.up = deinterleave_gate_up(kw["w_upgate"][s], chunk)
+            lw.down = kw["w_down"][s].clone()
+        else:
+            lw.router = kw["w_router"][s].clone()
+            lw.experts_gate, lw.experts_up = deinterleave_gate_up(kw["w_moe_upgate"][s], moe_chunk)
+            lw.experts_down = kw["w_moe_down"][s].clone()
+        layers.append(lw)
+    tied = kw["w_lm_head"] is kw["w_embed"] or spec.tie_embeddings
+    return ModelWeights(
+        embed=kw["w_embed"].clone(),
+        final_norm=kw["w_norm"][norm_slot_final(spec)].clone(),
+        layers=layers,
+        lm_head=None if tied else kw["w_lm_head"].clone(),
+    )
+
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "KERNEL_WEIGHT_FIELDS",
+    "canonical_from_kernel",
+    "deinterleave_gate_up",
+    "interleave_gate_up",
+    "kernel_weights",
+    "layer_slots",
+    "norm_slot_final",
+    "norm_slot_input",
+    "norm_slot_post_attn",
+    "rope_inv_freq",
+    "upgate_row_map",
+]
