@@ -497,3 +497,30 @@ def descriptor_offsets() -> dict:
         fields[f.name] = off
         off += size
     return {"fields": fields, "size": (off + 7) // 8 * 8}
+
+
+def pack_descriptor(values: dict) -> bytes:
+    """Pack the launch descriptor by field name into the bytes of the C
+    struct ``megac::LaunchDesc``. Every field must be given exactly once: a
+    missing or unknown name is an error, so ABI drift fails at the first
+    launch instead of reading a stale pointer."""
+    import struct
+
+    missing = [n for n in DESC_NAMES if n not in values]
+    unknown = sorted(set(values) - set(DESC_NAMES))
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"unassigned: {', '.join(missing)}")
+        if unknown:
+            parts.append(f"unknown: {', '.join(unknown)}")
+        raise ValueError("launch descriptor fields " + "; ".join(parts))
+    layout = descriptor_offsets()
+    buf = bytearray(layout["size"])
+    fmt = {"ptr": "<Q", "u64": "<Q", "i32": "<i", "f32": "<f"}
+    for f in LAUNCH_DESC:
+        v = values[f.name]
+        if f.ctype in ("ptr", "u64", "i32"):
+            v = int(v)
+        struct.pack_into(fmt[f.ctype], buf, layout["fields"][f.name], v)
+    return bytes(buf)

@@ -89,3 +89,26 @@ def test_header_compiles_and_descriptor_layout_is_packed(tmp_path):
     for name, off in offsets["fields"].items():
         assert int(got[name]) == off, name
     assert int(got["sizeof"]) == offsets["size"]
+
+
+def test_pack_descriptor_by_name():
+    values = {f.name: (0.5 if f.ctype == "f32" else i + 1) for i, f in enumerate(abi.LAUNCH_DESC)}
+    blob = abi.pack_descriptor(values)
+    offs = abi.descriptor_offsets()
+    assert len(blob) == offs["size"]
+    import struct
+
+    for i, f in enumerate(abi.LAUNCH_DESC):
+        off = offs["fields"][f.name]
+        if f.ctype == "f32":
+            assert struct.unpack_from("<f", blob, off)[0] == 0.5
+        elif f.ctype == "i32":
+            assert struct.unpack_from("<i", blob, off)[0] == i + 1
+        else:
+            assert struct.unpack_from("<Q", blob, off)[0] == i + 1
+    missing = dict(values)
+    del missing["w_qkv"]
+    with pytest.raises(ValueError, match="unassigned: w_qkv"):
+        abi.pack_descriptor(missing)
+    with pytest.raises(ValueError, match="unknown: w_bogus"):
+        abi.pack_descriptor({**values, "w_bogus": 1})
