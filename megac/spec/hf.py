@@ -360,14 +360,9 @@ _FAMILIES = {"cohere2_moe": _cohere2_moe, "llama": _llama}
 
 
 def _read_json(path: Path, source: str) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{source}: no such file") from None
-    except OSError as e:
-        raise SpecError(f"{source}: cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise SpecError(f"{source}: not a UTF-8 text file") from None
+    from megac.spec.loader import read_text_file  # loader imports this module
+
+    text = read_text_file(path, source)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

@@ -373,18 +373,22 @@ def spec_from_yaml_text(text: str, *, source: str = "<yaml>", default_name: str 
     return spec_from_dict(data, source=source, node=node, default_name=default_name)
 
 
-def load_yaml_spec(path: str | os.PathLike, *, source: str | None = None) -> ModelSpec:
-    p = Path(path)
-    source = source or str(path)
+def read_text_file(path: Path, source: str) -> str:
+    """A spec file's text, or a one-line SpecError saying why not."""
     try:
-        text = p.read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SpecError(f"{source}: no such file") from None
     except OSError as e:
         raise SpecError(f"{source}: cannot read: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise SpecError(f"{source}: not a UTF-8 text file") from None
-    return spec_from_yaml_text(text, source=source, default_name=p.stem)
+
+
+def load_yaml_spec(path: str | os.PathLike, *, source: str | None = None) -> ModelSpec:
+    p = Path(path)
+    source = source or str(path)
+    return spec_from_yaml_text(read_text_file(p, source), source=source, default_name=p.stem)
 
 
 def spec_to_yaml(spec: ModelSpec) -> str:
