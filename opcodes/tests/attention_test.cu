@@ -1,8 +1,19 @@
 // Standalone persistent test kernel for ATTN_DECODE + ATTN_COMBINE
-// (opcodes/attention.cuh): grid = SM count (cooperative launch), decode
-// tasks (row, kv head, split) dealt round-robin over CTAs, then combine tasks
-// (row, kv head) dealt the same way, each waiting on its (row, kv head)
-// counter through a bounded wait (megac::cta_wait_counter, 2 s watchdog).
+// (opcodes/attention.cuh): grid = SM count (cooperative launch). Decode slots
+// (row, kv head, split) are dealt round-robin over CTAs, the same way every
+// step, and each CTA runs its slots of all steps as one decode stream on its
+// compute warps, while one more warp (the control warp) does everything that
+// touches counters: the buffer-free wait before a partial is stored, the
+// arrival, and the fused combine. Compute threads never fence, so the ring
+// keeps streaming across task boundaries.
+//
+// `phases` bits:
+//   1 decode          2 separate combine phase      4 fused combine
+// 1|4 (the default): the last split of each (row, kv head) to arrive is
+// merged by that CTA's control warp while its compute warps stream on. 1|2: after each step's decodes, combine tasks
+// (row, kv head) dealt round-robin wait on their arrival counter through a
+// bounded wait (megac::cta_wait_counter, 2 s watchdog); the stream then
+// restarts every step. 1: decode only. 2: combine only (watchdog test).
 //
 // Counters are never reset between launches of one configuration: steps are
 // numbered across launches (`epoch` = number of the launch's first step).
@@ -16,90 +27,215 @@ namespace {
 
 constexpr int kPhaseDecode = 1;
 constexpr int kPhaseCombine = 2;
+constexpr int kPhaseFused = 4;
 constexpr int kOpDecode = 2;
 constexpr int kOpCombine = 4;
 
-// `reps` back-to-back attention steps in one launch (reps > 1 measures the
-// steady state without host launch gaps). Global step e = epoch + r:
-//   decode (e)  writes partial buffer (e-1) % 2, page-table copy (e-1) % pt_copies;
-//               for e >= 3 it first waits until the combine of step e-2 on
-//               its (row, kv head) has read that buffer (done counter);
-//   combine (e) waits for e * merge_splits[row] decode arrivals.
-// counters: [0, rows*kvh) decode arrivals, [rows*kvh, 2*rows*kvh) combines done.
+// Global step e = epoch + r uses partial buffer (e-1) % 2, arrival counters
+// arrive[(e-1) % 2] and page-table copy (e-1) % pt_copies. Before a decode of
+// step e >= 3 stores its partial it waits until the combine of step e-2 on
+// its (row, kv head) has read that buffer (done counter). Arrivals of steps
+// e and e+2 on one counter therefore never interleave.
+// counters: [0, 2*nrk) arrivals (two parities), [2*nrk, 3*nrk) combines done.
+struct Launch {
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* k_pool;
+  const __nv_bfloat16* v_pool;
+  const int32_t* page_table;
+  const int32_t* seq_len;
+  const int32_t* chunk_splits;
+  const int32_t* merge_splits;
+  float* o_part;
+  float* lse_part;
+  __nv_bfloat16* out;
+  uint32_t* counters;
+  int32_t* status;
+  int rows, kv_heads, pt_stride, split_stride, window;
+  float scale;
+  int epoch, phases, pt_copies;
+  int q_heads, nrk, per;  // per: decode slots of this CTA per step
+};
+
+// Hand-offs between the compute warps (the decode stream) and the control
+// warp, once per task, in this order:
+//   control: [wait until the task's partial buffer is free]  arrive(kMayWrite)
+//   compute: sync(kMayWrite)  store the partial  arrive(kWritten)
+//   control: sync(kWritten)   count the arrival / merge as the last arriver
+// Each side passes one barrier only after the other side's previous arrival
+// on the other one, so no barrier is ever arrived at twice in one phase.
+constexpr int kBarWritten = 2;
+constexpr int kBarMayWrite = 3;
+
 template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES>
-__device__ __forceinline__ void attn_test_body(
-    const __nv_bfloat16* q, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool,
-    const int32_t* page_table, const int32_t* seq_len, const int32_t* chunk_splits,
-    const int32_t* merge_splits, float* o_part, float* lse_part, __nv_bfloat16* out,
-    uint32_t* counters, int32_t* status, int rows, int kv_heads, int pt_stride,
-    int split_stride, int window, float scale, int epoch, int phases, int reps, int pt_copies) {
-  extern __shared__ __align__(128) char smem[];
-  const int q_heads = kv_heads * GQA;
-  const int nrk = rows * kv_heads;
-  uint32_t* arrive = counters;
-  uint32_t* done = counters + nrk;
-  int task = 0;
-  for (int r = 0; r < reps; ++r) {
-    const int e = epoch + r;
-    const int buf = (e - 1) & 1;
-    float* op = o_part + (size_t)buf * split_stride * rows * q_heads * HD;
-    float* lp = lse_part + (size_t)buf * split_stride * rows * q_heads;
-    const int32_t* pt = page_table + (size_t)((e - 1) % pt_copies) * rows * pt_stride;
-    megac::attn::DecodeArgs da{q, k_pool, v_pool, pt, seq_len, op, lp,
-                               rows, kv_heads, pt_stride, split_stride, scale};
-    if (phases & kPhaseDecode) {
-      const int n = nrk * split_stride;
-      for (int t = blockIdx.x; t < n; t += gridDim.x, ++task) {
-        const int split = t % split_stride;
-        const int rk = t / split_stride;
-        const int row = rk / kv_heads;
-        const int kvh = rk % kv_heads;
-        if (split >= merge_splits[row]) continue;
-        if (e >= 3 && (phases & kPhaseCombine)) {
-          megac::WaitSite site{status, 0, task, kOpDecode, 0};
-          if (!megac::cta_wait_counter(done + rk, (uint32_t)(e - 2), nrk + rk, site)) return;
+struct TestTasks {
+  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES>;
+  static constexpr int NT = NWARPS * 32;
+  static constexpr int NALL = NT + 32;
+  const Launch& L;
+  int first_step;  // slot i belongs to step first_step + i / L.per
+
+  __device__ __forceinline__ void slot(int i, int& e, int& row, int& kvh, int& split) const {
+    e = first_step + i / L.per;
+    const int t = blockIdx.x + (i % L.per) * gridDim.x;
+    split = t % L.split_stride;
+    const int rk = t / L.split_stride;
+    row = rk / L.kv_heads;
+    kvh = rk % L.kv_heads;
+  }
+
+  __device__ __forceinline__ bool valid(int row, int split) const {
+    return split < __ldg(L.merge_splits + row);
+  }
+
+  __device__ __forceinline__ bool operator()(int i, megac::attn::DecodeTask& t) const {
+    int e, row, kvh, split;
+    slot(i, e, row, kvh, split);
+    if (!valid(row, split)) return false;
+    megac::attn::DecodeArgs a{L.q, L.k_pool, L.v_pool,
+                              L.page_table + (size_t)((e - 1) % L.pt_copies) * L.rows * L.pt_stride,
+                              L.seq_len, nullptr, nullptr, L.rows, L.kv_heads, L.pt_stride,
+                              L.split_stride, L.scale};
+    S::task(a, row, kvh, split, __ldg(L.chunk_splits + row), L.window, t);
+    return true;
+  }
+
+  __device__ __forceinline__ bool waits(int e) const {
+    return e >= 3 && (L.phases & (kPhaseCombine | kPhaseFused));
+  }
+  __device__ __forceinline__ float* opart(int e) const {
+    return L.o_part + (size_t)((e - 1) & 1) * L.split_stride * L.rows * L.q_heads * HD;
+  }
+  __device__ __forceinline__ float* lpart(int e) const {
+    return L.lse_part + (size_t)((e - 1) & 1) * L.split_stride * L.rows * L.q_heads;
+  }
+
+  // Compute warps, at the end of task i.
+  __device__ __forceinline__ bool finish(int i, char* smem) const {
+    int e, row, kvh, split;
+    slot(i, e, row, kvh, split);
+    megac::attn::bar_sync<kBarMayWrite, NALL>();
+    S::write_partial(smem, opart(e) + ((size_t)split * L.rows + row) * L.q_heads * HD + (size_t)kvh * GQA * HD,
+                     lpart(e) + ((size_t)split * L.rows + row) * L.q_heads + kvh * GQA);
+    megac::attn::bar_arrive<kBarWritten, NALL>();
+    return true;
+  }
+
+  // The control warp: the counter side of tasks 0..n-1.
+  __device__ __forceinline__ void control(int n, char* smem) const {
+    const int lane = threadIdx.x & 31;
+    uint32_t* done = L.counters + 2 * L.nrk;
+    bool ok = true;  // false after a watchdog: keep the hand-offs, do nothing else
+    for (int i = 0; i < n; ++i) {
+      int e, row, kvh, split;
+      slot(i, e, row, kvh, split);
+      if (!valid(row, split)) continue;
+      const int rk = row * L.kv_heads + kvh;
+      if (ok && waits(e)) {
+        int w = 1;
+        if (lane == 0) {
+          megac::WaitSite site{L.status, 0, i, kOpDecode, 0};
+          w = megac::wait_counter(done + rk, (uint32_t)(e - 2), 2 * L.nrk + rk, site);
         }
-        megac::attn::decode_task<HD, GQA, BLOCK, NWARPS, STAGES>(da, row, kvh, split,
-                                                                  chunk_splits[row], window, smem);
-        megac::cta_signal_counter(arrive + rk);
+        ok = __shfl_sync(0xffffffffu, w, 0) != 0;
+      }
+      megac::attn::bar_arrive<kBarMayWrite, NALL>();
+      megac::attn::bar_sync<kBarWritten, NALL>();
+      if (!ok) continue;
+      uint32_t* arrive = L.counters + ((e - 1) & 1) * L.nrk + rk;
+      if (L.phases & kPhaseFused) {
+        const int ns = __ldg(L.merge_splits + row);
+        if (megac::attn::warp_arrive_last(arrive, (uint32_t)ns)) {
+          megac::attn::combine_core<HD, GQA, 32, 0>(opart(e), lpart(e), L.out, L.rows, L.q_heads,
+                                                    row, kvh, ns, S::ctl_work(smem),
+                                                    S::ctl_work_bytes(), lane);
+          if (lane == 0) megac::signal_counter(done + rk);
+          __syncwarp();
+        }
+      } else {
+        if (lane == 0) megac::signal_counter(arrive);
+        __syncwarp();
       }
     }
-    if (phases & kPhaseCombine) {
-      megac::attn::CombineArgs ca{op, lp, out, rows, kv_heads, split_stride};
-      for (int c = blockIdx.x; c < nrk; c += gridDim.x, ++task) {
-        const int row = c / kv_heads;
-        const int kvh = c % kv_heads;
-        const uint32_t target = (uint32_t)e * (uint32_t)merge_splits[row];
-        megac::WaitSite site{status, 0, task, kOpCombine, 0};
-        if (!megac::cta_wait_counter(arrive + c, target, c, site)) return;
-        megac::attn::combine_task<HD, GQA, NWARPS * 32>(ca, row, kvh, merge_splits[row], smem);
-        megac::cta_signal_counter(done + c);
-      }
+  }
+};
+
+template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES>
+__device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
+  extern __shared__ __align__(128) char smem[];
+  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES>;
+  using T = TestTasks<HD, GQA, BLOCK, NWARPS, STAGES>;
+  constexpr int NT = NWARPS * 32;
+  const bool compute = (int)threadIdx.x < NT;
+  // Both sides of one decode stream over steps first_step.. (n slots).
+  auto stream = [&](int first_step, int n) {
+    const T tasks{L, first_step};
+    if (compute) {
+      auto src = [&](int i, megac::attn::DecodeTask& t) { return tasks(i, t); };
+      auto begin = [](int) {};
+      auto finish = [&](int i, const megac::attn::DecodeTask&, char* sm) { return tasks.finish(i, sm); };
+      S s;
+      s.run(src, begin, finish, n, L.scale, smem);
+    } else {
+      tasks.control(n, smem);
+    }
+  };
+  const bool separate = (L.phases & kPhaseCombine) && !(L.phases & kPhaseFused);
+  if (!separate) {
+    if (L.phases & kPhaseDecode) stream(L.epoch, reps * L.per);
+    return;
+  }
+  uint32_t* done = L.counters + 2 * L.nrk;
+  int task = 0;
+  for (int r = 0; r < reps; ++r) {
+    const int e = L.epoch + r;
+    const int buf = (e - 1) & 1;
+    if (L.phases & kPhaseDecode) stream(e, L.per);
+    __syncthreads();  // the ring is idle: the combine may use all of smem
+    megac::attn::CombineArgs ca{L.o_part + (size_t)buf * L.split_stride * L.rows * L.q_heads * HD,
+                                L.lse_part + (size_t)buf * L.split_stride * L.rows * L.q_heads,
+                                L.out, L.rows, L.kv_heads, L.split_stride};
+    for (int c = blockIdx.x; c < L.nrk; c += gridDim.x, ++task) {
+      const int row = c / L.kv_heads;
+      const int kvh = c % L.kv_heads;
+      const uint32_t n = (uint32_t)__ldg(L.merge_splits + row);
+      const uint32_t target = (uint32_t)((e - 1) / 2 + 1) * n;
+      megac::WaitSite site{L.status, 0, task, kOpCombine, 0};
+      if (!megac::cta_wait_counter(L.counters + buf * L.nrk + c, target, buf * L.nrk + c, site))
+        return;
+      if (compute)
+        megac::attn::combine_task<HD, GQA, NT, megac::attn::kBarCompute>(
+            ca, row, kvh, (int)n, smem, (int)megac::attn::dynamic_smem_bytes());
+      megac::cta_signal_counter(done + c);
     }
   }
 }
 
 }  // namespace
 
+// Block = NWARPS compute warps + 1 control warp.
 #define ATTN_TEST_ENTRY(NAME, HD, GQA, BLOCK, NWARPS, STAGES)                                  \
-  extern "C" __global__ void __launch_bounds__(NWARPS * 32, 1) NAME(                            \
+  extern "C" __global__ void __launch_bounds__(NWARPS * 32 + 32, 1) NAME(                            \
       const __nv_bfloat16* q, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool,         \
       const int32_t* page_table, const int32_t* seq_len, const int32_t* chunk_splits,           \
       const int32_t* merge_splits, float* o_part, float* lse_part, __nv_bfloat16* out,          \
       uint32_t* counters, int32_t* status, int rows, int kv_heads, int pt_stride,               \
       int split_stride, int window, float scale, int epoch, int phases, int reps,               \
       int pt_copies) {                                                                          \
-    attn_test_body<HD, GQA, BLOCK, NWARPS, STAGES>(q, k_pool, v_pool, page_table, seq_len,      \
-                                                   chunk_splits, merge_splits, o_part, lse_part, \
-                                                   out, counters, status, rows, kv_heads,       \
-                                                   pt_stride, split_stride, window, scale,      \
-                                                   epoch, phases, reps, pt_copies);             \
+    const int n = rows * kv_heads * split_stride;                                               \
+    const int per = (int)blockIdx.x < n ? (n - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;   \
+    const Launch L{q, k_pool, v_pool, page_table, seq_len, chunk_splits, merge_splits, o_part,  \
+                   lse_part, out, counters, status, rows, kv_heads, pt_stride, split_stride,    \
+                   window, scale, epoch, phases, pt_copies, kv_heads * GQA, rows * kv_heads,    \
+                   per};                                                                        \
+    attn_test_body<HD, GQA, BLOCK, NWARPS, STAGES>(L, reps);                                    \
+  }                                                                                             \
+  extern "C" __global__ void NAME##_smem_bytes(unsigned int* o) {                               \
+    o[0] = megac::attn::DecodeSmem<HD, GQA, NWARPS, STAGES>::kBytes;                            \
   }
 
 // North Mini Code: 8 query heads per kv head, head_dim 128.
 ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_s4, 128, 8, 64, 4, 4)
-ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_s6, 128, 8, 64, 4, 6)
-ATTN_TEST_ENTRY(attn_h128_g8_b64_w8_s3, 128, 8, 64, 8, 3)
+ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_s5, 128, 8, 64, 4, 5)
 // Page size other than the tile: 16-token pages, 64-key tiles.
 ATTN_TEST_ENTRY(attn_h128_g8_b16_w4_s4, 128, 8, 16, 4, 4)
 // SmolLM2: 3 query heads per kv head, head_dim 64.

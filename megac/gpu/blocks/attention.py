@@ -26,8 +26,7 @@ SOURCE = REPO / "opcodes" / "tests" / "attention_test.cu"
 # (entry point, head_dim, gqa, block_size, warps, stages)
 VARIANTS = {
     "nmc": ("attn_h128_g8_b64_w4_s4", 128, 8, 64, 4, 4),
-    "nmc_s6": ("attn_h128_g8_b64_w4_s6", 128, 8, 64, 4, 6),
-    "nmc_w8": ("attn_h128_g8_b64_w8_s3", 128, 8, 64, 8, 3),
+    "nmc_s5": ("attn_h128_g8_b64_w4_s5", 128, 8, 64, 4, 5),
     "nmc_b16": ("attn_h128_g8_b16_w4_s4", 128, 8, 16, 4, 4),
     "smol": ("attn_h64_g3_b64_w4_s8", 64, 3, 64, 4, 8),
 }
@@ -61,11 +60,32 @@ def plan_splits(seq_len: int, window: int, block: int, *, min_pages: int = 4, ma
     return max(1, min(max_splits, pages // min_pages))
 
 
-def smem_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
+# Every variant gets the whole 227 KB: what the decode stream leaves free
+# (megac::attn::DecodeSmem) stages the partials of the fused combine.
+SMEM_MAX = 227 * 1024
+
+# `phases` bits of the test kernel (opcodes/tests/attention_test.cu).
+DECODE, COMBINE, FUSED = 1, 2, 4
+
+
+def _r128(n: int) -> int:
+    return -(-n // 128) * 128
+
+
+def smem_min_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
+    """Mirror of DecodeSmem<HD, GQA, NWARPS, STAGES>::kBytes."""
     kt = warps * 16
     ring = stages * 2 * kt * hd * 2
+    qslots = stages * _r128(gqa * hd * 2)
     merge = warps * (32 + gqa * hd) * 4
-    return max(ring, merge, 64 * 16 * 4 + 64)
+    combine = _r128((64 * gqa + gqa) * 4) + 2 * gqa * hd * 4  # the control warp's
+    return ring + qslots + 128 + merge + combine
+
+
+def smem_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
+    need = smem_min_bytes(hd, gqa, warps, stages)
+    assert need <= SMEM_MAX, f"variant needs {need} B of shared memory"
+    return SMEM_MAX
 
 
 # --------------------------------------------------------------------------
@@ -114,7 +134,7 @@ class Attn:
         self.smem = smem_bytes(self.hd, self.gqa, self.warps, self.stages)
         self.nsm = launch.sm_count()
 
-    def run(self, st, *, epoch: int, phases: int = 3, page_table=None, reps: int = 1):
+    def run(self, st, *, epoch: int, phases: int = DECODE | FUSED, page_table=None, reps: int = 1):
         """``reps`` steps in one launch, numbered epoch, epoch+1, ...; with
         page_table=None step e reads page-table copy (e-1) % copies."""
         pt = st["pt_all"] if page_table is None else page_table.unsqueeze(0)
@@ -125,7 +145,8 @@ class Attn:
             np.int32(st["split_stride"]), np.int32(st["window"]), np.float32(1.0 / math.sqrt(self.hd)),
             np.int32(epoch), np.int32(phases), np.int32(reps), np.int32(pt.shape[0]),
         )
-        coop_launch(self.mod, self.name, (self.nsm,), (self.warps * 32,), args, self.smem)
+        # compute warps + the control warp (attention_test.cu)
+        coop_launch(self.mod, self.name, (self.nsm,), (self.warps * 32 + 32,), args, self.smem)
 
 
 def make_state(a: Attn, seq_lens, kv_heads, window, chunk_splits, merge_splits=None, *, gen, extra_blocks=0, copies=1):
@@ -179,7 +200,8 @@ def make_state(a: Attn, seq_lens, kv_heads, window, chunk_splits, merge_splits=N
         "o_part": torch.full((2, stride, rows, kv_heads * gqa, hd), float("nan"), device=dev),
         "lse_part": torch.full((2, stride, rows, kv_heads * gqa), float("nan"), device=dev),
         "out": torch.full((rows, kv_heads * gqa * hd), float("nan"), dtype=torch.bfloat16, device=dev),
-        "counters": torch.zeros(2 * rows * kv_heads, dtype=torch.int32, device=dev),
+        # arrivals of odd / even steps, then combines done (attention_test.cu)
+        "counters": torch.zeros(3 * rows * kv_heads, dtype=torch.int32, device=dev),
         "status": a.launch_mod.new_status(),
     }
     return st
@@ -205,10 +227,10 @@ def reference(a: Attn, st):
     return torch.stack(outs)
 
 
-def _run_checked(a: Attn, st, epoch=1, page_table=None):
+def _run_checked(a: Attn, st, epoch=1, page_table=None, phases=DECODE | FUSED, reps=1):
     import torch  # noqa: PLC0415
 
-    a.run(st, epoch=epoch, page_table=page_table)
+    a.run(st, epoch=epoch, page_table=page_table, phases=phases, reps=reps)
     torch.cuda.synchronize()
     a.launch_mod.check_status(st["status"], st["counters"])
 
@@ -225,14 +247,19 @@ def _errors(a: Attn, st):
     return rel, nan
 
 
-def correctness_case(a: Attn, name, seq_lens, kv_heads, window, splits=None, *, gen, tol=1e-2):
+def correctness_case(a: Attn, name, seq_lens, kv_heads, window, splits=None, *, gen, tol=1e-2,
+                     phases=DECODE | FUSED, reps=1, copies=1):
+    """reps > 1: that many steps in one launch (the pipelined path the bench
+    times), each on its own page-table copy; the last step's output is checked."""
     splits = splits or [plan_splits(s, window, a.block) for s in seq_lens]
-    st = make_state(a, seq_lens, kv_heads, window, splits, gen=gen)
-    _run_checked(a, st)
+    st = make_state(a, seq_lens, kv_heads, window, splits, gen=gen, copies=copies)
+    _run_checked(a, st, phases=phases, reps=reps)
+    st["page_table"] = st["pt_all"][(reps - 1) % copies]
     rel, nan = _errors(a, st)
     ok = nan == 0 and rel <= tol
     return check(name, ok, {"max_row_rel_err": rel, "nan_out": nan, "seq_lens": seq_lens[:8],
-                            "splits": splits[:8], "window": window, "variant": a.name}), st
+                            "splits": splits[:8], "window": window, "variant": a.name,
+                            "phases": phases, "steps": reps}), st
 
 
 # --------------------------------------------------------------------------
@@ -289,12 +316,25 @@ def run(quick: bool) -> dict:
 
     # 2. ragged batches.
     ragged = [1, 4097, 65, 8192, 63, 1000, 300, 20000]
-    for v, kvh in (("nmc", 4), ("smol", 3), ("nmc_b16", 4), ("nmc_s6", 4), ("nmc_w8", 4)):
+    for v, kvh in (("nmc", 4), ("smol", 3), ("nmc_b16", 4), ("nmc_s5", 4)):
         for bsz in ((1, 2, 4, 8) if v in ("nmc", "smol") else (8,)):
             for w in (0, 4096):
                 lens = ragged[:bsz]
                 guard(f"{v}_ragged_bs{bsz}_w{w}", lambda: checks.append(
                     correctness_case(A[v], f"{v}_ragged_bs{bsz}_w{w}", lens, kvh, w, gen=gen)[0]))
+
+    # 2b. the separate ATTN_COMBINE path (counter wait, standalone combine),
+    # and several pipelined steps in one launch on both paths.
+    for v, kvh in (("nmc", 4), ("smol", 3)):
+        for w in (0, 4096):
+            guard(f"{v}_separate_combine_w{w}", lambda: checks.append(correctness_case(
+                A[v], f"{v}_separate_combine_w{w}", ragged, kvh, w, gen=gen, phases=DECODE | COMBINE)[0]))
+    for v, ph, tag in (("nmc", DECODE | FUSED, "fused"), ("nmc", DECODE | COMBINE, "separate"),
+                       ("nmc_b16", DECODE | FUSED, "fused"), ("nmc_s5", DECODE | FUSED, "fused"),
+                       ("smol", DECODE | FUSED, "fused")):
+        guard(f"{v}_{tag}_7steps", lambda: checks.append(correctness_case(
+            A[v], f"{v}_{tag}_7steps", [8192, 1000, 20000, 65], 4 if v != "smol" else 3, 0,
+            gen=gen, phases=ph, reps=7, copies=3)[0]))
 
     # 3. split counts 1..64 on one row (1000 keys: many trailing empty splits).
     scounts = range(1, 65) if not quick else (1, 2, 3, 5, 8, 13, 16, 31, 32, 33, 63, 64)
@@ -355,6 +395,12 @@ def run(quick: bool) -> dict:
         st4["pt_all"] = st["page_table"][1:2].unsqueeze(0).contiguous()
         _run_checked(a, st4)
         checks.append(check("batch_invariant_row", torch.equal(st4["out"][0].view(torch.int16), first[1].view(torch.int16)), ""))
+        # The fused combine (last arriver) and the standalone one: same bits.
+        st5 = dict(st)
+        st5.update({"out": torch.full_like(first, float("nan")), "counters": torch.zeros_like(st["counters"])})
+        _run_checked(a, st5, epoch=1, phases=DECODE | COMBINE)
+        checks.append(check("fused_equals_separate_combine_bits",
+                            torch.equal(first.view(torch.int16), st5["out"].view(torch.int16)), ""))
         # NaN poisoning: every element of every row written (checked in all cases too).
         checks.append(check("nan_poison_fully_written", not torch.isnan(first.float()).any().item(), ""))
 
@@ -367,7 +413,7 @@ def run(quick: bool) -> dict:
         a = A["nmc"]
         st = make_state(a, [1000], 4, 0, [4], gen=gen)
         t0 = time.time()
-        a.run(st, epoch=1, phases=2)  # combine only: no decode ever signals
+        a.run(st, epoch=1, phases=COMBINE)  # combine only: no decode ever signals
         torch.cuda.synchronize()
         dt = time.time() - t0
         words = st["status"].tolist()
@@ -383,9 +429,9 @@ def run(quick: bool) -> dict:
         ceil = None
         checks.append(check("ceiling", False, str(e)))
     cfgs = [(1, 8192), (8, 8192), (1, 131072), (8, 131072)]
-    splits_try = {1: (16, 32, 33, 64), 8: (8, 16, 32)} if not quick else {1: (32,), 8: (8, 32)}
+    splits_try = {1: (16, 32, 64), 8: (8, 16, 32)} if not quick else {1: (32,), 8: (8, 32)}
     for bsz, ctx in cfgs:
-        for var in (("nmc", "nmc_s6", "nmc_w8") if not quick else ("nmc", "nmc_w8")):
+        for var in (("nmc", "nmc_s5") if not quick else ("nmc",)):
             for s in splits_try[bsz]:
                 try:
                     benches.append(bench_case(A[var], bsz, ctx, s, ceil, gen, reps=15 if quick else 30))
@@ -417,7 +463,7 @@ def bench_case(a: Attn, bsz, ctx, s, ceil, gen, reps=30):
     st = make_state(a, [ctx] * bsz, kvh, 0, [s] * bsz, gen=gen, copies=copies)
     state = {"epoch": 1}
 
-    def go(n, phases=3):
+    def go(n, phases=DECODE | FUSED):
         a.run(st, epoch=state["epoch"], phases=phases, reps=n)
         state["epoch"] += n
 
@@ -427,13 +473,20 @@ def bench_case(a: Attn, bsz, ctx, s, ceil, gen, reps=30):
     a.launch_mod.check_status(st["status"], st["counters"])
     st["counters"].zero_()
     state["epoch"] = 1
-    dec = time_cuda(lambda: go(steps, 1), reps=max(3, reps // 5), warmup=2)
+    dec = time_cuda(lambda: go(steps, DECODE), reps=max(3, reps // 5), warmup=2)
+    torch.cuda.synchronize()
+    a.launch_mod.check_status(st["status"], st["counters"])
+    st["counters"].zero_()
+    state["epoch"] = 1
+    sep = time_cuda(lambda: go(steps, DECODE | COMBINE), reps=max(3, reps // 5), warmup=2)
     torch.cuda.synchronize()
     a.launch_mod.check_status(st["status"], st["counters"])
     per = many["median_us"] / steps
     b = bench(f"{a.name}_bs{bsz}_ctx{ctx}_s{s}", kv_bytes, per, ceil,
               steps_per_launch=steps, decode_only_us=round(dec["median_us"] / steps, 3),
-              one_launch_one_step_us=round(one["median_us"], 3), copies=copies)
+              separate_combine_us=round(sep["median_us"] / steps, 3),
+              one_launch_one_step_us=round(one["median_us"], 3), copies=copies,
+              planner_splits=plan_splits(ctx, 0, a.block))
     del st
     torch.cuda.empty_cache()
     return b
