@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megac.gpu import build, launch
 from megac.gpu.battery import bench, block_main, ceiling_tbps, check, time_cuda
 
 REPO = Path(__file__).resolve().parents[3]
@@ -93,40 +94,15 @@ def smem_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
 # --------------------------------------------------------------------------
 
 
-def coop_launch(mod, name, grid, block, args, shared_mem):
-    """Launch of a persistent test kernel from a module loaded by _module()
-    (cupy launches its kernels with cuLaunchCooperativeKernel, which refuses a
-    grid that cannot be co-resident, so a too-large grid fails, never hangs)."""
-    from megac.gpu import launch  # noqa: PLC0415
-
-    func = mod.get_function(name)
-    if shared_mem > 48 * 1024 and func.max_dynamic_shared_size_bytes < shared_mem:
-        func.max_dynamic_shared_size_bytes = int(shared_mem)
-    conv = tuple(launch._as_arg(a) for a in args)  # noqa: SLF001
-    func((int(grid[0]), 1, 1), (int(block[0]), 1, 1), conv, shared_mem=int(shared_mem))
-
-
 def _module():
-    from megac.gpu import build  # noqa: PLC0415
-
-    try:
-        cubin = build.build_cubin(SOURCE)
-    except build.CudaBuildError:
-        fallback = REPO / "build" / "attention_test.cubin"
-        if not fallback.is_file():
-            raise
-        cubin = fallback
-    import cupy  # noqa: PLC0415
-
-    # cupy decides cooperative launch per module, at load time.
-    return cupy.RawModule(path=str(cubin), enable_cooperative_groups=True), cubin
+    cubin = build.build_cubin(SOURCE)
+    return launch.load_module(cubin), cubin
 
 
 class Attn:
     """One kernel variant plus its launch arguments."""
 
     def __init__(self, mod, variant: str):
-        from megac.gpu import launch  # noqa: PLC0415
 
         self.launch_mod = launch
         self.mod = mod
@@ -146,7 +122,7 @@ class Attn:
             np.int32(epoch), np.int32(phases), np.int32(reps), np.int32(pt.shape[0]),
         )
         # compute warps + the control warp (attention_test.cu)
-        coop_launch(self.mod, self.name, (self.nsm,), (self.warps * 32 + 32,), args, self.smem)
+        launch.launch(self.mod, self.name, (self.nsm,), (self.warps * 32 + 32,), args, self.smem, cooperative=True)
 
 
 def make_state(a: Attn, seq_lens, kv_heads, window, chunk_splits, merge_splits=None, *, gen, extra_blocks=0, copies=1):
@@ -273,7 +249,6 @@ def _ceiling(mod, quick: bool) -> float:
     c = ceiling_tbps()
     if c:
         return c
-    from megac.gpu import launch  # noqa: PLC0415
 
     n_bytes = 2 << 30
     buf = torch.randint(-(2**31), 2**31 - 1, (n_bytes // 4,), dtype=torch.int32, device="cuda")
@@ -290,7 +265,6 @@ def run(quick: bool) -> dict:
     import torch  # noqa: PLC0415
 
     mod, cubin = _module()
-    from megac.gpu import build  # noqa: PLC0415
 
     checks = []
     sp = build.spills(cubin)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megac.gpu import build, launch
 from megac.gpu.battery import block_main, check, time_cuda
 
 REPO = Path(__file__).resolve().parents[3]
@@ -74,42 +75,15 @@ def reference_route(logits: np.ndarray, k: int, mode: int, renorm: bool, row_til
     }
 
 
-def coop_launch(mod, name, grid, block, args, shared_mem):
-    """Launch of a persistent test kernel from a module loaded by _module()
-    (cupy launches its kernels with cuLaunchCooperativeKernel, which refuses a
-    grid that cannot be co-resident, so a too-large grid fails, never hangs)."""
-    from megac.gpu import launch  # noqa: PLC0415
-
-    func = mod.get_function(name)
-    if shared_mem > 48 * 1024 and func.max_dynamic_shared_size_bytes < shared_mem:
-        func.max_dynamic_shared_size_bytes = int(shared_mem)
-    conv = tuple(launch._as_arg(a) for a in args)  # noqa: SLF001
-    func((int(grid[0]), 1, 1), (int(block[0]), 1, 1), conv, shared_mem=int(shared_mem))
-
-
 def _module():
-    from megac.gpu import build  # noqa: PLC0415
-
-    try:
-        cubin = build.build_cubin(SOURCE)
-    except build.CudaBuildError:
-        fallback = REPO / "build" / "moe_routing_test.cubin"
-        if not fallback.is_file():
-            raise
-        cubin = fallback
-    import cupy  # noqa: PLC0415
-
-    # cupy decides cooperative launch per module, at load time.
-    return cupy.RawModule(path=str(cubin), enable_cooperative_groups=True), cubin
+    cubin = build.build_cubin(SOURCE)
+    return launch.load_module(cubin), cubin
 
 
 class Router:
     def __init__(self, mod, rows, E, K, *, mode=SIGMOID, renorm=False, row_tile=16, ntu=12, ntd=16, D=2048, seed=0):
         import torch  # noqa: PLC0415
 
-        from megac.gpu import launch  # noqa: PLC0415
-
-        self.L = launch
         self.mod = mod
         self.name = "moe_route_e32" if E <= 32 else "moe_route_e128"
         self.rows, self.E, self.K, self.mode, self.renorm = rows, E, K, mode, renorm
@@ -150,7 +124,7 @@ class Router:
             t["offsets"], t["slot"], t["slot_entry"], t["queue_up"], t["queue_down"], t["qcount"], t["x"],
             t["moe_x"], t["y"], t["out"], i(self.D), t["counters"], t["status"], i(self.step), i(iters), i(phases),
         )
-        coop_launch(self.mod, self.name, (self.L.sm_count(),), (256,), args, self.smem)
+        launch.launch(self.mod, self.name, (launch.sm_count(),), (256,), args, self.smem, cooperative=True)
         self.step += iters
 
 
@@ -233,13 +207,13 @@ def run_case(mod, kind, rows, E, K, mode, renorm, row_tile, rng, seed):
     R.t["logits"].copy_(torch.from_numpy(logits))
     R.launch()
     torch.cuda.synchronize()
-    R.L.check_status(R.t["status"], R.t["counters"])
+    launch.check_status(R.t["status"], R.t["counters"])
     ok, res = compare(R, logits)
     # determinism: a second launch writes the same bits
     snap = {k: R.t[k].clone() for k in ("topk_w", "slot", "queue_up", "queue_down", "out")}
     R.launch()
     torch.cuda.synchronize()
-    R.L.check_status(R.t["status"], R.t["counters"])
+    launch.check_status(R.t["status"], R.t["counters"])
     same = all(torch.equal(snap[k].view(torch.int32) if snap[k].dtype == torch.float32 else snap[k],
                            R.t[k].view(torch.int32) if R.t[k].dtype == torch.float32 else R.t[k]) for k in snap)
     res["relaunch_identical"] = same
@@ -250,7 +224,6 @@ def run(quick: bool) -> dict:
     import torch  # noqa: PLC0415
 
     mod, cubin = _module()
-    from megac.gpu import build  # noqa: PLC0415
 
     checks = []
     sp = build.spills(cubin)
@@ -294,7 +267,7 @@ def run(quick: bool) -> dict:
             many = time_cuda(lambda: R.launch(iters=many_n), reps=5 if quick else 20, warmup=2)
             gather_only = time_cuda(lambda: R.launch(iters=many_n, phases=1), reps=5 if quick else 20, warmup=2)
             torch.cuda.synchronize()
-            R.L.check_status(R.t["status"], R.t["counters"])
+            launch.check_status(R.t["status"], R.t["counters"])
             bench.append({
                 "name": f"route_step_bs{rows}_e128_k8",
                 "bytes": 0,
