@@ -1,0 +1,360 @@
+"""Device state of the CPU VM: every launch-descriptor buffer of one schedule.
+
+::
+
+    wts = VMWeights.from_weights(weights, spec, geometry, dtype=torch.float32)
+    st = DeviceState(schedule, wts)          # scratch allocated from schedule.plan
+    st.bind_kv(kv)                           # k_pool / v_pool are the cache's own tensors
+
+:class:`VMWeights` holds the kernel-layout weights (``megac.weights.layout``:
+fused QKV, gate/up interleaved in chunks of ``upgate_bn/2`` / ``moe_up_bn/2``
+so a tile's SiLU*up epilogue needs nothing outside the tile, expert stacks),
+shared by every schedule (batch size, context bucket) of one model. In bf16
+mode the descriptor tensors are bf16 and an fp32 copy of each is kept for the
+arithmetic (bf16 inputs, fp32 accumulation: what the device's tensor cores do);
+in fp32 mode there is one copy.
+
+:class:`DeviceState` allocates every other descriptor pointer from the
+schedule's :class:`~megac.schedule.BufferPlan` (shape and dtype exactly as
+planned; ``bf16`` buffers are fp32 in fp32 mode, ``fp32x2`` is ``[..., 2]``
+fp32), plus the scalars. ``desc`` maps every ``abi.LAUNCH_DESC`` name to its
+tensor or scalar (an unassigned field is an error, :meth:`check_desc`).
+Integer buffers the interpreter touches word by word (counters, queue heads,
+targets, queues, tables) also have numpy views (``st.np[name]``) sharing
+memory with the tensors.
+
+Counters are uint32 on the device; the VM keeps them as int64 (never
+negative, never near 2**32 within a step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megac import abi
+from megac.errors import MegacError
+from megac.weights.canonical import ModelWeights
+from megac.weights.layout import (
+    KERNEL_WEIGHT_FIELDS,
+    kernel_weights,
+    layer_slots,
+    norm_slot_final,
+    norm_slot_input,
+    norm_slot_post_attn,
+    rope_inv_freq,
+    upgate_row_map,
+)
+
+#: descriptor buffers that are weights (bound from VMWeights, never allocated here)
+WEIGHT_FIELDS = KERNEL_WEIGHT_FIELDS
+#: descriptor buffers bound from the paged KV cache at each step
+KV_POOL_FIELDS = ("k_pool", "v_pool")
+#: int32 host tables of the KV layout, allocated here, filled by the host each step
+KV_TABLE_FIELDS = ("page_table", "seq_pos", "row_active")
+#: integer sentinel written into int scratch when poisoning (checked mode)
+INT_POISON = -7
+
+_VALID_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def act_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in _VALID_DTYPES:
+        raise MegacError(f"vm: dtype must be torch.float32 or torch.bfloat16 (got {dtype})")
+    return dtype
+
+
+# ---------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------
+class VMWeights:
+    """Kernel-layout weights of one model (see the module docstring).
+
+    ``tensors``: the descriptor's weight fields (``w_*``, ``layer_slot``,
+    ``rope_inv_freq``) in ``dtype``; :meth:`compute` gives the fp32 tensor the
+    arithmetic uses (the same object in fp32 mode)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], spec, *, dtype: torch.dtype, chunk: int,
+                 moe_chunk: int) -> None:
+        self.spec = spec
+        self.dtype = act_dtype_of(dtype)
+        self.chunk = int(chunk)
+        self.moe_chunk = int(moe_chunk)
+        missing = [f for f in WEIGHT_FIELDS if f not in tensors]
+        if missing:
+            raise MegacError(f"vm: kernel weights miss {missing}")
+        self.tensors = dict(tensors)
+        self._compute: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------ builders
+    @classmethod
+    def from_weights(cls, weights: ModelWeights, spec, geometry, *, dtype: torch.dtype | None = None,
+                     consume: bool = False) -> "VMWeights":
+        """Kernel layouts of ``weights`` for schedules of ``geometry``'s tiling
+        (gate/up chunk = ``upgate_bn // 2``, expert chunk = ``moe_up_bn // 2``).
+
+        ``consume=True`` builds the stacks one layer at a time and drops each
+        layer's canonical tensors from ``weights`` as soon as they are copied
+        (``weights`` is left without its layer tensors): peak memory is the
+        canonical weights plus one layer, instead of twice the model. The
+        result is identical to :func:`megac.weights.layout.kernel_weights`."""
+        dtype = act_dtype_of(dtype or weights.dtype)
+        chunk = max(1, geometry.upgate_bn // 2)
+        moe_chunk = max(1, geometry.moe_up_bn // 2)
+        if weights.dtype != dtype:
+            if consume:
+                raise MegacError("vm: consume=True needs weights already in the VM dtype")
+            weights = weights.to(dtype)
+        if not consume:
+            kw = kernel_weights(weights, spec, chunk=chunk, moe_chunk=moe_chunk)
+        else:
+            kw = _kernel_weights_consuming(weights, spec, chunk=chunk, moe_chunk=moe_chunk)
+        return cls(kw, spec, dtype=dtype, chunk=chunk, moe_chunk=moe_chunk)
+
+    # ------------------------------------------------------------ access
+    def compute(self, name: str) -> torch.Tensor:
+        """fp32 tensor of weight ``name`` (bf16 values upcast exactly)."""
+        t = self._compute.get(name)
+        if t is None:
+            src = self.tensors[name]
+            t = src if src.dtype != torch.bfloat16 else src.float()
+            self._compute[name] = t
+        return t
+
+    def check_geometry(self, geo) -> None:
+        """The layout matches the tiles of ``geo`` (chunks, shapes)."""
+        if geo.dense_width and geo.upgate_bn // 2 != self.chunk:
+            raise MegacError(f"vm: weights interleaved in chunks of {self.chunk}, schedule tiles "
+                             f"upgate_bn/2 = {geo.upgate_bn // 2}")
+        if geo.experts and geo.moe_up_bn // 2 != self.moe_chunk:
+            raise MegacError(f"vm: expert weights interleaved in chunks of {self.moe_chunk}, schedule tiles "
+                             f"moe_up_bn/2 = {geo.moe_up_bn // 2}")
+
+
+def _kernel_weights_consuming(weights: ModelWeights, spec, *, chunk: int, moe_chunk: int) -> dict:
+    """:func:`kernel_weights` built layer by layer, freeing canonical tensors."""
+    weights.validate(spec)
+    dt = weights.dtype
+    d, L = spec.hidden_size, spec.num_layers
+    dw = spec.dense_intermediate_size or 0
+    E = spec.moe.num_experts if spec.moe else 0
+    ew = spec.moe.expert_intermediate_size if spec.moe else 0
+    dense, moe = spec.dense_layers, spec.moe_layers
+    out = {
+        "w_embed": weights.embed,
+        "w_lm_head": weights.lm_head_weight,
+        "w_norm": torch.ones((2 * L + 1, d), dtype=dt),
+        "w_qkv": torch.empty((L, spec.qkv_width, d), dtype=dt),
+        "w_o": torch.empty((L, d, spec.q_width), dtype=dt),
+        "w_upgate": torch.empty((len(dense), 2 * dw, d), dtype=dt),
+        "w_down": torch.empty((len(dense), d, dw), dtype=dt),
+        "w_router": torch.empty((len(moe), E, d), dtype=dt),
+        "w_moe_upgate": torch.empty((len(moe), E, 2 * ew, d), dtype=dt),
+        "w_moe_down": torch.empty((len(moe), E, d, ew), dtype=dt),
+        "layer_slot": layer_slots(spec),
+        "rope_inv_freq": rope_inv_freq(spec),
+    }
+    out["w_norm"][norm_slot_final(spec)] = weights.final_norm
+    q, kv = spec.q_width, spec.kv_width
+    def positions(width, ch):
+        """Interleaved rows holding gate rows 0..W-1 and up rows 0..W-1 (both
+        ascending: the interleave keeps each matrix's row order)."""
+        rmap = upgate_row_map(width, ch)
+        g = torch.nonzero(rmap < width).flatten()
+        u = torch.nonzero(rmap >= width).flatten()
+        assert torch.equal(rmap[g], torch.arange(width)) and torch.equal(rmap[u], torch.arange(width, 2 * width))
+        return g, u
+
+    gpos_d, upos_d = positions(dw, chunk) if dw else (None, None)
+    gpos_m, upos_m = positions(ew, moe_chunk) if ew else (None, None)
+    for i, lw in enumerate(weights.layers):
+        out["w_norm"][norm_slot_input(spec, i)] = lw.input_norm
+        if lw.post_attn_norm is not None:
+            out["w_norm"][norm_slot_post_attn(spec, i)] = lw.post_attn_norm
+        out["w_qkv"][i, :q] = lw.q
+        out["w_qkv"][i, q:q + kv] = lw.k
+        out["w_qkv"][i, q + kv:] = lw.v
+        out["w_o"][i] = lw.o
+        if spec.layers[i].ffn == "dense":
+            s = dense.index(i)
+            dst = out["w_upgate"][s]
+            dst[gpos_d] = lw.gate
+            dst[upos_d] = lw.up
+            out["w_down"][s] = lw.down
+            lw.gate = lw.up = lw.down = None
+        else:
+            s = moe.index(i)
+            out["w_router"][s] = lw.router
+            dst = out["w_moe_upgate"][s]
+            dst[:, gpos_m] = lw.experts_gate
+            dst[:, upos_m] = lw.experts_up
+            out["w_moe_down"][s] = lw.experts_down
+            lw.router = lw.experts_gate = lw.experts_up = lw.experts_down = None
+        lw.q = lw.k = lw.v = lw.o = None
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Device state
+# ---------------------------------------------------------------------------
+@dataclass
+class _Buf:
+    name: str
+    tensor: torch.Tensor
+    kind: str
+
+
+class DeviceState:
+    """Every launch-descriptor buffer of one schedule (module docstring)."""
+
+    def __init__(self, schedule, weights: VMWeights) -> None:
+        self.schedule = schedule
+        self.geo = geo = schedule.geometry
+        self.spec = weights.spec
+        self.weights = weights
+        weights.check_geometry(geo)
+        self.dtype = weights.dtype
+        self.act = weights.dtype  # bf16 activations in bf16 mode, fp32 otherwise
+        self.plan = schedule.plan
+        self.desc: dict[str, object] = {}
+        self.np: dict[str, np.ndarray] = {}
+        self.scratch: list[str] = []  # float/int buffers written inside the step
+        self.tw = geo.target_words
+        for f in abi.LAUNCH_DESC:
+            spec = self.plan.buffers[f.name]
+            if f.name in WEIGHT_FIELDS:
+                t = weights.tensors[f.name]
+                want = tuple(spec.shape)
+                if tuple(t.shape) != want:
+                    raise MegacError(f"vm: weight {f.name} has shape {list(t.shape)}, the plan says {list(want)}")
+                self.desc[f.name] = t
+            elif f.name in KV_POOL_FIELDS:
+                self.desc[f.name] = None  # bound by bind_kv
+            elif spec.kind == "scalar":
+                self.desc[f.name] = self._scalar(f.name, f.ctype)
+            else:
+                self.desc[f.name] = self._alloc(spec)
+        # the schedule itself
+        self.desc["tasks"] = torch.from_numpy(np.ascontiguousarray(schedule.tasks, dtype=np.int32))
+        self.desc["task_counts"] = torch.from_numpy(np.ascontiguousarray(schedule.task_counts, dtype=np.int32))
+        for name in ("tasks", "task_counts", "targets", "attn_queue", "moe_up_queue", "moe_down_queue",
+                     "page_table", "seq_pos", "row_active", "topk_ids", "route_slot", "status",
+                     "layer_slot"):
+            t = self.desc[name]
+            if isinstance(t, torch.Tensor) and t.dtype == torch.int32:
+                self.np[name] = t.numpy()
+        # counters and claim cursors: int64 in the VM (uint32 on the device)
+        self.counters = np.zeros(schedule.num_counters, dtype=np.int64)
+        self.queue_heads = np.zeros(tuple(self.plan.buffers["queue_heads"].shape), dtype=np.int64)
+        self.desc["counters"] = self.counters
+        self.desc["queue_heads"] = self.queue_heads
+        self.layer_slot = [int(x) for x in weights.tensors["layer_slot"].tolist()]
+        self.kv = None
+        self.check_desc(allow_unbound=KV_POOL_FIELDS)
+
+    # ------------------------------------------------------------ allocation
+    def _torch_dtype(self, dtype: str) -> torch.dtype:
+        return {"bf16": self.act, "fp32": torch.float32, "fp32x2": torch.float32, "int32": torch.int32,
+                "uint32": torch.int64}[dtype]
+
+    def _alloc(self, spec) -> torch.Tensor:
+        shape = tuple(spec.shape)
+        if spec.dtype == "fp32x2":
+            shape = shape + (2,)
+        t = torch.zeros(shape, dtype=self._torch_dtype(spec.dtype))
+        if spec.kind in ("activation", "scratch"):
+            self.scratch.append(spec.name)
+        return t
+
+    def _scalar(self, name: str, ctype: str):
+        geo, spec = self.geo, self.spec
+        values = {
+            "max_tasks": self.schedule.max_tasks,
+            "num_sms": self.schedule.num_sms,
+            "num_counters": self.schedule.num_counters,
+            "moe_queue_cap": geo.moe_queue_cap,
+            "watchdog_ns": abi.DEFAULT_WATCHDOG_NS,
+            "kv_block_size": spec.target.kv_block_size,
+            "max_blocks_per_seq": math.ceil(geo.context / spec.target.kv_block_size),
+            "rows": geo.rows,
+            "num_layers": geo.num_layers,
+            "hidden": geo.hidden,
+            "num_heads": geo.num_heads,
+            "kv_heads": geo.kv_heads,
+            "head_dim": geo.head_dim,
+            "vocab": geo.vocab,
+            "top_k": geo.top_k,
+            "num_experts": geo.experts,
+            "expert_width": geo.expert_width,
+            "dense_width": geo.dense_width,
+            "max_splits": geo.max_splits,
+            "norm_eps": float(spec.norm_eps),
+            "attn_scale": 1.0 / math.sqrt(geo.head_dim),
+        }
+        if name not in values:
+            raise MegacError(f"vm: no value for descriptor scalar {name}")
+        v = values[name]
+        return float(v) if ctype == "f32" else int(v)
+
+    def check_desc(self, allow_unbound=()) -> None:
+        """Every descriptor field is assigned (fill by name; a gap is an error)."""
+        for f in abi.LAUNCH_DESC:
+            if f.name not in self.desc or (self.desc[f.name] is None and f.name not in allow_unbound):
+                raise MegacError(f"vm: launch descriptor field {f.name} is not assigned")
+
+    # ------------------------------------------------------------ accessors
+    def __getitem__(self, name: str):
+        return self.desc[name]
+
+    @property
+    def block_size(self) -> int:
+        return int(self.desc["kv_block_size"])
+
+    @property
+    def max_blocks(self) -> int:
+        return int(self.desc["max_blocks_per_seq"])
+
+    def w(self, name: str) -> torch.Tensor:
+        """fp32 compute tensor of weight ``name``."""
+        return self.weights.compute(name)
+
+    # ------------------------------------------------------------ KV
+    def bind_kv(self, kv) -> None:
+        """Use ``kv``'s pools as k_pool / v_pool (no copy)."""
+        if kv.block_size != self.block_size:
+            raise MegacError(f"vm: KV cache block size {kv.block_size} != schedule's {self.block_size}")
+        if kv.kv_heads != self.geo.kv_heads or kv.head_dim != self.geo.head_dim:
+            raise MegacError("vm: KV cache heads / head_dim differ from the schedule")
+        if kv.k_pool.dtype != self.act:
+            raise MegacError(f"vm: KV cache dtype {kv.k_pool.dtype} != VM dtype {self.act}")
+        self.kv = kv
+        self.desc["k_pool"] = kv.k_pool
+        self.desc["v_pool"] = kv.v_pool
+
+    # ------------------------------------------------------------ per step
+    def reset(self) -> None:
+        """The per-step reset: every buffer in ``plan.reset`` (counters, queue heads)."""
+        for name in self.plan.reset:
+            buf = self.desc[name]
+            if isinstance(buf, np.ndarray):
+                buf[...] = 0
+            else:
+                buf.zero_()
+
+    def poison(self) -> None:
+        """NaN into every float buffer written inside the step, a sentinel into
+        int ones (x_resid / x_norm slot 0 are seeded afterwards)."""
+        for name in self.scratch + ["moe_up_queue", "moe_down_queue"]:
+            t = self.desc[name]
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            else:
+                t.fill_(INT_POISON)
+        tw = self.tw
+        self.np["targets"][tw.host_words:] = INT_POISON
+
+
+__all__ = ["DeviceState", "INT_POISON", "VMWeights", "act_dtype_of"]
