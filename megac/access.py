@@ -340,6 +340,7 @@ def _ops_access(acc: _Acc, words: np.ndarray, idx: np.ndarray, op: Op, geo: Geom
         E, K = max(geo.experts, 1), max(geo.top_k, 1)
         acc.add("moe_out", False, idx, _pt(layer), _all(E), _pt(row), _all(K), _all(D))
         acc.add("topk_w", False, idx, _pt(layer), _pt(row), _all(K))
+        acc.add("route_slot", False, idx, _pt(layer), _pt(row), _all(K))
         acc.add("ffn_part", True, idx, _pt(layer), _pt(0), _pt(row), _all(D))
     elif op == Op.ADD_RMSNORM:
         row = _f(w, op, "ROW")
