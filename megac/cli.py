@@ -141,5 +141,98 @@ def schedule_cmd(model, order, batch_size, context, target, as_json, plot):
                        f"timeline -> {plot}")
 
 
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise MegacError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+    if not ids:
+        raise MegacError("--prompt-ids: empty prompt")
+    return ids
+
+
+def _encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
+    if tokenizer is None:
+        raise MegacError("this model has no tokenizer: give --prompt-ids instead of --prompt")
+    use_chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    out = []
+    for p in prompts:
+        if use_chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer.encode(p)
+        out.append([int(t) for t in ids])
+    return out
+
+
+@main.command("generate")
+@click.argument("model", required=False)
+@click.option("--weights", type=str, default=None, help="Checkpoint directory or GGUF file for MODEL's spec.")
+@click.option("--random-weights", is_flag=True, help="Seeded random weights (CPU generator).")
+@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt token ids, e.g. 1,2,3 (repeat for a ragged batch).")
+@click.option("--chat/--raw", default=None, help="Wrap --prompt in the chat template (default: when the tokenizer has one).")
+@click.option("--max-tokens", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0.0), default=0.0, show_default=True)
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0: off")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (and the random-weights seed).")
+@click.option("--order", type=click.Choice(ORDERS), default="tuned", show_default=True)
+@click.option("--mode", type=click.Choice(["fast", "checked"]), default="fast", show_default=True,
+              help="checked: interleave the SM queues and track happens-before (slow; for debugging).")
+@click.option("--json", "as_json", is_flag=True, help='Print {"outputs": [{"token_ids": [...], "text": ...}]}.')
+def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt_ids, chat, max_tokens,
+                 temperature, top_p, top_k, seed, order, mode, as_json):
+    """Generate with MODEL through the compiled task words (default: SmolLM2-135M-Instruct)."""
+    from megac.loading import dtype_of, load_model
+
+    if backend == "cuda":
+        raise MegacError("--backend cuda: the CUDA megakernel backend does not exist yet; use --backend cpu")
+    if bool(prompts) == bool(prompt_ids):
+        raise MegacError("give either --prompt TEXT or --prompt-ids 1,2,3 (each may repeat)")
+    ids_given = [_parse_ids(t) for t in prompt_ids]
+    t0 = time.perf_counter()
+    loaded = load_model(model, weights=weights, random_weights=random_weights, seed=seed, dtype=dtype_of(dtype))
+    spec, tok = loaded.spec, loaded.tokenizer
+    batch = ids_given or _encode_prompts(tok, prompts, chat)
+    for ids in batch:
+        bad = [t for t in ids if not 0 <= t < spec.vocab_size]
+        if bad:
+            raise MegacError(f"prompt token id {bad[0]} is outside the vocabulary (0..{spec.vocab_size - 1})")
+        if len(ids) + max_tokens > spec.max_context:
+            raise MegacError(f"prompt ({len(ids)} tokens) + --max-tokens {max_tokens} exceeds the context "
+                             f"limit {spec.max_context}")
+    _progress(f"loaded {loaded.name} in {time.perf_counter() - t0:.1f} s; compiling schedules ({order}) ...")
+    from megac.vm.engine import Engine
+
+    sizes = sorted(spec.target.batch_sizes)
+    bs = next((b for b in sizes if b >= len(batch)), sizes[-1])
+    engine = Engine.build(spec, loaded.weights, order=order, batch_sizes=[bs], dtype=dtype_of(dtype), mode=mode,
+                          seed=seed)
+    _progress(f"generating {len(batch)} prompt(s) on the CPU VM (batch schedule {bs}, {mode} mode) ...")
+    outs = engine.generate(batch, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                           seed=seed, eos_token_ids=spec.eos_token_ids)
+    results = []
+    for o in outs:
+        item = {"token_ids": list(o.tokens), "finish_reason": o.finish_reason}
+        if tok is not None:
+            item["text"] = tok.decode(o.tokens, skip_special_tokens=True)
+        results.append(item)
+    stats = engine.stats
+    if as_json:
+        click.echo(json.dumps({"outputs": results}))
+    else:
+        for i, item in enumerate(results):
+            head = f"[{i}] " if len(results) > 1 else ""
+            click.echo(head + (item["text"] if "text" in item else " ".join(map(str, item["token_ids"]))))
+    if stats.decode_s > 0:
+        _progress(f"{stats.decode_tokens} tokens in {stats.decode_s:.2f} s of decode "
+                  f"({stats.decode_tokens / stats.decode_s:.1f} tok/s), prefill {stats.prefill_s:.2f} s")
+
+
 if __name__ == "__main__":
     main()
