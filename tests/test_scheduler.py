@@ -1,0 +1,236 @@
+"""The engine in-process (no HTTP): continuous batching, chunked prefill,
+prefix caching, preemption by recompute, aborts, output processing. A row's
+output must be the same alone, batched, preempted and with prefix hits.
+
+The model is tiny-llama with untied random embeddings (tied random weights
+make greedy decoding repeat the last token, which would prove nothing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megac.engine import Engine, EngineConfig, ReferenceBackend, Request
+from megac.engine.backend import make_backend
+from megac.engine.prefix_cache import PrefixCache, attach_blocks, chain_hashes
+from megac.engine.request import IncrementalDetokenizer, Phase
+from megac.errors import MegacError
+from megac.kv.paged import PagedKVCache
+from megac.sampling import SamplingParams
+from megac.server.chat import ByteTokenizer, Tokenizer
+from megac.weights.random import random_weights
+from models import variant
+
+SPEC = variant("tiny-llama", "tiny-llama-untied", tie_embeddings=False)
+WEIGHTS = random_weights(SPEC, seed=0)
+TOK = Tokenizer(ByteTokenizer(256, 1, [2]), eos_token_ids=[2])
+
+
+def make_engine(*, num_blocks=4000, max_batch=8, chunk=32, budget=None, prefix=True, max_len=1024):
+    kv = PagedKVCache(SPEC, max_rows=max_batch, num_blocks=num_blocks, max_context=max_len, dtype=torch.float32)
+    backend = ReferenceBackend(SPEC, WEIGHTS, kv)
+    return Engine(backend, EngineConfig(max_batch_size=max_batch, max_model_len=max_len, chunk_tokens=chunk,
+                                        prefill_budget=budget or chunk, prefix_caching=prefix))
+
+
+def submit(eng, prompt, params, rid, sink=None):
+    outs = []
+    req = Request(TOK.encode(prompt), params, request_id=rid, tokenizer=TOK, eos_ids=[2],
+                  sink=sink or outs.append)
+    eng.submit(req)
+    return req, outs
+
+
+def run_all(eng, prompts, params_of):
+    got = {}
+    reqs = [submit(eng, p, params_of(i), f"r{i}") for i, p in enumerate(prompts)]
+    eng.run_until_idle()
+    for i, (req, outs) in enumerate(reqs):
+        assert outs[-1].finished
+        got[i] = (req.output_ids, "".join(o.text for o in outs), outs[-1].finish_reason)
+    eng.prefix_cache.check()
+    return got
+
+
+PROMPTS = [f"Request {i}: " + "lorem ipsum dolor sit amet " * (i % 6) for i in range(12)]
+
+
+def greedy(i):
+    return SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def seeded(i):
+    return SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def alone():
+    out = {}
+    for name, fn in (("greedy", greedy), ("seeded", seeded)):
+        out[name] = {i: run_all(make_engine(), [p], lambda _j, i=i, fn=fn: fn(i))[0] for i, p in enumerate(PROMPTS)}
+    return out
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_batched_equals_alone(alone, mode):
+    fn = greedy if mode == "greedy" else seeded
+    eng = make_engine(max_batch=5)
+    got = run_all(eng, PROMPTS, fn)
+    assert got == alone[mode]
+    assert len({tuple(v[0]) for v in got.values()}) > 6  # outputs really differ between prompts
+
+
+def test_preemption_recomputes_to_the_same_output(alone):
+    # 12 requests of up to ~190 tokens, 2 layers, blocks of 16: a 60-block pool cannot hold them all
+    eng = make_engine(num_blocks=60, max_batch=8)
+    got = run_all(eng, PROMPTS, seeded)
+    assert eng.num_preemptions > 0
+    assert got == alone["seeded"]
+    assert eng.kv.allocator.num_used == eng.prefix_cache.num_blocks_held  # only the cache holds blocks
+
+
+def test_max_batch_size_is_respected():
+    eng = make_engine(max_batch=3)
+    for i, p in enumerate(PROMPTS[:7]):
+        submit(eng, p, greedy(i), f"r{i}")
+    peak = 0
+    while eng.has_work():
+        eng.step()
+        peak = max(peak, eng.num_running)
+        assert eng.num_running <= 3
+    assert peak == 3
+
+
+def test_chunked_prefill_keeps_other_rows_decoding():
+    eng = make_engine(chunk=32)
+    a, _ = submit(eng, "short", SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), "a")
+    for _ in range(3):
+        eng.step()
+    b, _ = submit(eng, "x" * 300, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), "b")
+    prefill_steps = 0
+    while not b.output_ids:
+        n = len(a.output_ids)
+        eng.step()
+        if b.phase is Phase.PREFILL or b.output_ids:
+            prefill_steps += 1
+            assert len(a.output_ids) == n + 1  # a decoded in the same iteration
+    assert prefill_steps == -(-301 // 32)  # BOS + 300 bytes, one aligned chunk per iteration
+    eng.run_until_idle()
+
+
+def test_prefix_cache_hits_and_does_not_change_output():
+    system = "You are a careful assistant. Answer briefly and exactly. " * 4
+    prompts = [system + f"Question {i}?" for i in range(4)]
+    ref = {i: run_all(make_engine(prefix=False), [p], lambda _j, i=i: seeded(i))[0] for i, p in enumerate(prompts)}
+    eng = make_engine()
+    got = {}
+    for i, p in enumerate(prompts):  # one after the other: later ones find the earlier chunks
+        got[i] = run_all(eng, [p], lambda _j, i=i: seeded(i))[0]
+    assert got == ref
+    n0 = len(TOK.encode(prompts[0]))
+    assert eng.prefix_cache.queries == sum(len(TOK.encode(p)) for p in prompts)
+    assert eng.prefix_cache.hits == 3 * ((n0 - 1) // 32) * 32
+    assert len(eng.prefix_cache) > 0
+
+
+def test_prefix_cache_eviction_under_pressure():
+    eng = make_engine(num_blocks=40)
+    for i in range(6):
+        run_all(eng, [f"{i} unique prompt text that fills a few chunks " * 3], greedy)
+    assert eng.kv.allocator.num_used <= 40
+    eng.prefix_cache.check()
+
+
+def test_abort_frees_blocks():
+    eng = make_engine()
+    r, outs = submit(eng, "abort me " * 10, SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True), "x")
+    for _ in range(5):
+        eng.step()
+    assert eng.num_blocks_active > 0
+    eng.abort("x")
+    eng.step()
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert eng.num_running == 0 and eng.num_blocks_active == 0
+    eng.prefix_cache.check()
+
+
+def test_abort_while_waiting():
+    eng = make_engine(max_batch=1)
+    submit(eng, "first", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), "a")
+    r, outs = submit(eng, "second", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), "b")
+    eng.step()
+    eng.abort("b")
+    eng.run_until_idle()
+    assert outs[-1].finish_reason == "abort" and not r.output_ids
+
+
+def test_eos_length_and_max_model_len():
+    eng = make_engine(max_len=64)
+    got = run_all(eng, ["Hello", "x" * 50], lambda i: SamplingParams(temperature=0.0, max_tokens=40))
+    assert got[0][2] == "stop" and got[0][0][-1] == 2  # this prompt's greedy output ends in EOS (id 2)
+    assert got[1][2] == "length" and 50 + len(got[1][0]) == 64
+
+
+def test_prefix_hash_chain_and_attach():
+    kv = PagedKVCache(SPEC, max_rows=2, num_blocks=100, max_context=256, dtype=torch.float32)
+    pc = PrefixCache(kv, 32)
+    toks = list(range(100))
+    h = chain_hashes(toks, 32)
+    assert len(h) == 3 and h == chain_hashes(toks[:96], 32) and chain_hashes(toks[:64], 32) == h[:2]
+    assert chain_hashes([9] + toks[1:], 32)[1] != h[1]  # a change anywhere before changes every later key
+    with pytest.raises(MegacError):
+        PrefixCache(kv, 24)
+    row = kv.allocate_row()
+    kv.reserve(row, 64)
+    kv.advance(row, 64)
+    assert pc.register(row, toks, 0) and not pc.register(row, toks, 0)
+    other = kv.allocate_row()
+    hashes, blocks = pc.match(toks, 2)
+    assert len(hashes) == 1
+    attach_blocks(kv, other, blocks)
+    assert kv.seq_pos[other] == 32 and kv.blocks_of_row(other) <= kv.blocks_of_row(row)
+    pc.check()
+    kv.free_row(row)
+    kv.free_row(other)
+    assert pc.num_evictable_blocks() == blocks.size
+    assert pc.evict(1) == blocks.size and kv.allocator.num_used == 0
+
+
+def test_request_stop_strings_hold_back_and_cut():
+    tok = TOK
+    r = Request([1], SamplingParams(temperature=0.0, max_tokens=100, stop=["STOP", "xyz"]), tokenizer=tok,
+                eos_ids=[2])
+    shown = ""
+    for ch in "hello ST":
+        out = r.append_token(ord(ch), 1000)
+        shown += out.text if out else ""
+    assert shown == "hello " and r.finish_reason is None  # "ST" may start "STOP": held back (3 chars)
+    for ch in "OP and more":
+        out = r.append_token(ord(ch), 1000)
+        if out:
+            shown += out.text
+        if r.finish_reason:
+            break
+    assert r.finish_reason == "stop" and r.stop_reason == "STOP" and shown == "hello "
+    r2 = Request([1], SamplingParams(temperature=0.0, max_tokens=100, stop=["b"], include_stop_str_in_output=True),
+                 tokenizer=tok, eos_ids=[2])
+    text = "".join((r2.append_token(ord(c), 1000) or type("o", (), {"text": ""})).text for c in "aab")
+    assert text == "aab" and r2.finish_reason == "stop"
+
+
+def test_detokenizer_waits_for_complete_utf8():
+    d = IncrementalDetokenizer(TOK)
+    b = "é€".encode()
+    assert [d.step(x) for x in b] == ["", "é", "", "", "€"]
+    d = IncrementalDetokenizer(TOK)
+    assert d.step(0xE2) == "" and d.flush() == "\ufffd"
+
+
+def test_make_backend():
+    kv = PagedKVCache(SPEC, max_rows=1, num_blocks=10, max_context=64, dtype=torch.float32)
+    assert make_backend("cpu", SPEC, WEIGHTS, kv).name == "reference"
+    assert make_backend("auto", SPEC, WEIGHTS, kv).name == "reference"
+    with pytest.raises(MegacError, match="no CUDA backend yet"):
+        make_backend("cuda", SPEC, WEIGHTS, kv)
+    with pytest.raises(MegacError):
+        make_backend("tpu", SPEC, WEIGHTS, kv)
