@@ -234,5 +234,14 @@ def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt
                   f"({stats.decode_tokens / stats.decode_s:.1f} tok/s), prefill {stats.prefill_s:.2f} s")
 
 
+def _add_server_commands() -> None:
+    from megac.server.cli import bench_serve_cmd, serve_cmd
+
+    main.add_command(serve_cmd)
+    main.add_command(bench_serve_cmd)
+
+
+_add_server_commands()
+
 if __name__ == "__main__":
     main()

@@ -55,12 +55,22 @@ def _is_checkpoint(p: Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file()
 
 
+def load_hf_tokenizer(path: str, gguf_file: str | None = None):
+    """A transformers tokenizer from a directory (offline), or a one-line error."""
+    from transformers import AutoTokenizer
+
+    try:
+        if gguf_file:
+            return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as err:  # noqa: BLE001 -- transformers raises many kinds
+        raise MegacError(f"tokenizer {path}: cannot load ({type(err).__name__}: {str(err).splitlines()[0]})")
+
+
 def _hf_tokenizer(path: Path):
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
+    return load_hf_tokenizer(str(path))
 
 
 def _load_gguf(path: Path | None, dtype: torch.dtype, tokenizer: bool) -> LoadedModel:

@@ -228,8 +228,10 @@ def test_detokenizer_waits_for_complete_utf8():
 
 def test_make_backend():
     kv = PagedKVCache(SPEC, max_rows=1, num_blocks=10, max_context=64, dtype=torch.float32)
-    assert make_backend("cpu", SPEC, WEIGHTS, kv).name == "reference"
-    assert make_backend("auto", SPEC, WEIGHTS, kv).name == "reference"
+    vm = make_backend("cpu", SPEC, WEIGHTS, kv)
+    assert vm.name == "vm" and vm.max_batch_size == max(SPEC.target.batch_sizes)
+    assert make_backend("auto", SPEC, WEIGHTS, kv).name == "vm"
+    assert make_backend("reference", SPEC, WEIGHTS, kv).name == "reference"
     with pytest.raises(MegacError, match="no CUDA backend yet"):
         make_backend("cuda", SPEC, WEIGHTS, kv)
     with pytest.raises(MegacError):

@@ -149,12 +149,12 @@ def test_load_error_exits_with_one_line(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "megac.server.cli", "serve", "tiny-llama", "--port", "0"],
+    r = subprocess.run([sys.executable, "-m", "megac.cli", "serve", "tiny-llama", "--port", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1] == ("error: tiny-llama: a model spec without weights; add "
-                                                 "--random-weights (or give a checkpoint directory)")
-    r = subprocess.run([sys.executable, "-m", "megac.server.cli", "serve", "tiny-llama", "--random-weights",
+    assert r.stderr.strip().splitlines()[-1] == ("error: tiny-llama: the spec tiny-llama has no weights here; add "
+                                                 "--random-weights, --weights PATH, or name a checkpoint directory")
+    r = subprocess.run([sys.executable, "-m", "megac.cli", "serve", "tiny-llama", "--random-weights",
                         "--backend", "cuda"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         "error: --backend cuda: no CUDA backend yet (use --backend cpu)")

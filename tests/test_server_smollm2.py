@@ -83,7 +83,7 @@ def test_tool_call_named(server):
 
 def test_bench_serve_batch_one(server, tmp_path):
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "megac.server.cli", "bench-serve", "--base-url", server.url,
+    r = subprocess.run([sys.executable, "-m", "megac.cli", "bench-serve", "--base-url", server.url,
                         "--endpoint-type", "openai-chat", "--max-concurrency", "1", "--num-prompts", "2",
                         "--random-input-len", "32", "--random-output-len", "32", "--save-result", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -2,7 +2,7 @@
 127.0.0.1 and a free port, wait for /health, stop it.
 
 Until the lead wires ``megac serve`` into the main group, the process is
-``python -m megac.server.cli serve ...`` (the same click command)."""
+``python -m megac.cli serve ...`` (the real entry point)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class ServerProc:
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="megac-serve-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "megac.server.cli", "serve", *args, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "megac.cli", "serve", *args, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-stats-interval", "0"]
         if api_key:
             cmd += ["--api-key", api_key]

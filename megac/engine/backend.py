@@ -8,7 +8,7 @@ writes K/V through it (``append_slot`` / ``write`` / ``gather`` / ``advance``).
 
 Protocol (:class:`Backend`)::
 
-    name: str                 # "reference", later "vm", "cuda"
+    name: str                 # "vm", "reference", later "cuda"
     max_batch_size: int       # most rows one decode() may carry
     spec, weights, kv         # what it was built over
     decode(rows, token_ids) -> torch.Tensor   # fp32 [len(rows), vocab]
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from megac.spec.model import ModelSpec
     from megac.weights.canonical import ModelWeights
 
-BACKEND_KINDS = ("cpu", "cuda", "auto")
+BACKEND_KINDS = ("cpu", "cuda", "auto", "reference")
 
 
 @runtime_checkable
@@ -92,12 +92,13 @@ class ReferenceBackend(TorchPrefillMixin):
 
 
 def make_backend(kind: str, spec: "ModelSpec", weights: "ModelWeights", kv: "PagedKVCache", *,
-                 max_batch_size: int = 64) -> Backend:
+                 max_batch_size: int = 64, order: str = "tuned", progress=None) -> Backend:
     """The backend for ``--backend KIND``.
 
-    * ``cpu``: today the **reference path** (:class:`ReferenceBackend`,
-      ``megac.reference.decode_step``); the CPU VM over the compiled task
-      words (``megac/vm/``) replaces it here once it lands.
+    * ``cpu``: the CPU VM over the compiled task words (:class:`megac.vm.engine.VMBackend`):
+      the schedules are compiled here (every batch size of the target), so the
+      server runs exactly what the megakernel will run.
+    * ``reference``: plain PyTorch (:class:`ReferenceBackend`), for debugging.
     * ``cuda``: not built yet (one-line :class:`MegacError`).
     * ``auto``: ``cuda`` when a GPU is visible and a CUDA backend exists,
       otherwise ``cpu`` (today: always ``cpu``).
@@ -106,7 +107,14 @@ def make_backend(kind: str, spec: "ModelSpec", weights: "ModelWeights", kv: "Pag
         raise MegacError(f"--backend {kind}: choose one of {', '.join(BACKEND_KINDS)}")
     if kind == "cuda":
         raise MegacError("--backend cuda: no CUDA backend yet (use --backend cpu)")
-    return ReferenceBackend(spec, weights, kv, max_batch_size=max_batch_size)
+    if kind == "reference":
+        return ReferenceBackend(spec, weights, kv, max_batch_size=max_batch_size)
+    from megac.passes.pipeline import compile_schedules
+    from megac.vm.engine import VMBackend
+
+    sizes = sorted(spec.target.batch_sizes)
+    compiled = compile_schedules(spec, order=order, batch_sizes=sizes, progress=progress)
+    return VMBackend(spec, weights, kv, compiled, dtype=weights.dtype)
 
 
 __all__ = ["BACKEND_KINDS", "Backend", "ReferenceBackend", "TorchPrefillMixin", "make_backend"]

@@ -75,6 +75,7 @@ class ServeConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     dtype: str = "float32"
+    weights: str | None = None
     random_weights: bool = False
     seed: int = 0
     tokenizer: str | None = None
@@ -834,19 +835,11 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def _dtype(name: str):
-    import torch
-
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if name not in table:
-        raise MegacError(f"--dtype {name}: choose float32 or bfloat16")
-    return table[name]
-
-
 def _tokenizer_for(cfg: ServeConfig, spec, default=None) -> Tokenizer:
     """``--tokenizer`` (``byte``, ``smollm2`` or a directory), else ``default``
     (the checkpoint's own), else the byte-level fallback."""
-    from megac.server.chat import ByteTokenizer, load_hf_tokenizer
+    from megac.loading import load_hf_tokenizer
+    from megac.server.chat import ByteTokenizer
 
     choice = cfg.tokenizer
     if choice is None and default is not None:
@@ -867,46 +860,14 @@ def _tokenizer_for(cfg: ServeConfig, spec, default=None) -> Tokenizer:
 
 
 def load_model(cfg: ServeConfig) -> LoadedModel:
-    """Resolve MODEL (see :mod:`megac.server.cli`) to spec, weights and tokenizer."""
-    from pathlib import Path
+    """Resolve MODEL (:mod:`megac.loading`) to spec, weights and the server's tokenizer."""
+    from megac.loading import dtype_of
+    from megac.loading import load_model as resolve
 
-    dtype = _dtype(cfg.dtype)
-    model = cfg.model
     t0 = time.perf_counter()
-    if model is None or (model == "smollm2-135m" and not cfg.random_weights) or str(model).endswith(".gguf"):
-        from megac.weights.gguf import load_gguf, smollm2_gguf_path
-
-        path = None if model in (None, "smollm2-135m") else model
-        log.info("loading %s (GGUF, de-quantised to %s) ...", path or smollm2_gguf_path(), cfg.dtype)
-        g = load_gguf(path, dtype=dtype, tokenizer=cfg.tokenizer is None)
-        name = "SmolLM2-135M-Instruct" if path is None else Path(path).stem
-        loaded = LoadedModel(name, g.spec, g.weights, _tokenizer_for(cfg, g.spec, g.tokenizer))
-    elif cfg.random_weights:
-        from megac.spec import load_spec
-        from megac.weights.random import random_weights
-
-        spec = load_spec(model)
-        log.info("random weights for %s (seed %d, %s) ...", spec.name, cfg.seed, cfg.dtype)
-        loaded = LoadedModel(spec.name, spec, random_weights(spec, cfg.seed, dtype), _tokenizer_for(cfg, spec))
-    else:
-        p = Path(model)
-        if not (p.is_dir() and (p / "config.json").is_file()):
-            from megac.spec import load_spec
-
-            spec = load_spec(model)  # raises a one-line SpecError when MODEL is nothing we know
-            raise MegacError(f"{model}: a model spec without weights; add --random-weights "
-                             f"(or give a checkpoint directory)")
-        from megac.weights.hf import load_hf
-
-        log.info("loading checkpoint %s (%s) ...", p, cfg.dtype)
-        spec, weights = load_hf(p, dtype=dtype)
-        has_tok = any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-        default = None
-        if cfg.tokenizer is None and has_tok:
-            from megac.server.chat import load_hf_tokenizer
-
-            default = load_hf_tokenizer(str(p))
-        loaded = LoadedModel(p.name, spec, weights, _tokenizer_for(cfg, spec, default))
+    m = resolve(cfg.model, weights=cfg.weights, random_weights=cfg.random_weights, seed=cfg.seed, dtype=dtype_of(cfg.dtype),
+                tokenizer=cfg.tokenizer is None)
+    loaded = LoadedModel(m.name, m.spec, m.weights, _tokenizer_for(cfg, m.spec, m.tokenizer))
     log.info("loaded %s in %.1f s: %s", loaded.name, time.perf_counter() - t0, loaded.spec.describe().splitlines()[0])
     return loaded
 
@@ -939,7 +900,8 @@ def build_engine(cfg: ServeConfig, loaded: LoadedModel, observer=None):
         num_blocks = max(per_request, min(cfg.max_batch_size * per_request, budget))
     kv = PagedKVCache(spec, max_rows=cfg.max_batch_size, num_blocks=num_blocks, max_context=mml,
                       dtype=weights.dtype, block_size=bs)
-    backend = make_backend(cfg.backend, spec, weights, kv, max_batch_size=max(64, cfg.max_batch_size))
+    backend = make_backend(cfg.backend, spec, weights, kv, max_batch_size=max(64, cfg.max_batch_size),
+                           progress=lambda msg: log.info("compile: %s", msg))
     batch = min(cfg.max_batch_size, backend.max_batch_size)
     if batch < cfg.max_batch_size:
         log.info("max batch size %d -> %d (the most the %s backend runs)", cfg.max_batch_size, batch, backend.name)

@@ -135,18 +135,6 @@ class Tokenizer:
         return bool(self.chat_template) and "tools" in self.chat_template
 
 
-def load_hf_tokenizer(path: str, gguf_file: str | None = None):
-    """A transformers tokenizer from a directory (offline)."""
-    from transformers import AutoTokenizer
-
-    try:
-        if gguf_file:
-            return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as err:  # noqa: BLE001 -- transformers raises many kinds
-        raise MegacError(f"tokenizer {path}: cannot load ({type(err).__name__}: {str(err).splitlines()[0]})")
-
-
 # ---------------------------------------------------------------------------- templates
 
 TOOL_CHATML_TEMPLATE = """\
@@ -270,7 +258,6 @@ __all__ = [
     "RenderedChat",
     "TOOL_CHATML_TEMPLATE",
     "Tokenizer",
-    "load_hf_tokenizer",
     "render_chat",
     "tool_seed",
 ]

@@ -32,9 +32,9 @@ import sys
 
 import click
 
+from megac.engine.backend import BACKEND_KINDS
 from megac.errors import MegacError
 
-BACKENDS = ("cpu", "cuda", "auto")
 
 
 def _setup_logging(level: str) -> None:
@@ -45,8 +45,8 @@ def _setup_logging(level: str) -> None:
 
 @click.command("serve")
 @click.argument("model", required=False)
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
-              help="Decode backend (cpu: today the PyTorch reference step).")
+@click.option("--backend", type=click.Choice(BACKEND_KINDS), default="auto", show_default=True,
+              help="Decode backend: cpu = the CPU VM over the compiled task words; reference = plain PyTorch (debugging); cuda = the megakernel (not built yet).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--max-batch-size", type=click.IntRange(1, 256), default=16, show_default=True,
@@ -58,6 +58,7 @@ def _setup_logging(level: str) -> None:
               help="Require 'Authorization: Bearer KEY' on /v1/* (env MEGAC_API_KEY).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Weights and KV cache precision.")
+@click.option("--weights", type=str, default=None, help="Checkpoint directory or GGUF file for a spec MODEL.")
 @click.option("--random-weights", is_flag=True, help="Seeded random weights for a spec MODEL.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-weights.")
 @click.option("--tokenizer", default=None,
@@ -82,7 +83,7 @@ def _setup_logging(level: str) -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def serve_cmd(model, backend, host, port, max_batch_size, max_model_len, served_model_name, api_key, dtype,
-              random_weights, seed, tokenizer, num_kv_blocks, kv_cache_memory_gb, prefill_chunk,
+              weights, random_weights, seed, tokenizer, num_kv_blocks, kv_cache_memory_gb, prefill_chunk,
               max_num_batched_tokens, no_prefix_caching, tool_call_parser, chat_template, threads,
               log_stats_interval, log_level):
     """Serve MODEL behind an OpenAI-compatible API (default: SmolLM2-135M-Instruct on the CPU)."""
@@ -99,7 +100,7 @@ def serve_cmd(model, backend, host, port, max_batch_size, max_model_len, served_
         get_tool_parser(tool_call_parser)  # one-line error before anything loads
     cfg = ServeConfig(model=model, backend=backend, host=host, port=port, max_batch_size=max_batch_size,
                       max_model_len=max_model_len, served_model_name=served_model_name, api_key=api_key,
-                      dtype=dtype, random_weights=random_weights, seed=seed, tokenizer=tokenizer,
+                      dtype=dtype, weights=weights, random_weights=random_weights, seed=seed, tokenizer=tokenizer,
                       num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
                       prefill_chunk=prefill_chunk, max_num_batched_tokens=max_num_batched_tokens,
                       prefix_caching=not no_prefix_caching, tool_call_parser=tool_call_parser,

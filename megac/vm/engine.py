@@ -41,6 +41,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from megac.engine.backend import TorchPrefillMixin
 from megac.errors import MegacError
 from megac.kv.paged import PagedKVCache, blocks_for_tokens
 from megac.prefill import prefill
@@ -175,7 +176,7 @@ class ScheduleSet:
         return self.decode_step(self.pick(len(rows), ctx))
 
 
-class VMBackend:
+class VMBackend(TorchPrefillMixin):
     """The CPU VM as a :class:`megac.engine.backend.Backend` (``name = "vm"``):
     ``decode(rows, token_ids)`` runs one step of the schedule picked for
     ``len(rows)`` and the longest row over ``kv`` (the engine's cache, whose
@@ -200,11 +201,6 @@ class VMBackend:
         rows = [int(r) for r in rows]
         return self.schedules.step_for(self.kv, rows)(self.kv, rows, token_ids)
 
-    @torch.no_grad()
-    def prefill(self, row: int, token_ids: Sequence[int]) -> torch.Tensor:
-        from megac.prefill import prefill_row
-
-        return prefill_row(self.weights, self.spec, self.kv, row, list(token_ids))
 
 
 class Engine:
