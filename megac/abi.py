@@ -227,6 +227,28 @@ DYN_CAPABLE = {
 CLAIMERS = (Op.ATTN_DRAIN, Op.MOE_UPGATE_DRAIN, Op.MOE_DOWN_DRAIN)
 
 
+def split_range(seq_len: int, window: int, num_splits: int, split: int, block: int) -> tuple[int, int]:
+    """Key range ``[begin, end)`` of attention split ``split`` of a row holding
+    ``seq_len`` keys (current token included); ``window`` 0 means full.
+
+    The rule every backend implements (``megac::attn::split_range`` in
+    opcodes/attention.cuh): the visible span ``[lo, seq_len)`` is cut from the
+    block holding ``lo`` into ``num_splits`` chunks of equal size rounded up to
+    whole blocks; the first chunk may start mid-block, trailing chunks may be
+    empty (``begin == end == seq_len``), which merge exactly."""
+    hi = seq_len
+    lo = hi - window if (window > 0 and hi > window) else 0
+    base = lo - lo % block
+    chunk = -(-(hi - base) // num_splits) if num_splits > 0 else 0
+    chunk = -(-chunk // block) * block
+    b, e = base + split * chunk, base + (split + 1) * chunk
+    begin = max(lo, min(b, hi))
+    end = min(e, hi)
+    if split >= num_splits or begin >= end:
+        return hi, hi
+    return begin, end
+
+
 # --------------------------------------------------------------------------
 # Claimer queues: fixed-width records that expand to a full descriptor.
 # --------------------------------------------------------------------------

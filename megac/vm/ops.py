@@ -29,8 +29,8 @@ checked vs fast mode, batch invariance):
   dimension whose length is the task's own (keys of its split, hidden size),
   or as explicit sequential sums in index order (attention combine over
   splits, ADD_RMSNORM over partials, router split-K, MoE combine over k).
-* **Attention split rule** is ``split_range`` of
-  ``megac/gpu/blocks/attention.py`` (the device rule): a row's visible span
+* **Attention split rule** is ``megac.abi.split_range`` (the device rule of
+  opcodes/attention.cuh): a row's visible span
   ``[lo, hi)``, ``hi = seq_pos + 1``, is cut on KV-block boundaries into
   ``NUM_SPLITS`` chunks; an empty chunk (or ``SPLIT >= NUM_SPLITS``) writes
   ``o = 0, lse = -inf``; partials are normalised by their own sum, ``lse``
@@ -101,22 +101,6 @@ def queue_buffer(queue: int) -> str:
         return _QUEUE_BUFFER[Queue(int(queue))]
     except ValueError:
         raise BadTaskError(f"unknown queue id {queue}") from None
-
-
-def split_range(seq_len: int, window: int, num_splits: int, split: int, block: int) -> tuple[int, int]:
-    """Key range ``[begin, end)`` of attention split ``split`` (the device rule,
-    ``megac.gpu.blocks.attention.split_range``; empty: ``begin == end``)."""
-    hi = seq_len
-    lo = hi - window if (window > 0 and hi > window) else 0
-    base = lo - lo % block
-    chunk = -(-(hi - base) // num_splits) if num_splits > 0 else 0
-    chunk = -(-chunk // block) * block
-    b, e = base + split * chunk, base + (split + 1) * chunk
-    begin = max(lo, min(b, hi))
-    end = min(e, hi)
-    if split >= num_splits or begin >= end:
-        return hi, hi
-    return begin, end
 
 
 _FIELD_INDEX = {(int(op), name): abi.field_index(op, name) for op, fs in abi.OP_FIELDS.items() for name, _ in fs}
@@ -446,7 +430,7 @@ class Ops:
         end = np.empty(m, dtype=np.int64)
         for i in range(m):
             if active[rows[i]]:
-                begin[i], end[i] = split_range(int(seq_pos[rows[i]]) + 1, window, int(nss[i]), int(splits[i]),
+                begin[i], end[i] = abi.split_range(int(seq_pos[rows[i]]) + 1, window, int(nss[i]), int(splits[i]),
                                                self.bs)
             else:
                 begin[i] = end[i] = 0
@@ -924,4 +908,4 @@ class Ops:
 
 
 __all__ = ["BadTaskError", "NULL_TRACKER", "NullTracker", "Ops", "QueueOverflowError", "VMError", "fld",
-           "queue_buffer", "rec", "rope", "split_range"]
+           "queue_buffer", "rec", "rope"]

@@ -6,9 +6,10 @@ bandwidth against the streaming-read ceiling.
 
     python -m megac.gpu.blocks.attention --quick|--full [--json PATH]
 
-Host-side split planning lives here too (``split_range`` mirrors the device
-rule in opcodes/attention.cuh; ``plan_splits`` picks a row's split count
-from its own length only, which is what keeps attention batch invariant).
+The split rule itself is ``megac.abi.split_range`` (the host mirror of
+``megac::attn::split_range`` in opcodes/attention.cuh); ``plan_splits`` here
+picks a row's split count from its own length only, which is what keeps
+attention batch invariant.
 """
 
 from __future__ import annotations
@@ -34,22 +35,8 @@ VARIANTS = {
 
 
 # --------------------------------------------------------------------------
-# host-side split rule (mirror of megac::attn::split_range)
+# host-side split planning
 # --------------------------------------------------------------------------
-
-
-def split_range(seq_len: int, window: int, num_splits: int, split: int, block: int) -> tuple[int, int]:
-    hi = seq_len
-    lo = hi - window if (window > 0 and hi > window) else 0
-    base = lo - lo % block
-    chunk = -(-(hi - base) // num_splits)
-    chunk = -(-chunk // block) * block
-    b, e = base + split * chunk, base + (split + 1) * chunk
-    begin = max(lo, min(b, hi))
-    end = min(e, hi)
-    if split >= num_splits or begin >= end:
-        return hi, hi
-    return begin, end
 
 
 def plan_splits(seq_len: int, window: int, block: int, *, min_pages: int = 4, max_splits: int = 32) -> int:
