@@ -344,3 +344,27 @@ def test_rope_inv_freq_matches_transformers(name):
     ref, _ = rotary.compute_default_rope_parameters(cfg)
     got = rope_inv_freq(spec)
     assert got.dtype == torch.float32 and torch.equal(got, ref)
+
+
+def test_gemm_stage_tiling_round_trips_and_makes_stages_contiguous():
+    from megac.weights.layout import tile_gemm_weights, untile_gemm_weights
+
+    g = torch.Generator().manual_seed(7)
+    n, k, bk = 48, 192, 64
+    w = torch.randn(3, n, k, generator=g)
+    t = tile_gemm_weights(w, bk)
+    assert t.shape == w.shape and torch.equal(untile_gemm_weights(t, bk), w)
+    # stage (row group rg, k chunk kc) is one contiguous run of 16*bk elements,
+    # holding exactly that stage's elements; row 8h+g's 8 columns 32kk+8t.. lie
+    # at offset ((kk*2 + h)*8 + g)*32 + t*8 inside it
+    flat = t[1].reshape(-1)
+    for rg in range(n // 16):
+        for kc in range(k // bk):
+            stage = flat[(rg * (k // bk) + kc) * 16 * bk:][: 16 * bk]
+            ref = w[1, rg * 16:(rg + 1) * 16, kc * bk:(kc + 1) * bk]
+            assert torch.equal(stage.sort().values, ref.reshape(-1).sort().values)
+            for h, gg, kk, tt in ((0, 0, 0, 0), (1, 3, 1, 2), (1, 7, 0, 3)):
+                off = ((kk * 2 + h) * 8 + gg) * 32 + tt * 8
+                assert torch.equal(stage[off:off + 8], ref[8 * h + gg, 32 * kk + 8 * tt:32 * kk + 8 * tt + 8])
+    with pytest.raises(MegacError, match="BK % 32"):
+        tile_gemm_weights(w, 48)

@@ -39,6 +39,15 @@ still gate-then-up (``[... | gate k*c..W-1 | up k*c..W-1]``). So a tile of
 ``2*len`` rows starting at row ``N0 = 2*t*c`` holds gate and up of hidden
 columns ``t*c .. t*c+len-1`` (``OUT0 = N0/2``), and its SiLU*up epilogue needs
 nothing outside the tile. :func:`upgate_row_map` gives the permutation.
+
+**GEMM stage tiling (device storage).** The decode GEMM tile
+(opcodes/gemm_tile.cuh, ``TILED``) streams weights in stages of 16 rows x BK
+columns; measured on the H200 it reaches the bandwidth ceiling only when each
+stage is contiguous and already in MMA fragment order (one bulk copy per
+stage: 95-99 % against 49-70 % for row-major rows; BENCHMARKS.md).
+:func:`tile_gemm_weights` permutes any ``[..., N, K]`` weight (after the
+layouts above) into that storage order, :func:`untile_gemm_weights` inverts
+it. Requirements: ``N % 16 == 0``, ``K % BK == 0``, ``BK % 32 == 0``.
 """
 
 from __future__ import annotations
@@ -63,6 +72,32 @@ KERNEL_WEIGHT_FIELDS = (
 
 
 # ------------------------------------------------------------------ pieces
+
+
+def _check_tiling(shape: tuple[int, ...], bk: int) -> None:
+    n, k = shape[-2], shape[-1]
+    if bk <= 0 or bk % 32 or k % bk or n % 16:
+        raise MegacError(f"GEMM stage tiling: [N={n}, K={k}] with BK={bk} needs N % 16 == 0, "
+                         f"BK % 32 == 0 and K % BK == 0")
+
+
+def tile_gemm_weights(w: torch.Tensor, bk: int) -> torch.Tensor:
+    """Row-major ``[..., N, K]`` -> the stage-major storage of the GEMM tile,
+    same shape and elements, permuted: ``[N/16][K/BK][BK/32][row half h]
+    [row g][col group t][8]`` with row ``8h + g`` of the 16-row group and
+    column ``32*kk + 8*t + e`` of the BK stage."""
+    _check_tiling(tuple(w.shape), bk)
+    *_, n, k = w.shape
+    v = w.reshape(-1, n // 16, 2, 8, k // bk, bk // 32, 4, 8)  # mat rg h g kc kk t e
+    return v.permute(0, 1, 4, 5, 2, 3, 6, 7).contiguous().reshape(w.shape)
+
+
+def untile_gemm_weights(w: torch.Tensor, bk: int) -> torch.Tensor:
+    """Inverse of :func:`tile_gemm_weights`."""
+    _check_tiling(tuple(w.shape), bk)
+    *_, n, k = w.shape
+    v = w.reshape(-1, n // 16, k // bk, bk // 32, 2, 8, 4, 8)  # mat rg kc kk h g t e
+    return v.permute(0, 1, 4, 5, 2, 3, 6, 7).contiguous().reshape(w.shape)
 
 
 def upgate_row_map(width: int, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
@@ -218,5 +253,7 @@ __all__ = [
     "norm_slot_input",
     "norm_slot_post_attn",
     "rope_inv_freq",
+    "tile_gemm_weights",
+    "untile_gemm_weights",
     "upgate_row_map",
 ]

@@ -4,7 +4,7 @@ of opcodes/tests/gemm_test.cu.
 
 For every decode GEMM shape of North Mini Code and SmolLM2-135M, in both
 weight layouts the tile reads (row-major [N, K], and the tiled "stage-major"
-layout of tile_weights(), one bulk copy per stage; only the tiled one reaches
+layout of megac.weights.layout.tile_gemm_weights(), one bulk copy per stage; only the tiled one reaches
 the bandwidth target, see opcodes/gemm_tile.cuh):
   * correctness at M = 1, 2, 4, 8 against an fp32 torch reference computed
     from the same bf16 inputs (TF32 off), outputs poisoned with NaN first and
@@ -28,6 +28,7 @@ import numpy as np
 
 from megac.gpu import battery
 from megac.gpu.battery import bench, check
+from megac.weights.layout import tile_gemm_weights
 
 REPO = Path(__file__).resolve().parents[3]
 SOURCE = REPO / "opcodes" / "tests" / "gemm_test.cu"
@@ -199,15 +200,6 @@ class _Env:
         self.launch_mod.check_status(self.status.cpu())
 
 
-def tile_weights(w, bk: int):
-    """Row-major [..., N, K] -> the tiled ("stage-major") layout of
-    opcodes/gemm_tile.cuh, same shape and elements, permuted in storage:
-    [N/16][K/BK][BK/32][row half h][row g][col group t][8], row = 8h + g."""
-    *lead, n, k = w.shape
-    v = w.reshape(-1, n // 16, 2, 8, k // bk, bk // 32, 4, 8)  # mat rg h g kc kk t e
-    return v.permute(0, 1, 4, 5, 2, 3, 6, 7).contiguous().reshape(w.shape)
-
-
 def _rel(out, ref) -> float:
     out = out.double()
     ref = ref.double()
@@ -261,7 +253,7 @@ class _Buffers:
 
 def _setup(env: _Env, case: Case, m: int, w, copies: int = 1, x=None, w_kernel=None):
     """w: row-major weights (the reference's); w_kernel: what the kernel
-    reads (the same, or tile_weights(w))."""
+    reads (the same, or tile_gemm_weights(w))."""
     torch = env.torch
     dev = env.dev
     b = _Buffers()
@@ -437,7 +429,7 @@ def _correctness(env: _Env, case: Case, m: int, big, tiled: bool) -> dict:
     w = big[off:off + n_el]
     wk = None
     if tiled:
-        wk = tile_weights(w.view(E, case.n, case.kfull), _pick_bk(case.k, case.bk_max)).view(-1)
+        wk = tile_gemm_weights(w.view(E, case.n, case.kfull), _pick_bk(case.k, case.bk_max)).view(-1)
     bufs = _setup(env, case, m, w, w_kernel=wk)
     kernel = case.kernel(m, tiled)
     env.status.zero_()
