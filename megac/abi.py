@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: X_SLOT on FFN_UPGATE_ACT, ROUTER_GEMM, MOE_GATHER
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -160,9 +160,12 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
     ),
     Op.O_PROJ: _GEMM,
     Op.FFN_UPGATE_ACT: _GEMM
-    + (("OUT0", "first hidden column written (N0/2: gate/up rows interleaved in chunks of N_LEN/2)"),),
+    + (
+        ("OUT0", "first hidden column written (N0/2: gate/up rows interleaved in chunks of N_LEN/2)"),
+        ("X_SLOT", "x_norm slot read: l for a parallel block, num_layers+l after a sequential block's attention"),
+    ),
     Op.FFN_DOWN: _GEMM,
-    Op.ROUTER_GEMM: _GEMM,
+    Op.ROUTER_GEMM: _GEMM + (("X_SLOT", "x_norm slot read (as FFN_UPGATE_ACT)"),),
     Op.ROUTER_TOPK: (
         ("ROW", "batch row"),
         ("NUM_SPLITS", "router split-K partials to sum, in index order"),
@@ -176,7 +179,10 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
         ("DOWN_QUEUE", "Queue id of the down queue"),
         ("NUM_ROWS", "batch rows routed"),
     ),
-    Op.MOE_GATHER: (("ROW", "batch row"),),
+    Op.MOE_GATHER: (
+        ("ROW", "batch row"),
+        ("X_SLOT", "x_norm slot read (as FFN_UPGATE_ACT)"),
+    ),
     Op.MOE_UPGATE_DRAIN: (
         ("QUEUE", "Queue id"),
         ("QUEUE_LEN", "(dyn) records in the queue"),

@@ -299,8 +299,7 @@ def _ops_access(acc: _Acc, words: np.ndarray, idx: np.ndarray, op: Op, geo: Geom
     elif op == Op.FFN_UPGATE_ACT:
         n0, nl, k0, kl = _gemm(w, op)
         out0 = _f(w, op, "OUT0")
-        slot = layer if geo.block == "parallel" else layer + geo.num_layers
-        acc.add("x_norm", False, idx, _pt(slot), _all(R), (k0, k0 + kl))
+        acc.add("x_norm", False, idx, _pt(_f(w, op, "X_SLOT")), _all(R), (k0, k0 + kl))
         acc.add("ffn_act", True, idx, _pt(layer), _all(R), (out0, out0 + nl // 2))
     elif op == Op.FFN_DOWN:
         n0, nl, k0, kl = _gemm(w, op)
@@ -308,8 +307,7 @@ def _ops_access(acc: _Acc, words: np.ndarray, idx: np.ndarray, op: Op, geo: Geom
         acc.add("ffn_part", True, idx, _pt(layer), _pt(_f(w, op, "SPLIT")), _all(R), (n0, n0 + nl))
     elif op == Op.ROUTER_GEMM:
         n0, nl, k0, kl = _gemm(w, op)
-        slot = layer if geo.block == "parallel" else layer + geo.num_layers
-        acc.add("x_norm", False, idx, _pt(slot), _all(R), (k0, k0 + kl))
+        acc.add("x_norm", False, idx, _pt(_f(w, op, "X_SLOT")), _all(R), (k0, k0 + kl))
         acc.add("router_part", True, idx, _pt(layer), _pt(_f(w, op, "SPLIT")), _all(R), (n0, n0 + nl))
     elif op == Op.ROUTER_TOPK:
         row = _f(w, op, "ROW")
@@ -327,8 +325,7 @@ def _ops_access(acc: _Acc, words: np.ndarray, idx: np.ndarray, op: Op, geo: Geom
         acc.add("target_word", True, idx, _pt(_f(w, op, "DOWN_COUNT_WORD")))
     elif op == Op.MOE_GATHER:
         row = _f(w, op, "ROW")
-        slot = layer if geo.block == "parallel" else layer + geo.num_layers
-        acc.add("x_norm", False, idx, _pt(slot), _pt(row), _all(D))
+        acc.add("x_norm", False, idx, _pt(_f(w, op, "X_SLOT")), _pt(row), _all(D))
         acc.add("route_slot", False, idx, _pt(layer), _pt(row), _all(max(geo.top_k, 1)))
         acc.add("moe_x", True, idx, _pt(layer), _all(max(geo.experts, 1)), _pt(row),
                 _all(max(geo.top_k, 1)), _all(D))

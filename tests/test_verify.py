@@ -94,7 +94,7 @@ def build_handmade(rows: int = 2, num_sms: int = 4, context: int = 64):
                     for t in range(geo.upgate_col_tiles)]
         for t, sp in enumerate(split_of):
             b.task(Op.FFN_UPGATE_ACT, l, [(na, rows)], up + sp, N0=t * geo.upgate_bn, N_LEN=geo.upgate_bn,
-                   K0=0, K_LEN=D, SPLIT=0, OUT0=t * half)
+                   K0=0, K_LEN=D, SPLIT=0, OUT0=t * half, X_SLOT=L + l)
         n_down = 0
         for sp in range(geo.ffn_splits):
             for n0 in range(0, D, geo.down_bn):

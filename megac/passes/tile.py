@@ -120,7 +120,7 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         half = geo.upgate_bn // 2
         out0, cols = _ranges(geo.dense_width, half)
         F = dict(N0=2 * out0, N_LEN=2 * cols, K0=np.zeros_like(out0), K_LEN=np.full_like(out0, D),
-                 SPLIT=np.zeros_like(out0), OUT0=out0)
+                 SPLIT=np.zeros_like(out0), OUT0=out0, X_SLOT=np.full_like(out0, geo.norm_input_slot(l)))
         shape, box = (geo.dense_width,), _boxes((out0, out0 + cols))
     elif k == "ffn_down":
         b = np.asarray(geo.ffn_split_bounds, dtype=np.int64)
@@ -132,7 +132,8 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         b = np.asarray(geo.router_split_bounds, dtype=np.int64)
         nn0, nlen = _ranges(geo.experts, geo.router_bn)
         s, t = _grid(range(geo.router_splits), range(len(nn0)))
-        F = dict(N0=nn0[t], N_LEN=nlen[t], K0=b[s], K_LEN=b[s + 1] - b[s], SPLIT=s)
+        F = dict(N0=nn0[t], N_LEN=nlen[t], K0=b[s], K_LEN=b[s + 1] - b[s], SPLIT=s,
+                 X_SLOT=np.full_like(s, geo.norm_input_slot(l)))
         shape, box = (geo.router_splits, geo.experts), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
     elif k == "topk":
         row = np.arange(R, dtype=np.int64)
@@ -146,7 +147,7 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         shape, box = (1,), _boxes((0, 1))
     elif k in ("moe_gather", "moe_combine"):
         row = np.arange(R, dtype=np.int64)
-        F = dict(ROW=row)
+        F = dict(ROW=row) if k == "moe_combine" else dict(ROW=row, X_SLOT=np.full_like(row, geo.norm_input_slot(l)))
         shape, box = (R,), _boxes((row, row + 1))
     elif k in ("norm", "norm_attn"):
         row = np.arange(R, dtype=np.int64)

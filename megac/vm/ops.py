@@ -304,12 +304,23 @@ class Ops:
             self.plans[key] = p
         return p
 
+    def _x_slot(self, op: Op, xs: int, layer: int) -> int:
+        if not 0 <= xs < self.st["x_norm"].shape[0]:
+            raise BadTaskError(f"{op.name}: X_SLOT {xs} outside the x_norm slots", layer=layer)
+        return xs
+
     def _splitk(self, words: np.ndarray, op: Op, xbuf: str, xslot, W_of, out: str) -> None:
-        """Split-K partial GEMM tiles: ``out[layer, split, :, n0:n0+nl]`` (fp32)."""
+        """Split-K partial GEMM tiles: ``out[layer, split, :, n0:n0+nl]`` (fp32).
+        ``xslot``: the input slot as a function of the layer, or the name of
+        the field that holds it."""
+        by_field = isinstance(xslot, str)
 
         def build(words):
             groups = []
-            for (layer, k0, kl, split), ti in self._groups(words, op, ("K0", "K_LEN", "SPLIT")):
+            keys = ("K0", "K_LEN", "SPLIT") + ((xslot,) if by_field else ())
+            for key, ti in self._groups(words, op, keys):
+                layer, k0, kl, split = key[:4]
+                xs = self._x_slot(op, key[4], layer) if by_field else xslot(layer)
                 W = W_of(layer)
                 self._check_k(op, k0, kl, W.shape[1])
                 n0, nl = fld(words[ti], op, "N0"), fld(words[ti], op, "N_LEN")
@@ -318,7 +329,7 @@ class Ops:
                     raise BadTaskError(f"{op.name}: SPLIT {split} outside the {out} buffer "
                                        f"({self.st[out].shape[1]} slots)", layer=layer)
                 ranges = [(int(a), int(b)) for a, b in zip(n0, n0 + nl)]
-                groups.append((layer, k0, kl, split, xslot(layer), ranges, _as_slice(_cols(n0, nl))))
+                groups.append((layer, k0, kl, split, xs, ranges, _as_slice(_cols(n0, nl))))
             return groups
 
         buf = self.st[out]
@@ -554,7 +565,7 @@ class Ops:
 
     def router_gemm(self, words: np.ndarray) -> None:
         self._moe_check(words, Op.ROUTER_GEMM)
-        self._splitk(words, Op.ROUTER_GEMM, "x_norm", self.geo.norm_input_slot,
+        self._splitk(words, Op.ROUTER_GEMM, "x_norm", "X_SLOT",
                      lambda layer: self.st.w("w_router")[self._slot(layer)], "router_part")
 
     def _dense_check(self, words, op) -> None:
@@ -574,7 +585,7 @@ class Ops:
         def build(words):
             self._dense_check(words, op)
             groups = []
-            for (layer, k0, kl), ti in self._groups(words, op, ("K0", "K_LEN")):
+            for (layer, k0, kl, xs), ti in self._groups(words, op, ("K0", "K_LEN", "X_SLOT")):
                 if k0 != 0 or kl != geo.hidden:
                     raise BadTaskError("FFN_UPGATE_ACT: the SiLU*up epilogue needs the whole K range", layer=layer)
                 w = words[ti]
@@ -585,7 +596,7 @@ class Ops:
                         (h != np.minimum(chunk, geo.dense_width - out0)).any():
                     raise BadTaskError(f"FFN_UPGATE_ACT: tile does not match the gate/up interleave (chunk {chunk})",
                                        layer=layer)
-                groups.append((layer, kl, geo.norm_input_slot(layer),
+                groups.append((layer, kl, self._x_slot(op, xs, layer),
                                [(int(a), int(b)) for a, b in zip(out0, out0 + h)],
                                _idx(_cols(n0, h)), _idx(_cols(n0 + h, h)), _as_slice(_cols(out0, h))))
             return groups
@@ -759,11 +770,11 @@ class Ops:
                 self.targets[word] = len(recs)
 
     def moe_gather(self, words: np.ndarray) -> None:
-        op, st, geo = Op.MOE_GATHER, self.st, self.geo
+        op, st = Op.MOE_GATHER, self.st
         self._moe_check(words, op)
-        for (layer,), ti in self._groups(words, op, ()):
+        for (layer, xs), ti in self._groups(words, op, ("X_SLOT",)):
             rows = fld(words[ti], op, "ROW")
-            xs = geo.norm_input_slot(layer)
+            xs = self._x_slot(op, xs, layer)
             for r in rows:
                 self.tr.read("route_slot", (layer, int(r), slice(None)))
                 self.tr.read("x_norm", (xs, int(r), slice(None)))

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 1
+#define MEGAC_ABI_VERSION 2
 
 namespace megac {
 
@@ -104,6 +104,7 @@ constexpr int K0 = 10;
 constexpr int K_LEN = 11;
 constexpr int SPLIT = 12;
 constexpr int OUT0 = 13;
+constexpr int X_SLOT = 14;
 }  // namespace f_ffn_upgate_act
 namespace f_ffn_down {
 constexpr int N0 = 8;
@@ -118,6 +119,7 @@ constexpr int N_LEN = 9;
 constexpr int K0 = 10;
 constexpr int K_LEN = 11;
 constexpr int SPLIT = 12;
+constexpr int X_SLOT = 13;
 }  // namespace f_router_gemm
 namespace f_router_topk {
 constexpr int ROW = 8;
@@ -134,6 +136,7 @@ constexpr int NUM_ROWS = 14;
 }  // namespace f_route_finalize
 namespace f_moe_gather {
 constexpr int ROW = 8;
+constexpr int X_SLOT = 9;
 }  // namespace f_moe_gather
 namespace f_moe_upgate_drain {
 constexpr int QUEUE = 8;
