@@ -382,7 +382,7 @@ KV_LAYOUT = {
     "v_pool": "[num_blocks, block_size, kv_heads, head_dim] bf16",
     "page_table": "[num_layers, max_rows, max_blocks_per_seq] int32, -1 = unmapped/released",
     "seq_pos": "[max_rows] int32: tokens already cached = position of the current token",
-    "row_active": "[max_rows] int32: 0 rows compute but write nothing visible",
+    "row_active": "[max_rows] int32: a 0 row attends over an empty span, reads and writes no KV, and its outputs are ignored",
 }
 
 

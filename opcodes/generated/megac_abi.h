@@ -255,7 +255,7 @@ struct LaunchDesc {
   uint64_t v_pool;  // [num_blocks, block_size, kv_heads, head_dim] bf16
   uint64_t page_table;  // [num_layers, max_rows, max_blocks_per_seq] int32, -1 = unmapped/released
   uint64_t seq_pos;  // [max_rows] int32: tokens already cached = position of the current token
-  uint64_t row_active;  // [max_rows] int32: 0 rows compute but write nothing visible
+  uint64_t row_active;  // [max_rows] int32: a 0 row attends over an empty span, reads and writes no KV, and its outputs are ignored
   int32_t kv_block_size;  // tokens per KV block
   int32_t max_blocks_per_seq;  // page table row length
   uint64_t x_resid;  // fp32 [rows, hidden] residual stream
