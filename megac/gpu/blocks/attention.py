@@ -66,10 +66,8 @@ def smem_min_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
     ring = stages * 2 * kt * hd * 2
     qslots = stages * _r128(gqa * hd * 2)
     merge = warps * (32 + gqa * hd) * 4
-    combine = _r128((64 * gqa + gqa) * 4) + 2 * gqa * hd * 4  # the combiner warp's
-    # + the test kernel's slot table and combine queue (kTailBytes, attention_test.cu)
-    tail = 64 * 32 + 8 * 16 + 16
-    return ring + qslots + 128 + merge + combine + tail
+    combine = _r128((64 * gqa + gqa) * 4) + 2 * gqa * hd * 4  # the control warp's
+    return ring + qslots + 128 + merge + combine
 
 
 def smem_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
@@ -110,8 +108,8 @@ class Attn:
             np.int32(st["split_stride"]), np.int32(st["window"]), np.float32(1.0 / math.sqrt(self.hd)),
             np.int32(epoch), np.int32(phases), np.int32(reps), np.int32(pt.shape[0]),
         )
-        # compute warps + the control warp + the combiner warp (attention_test.cu)
-        launch.launch(self.mod, self.name, (self.nsm,), (self.warps * 32 + 64,), args, self.smem, cooperative=True)
+        # compute warps + the control warp (attention_test.cu)
+        launch.launch(self.mod, self.name, (self.nsm,), (self.warps * 32 + 32,), args, self.smem, cooperative=True)
 
 
 def make_state(a: Attn, seq_lens, kv_heads, window, chunk_splits, merge_splits=None, *, gen, extra_blocks=0, copies=1):
