@@ -22,7 +22,7 @@ from megac.passes.pipeline import compile_one, compile_schedules  # noqa: E402
 from megac.prefill import prefill  # noqa: E402
 from megac.spec import load_spec  # noqa: E402
 from megac.abi import split_range  # noqa: E402
-from megac.vm import DecodeStep, DeviceState, Engine, VMWeights, sample_token  # noqa: E402
+from megac.vm import DecodeStep, DeviceState, Engine, VMWeights  # noqa: E402
 from megac.vm.interp import coalesced_runs  # noqa: E402
 from megac.weights import kernel_weights, load_hf, random_weights  # noqa: E402
 from models import hf_last_logits, hf_model, save_checkpoint, variant  # noqa: E402
@@ -261,16 +261,6 @@ def test_engine_sampling_eos_and_groups():
     assert e.finish_reason == "stop" and e.tokens == g.tokens[: g.tokens.index(g.tokens[2])]
     with pytest.raises(MegacError):
         eng.generate([[]])
-
-
-def test_sample_token():
-    lg = torch.tensor([0.0, 5.0, 5.0, -1.0])
-    assert sample_token(lg) == 1  # greedy ties: lower id
-    gen = torch.Generator().manual_seed(0)
-    lg = torch.tensor([0.0, 5.0, 4.9, -1.0])
-    assert all(sample_token(lg, temperature=1.0, top_k=1, generator=gen) == 1 for _ in range(5))
-    assert {sample_token(lg, temperature=1.0, top_p=0.5, generator=gen) for _ in range(20)} <= {1, 2}
-    assert {sample_token(lg, temperature=1.0, top_p=0.9, generator=gen) for _ in range(50)} == {1, 2}
 
 
 def test_engine_picks_schedules():

@@ -18,7 +18,6 @@ from megac.vm.engine import (
     EngineStats,
     ScheduleSet,
     VMBackend,
-    sample_token,
     schedules_from_artifact,
 )
 from megac.vm.interp import (
@@ -52,6 +51,5 @@ __all__ = [
     "VMError",
     "VMWeights",
     "coalesced_runs",
-    "sample_token",
     "schedules_from_artifact",
 ]

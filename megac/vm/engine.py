@@ -25,12 +25,11 @@ batch on EOS (``spec.eos_token_ids`` unless given; the EOS token is not
 returned) or after ``max_tokens`` tokens. More prompts than the largest
 batch size run in consecutive groups.
 
-Sampling per row over the fp32 logits (times ``logit_scale``): greedy
-(``temperature == 0``: argmax, ties to the lower id) or ``softmax(logits /
-temperature)`` restricted to the ``top_k`` largest and to the smallest set of
-tokens whose probability reaches ``top_p``, drawn with a ``torch.Generator``
-seeded per prompt (``seed`` int: prompt i uses ``seed + i``; a list gives each
-prompt its own seed, so a request's tokens do not depend on its batch).
+Sampling per row over the fp32 logits (times ``logit_scale``) is
+:func:`megac.sampling.sample_row`, the sampler the server uses too, with a
+generator seeded per prompt (``seed`` int: prompt i uses ``seed + i``; a list
+gives each prompt its own seed, so a request's tokens do not depend on its
+batch).
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from megac.engine.backend import TorchPrefillMixin
 from megac.errors import MegacError
 from megac.kv.paged import PagedKVCache, blocks_for_tokens
 from megac.prefill import prefill
+from megac.sampling import SamplingParams, make_generator, sample_row
 from megac.vm.state import DeviceState, VMWeights, act_dtype_of
 from megac.vm.step import DecodeStep
 
@@ -69,27 +69,6 @@ class EngineStats:
     @property
     def tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
-
-
-def sample_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 generator: torch.Generator | None = None) -> int:
-    """One token from fp32 logits ``[vocab]`` (see the module docstring)."""
-    if temperature <= 0.0:
-        return int(torch.argmax(logits))
-    x = logits.to(torch.float32) / float(temperature)
-    if top_k and 0 < top_k < x.numel():
-        kth = torch.topk(x, top_k).values[-1]
-        x = torch.where(x < kth, torch.tensor(float("-inf")), x)
-    probs = torch.softmax(x, dim=-1)
-    if top_p < 1.0:
-        p, idx = torch.sort(probs, descending=True, stable=True)
-        cum = torch.cumsum(p, dim=-1)
-        drop = (cum - p) >= float(top_p)
-        drop[0] = False
-        p = torch.where(drop, torch.zeros_like(p), p)
-        j = int(torch.multinomial(p, 1, generator=generator))
-        return int(idx[j])
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def schedules_from_artifact(artifact) -> tuple:
@@ -290,7 +269,8 @@ class Engine:
         pre = prefill(self.weights, self.spec, kv, prompts)
         self.stats.prefill_s += time.perf_counter() - t0
         rows = pre.rows
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        gens = [make_generator(s) for s in seeds]
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         comps = [Completion([], "length", [] if return_logits else None, len(p)) for p in prompts]
         live = list(range(n))
         logits = {i: pre.logits[i] for i in range(n)}
@@ -298,7 +278,7 @@ class Engine:
             still = []
             for i in live:
                 lg = logits[i]
-                tok = sample_token(lg, temperature=temperature, top_p=top_p, top_k=top_k, generator=gens[i])
+                tok = sample_row(lg, params, gens[i])
                 c = comps[i]
                 if return_logits:
                     c.logits.append(lg)
@@ -329,5 +309,5 @@ class Engine:
         return comps
 
 
-__all__ = ["Completion", "Engine", "EngineStats", "ScheduleSet", "VMBackend", "sample_token",
+__all__ = ["Completion", "Engine", "EngineStats", "ScheduleSet", "VMBackend",
            "schedules_from_artifact"]
