@@ -36,7 +36,7 @@ def schedule_report(sched, verify_report=None) -> dict:
     }
     if verify_report is not None:
         report["critical_path_tasks"] = int(verify_report.critical_path)
-        report["verify"] = str(verify_report.summary()) if hasattr(verify_report, "summary") else str(verify_report)
+        report["verify"] = verify_report.summary()
     return report
 
 
