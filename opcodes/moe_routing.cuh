@@ -1,27 +1,30 @@
 // Device-side MoE routing: ROUTER_TOPK (per row), ROUTE_FINALIZE (one CTA,
 // after every row's top-k), MOE_GATHER and MOE_COMBINE (per row).
 //
-// Semantics (mirrored by the numpy reference in megac/gpu/blocks/moe_routing.py):
-//   TOPK      the k largest logits of the row, ties to the lower expert id,
-//             in selection order (descending). Weight: sigmoid(logit), or
-//             softmax over the full row (then optionally renormalised so the
-//             k weights sum to 1, summed in k order). Computed in fp64 and
-//             rounded once, so the weight is the correctly rounded fp32 value
-//             in practice (the reference allows 1 ulp).
-//   FINALIZE  counts[e] = entries routed to e; offsets = exclusive scan;
-//             the slots of expert e are offsets[e] + 0.. in (row, k) order;
-//             slot[row*k + j] is the slot of entry (row, j), slot_entry[slot]
-//             the inverse. Task queues: for every active expert (ascending
-//             id), every row tile of `row_tile` slots, every n tile: one
-//             int4 {expert, n_tile, first_slot, n_rows}; `up` gets n_tiles_up
-//             records per row tile, `down` n_tiles_down. qcount = {up length,
-//             down length, active experts, routed entries}.
-//             Queues are sized by the host for the worst case
-//             (queue_capacity_rows below); a record that would land past the
-//             capacity is not written and raises kErrQueueOverflow.
-//   GATHER    moe_x[slot[row, j]] = x[row] for j < k (16-byte copies).
-//             GATHER and COMBINE need 64 words of shared memory.
-//   COMBINE   out[row] = sum_j w[row, j] * y[slot[row, j]] in fp32, j in order.
+// Semantics are the CPU VM's (megac/vm/ops.py), whose routing math lives in
+// megac/routing.py; the GPU battery (megac/gpu/blocks/moe_routing.py) checks
+// this header against that module.
+//   TOPK      logits = the NUM_SPLITS router partials added in split order
+//             (fp32). The k largest in descending order, ties to the lower
+//             expert id, NaN first (the VM's stable descending torch.sort).
+//             Weight, in fp64 and rounded once: sigmoid(logit), or with
+//             FLAG_SOFTMAX_ROUTER a softmax over the k SELECTED logits
+//             (exp(l_j - l_0), summed in k order). FLAG_RENORMALIZE (either
+//             mode): divide by the fp64 sum, in k order, of the rounded fp32
+//             weights and round once more.
+//   FINALIZE  counts per expert, exclusive offsets; expert e's entries take
+//             slots offsets[e] + 0, 1, ... in (row, k) order (route_slot).
+//             Each queue gets one record {expert, n_tile, slot0, rows} per
+//             (active expert ascending, n tile ascending), rows = every entry
+//             of the expert, and its length goes to its target word. A queue
+//             holds queue_cap records (the plan's worst case,
+//             min(E, entries) * tiles); a routing that needs more writes no
+//             record and raises kErrQueueOverflow.
+//   GATHER    moe_x[slot[row, j]] = x_norm[row] for j < k (bf16, 16-byte copies).
+//   COMBINE   out[row] = w_0 * y_0, then out += w_j * y_j for j in order, with
+//             y = moe_out (fp32) and every product and sum rounded to fp32:
+//             the VM's arithmetic, so the result is bit-exact.
+//   GATHER and COMBINE need 64 words of shared memory.
 //
 // Everything is deterministic: no result depends on which CTA ran what or
 // when (ranks come from a warp match over entries in index order, not from
@@ -36,55 +39,42 @@
 namespace megac {
 namespace moe {
 
-constexpr int kModeSigmoid = 0;
-constexpr int kModeSoftmax = 1;
+constexpr unsigned kFullMask = 0xffffffffu;
 
-// Selection key: larger value first, then lower id.
+// Selection order of the VM's torch.sort(descending=True, stable=True): NaN
+// above every number, then the larger value, then the lower id.
 __device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
-  return va > vb || (va == vb && ia < ib);
+  const bool na = isnan(va), nb = isnan(vb);
+  if (na != nb) return na;
+  if (na || va == vb) return ia < ib;
+  return va > vb;
 }
 
-// ROUTER_TOPK for one row, by ONE warp (all 32 lanes). MAX_E is the largest
-// expert count the kernel is built for (<= 32 * 8); E <= MAX_E at run time,
-// K <= 32. Lane j < K writes entry j.
-template <int MAX_E>
-__device__ __forceinline__ void topk_row_warp(const float* __restrict__ logits, int E, int K,
-                                              int mode, bool renorm, int32_t* __restrict__ ids_out,
-                                              float* __restrict__ w_out) {
-  constexpr int VPL = (MAX_E + 31) / 32;
-  static_assert(VPL <= 8, "at most 256 experts");
+// This lane's logits (expert lane + 32 j): the router split-K partials
+// added in split order. Experts >= E start out taken.
+template <int VPL>
+__device__ __forceinline__ void load_logits(const float* parts, size_t split_stride, int num_splits,
+                                            int E, float (&v)[VPL], bool (&taken)[VPL]) {
   const int lane = threadIdx.x & 31;
-  float v[VPL];
-  bool taken[VPL];
 #pragma unroll
   for (int j = 0; j < VPL; ++j) {
     const int e = lane + 32 * j;
     taken[j] = e >= E;
-    // Logits come from another task of this launch: coherent loads.
-    v[j] = e < E ? __ldcg(logits + e) : -INFINITY;
+    float x = -INFINITY;
+    if (e < E) {
+      // Partials come from other tasks of this launch: coherent loads.
+      x = __ldcg(parts + e);
+      for (int s = 1; s < num_splits; ++s) x = x + __ldcg(parts + s * split_stride + e);
+    }
+    v[j] = x;
   }
+}
 
-  // Softmax statistics over the whole row, fp64, fixed xor-tree order.
-  double row_max = 0.0, row_sum = 1.0;
-  if (mode == kModeSoftmax) {
-    float m = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < VPL; ++j)
-      if (!taken[j]) m = fmaxf(m, v[j]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    row_max = m;
-    double s = 0.0;
-#pragma unroll
-    for (int j = 0; j < VPL; ++j)
-      if (!taken[j]) s += exp((double)v[j] - row_max);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    row_sum = s;
-  }
-
-  int my_id = -1;
-  float my_logit = 0.f;
+// K rounds of a warp-wide arg-max; lane r keeps the winner of round r.
+template <int VPL>
+__device__ __forceinline__ void select_topk(const float (&v)[VPL], bool (&taken)[VPL], int K,
+                                            int& my_id, float& my_logit) {
+  const int lane = threadIdx.x & 31;
   for (int r = 0; r < K; ++r) {
     float bv = -INFINITY;
     int bi = 0x7fffffff;
@@ -98,8 +88,8 @@ __device__ __forceinline__ void topk_row_warp(const float* __restrict__ logits, 
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      const float ov = __shfl_xor_sync(kFullMask, bv, o);
+      const int oi = __shfl_xor_sync(kFullMask, bi, o);
       if (better(ov, oi, bv, bi)) {
         bv = ov;
         bi = oi;
@@ -113,159 +103,178 @@ __device__ __forceinline__ void topk_row_warp(const float* __restrict__ logits, 
       my_logit = bv;
     }
   }
+}
 
-  double w = 0.0;
-  if (lane < K) {
-    if (mode == kModeSoftmax) {
-      w = exp((double)my_logit - row_max) / row_sum;
-    } else {
-      w = 1.0 / (1.0 + exp(-(double)my_logit));
-    }
+// Sum of x over lanes 0..K-1 in lane (= k) order, the VM's order; every lane
+// gets it.
+__device__ __forceinline__ double ordered_sum(double x, int K) {
+  double tot = __shfl_sync(kFullMask, x, 0);
+  for (int r = 1; r < K; ++r) tot += __shfl_sync(kFullMask, x, r);
+  return tot;
+}
+
+// Weight of the entry on this lane (lane < K); all 32 lanes call it.
+__device__ __forceinline__ float routing_weight(float logit, int K, int32_t flags) {
+  const double l = logit;
+  double w;
+  if (flags & FLAG_SOFTMAX_ROUTER) {
+    // Lane 0 holds the largest selected logit: exp never overflows.
+    const double e = exp(l - (double)__shfl_sync(kFullMask, logit, 0));
+    w = e / ordered_sum(e, K);
+  } else {
+    w = 1.0 / (1.0 + exp(-l));
   }
   float wf = (float)w;
-  if (mode == kModeSoftmax && renorm) {
-    // Sum of the rounded fp32 weights, fp64, in k order: every lane the same.
-    double tot = 0.0;
-    for (int r = 0; r < K; ++r) tot += (double)__shfl_sync(0xffffffffu, wf, r);
-    wf = (float)((double)wf / tot);
-  }
+  if (flags & FLAG_RENORMALIZE) wf = (float)((double)wf / ordered_sum((double)wf, K));
+  return wf;
+}
+
+// ROUTER_TOPK for one row, by ONE warp (all 32 lanes). parts points at the
+// row's logits in split 0; split s is split_stride floats further. MAX_E is
+// the largest expert count the kernel is built for (<= 32 * 8); E <= MAX_E
+// at run time, K <= min(E, 32). Lane j < K writes entry j.
+template <int MAX_E>
+__device__ __forceinline__ void topk_row_warp(const float* __restrict__ parts, size_t split_stride,
+                                              int num_splits, int E, int K, int32_t flags,
+                                              int32_t* __restrict__ ids_out,
+                                              float* __restrict__ w_out) {
+  constexpr int VPL = (MAX_E + 31) / 32;
+  static_assert(VPL <= 8, "at most 256 experts");
+  const int lane = threadIdx.x & 31;
+  float v[VPL];
+  bool taken[VPL];
+  load_logits<VPL>(parts, split_stride, num_splits, E, v, taken);
+  int my_id = -1;
+  float my_logit = 0.f;
+  select_topk<VPL>(v, taken, K, my_id, my_logit);
+  const float w = routing_weight(my_logit, K, flags);
   if (lane < K) {
     ids_out[lane] = my_id;
-    w_out[lane] = wf;
+    w_out[lane] = w;
   }
 }
 
 struct FinalizeArgs {
   const int32_t* topk_ids;  // [rows * k]
   int32_t rows, k, num_experts;
-  int32_t row_tile;         // slots per queue record (>= 1)
-  int32_t n_tiles_up, n_tiles_down;
-  int32_t cap_up, cap_down; // queue capacities in records
-  int32_t* expert_counts;   // [E]
-  int32_t* expert_offsets;  // [E + 1]
-  int32_t* slot;            // [rows * k]
-  int32_t* slot_entry;      // [rows * k]
-  int4* queue_up;           // [cap_up]
-  int4* queue_down;         // [cap_down]
-  int32_t* qcount;          // [4]
+  int32_t up_tiles, down_tiles;  // records per active expert in each queue
+  int32_t queue_cap;             // records each queue holds
+  int32_t* route_slot;           // [rows * k]
+  int4* up_queue;                // [queue_cap]
+  int4* down_queue;              // [queue_cap]
+  int32_t* up_len;               // target word: up-queue length
+  int32_t* down_len;             // target word: down-queue length
 };
-
-// Worst-case records per n tile: every active expert (at most min(E, n)) has
-// one partial row tile, plus every full tile of row_tile entries.
-__host__ __device__ __forceinline__ int queue_capacity_rows(int num_experts, int entries, int row_tile) {
-  const int active = num_experts < entries ? num_experts : entries;
-  return active + entries / row_tile;
-}
 
 // Shared memory for finalize_cta, in int32 words.
 __host__ __device__ __forceinline__ int finalize_smem_words(int num_experts, int entries) {
-  return 3 * num_experts + 2 + entries;
+  return 3 * num_experts + 1 + entries;
 }
 
-// ROUTE_FINALIZE, by one whole CTA (any size >= 32). Returns false (and
-// raises the error) when a queue would overflow.
-__device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* smem, int32_t* status) {
-  const int tid = threadIdx.x;
-  const int nt = blockDim.x;
+// Both expert queues share one record layout, so one builder serves both.
+static_assert(rec_moe_up::EXPERT == rec_moe_down::EXPERT && rec_moe_up::N_TILE == rec_moe_down::N_TILE &&
+                  rec_moe_up::SLOT0 == rec_moe_down::SLOT0 && rec_moe_up::ROWS == rec_moe_down::ROWS,
+              "MoE up and down records differ");
+
+__device__ __forceinline__ int4 expert_record(int expert, int n_tile, int slot0, int rows) {
+  int32_t r[QUEUE_RECORD_WORDS];
+  r[rec_moe_up::EXPERT] = expert;
+  r[rec_moe_up::N_TILE] = n_tile;
+  r[rec_moe_up::SLOT0] = slot0;
+  r[rec_moe_up::ROWS] = rows;
+  return make_int4(r[0], r[1], r[2], r[3]);
+}
+
+// Warp 0: rank[i] = index of entry i among the entries of its expert (index
+// order), cnt[e] = entries of expert e. A warp match over 32 entries at a
+// time; cnt carries the counts across chunks. cnt starts at zero.
+__device__ __forceinline__ void rank_entries(const int32_t* ids, int n, int32_t* cnt, int32_t* rank) {
+  const int lane = threadIdx.x & 31;
+  const unsigned lt = (1u << lane) - 1u;
+  for (int c = 0; c < n; c += 32) {
+    const int i = c + lane;
+    const int e = i < n ? __ldcg(ids + i) : -1 - lane;  // unique: never matches
+    const unsigned same = __match_any_sync(kFullMask, e);
+    const int base = i < n ? cnt[e] : 0;
+    __syncwarp();
+    if (i < n) {
+      rank[i] = base + __popc(same & lt);
+      if ((same & lt) == 0) cnt[e] = base + __popc(same);  // group leader
+    }
+    __syncwarp();
+  }
+}
+
+// Warp 0: off = exclusive scan of cnt, act[0..*nact) = active experts
+// ascending, 32 experts at a time.
+__device__ __forceinline__ void scan_experts(const int32_t* cnt, int E, int32_t* off, int32_t* act,
+                                             int32_t* nact) {
+  const int lane = threadIdx.x & 31;
+  const unsigned lt = (1u << lane) - 1u;
+  int carry = 0, acarry = 0;
+  for (int c = 0; c < E; c += 32) {
+    const int e = c + lane;
+    const int x = e < E ? cnt[e] : 0;
+    int ix = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFullMask, ix, o);
+      if (lane >= o) ix += y;
+    }
+    const unsigned hit = __ballot_sync(kFullMask, x > 0);
+    if (e < E) off[e] = carry + ix - x;
+    if (x > 0) act[acarry + __popc(hit & lt)] = e;
+    carry += __shfl_sync(kFullMask, ix, 31);
+    acarry += __popc(hit);
+  }
+  if (lane == 0) *nact = acarry;
+}
+
+// One record per (active expert, tile), expert-major: record p is tile
+// p % tiles of the (p / tiles)-th active expert. Whole CTA.
+__device__ __forceinline__ void write_queue(int4* q, int tiles, int nact, const int32_t* act,
+                                            const int32_t* off, const int32_t* cnt) {
+  for (int p = threadIdx.x; p < nact * tiles; p += blockDim.x) {
+    const int a = p / tiles;
+    const int e = act[a];
+    q[p] = expert_record(e, p - a * tiles, off[e], cnt[e]);
+  }
+}
+
+// ROUTE_FINALIZE, by one whole CTA (any size >= 32). Returns false, having
+// written nothing and raised kErrQueueOverflow (reported as `site`'s task),
+// when a queue would need more than queue_cap records.
+__device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* smem, const WaitSite& site) {
   const int E = a.num_experts;
   const int n = a.rows * a.k;
-  int32_t* cnt = smem;               // [E]
-  int32_t* off = cnt + E;            // [E + 1]
-  int32_t* tbase = off + E + 1;      // [E + 1] first row tile of each expert
-  int32_t* rank = tbase + E + 1;     // [n]
-  for (int e = tid; e < E; e += nt) cnt[e] = 0;
+  int32_t* cnt = smem;        // [E]
+  int32_t* off = cnt + E;     // [E]
+  int32_t* act = off + E;     // [E]
+  int32_t* nact = act + E;    // [1]
+  int32_t* rank = nact + 1;   // [n]
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
-
-  if (tid < 32) {
-    // Rank of each entry among the entries of its expert, in index order:
-    // warp-wide match over 32 entries at a time, carried in cnt[].
-    const unsigned lt = (1u << tid) - 1u;
-    for (int c = 0; c < n; c += 32) {
-      const int i = c + tid;
-      const int e = i < n ? __ldcg(a.topk_ids + i) : -1 - tid;  // unique: never matches
-      const unsigned same = __match_any_sync(0xffffffffu, e);
-      int base = 0;
-      if (i < n) base = cnt[e];
-      __syncwarp();
-      if (i < n) {
-        rank[i] = base + __popc(same & lt);
-        if ((same & lt) == 0) cnt[e] = base + __popc(same);  // group leader
-      }
-      __syncwarp();
-    }
-    // Exclusive scans of counts and of row tiles, 32 experts at a time.
-    int carry = 0, tcarry = 0, active = 0;
-    for (int c = 0; c < E; c += 32) {
-      const int e = c + tid;
-      const int x = e < E ? cnt[e] : 0;
-      const int t = (x + a.row_tile - 1) / a.row_tile;
-      active += __popc(__ballot_sync(0xffffffffu, x > 0));
-      int ix = x, it = t;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int yx = __shfl_up_sync(0xffffffffu, ix, o);
-        const int yt = __shfl_up_sync(0xffffffffu, it, o);
-        if (tid >= o) {
-          ix += yx;
-          it += yt;
-        }
-      }
-      if (e < E) {
-        off[e] = carry + ix - x;
-        tbase[e] = tcarry + it - t;
-      }
-      carry += __shfl_sync(0xffffffffu, ix, 31);
-      tcarry += __shfl_sync(0xffffffffu, it, 31);
-    }
-    if (tid == 0) {
-      off[E] = carry;
-      tbase[E] = tcarry;
-      a.qcount[2] = active;
-    }
+  if (threadIdx.x < 32) {
+    rank_entries(a.topk_ids, n, cnt, rank);
+    scan_experts(cnt, E, off, act, nact);
   }
   __syncthreads();
 
-  const int total_tiles = tbase[E];
-  bool ok = true;
-  for (int e = tid; e < E; e += nt) {
-    a.expert_counts[e] = cnt[e];
-    a.expert_offsets[e] = off[e];
+  const int na = *nact;
+  const int need = na * max(a.up_tiles, a.down_tiles);
+  if (need > a.queue_cap) {
+    if (threadIdx.x == 0)
+      report_error(site.status, site.task, site.opcode, -1, need, a.queue_cap, site.layer, kErrQueueOverflow);
+    return false;
   }
-  if (tid == 0) {
-    a.expert_offsets[E] = off[E];
-    a.qcount[0] = total_tiles * a.n_tiles_up;
-    a.qcount[1] = total_tiles * a.n_tiles_down;
-    a.qcount[3] = n;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) a.route_slot[i] = off[__ldcg(a.topk_ids + i)] + rank[i];
+  write_queue(a.up_queue, a.up_tiles, na, act, off, cnt);
+  write_queue(a.down_queue, a.down_tiles, na, act, off, cnt);
+  if (threadIdx.x == 0) {
+    *a.up_len = na * a.up_tiles;
+    *a.down_len = na * a.down_tiles;
   }
-  for (int i = tid; i < n; i += nt) {
-    const int e = __ldcg(a.topk_ids + i);
-    const int s = off[e] + rank[i];
-    a.slot[i] = s;
-    a.slot_entry[s] = i;
-  }
-  // Records: one thread per (expert, n tile) pair, looping over row tiles.
-  const int ntu = a.n_tiles_up, ntd = a.n_tiles_down;
-  const int nmax = ntu > ntd ? ntu : ntd;
-  for (int p = tid; p < E * nmax; p += nt) {
-    const int e = p / nmax;
-    const int t = p % nmax;
-    const int c = cnt[e];
-    for (int rt = 0; rt * a.row_tile < c; ++rt) {
-      const int4 rec = make_int4(e, t, off[e] + rt * a.row_tile,
-                                 min(a.row_tile, c - rt * a.row_tile));
-      const int tile = tbase[e] + rt;
-      if (t < ntu) {
-        const int idx = tile * ntu + t;
-        if (idx < a.cap_up) a.queue_up[idx] = rec; else ok = false;
-      }
-      if (t < ntd) {
-        const int idx = tile * ntd + t;
-        if (idx < a.cap_down) a.queue_down[idx] = rec; else ok = false;
-      }
-    }
-  }
-  if (!ok) report_error(status, -1, 10, -1, total_tiles, a.cap_up, 0, kErrQueueOverflow);
-  return __syncthreads_and(ok) != 0;
+  return true;
 }
 
 // MOE_GATHER for one row, whole CTA: copy x[row] (bf16, D % 8 == 0) to its
@@ -285,43 +294,39 @@ __device__ __forceinline__ void gather_row(const __nv_bfloat16* x, __nv_bfloat16
   __syncthreads();
 }
 
-// MOE_COMBINE for one row, whole CTA: fp32 sum over k in order (k <= 32).
-// Slots and weights are staged in shared memory; the expert outputs of up
-// to 8 slots are loaded before the first add.
-__device__ __forceinline__ void combine_row(const __nv_bfloat16* y, const int32_t* slot,
-                                            const float* w, float* out, int row, int k, int D,
-                                            int32_t* smem) {
+// acc = w * y (first), or acc + w * y, rounding the product and the sum
+// separately as the VM does (an FMA would round once and differ).
+__device__ __forceinline__ float4 weighted_add(float4 acc, float w, float4 y, bool first) {
+  const float4 p = make_float4(__fmul_rn(w, y.x), __fmul_rn(w, y.y), __fmul_rn(w, y.z), __fmul_rn(w, y.w));
+  if (first) return p;
+  return make_float4(__fadd_rn(acc.x, p.x), __fadd_rn(acc.y, p.y), __fadd_rn(acc.z, p.z),
+                     __fadd_rn(acc.w, p.w));
+}
+
+// MOE_COMBINE for one row, whole CTA: y = moe_out (fp32 [rows * k, D],
+// D % 4 == 0), out fp32 [rows, D], k <= 32. Slots and weights are staged in
+// shared memory; up to 8 expert outputs are loaded before the first add.
+__device__ __forceinline__ void combine_row(const float* y, const int32_t* slot, const float* w,
+                                            float* out, int row, int k, int D, int32_t* smem) {
   float* ws = reinterpret_cast<float*>(smem + 32);
   if (threadIdx.x < k) {
     smem[threadIdx.x] = __ldcg(slot + row * k + threadIdx.x);
     ws[threadIdx.x] = __ldcg(w + row * k + threadIdx.x);
   }
   __syncthreads();
-  const int nv = D / 8;
+  const int nv = D / 4;
   for (int c = threadIdx.x; c < nv; c += blockDim.x) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int j0 = 0; j0 < k; j0 += 8) {
-      uint4 u[8];
+      float4 u[8];
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
-        if (j0 + jj < k)
-          u[jj] = __ldcg(reinterpret_cast<const uint4*>(y + (size_t)smem[j0 + jj] * D) + c);
+        if (j0 + jj < k) u[jj] = __ldcg(reinterpret_cast<const float4*>(y + (size_t)smem[j0 + jj] * D) + c);
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        if (j0 + jj >= k) break;
-        const float wj = ws[j0 + jj];
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u[jj]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 f = __bfloat1622float2(h[q]);
-          acc[2 * q] = fmaf(wj, f.x, acc[2 * q]);
-          acc[2 * q + 1] = fmaf(wj, f.y, acc[2 * q + 1]);
-        }
-      }
+      for (int jj = 0; jj < 8; ++jj)
+        if (j0 + jj < k) acc = weighted_add(acc, ws[j0 + jj], u[jj], j0 + jj == 0);
     }
-    float4* o = reinterpret_cast<float4*>(out + (size_t)row * D + c * 8);
-    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    reinterpret_cast<float4*>(out + (size_t)row * D)[c] = acc;
   }
   __syncthreads();
 }

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megac import abi
+from megac import abi, routing
 from megac.abi import Flag, H, Op, Queue
 from megac.errors import MegacError
 
@@ -699,26 +699,9 @@ class Ops:
             rt = _idx(rows)
             for r in rows:
                 self.tr.read("router_part", (layer, slice(0, nsp), int(r), slice(None)))
-            logit = st["router_part"][layer, 0, rt]
-            for s in range(1, nsp):
-                logit = logit + st["router_part"][layer, s, rt]
-            srt = torch.sort(logit, dim=-1, descending=True, stable=True)
-            ids = srt.indices[:, :K]
-            sel = srt.values[:, :K].to(torch.float64)
-            if flags & Flag.SOFTMAX_ROUTER:
-                e = torch.exp(sel - sel[:, :1])
-                tot = e[:, 0]
-                for j in range(1, K):
-                    tot = tot + e[:, j]
-                wts = (e / tot[:, None]).to(torch.float32)
-            else:
-                wts = torch.sigmoid(sel).to(torch.float32)
-            if flags & Flag.RENORMALIZE:
-                w64 = wts.to(torch.float64)
-                tot = w64[:, 0]
-                for j in range(1, K):
-                    tot = tot + w64[:, j]
-                wts = (w64 / tot[:, None]).to(torch.float32)
+            logit = routing.sum_splits(st["router_part"][layer, :nsp][:, rt])
+            ids, wts = routing.topk(logit, K, softmax=bool(flags & Flag.SOFTMAX_ROUTER),
+                                    renormalize=bool(flags & Flag.RENORMALIZE))
             for r in rows:
                 self.tr.write("topk_ids", (layer, int(r), slice(None)))
                 self.tr.write("topk_w", (layer, int(r), slice(None)))
@@ -749,17 +732,11 @@ class Ops:
             flat = st.np["topk_ids"][layer, :n].reshape(-1).astype(np.int64)
             if ((flat < 0) | (flat >= E)).any():
                 raise BadTaskError("ROUTE_FINALIZE: expert id out of range", layer=layer, buffer="topk_ids")
-            counts = np.bincount(flat, minlength=E)
-            offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            order = np.argsort(flat, kind="stable")
-            slot = np.empty(len(flat), dtype=np.int64)
-            slot[order] = np.arange(len(flat))
+            route = routing.finalize(flat.reshape(n, K), E)
             self.tr.write("route_slot", (layer, slice(0, n), slice(None)))
-            st.np["route_slot"][layer, :n] = slot.reshape(n, K)
-            active = np.flatnonzero(counts)
+            st.np["route_slot"][layer, :n] = route.slot
             for qname, tiles, word in ((uq, up_t, uw), (dq, down_t, dw)):
-                recs = np.array([(e, t, offsets[e], counts[e]) for e in active for t in range(tiles)],
-                                dtype=np.int64).reshape(-1, abi.QUEUE_RECORD_WORDS)
+                recs = routing.queue_records(route, tiles)
                 qb = st.np[qname]
                 if len(recs) > qb.shape[1]:
                     raise QueueOverflowError(f"ROUTE_FINALIZE layer {layer}: {len(recs)} records for "
@@ -801,9 +778,7 @@ class Ops:
                 self.tr.read("moe_out", (layer, slots[j], slice(None)))
             wts = st["topk_w"][layer, _idx(rows)]  # [m, K]
             y = st["moe_out"][layer][_idx(slots)]  # [m, K, D]
-            acc = wts[:, 0, None] * y[:, 0]
-            for j in range(1, slots.shape[1]):
-                acc = acc + wts[:, j, None] * y[:, j]
+            acc = routing.combine(wts, y)
             for r in rows:
                 self.tr.write("ffn_part", (layer, 0, int(r), slice(None)))
             st["ffn_part"][layer, 0, _idx(rows)] = acc

@@ -8,6 +8,12 @@
 // persistent kernel; the next step's TOPK waits for the previous step's
 // gather and combine, since they read what it overwrites.
 //
+// Buffers have the ABI's per-layer shapes (abi.LAUNCH_DESC, one layer):
+// router_part fp32 [num_splits, rows, E], topk_ids / topk_w / route_slot
+// [rows, K], up/down queues int4 [queue_cap], queue_len the two target
+// words, x bf16 [rows, D], moe_x bf16 [rows*K, D], moe_out fp32 [rows*K, D],
+// out (ffn_part slot 0) fp32 [rows, D].
+//
 // Counters (uint32[4]: topk, finalize, gather+combine, spare) are never reset
 // between launches of one configuration: step numbers continue across
 // launches through `step0`.
@@ -24,12 +30,11 @@ constexpr int kPhaseCombine = 2;
 
 template <int MAX_E>
 __device__ __forceinline__ void moe_route_body(
-    const float* logits, int rows, int E, int K, int mode, int renorm, int row_tile,
-    int n_tiles_up, int n_tiles_down, int cap_up, int cap_down, int32_t* topk_ids,
-    float* topk_w, int32_t* expert_counts, int32_t* expert_offsets, int32_t* slot,
-    int32_t* slot_entry, int4* queue_up, int4* queue_down, int32_t* qcount,
-    const __nv_bfloat16* x, __nv_bfloat16* moe_x, const __nv_bfloat16* y, float* out, int D,
-    uint32_t* counters, int32_t* status, int step0, int iters, int phases) {
+    const float* router_part, int num_splits, int rows, int E, int K, int flags, int up_tiles,
+    int down_tiles, int queue_cap, int32_t* topk_ids, float* topk_w, int32_t* route_slot,
+    int4* up_queue, int4* down_queue, int32_t* queue_len, const __nv_bfloat16* x,
+    __nv_bfloat16* moe_x, const float* moe_out, float* out, int D, uint32_t* counters,
+    int32_t* status, int step0, int iters, int phases) {
   extern __shared__ __align__(16) int32_t smem_words[];
   const int fin_cta = gridDim.x - 1;
   const int per_step_rows = ((phases & kPhaseGather) ? rows : 0) + ((phases & kPhaseCombine) ? rows : 0);
@@ -38,50 +43,48 @@ __device__ __forceinline__ void moe_route_body(
     int task = 0;
     // TOPK: row r on CTA r % grid; warp 0 does the row.
     for (int r = blockIdx.x; r < rows; r += gridDim.x, ++task) {
-      megac::WaitSite site{status, 0, task, 9, 0};
+      megac::WaitSite site{status, 0, task, megac::OP_ROUTER_TOPK, 0};
       if (!megac::cta_wait_counter(counters + 2, g * (uint32_t)per_step_rows, 2, site)) return;
       if (threadIdx.x < 32)
-        megac::moe::topk_row_warp<MAX_E>(logits + (size_t)r * E, E, K, mode, renorm != 0,
-                                         topk_ids + r * K, topk_w + r * K);
+        megac::moe::topk_row_warp<MAX_E>(router_part + (size_t)r * E, (size_t)rows * E, num_splits, E,
+                                         K, flags, topk_ids + r * K, topk_w + r * K);
       megac::cta_signal_counter(counters + 0);
     }
     if (blockIdx.x == fin_cta) {
-      megac::WaitSite site{status, 0, task++, 10, 0};
+      megac::WaitSite site{status, 0, task++, megac::OP_ROUTE_FINALIZE, 0};
       if (!megac::cta_wait_counter(counters + 0, (g + 1) * (uint32_t)rows, 0, site)) return;
-      megac::moe::FinalizeArgs fa{topk_ids, rows, K, E, row_tile, n_tiles_up, n_tiles_down,
-                                  cap_up, cap_down, expert_counts, expert_offsets, slot,
-                                  slot_entry, queue_up, queue_down, qcount};
-      if (!megac::moe::finalize_cta(fa, smem_words, status)) return;
+      const megac::moe::FinalizeArgs fa{topk_ids, rows, K, E, up_tiles, down_tiles, queue_cap,
+                                        route_slot, up_queue, down_queue, queue_len, queue_len + 1};
+      if (!megac::moe::finalize_cta(fa, smem_words, site)) return;
       megac::cta_signal_counter(counters + 1);
     }
     // GATHER / COMBINE: row r on CTA (r + 1) % grid, away from the finaliser.
     for (int r = (blockIdx.x + gridDim.x - 1) % gridDim.x; r < rows; r += gridDim.x, ++task) {
-      megac::WaitSite site{status, 0, task, 11, 0};
+      megac::WaitSite site{status, 0, task, megac::OP_MOE_GATHER, 0};
       if (!megac::cta_wait_counter(counters + 1, g + 1, 1, site)) return;
       if (phases & kPhaseGather) {
-        megac::moe::gather_row(x, moe_x, slot, r, K, D, smem_words);
+        megac::moe::gather_row(x, moe_x, route_slot, r, K, D, smem_words);
         megac::cta_signal_counter(counters + 2);
       }
       if (phases & kPhaseCombine) {
-        megac::moe::combine_row(y, slot, topk_w, out, r, K, D, smem_words);
+        megac::moe::combine_row(moe_out, route_slot, topk_w, out, r, K, D, smem_words);
         megac::cta_signal_counter(counters + 2);
       }
     }
   }
 }
 
-#define MOE_ROUTE_ENTRY(NAME, MAX_E)                                                            \
-  extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                    \
-      const float* logits, int rows, int E, int K, int mode, int renorm, int row_tile,          \
-      int n_tiles_up, int n_tiles_down, int cap_up, int cap_down, int32_t* topk_ids,           \
-      float* topk_w, int32_t* expert_counts, int32_t* expert_offsets, int32_t* slot,           \
-      int32_t* slot_entry, int4* queue_up, int4* queue_down, int32_t* qcount,                  \
-      const __nv_bfloat16* x, __nv_bfloat16* moe_x, const __nv_bfloat16* y, float* out, int D, \
-      uint32_t* counters, int32_t* status, int step0, int iters, int phases) {                \
-    moe_route_body<MAX_E>(logits, rows, E, K, mode, renorm, row_tile, n_tiles_up,              \
-                          n_tiles_down, cap_up, cap_down, topk_ids, topk_w, expert_counts,     \
-                          expert_offsets, slot, slot_entry, queue_up, queue_down, qcount, x,   \
-                          moe_x, y, out, D, counters, status, step0, iters, phases);           \
+#define MOE_ROUTE_ENTRY(NAME, MAX_E)                                                               \
+  extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                       \
+      const float* router_part, int num_splits, int rows, int E, int K, int flags, int up_tiles,  \
+      int down_tiles, int queue_cap, int32_t* topk_ids, float* topk_w, int32_t* route_slot,       \
+      int4* up_queue, int4* down_queue, int32_t* queue_len, const __nv_bfloat16* x,               \
+      __nv_bfloat16* moe_x, const float* moe_out, float* out, int D, uint32_t* counters,          \
+      int32_t* status, int step0, int iters, int phases) {                                        \
+    moe_route_body<MAX_E>(router_part, num_splits, rows, E, K, flags, up_tiles, down_tiles,       \
+                          queue_cap, topk_ids, topk_w, route_slot, up_queue, down_queue,          \
+                          queue_len, x, moe_x, moe_out, out, D, counters, status, step0, iters,   \
+                          phases);                                                                \
   }
 
 MOE_ROUTE_ENTRY(moe_route_e128, 128)
