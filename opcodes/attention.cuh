@@ -2,14 +2,15 @@
 // (ATTN_COMBINE).
 //
 // One decode task = (row, kv head, split). A CTA runs a *stream* of decode
-// tasks (DecodeStream::run): the K/V tiles of all its tasks form one sequence
-// that a shared-memory ring of 16-byte cp.async copies runs through, so the
-// next task's first tiles are already in flight while this one finishes
-// (its epilogue, its counter, maybe a combine). A task boundary therefore
-// costs no ring refill; this is what makes short splits (a few tiles) cheap.
-// The issue side also loads each tile's page-table entries one tile ahead,
-// so no cp.async ever waits on a page-table read, and it copies the task's
-// query rows into a shared-memory slot with its first tile.
+// tasks (DecodeStream): producer warps issue the K/V tiles of all its tasks,
+// one sequence, into a shared-memory ring (16-byte cp.async completing on
+// mbarriers); compute warps consume them. The next task's tiles are in
+// flight while this one finishes (its epilogue, its counter, maybe a
+// merge), so a task boundary costs no ring refill and no pause in the SM's
+// loads; this is what makes short splits (a few tiles) stream at the DRAM
+// rate. The producers load each tile's page-table entry one tile ahead and
+// each task's geometry one task ahead, and copy the task's query rows into
+// a shared-memory slot with its first tile.
 //
 // Compute: mma.sync m16n8k16, the GQA query heads of the kv head are the
 // 16-row M side (padded), keys / head dims the N side. The online softmax
@@ -19,13 +20,15 @@
 //
 // Combine: the partials of one (row, kv head) are merged in split order, in
 // fp32, by `combine_core`. It is reached two ways with identical bits: the
-// standalone ATTN_COMBINE task (`combine_task`, after a counter wait), or
-// fused: each split counts its arrival on a (row, kv head) counter and the
-// LAST arriver merges right away (`warp_arrive_last`), which removes one
-// dependency hop and one task. Counting and merging are meant for a warp
-// beside the stream's compute warps (see DecodeStream::run on why the
-// compute warps must not fence); opcodes/tests/attention_test.cu shows the
-// hand-off.
+// standalone ATTN_COMBINE task (`combine_task`, after a counter wait; a
+// schedule can give these SMs of their own), or fused: each split counts
+// its arrival on a (row, kv head) counter and the LAST arriver merges right
+// away (`warp_arrive_last`), which removes one dependency hop and one task.
+// Counting and fused merging are meant for a control warp beside the
+// stream's warps, so no counter wait or fence ever stalls the ring;
+// opcodes/tests/attention_test.cu shows the hand-off. The fused merge runs
+// on that one warp: cheap beside a long step, too slow (~12 us at 32
+// splits) when the whole step takes a few microseconds.
 // The merge copies all partials into shared memory with cp.async (all of
 // them in flight at once, two buffers), so it costs about one L2 round trip
 // plus the bytes, not one round trip per few splits.
@@ -61,6 +64,7 @@
 
 #include "common.cuh"
 #include "counters.cuh"
+#include "mbarrier.cuh"
 
 namespace megac {
 namespace attn {
@@ -103,10 +107,6 @@ __device__ __forceinline__ void split_range(int seq_len, int window, int num_spl
   begin = b > lo ? (int)(b < hi ? b : hi) : lo;
   end = e < hi ? (int)e : hi;
   if (split >= num_splits || begin >= end) { begin = hi; end = hi; }
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
 __device__ __forceinline__ uint32_t dynamic_smem_bytes() {
@@ -228,7 +228,7 @@ __device__ __forceinline__ void combine_core(const float* o_part, const float* l
     if (c < nchunks) {
       const int s0 = c * half;
       const int ns = n - s0 < half ? n - s0 : half;
-      const uint32_t buf = smem_u32(stage + (c & 1) * half * kSlice);
+      const uint32_t buf = smem_addr(stage + (c & 1) * half * kSlice);
       for (int i = tid; i < ns * kPieces; i += NT) {
         const int s = s0 + i / kPieces;
         cp_async16(buf + i * 16, ob + (size_t)s * split_elems * HD + (i % kPieces) * 4, 16);
@@ -239,23 +239,33 @@ __device__ __forceinline__ void combine_core(const float* o_part, const float* l
   issue(0);
   issue(1);
 
-  // All lse values in one round trip, then one thread per head folds them in
-  // split order while the partials are still in flight.
+  // All lse values in one round trip, then one warp per head turns them into
+  // weights while the partials are still in flight: lanes take splits
+  // lane, lane+32, ..., and max / sum run over a fixed xor tree, so the
+  // bits do not depend on timing (a serial loop per head cost ~0.7 us at
+  // 32 splits, on the critical path of every merge).
   const float* lp = lse_part + (size_t)row * q_heads + kvh * GQA;
   for (int i = tid; i < n * GQA; i += NT)
     w[i] = __ldcg(lp + (size_t)(i / GQA) * split_elems + i % GQA);
   sync();
-  if (tid < GQA) {
-    float M = -INFINITY;
-    for (int s = 0; s < n; ++s) M = fmaxf(M, w[s * GQA + tid]);
-    float L = 0.f;
-    for (int s = 0; s < n; ++s) {
-      const float l = w[s * GQA + tid];
-      const float f = (l == -INFINITY || M == -INFINITY) ? 0.f : expf(l - M);
-      w[s * GQA + tid] = f;
-      L += f;
+  {
+    const int lane = tid & 31;
+    for (int h = tid >> 5; h < GQA; h += NT / 32) {
+      float M = -INFINITY;
+      for (int s = lane; s < n; s += 32) M = fmaxf(M, w[s * GQA + h]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+      float L = 0.f;
+      for (int s = lane; s < n; s += 32) {
+        const float l = w[s * GQA + h];
+        const float f = (l == -INFINITY || M == -INFINITY) ? 0.f : expf(l - M);
+        w[s * GQA + h] = f;
+        L += f;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+      if (lane == 0) Ls[h] = L > 0.f ? 1.f / L : 0.f;
     }
-    Ls[tid] = L > 0.f ? 1.f / L : 0.f;
   }
 
   float4 acc[kItems];
@@ -338,12 +348,14 @@ __device__ __forceinline__ bool warp_arrive_last(uint32_t* counter, uint32_t n) 
 //   [0, kRingBytes)            STAGES x (K tile, V tile)
 //   [kQOffset, +STAGES*kQBytes) query rows of task o (in stream order) in
 //                              slot o % STAGES, swizzled like the K rows
-//   [kFlagOffset, +128)        CTA-wide flags
+//   [kBarOffset, +128)         full[STAGES], empty[STAGES] mbarriers
+//   [kFlagOffset, +128)        CTA-wide flags (16 zero bytes at +64)
 //   [kMergeOffset, +kMergeBytes) the warp merge
 //   [kCtlOffset, ...)          a control warp's combine (everything up to the
 //                              end of the dynamic shared memory)
 template <int HD, int GQA, int NWARPS, int STAGES>
 struct DecodeSmem {
+  static_assert(STAGES <= 8, "the barrier block holds 8 full + 8 empty barriers");
   static constexpr int kTileKeys = NWARPS * 16;
   static constexpr int kRowBytes = HD * 2;
   static constexpr int kTileBytes = kTileKeys * kRowBytes;  // one of K or V
@@ -351,7 +363,8 @@ struct DecodeSmem {
   static constexpr int kRingBytes = STAGES * kStageBytes;
   static constexpr int kQBytes = (GQA * HD * 2 + 127) / 128 * 128;
   static constexpr int kQOffset = kRingBytes;
-  static constexpr int kFlagOffset = kQOffset + STAGES * kQBytes;
+  static constexpr int kBarOffset = kQOffset + STAGES * kQBytes;
+  static constexpr int kFlagOffset = kBarOffset + 128;
   static constexpr int kMergeOffset = kFlagOffset + 128;
   // per warp 16 m + 16 l + GQA*HD o (fp32)
   static constexpr int kMergeBytes = NWARPS * (32 + GQA * HD) * 4;
@@ -368,6 +381,22 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
   return static_cast<uint32_t>(r * (HD * 2) + ((c ^ (r & 7)) << 4));
 }
 
+// The cp.async copies this thread has issued so far complete an arrival on
+// `bar` (counted among the arrivals the barrier was initialised with).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar))
+               : "memory");
+}
+
+// The words a task source loads for one task ahead of time (its split
+// counts, sequence length, ...). Fetching them one task early keeps the
+// global-memory round trips of the task geometry off both sides' critical
+// paths: inside a megakernel every counter acquire invalidates the SM's L1,
+// so these loads go to L2 each time.
+struct TaskPrefetch {
+  int32_t w[4];
+};
+
 // What the stream needs of one decode task.
 struct DecodeTask {
   const __nv_bfloat16* q;  // [GQA][HD]: the query heads of this kv head
@@ -380,32 +409,102 @@ struct DecodeTask {
   int ntiles;              // 0 for an empty split
 };
 
-template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES>
+// Optional timing probe (a test kernel defines MEGAC_ATTN_TRACE and points
+// megac_attn_trace at [grid][kTraceTasks][16] u64): per task, the first
+// compute thread records clock64 at the task's start, first tile ready, last
+// tile done and finish done, and the cycles it waited for tiles; the
+// producer's first lane adds the cycles it waited for free ring slots.
+#ifdef MEGAC_ATTN_TRACE
+constexpr int kTraceTasks = 256;
+}  // namespace attn
+}  // namespace megac
+extern "C" __device__ unsigned long long* megac_attn_trace;  // C name: the host looks it up
+namespace megac {
+namespace attn {
+#define MEGAC_ATTN_TRACE_AT(who, task, slot, value)                                         \
+  do {                                                                                      \
+    if ((who) && (task) < ::megac::attn::kTraceTasks)                                                      \
+      megac_attn_trace[((size_t)blockIdx.x * ::megac::attn::kTraceTasks + (task)) * 16 + (slot)] = (value); \
+  } while (0)
+#define MEGAC_ATTN_TRACE_ADD(who, task, slot, value)                                         \
+  do {                                                                                       \
+    if ((who) && (task) < ::megac::attn::kTraceTasks)                                                       \
+      megac_attn_trace[((size_t)blockIdx.x * ::megac::attn::kTraceTasks + (task)) * 16 + (slot)] += (value); \
+  } while (0)
+#else
+#define MEGAC_ATTN_TRACE_AT(who, task, slot, value) \
+  do {                                             \
+  } while (0)
+#define MEGAC_ATTN_TRACE_ADD(who, task, slot, value) \
+  do {                                              \
+  } while (0)
+#endif
+
+// A stream of decode tasks on one CTA, warp-specialised:
+//   * PWARPS PRODUCER warps (threads NT.. of the CTA) walk the tasks and
+//     issue every K/V tile (and each task's query rows) into a ring of
+//     STAGES slots with 16-byte cp.async, each lane's copies completing an
+//     arrival on the slot's `full` mbarrier; they wait only for free slots
+//     (`empty`). One warp cannot issue fast enough (measured: a 32 KB tile
+//     every ~3000 cycles, 56 % of the DRAM rate at 128K); four keep up.
+//   * NWARPS COMPUTE warps walk the same tasks, wait for each tile's `full`
+//     barrier, attend their 16-key slice of it and hand the slot back
+//     (`empty`, one arrival per warp), then merge and write each task's
+//     partial.
+// The ring is not tied to a task, so the producer streams on into the next
+// tasks while the compute warps run a task's epilogue (merge, partial
+// store, counter hand-offs): the SM's loads never pause at task boundaries.
+// That is what makes short splits (a few tiles each) stream at the DRAM
+// rate: with the copies issued by the compute warps themselves, every
+// task's epilogue (~1.5 us) stopped issuing while it ran.
+//
+// Both sides derive the same task sequence from the same source and keep
+// their ring position (RingCursor) across calls, so a CTA may run its
+// tasks in several streams (one per step, say) without re-initialising.
+template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS>
 struct DecodeStream {
   static_assert(HD % 64 == 0 && HD <= 256, "head_dim must be 64, 128, 192 or 256");
   static_assert(GQA >= 1 && GQA <= 16, "at most 16 query heads per kv head");
   static_assert(STAGES >= 2, "need a ring");
   using G = DecodeSmem<HD, GQA, NWARPS, STAGES>;
-  static constexpr int NT = NWARPS * 32;
+  static constexpr int NT = NWARPS * 32;  // compute threads
+  static constexpr int NP = PWARPS * 32;  // producer threads
   static constexpr int KT = G::kTileKeys;
-  static constexpr int CPR = HD / 8;          // 16-byte chunks per key row
-  static constexpr int LOADS = KT * CPR / NT;  // chunks per thread per tensor
-  static_assert((KT * CPR) % NT == 0, "tile must split evenly over threads");
-  static constexpr int ROWS_PER_PASS = NT / CPR;
-  // A page holds whole tiles: one page-table entry serves the whole tile.
-  static constexpr bool kTileInPage = BLOCK % KT == 0;
-  // A tile holds whole pages and each thread's rows j map to page
-  // (j*ROWS_PER_PASS)/BLOCK of the tile: one entry per page, not per row.
-  static constexpr bool kPagesAligned = KT % BLOCK == 0 && BLOCK % ROWS_PER_PASS == 0;
-  static constexpr int NBLK = kTileInPage ? 1 : (kPagesAligned ? KT / BLOCK : LOADS);
+  static constexpr int CPR = HD / 8;        // 16-byte chunks per key row
+  static_assert(KT % BLOCK == 0 || BLOCK % KT == 0,
+                "pages must hold whole tiles or tiles whole pages");
+  // A page holds the whole tile: one page-table entry serves every row.
+  static constexpr bool kTileInPage = BLOCK >= KT;
   static constexpr int QCHUNKS = GQA * HD / 8;
 
-  // Geometry of split `split` of (row, kvh).
+  RingCursor<STAGES> cur;  // this side's ring position
+  uint32_t ord = 0;        // tasks with tiles seen so far (their q slot: ord % STAGES)
+
+  __device__ __forceinline__ static uint64_t* full_bar(char* smem) {
+    return reinterpret_cast<uint64_t*>(smem + G::kBarOffset);
+  }
+  __device__ __forceinline__ static uint64_t* empty_bar(char* smem) {
+    return full_bar(smem) + STAGES;
+  }
+
+  // ONE thread, once per kernel; then every thread that will use the ring
+  // must pass a CTA barrier.
+  __device__ __forceinline__ static void init(char* smem) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar(smem) + s, NP);          // one arrival per producer thread
+      mbar_init(empty_bar(smem) + s, NWARPS);     // one per compute warp
+    }
+    *reinterpret_cast<uint4*>(smem + G::kFlagOffset + 64) = make_uint4(0, 0, 0, 0);
+    mbar_init_fence();
+  }
+
+  // Geometry of split `split` of (row, kvh) whose row holds `seq_len` tokens.
   __device__ __forceinline__ static void task(const DecodeArgs& a, int row, int kvh, int split,
-                                              int num_splits, int window, DecodeTask& t) {
+                                              int num_splits, int window, int seq_len,
+                                              DecodeTask& t) {
     const int q_heads = a.kv_heads * GQA;
     int kbeg, kend;
-    split_range(__ldg(a.seq_len + row), window, num_splits, split, BLOCK, kbeg, kend);
+    split_range(seq_len, window, num_splits, split, BLOCK, kbeg, kend);
     t.q = a.q + ((size_t)row * q_heads + (size_t)kvh * GQA) * HD;
     t.k = a.k_pool + (size_t)kvh * HD;
     t.v = a.v_pool + (size_t)kvh * HD;
@@ -417,143 +516,134 @@ struct DecodeStream {
     t.ntiles = kbeg < kend ? (kend - t.tbeg + KT - 1) / KT : 0;
   }
 
-  // --- issue side: the task and tile the next cp.async batch is for -------
-  uint32_t ring;
-  DecodeTask it;
-  int it_idx;
-  int it_tile;
-  int n_tasks;
-  uint32_t issued;  // tiles issued so far; tile i goes to stage i % STAGES
-  uint32_t it_ord;  // tasks with tiles found so far; task o's q goes to slot o % STAGES
-  int blk[NBLK];    // physical blocks of the next tile's rows (loaded ahead)
-  bool more;
-
-  // Page-table entries of tile it_tile of `it`. Rows outside [kbeg, kend)
-  // never look at the page table (their pages may be released).
-  __device__ __forceinline__ void load_blk() {
-    const int tile_pos = it.tbeg + it_tile * KT;
-    if constexpr (kTileInPage) {
-      // tile_pos lies in [page of kbeg, page of kend-1]: a live page.
-      blk[0] = __ldg(it.pt + tile_pos / BLOCK);
-    } else if constexpr (kPagesAligned) {
-#pragma unroll
-      for (int p = 0; p < NBLK; ++p) {
-        const int page = tile_pos / BLOCK + p;
-        const bool live = page * BLOCK < it.kend && (page + 1) * BLOCK > it.kbeg;
-        blk[p] = live ? __ldg(it.pt + page) : 0;
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < LOADS; ++j) {
-        const int pos = tile_pos + (int)threadIdx.x / CPR + j * ROWS_PER_PASS;
-        blk[j] = (pos >= it.kbeg && pos < it.kend) ? __ldg(it.pt + pos / BLOCK) : 0;
-      }
-    }
+  // Page-table entry of the page holding tile `tt` when pages hold whole
+  // tiles (a tile that starts a task or lies inside it is on a live page).
+  __device__ __forceinline__ static int tile_page(const DecodeTask& t, int tt) {
+    return kTileInPage ? __ldg(t.pt + (t.tbeg + tt * KT) / BLOCK) : 0;
   }
 
+  // --- the producer warp ----------------------------------------------------
+  //   src.fetch(i) -> TaskPrefetch: issue the global loads task i's geometry
+  //       needs and return them unused (called one task ahead).
+  //   src.make(i, const TaskPrefetch&, DecodeTask&) -> bool: task i's
+  //       geometry; false = no task in slot i. Both sides call it for every
+  //       i and must get the same answer.
+  // Returns false after a watchdog / abort (the consumers then fail too).
+  // Threads NT..NT+NP-1 of the CTA call it.
   template <class Src>
-  __device__ __forceinline__ void next_issue_task(Src& src) {
-    for (;;) {
-      ++it_idx;
-      it_tile = 0;
-      if (it_idx >= n_tasks) {
-        more = false;
-        return;
+  __device__ __forceinline__ bool produce(Src& src, int n, char* smem, const WaitSite& site) {
+    const int lane = threadIdx.x & 31;
+    const int ptid = (int)threadIdx.x - NT;
+    const uint32_t ring = smem_addr(smem);
+    bool ok = true;
+    TaskPrefetch pre;
+    if (n > 0) pre = src.fetch(0);
+    // The next task with tiles is prepared while the current one issues: its
+    // geometry from words fetched a task earlier, its first page entry in
+    // flight, so a task boundary costs the producer no memory round trip.
+    int scan = 0;  // next task index to look at
+    int nidx = -1;
+    DecodeTask nt;
+    int nblk = 0;
+    auto prepare = [&]() {
+      nidx = -1;
+      while (scan < n && nidx < 0) {
+        const TaskPrefetch p = pre;
+        if (scan + 1 < n) pre = src.fetch(scan + 1);
+        if (src.make(scan, p, nt) && nt.ntiles > 0) nidx = scan;
+        ++scan;
       }
-      if (src(it_idx, it) && it.ntiles > 0) {
-        more = true;
-        ++it_ord;
-        load_blk();
-        return;
+      if (nidx >= 0) nblk = tile_page(nt, 0);
+    };
+    prepare();
+    while (nidx >= 0 && ok) {
+      const DecodeTask t = nt;
+      const int i = nidx;
+      int blk = nblk;
+      prepare();
+      const uint32_t qd = ring + G::kQOffset + (ord % STAGES) * G::kQBytes;
+      ++ord;
+      for (int tt = 0; tt < t.ntiles; ++tt) {
+#ifdef MEGAC_ATTN_TRACE
+        const long long w0 = clock64();
+#endif
+        // A fresh barrier counts as having completed the phase before phase
+        // 0, so the first pass over the ring does not wait.
+        ok = mbar_wait(empty_bar(smem) + cur.stage, cur.phase ^ 1u, (int32_t)cur.stage, site,
+                       lane == 0);
+        ok = __all_sync(0xffffffffu, ok);
+        if (!ok) break;
+        MEGAC_ATTN_TRACE_ADD(ptid == 0, i, 5, (unsigned long long)(clock64() - w0));
+        // Next tile's page entry now, used one tile later.
+        const int blk_next = tt + 1 < t.ntiles ? tile_page(t, tt + 1) : 0;
+        const int tile_pos = t.tbeg + tt * KT;
+        const uint32_t st = ring + cur.stage * G::kStageBytes;
+#pragma unroll 4
+        for (int idx = ptid; idx < KT * CPR; idx += NP) {
+          const int r = idx / CPR;
+          const int c = idx % CPR;
+          const int pos = tile_pos + r;
+          const bool in = pos >= t.kbeg && pos < t.kend;
+          // Smaller pages: each row's own entry (only live rows look).
+          const int b = kTileInPage ? blk : (in ? __ldg(t.pt + pos / BLOCK) : 0);
+          const size_t off = in ? ((size_t)b * BLOCK + pos % BLOCK) * (size_t)t.tok_stride + c * 8 : 0;
+          const uint32_t d = st + swz<HD>(r, c);
+          // Masked rows read as zeros, never as a stale page (0 * NaN = NaN).
+          cp_async16(d, t.k + off, in ? 16 : 0);
+          cp_async16(d + G::kTileBytes, t.v + off, in ? 16 : 0);
+        }
+        if (tt == 0) {
+          // Task o+STAGES is first issued after task o's last tile was
+          // handed back, so slot o % STAGES is free again.
+          for (int q = ptid; q < QCHUNKS; q += NP) cp_async16(qd + swz<HD>(q / CPR, q % CPR), t.q + q * 8, 16);
+        }
+        cp_async_mbar_arrive(full_bar(smem) + cur.stage);
+        cur.advance();
+        blk = blk_next;
       }
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // leave no copy behind
+    return ok;
   }
 
-  // Issue the next tile of the sequence (caller commits the group).
-  template <class Src>
-  __device__ __forceinline__ void issue(Src& src) {
-    const int tid = threadIdx.x;
-    const uint32_t slot = issued % STAGES;
-    const uint32_t st = ring + slot * G::kStageBytes;
-    const int tile_pos = it.tbeg + it_tile * KT;
-    const int c = tid % CPR;
-#pragma unroll
-    for (int j = 0; j < LOADS; ++j) {
-      const int r = tid / CPR + j * ROWS_PER_PASS;
-      const int pos = tile_pos + r;
-      const bool ok = pos >= it.kbeg && pos < it.kend;
-      const int b = kTileInPage ? blk[0] : (kPagesAligned ? blk[(j * ROWS_PER_PASS) / BLOCK] : blk[j]);
-      const size_t off =
-          ok ? ((size_t)b * BLOCK + pos % BLOCK) * (size_t)it.tok_stride + c * 8 : 0;
-      const uint32_t d = st + swz<HD>(r, c);
-      cp_async16(d, it.k + off, ok ? 16 : 0);
-      cp_async16(d + G::kTileBytes, it.v + off, ok ? 16 : 0);
-    }
-    if (it_tile == 0) {
-      // The issue side runs at most STAGES-1 tiles (so tasks) ahead, so task
-      // o+STAGES is first issued after task o's last tile was consumed.
-      const uint32_t qd = ring + G::kQOffset + ((it_ord - 1) % STAGES) * G::kQBytes;
-      for (int i = tid; i < QCHUNKS; i += NT) cp_async16(qd + swz<HD>(i / CPR, i % CPR), it.q + i * 8, 16);
-    }
-    ++issued;
-    if (++it_tile == it.ntiles) {
-      next_issue_task(src);
-    } else {
-      load_blk();
-    }
-  }
-
-  // Run tasks 0..n-1 of this CTA. Threads 0..NT-1 (the compute warps) call
-  // it; they sync on named barrier kBarCompute only, and no thread of theirs
-  // ever fences or waits on a counter: a release fence by a thread with
-  // cp.async in flight waits for those loads, which would drain the ring at
-  // every task boundary. Signalling belongs to another warp.
-  //   src(i, DecodeTask&) -> bool: task i's geometry; false = no task in
-  //       slot i (skipped by both sides). Called by both the issue side
-  //       (ahead) and the consume side: must be cheap and give the same
-  //       answer every time.
-  //   begin(i): called by every thread when task i starts computing.
+  // --- the compute warps ------------------------------------------------------
+  // Threads 0..NT-1 call it; they sync on named barrier kBarCompute only and
+  // never fence or wait on a counter (that is a control warp's job), so a
+  // slow hand-off never stalls the ring.
+  //   begin(i): called by every compute thread when task i starts.
   //   finish(i, const DecodeTask&, char* smem) -> bool: the task's merged
   //       state is in the merge area (write it with write_partial); must end
-  //       with a CTA barrier. false = abort (watchdog): run returns false.
+  //       with a kBarCompute barrier. false = abort: consume returns false.
   template <class Src, class Begin, class Finish>
-  __device__ __forceinline__ bool run(Src& src, Begin& begin, Finish& finish, int n,
-                                      float scale, char* smem) {
+  __device__ __forceinline__ bool consume(Src& src, Begin& begin, Finish& finish, int n,
+                                          float scale, char* smem, const WaitSite& site) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int g = lane >> 2;
     const int tq = lane & 3;
-    ring = smem_u32(smem);
-    n_tasks = n;
-    it_idx = -1;
-    issued = 0;
-    it_ord = 0;
+    const uint32_t ring = smem_addr(smem);
     // 16 zero bytes: the ldmatrix rows of the padded query heads (>= GQA).
     const uint32_t zero_row = ring + G::kFlagOffset + 64;
-    if (tid < 4) asm volatile("st.shared.u32 [%0], %1;" ::"r"(zero_row + tid * 4), "r"(0u));
-    next_issue_task(src);
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (more) issue(src);
-      cp_async_commit();
-    }
-
     float* mw = reinterpret_cast<float*>(smem + G::kMergeOffset);  // [NWARPS][16]
     float* lw = mw + NWARPS * 16;                                   // [NWARPS][16]
     float* ow = lw + NWARPS * 16;                                   // [NWARPS][GQA][HD]
     constexpr bool kTwoRows = GQA > 8;  // rows g+8 carry real heads
     const float sl2 = scale * kLog2e;
-    uint32_t consumed = 0;
-    uint32_t c_ord = 0;  // tasks with tiles consumed so far
     // This lane's ldmatrix row of the Q operand: rows (heads) 0-15, chunk
     // +0 / +1 of each 16-dim k step.
     const int q_row = (lane & 7) + ((lane >> 3) & 1) * 8;
     const int q_half = lane >> 4;
+    bool ok = true;
 
+    TaskPrefetch pre;
+    if (n > 0) pre = src.fetch(0);
     for (int i = 0; i < n; ++i) {
+      MEGAC_ATTN_TRACE_AT(tid == 0, i, 0, clock64());
       DecodeTask t;
-      if (!src(i, t)) continue;
+      const TaskPrefetch p = pre;
+      if (i + 1 < n) pre = src.fetch(i + 1);
+      if (!src.make(i, p, t)) continue;
       begin(i);
       float m_run[2] = {-INFINITY, -INFINITY};
       float l_run[2] = {0.f, 0.f};  // per-thread partial over its own columns
@@ -564,99 +654,110 @@ struct DecodeStream {
       // Q (the A operand: rows = query heads, k = head dims) stays in its
       // slot for the whole task and is re-read by ldmatrix every tile, which
       // keeps 32 registers free.
-      const uint32_t qs = ring + G::kQOffset + (c_ord % STAGES) * G::kQBytes;
-      if (t.ntiles > 0) ++c_ord;
+      const uint32_t qs = ring + G::kQOffset + (ord % STAGES) * G::kQBytes;
+      if (t.ntiles > 0) ++ord;
 
       for (int tt = 0; tt < t.ntiles; ++tt) {
-        cp_async_wait<STAGES - 2>();
-        bar_sync<kBarCompute, NT>();
-        const uint32_t slot = consumed % STAGES;
-        if (more) issue(src);
-        cp_async_commit();
-        ++consumed;
-
-        const uint32_t kst = ring + slot * G::kStageBytes;
+#ifdef MEGAC_ATTN_TRACE
+        const long long w0 = clock64();
+#endif
+        if (ok) {
+          ok = mbar_wait(full_bar(smem) + cur.stage, cur.phase, (int32_t)cur.stage, site, lane == 0);
+          ok = __all_sync(0xffffffffu, ok);
+        }
+#ifdef MEGAC_ATTN_TRACE
+        const long long w1 = clock64();
+        MEGAC_ATTN_TRACE_ADD(tid == 0, i, 4, (unsigned long long)(w1 - w0));
+        if (tt == 0) MEGAC_ATTN_TRACE_AT(tid == 0, i, 1, w1);
+#endif
+        const uint32_t kst = ring + cur.stage * G::kStageBytes;
         const uint32_t vst = kst + G::kTileBytes;
         const int key0 = warp * 16;  // this warp's slice of the tile
         const int pos0 = t.tbeg + tt * KT + key0;
-        if (pos0 >= t.kend || pos0 + 16 <= t.kbeg) continue;  // slice fully masked
-
-        // S = Q K^T for 16 keys: two n-tiles of 8 keys.
-        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        {
-          const int mat = lane >> 3;
-          const int kr = key0 + ((mat >> 1) << 3) + (lane & 7);
+        // After an abort the slot may never fill: skip the math, keep walking.
+        if (ok && pos0 < t.kend && pos0 + 16 > t.kbeg) {
+          // S = Q K^T for 16 keys: two n-tiles of 8 keys.
+          float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+          {
+            const int mat = lane >> 3;
+            const int kr = key0 + ((mat >> 1) << 3) + (lane & 7);
 #pragma unroll
-          for (int ks = 0; ks < HD / 16; ++ks) {
-            uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
-            ldsm_x4(q_row < GQA ? qs + swz<HD>(q_row, ks * 2 + q_half) : zero_row, a0, a1, a2, a3);
-            ldsm_x4(kst + swz<HD>(kr, ks * 2 + (mat & 1)), b0, b1, b2, b3);
-            mma_bf16(s[0], a0, a1, a2, a3, b0, b1);
-            mma_bf16(s[1], a0, a1, a2, a3, b2, b3);
-          }
-        }
-
-        // Online softmax, log2 domain. Thread holds rows g (s[.][0..1]) and
-        // g+8 (s[.][2..3]) at keys pos0 + n*8 + tq*2 + {0,1}.
-        float p[2][4];
-#pragma unroll
-        for (int hr = 0; hr < (kTwoRows ? 2 : 1); ++hr) {
-          float x[4];
-#pragma unroll
-          for (int n2 = 0; n2 < 2; ++n2)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int pos = pos0 + n2 * 8 + tq * 2 + j;
-              const bool ok = pos >= t.kbeg && pos < t.kend;
-              x[n2 * 2 + j] = ok ? s[n2][hr * 2 + j] * sl2 : -INFINITY;
+            for (int ks = 0; ks < HD / 16; ++ks) {
+              uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
+              ldsm_x4(q_row < GQA ? qs + swz<HD>(q_row, ks * 2 + q_half) : zero_row, a0, a1, a2, a3);
+              ldsm_x4(kst + swz<HD>(kr, ks * 2 + (mat & 1)), b0, b1, b2, b3);
+              mma_bf16(s[0], a0, a1, a2, a3, b0, b1);
+              mma_bf16(s[1], a0, a1, a2, a3, b2, b3);
             }
-          float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(m_run[hr], mx);
-          // m_new = -inf only if no key so far was visible: keep everything 0.
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;
-          const float alpha = exp2f(m_run[hr] - m_use);
-          m_run[hr] = m_new;
-          float psum = 0.f;
-#pragma unroll
-          for (int q4 = 0; q4 < 4; ++q4) {
-            const float e = exp2f(x[q4] - m_use);
-            p[q4 >> 1][hr * 2 + (q4 & 1)] = e;
-            psum += e;
           }
-          l_run[hr] = l_run[hr] * alpha + psum;
-#pragma unroll
-          for (int n8 = 0; n8 < HD / 8; ++n8) {
-            o_acc[n8][hr * 2 + 0] *= alpha;
-            o_acc[n8][hr * 2 + 1] *= alpha;
-          }
-        }
-        if constexpr (!kTwoRows) {
-          p[0][2] = p[0][3] = p[1][2] = p[1][3] = 0.f;
-        }
-        const uint32_t pa0 = pack_bf16(p[0][0], p[0][1]);
-        const uint32_t pa1 = pack_bf16(p[0][2], p[0][3]);
-        const uint32_t pa2 = pack_bf16(p[1][0], p[1][1]);
-        const uint32_t pa3 = pack_bf16(p[1][2], p[1][3]);
 
-        // O += P V: V^T chunks through ldmatrix.trans, two 8-dim n-tiles a call.
-        {
-          const int mat = lane >> 3;
-          const int vr = key0 + ((mat & 1) << 3) + (lane & 7);
+          // Online softmax, log2 domain. Thread holds rows g (s[.][0..1]) and
+          // g+8 (s[.][2..3]) at keys pos0 + n*8 + tq*2 + {0,1}.
+          float pr[2][4];
 #pragma unroll
-          for (int np = 0; np < HD / 16; ++np) {
-            uint32_t b0, b1, b2, b3;
-            ldsm_x4_t(vst + swz<HD>(vr, np * 2 + (mat >> 1)), b0, b1, b2, b3);
-            mma_bf16(o_acc[2 * np], pa0, pa1, pa2, pa3, b0, b1);
-            mma_bf16(o_acc[2 * np + 1], pa0, pa1, pa2, pa3, b2, b3);
+          for (int hr = 0; hr < (kTwoRows ? 2 : 1); ++hr) {
+            float x[4];
+#pragma unroll
+            for (int n2 = 0; n2 < 2; ++n2)
+#pragma unroll
+              for (int j = 0; j < 2; ++j) {
+                const int pos = pos0 + n2 * 8 + tq * 2 + j;
+                const bool vis = pos >= t.kbeg && pos < t.kend;
+                x[n2 * 2 + j] = vis ? s[n2][hr * 2 + j] * sl2 : -INFINITY;
+              }
+            float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_run[hr], mx);
+            // m_new = -inf only if no key so far was visible: keep everything 0.
+            const float m_use = m_new == -INFINITY ? 0.f : m_new;
+            const float alpha = exp2f(m_run[hr] - m_use);
+            m_run[hr] = m_new;
+            float psum = 0.f;
+#pragma unroll
+            for (int q4 = 0; q4 < 4; ++q4) {
+              const float e = exp2f(x[q4] - m_use);
+              pr[q4 >> 1][hr * 2 + (q4 & 1)] = e;
+              psum += e;
+            }
+            l_run[hr] = l_run[hr] * alpha + psum;
+#pragma unroll
+            for (int n8 = 0; n8 < HD / 8; ++n8) {
+              o_acc[n8][hr * 2 + 0] *= alpha;
+              o_acc[n8][hr * 2 + 1] *= alpha;
+            }
+          }
+          if constexpr (!kTwoRows) {
+            pr[0][2] = pr[0][3] = pr[1][2] = pr[1][3] = 0.f;
+          }
+          const uint32_t pa0 = pack_bf16(pr[0][0], pr[0][1]);
+          const uint32_t pa1 = pack_bf16(pr[0][2], pr[0][3]);
+          const uint32_t pa2 = pack_bf16(pr[1][0], pr[1][1]);
+          const uint32_t pa3 = pack_bf16(pr[1][2], pr[1][3]);
+
+          // O += P V: V^T chunks through ldmatrix.trans, two 8-dim n-tiles a call.
+          {
+            const int mat = lane >> 3;
+            const int vr = key0 + ((mat & 1) << 3) + (lane & 7);
+#pragma unroll
+            for (int np = 0; np < HD / 16; ++np) {
+              uint32_t b0, b1, b2, b3;
+              ldsm_x4_t(vst + swz<HD>(vr, np * 2 + (mat >> 1)), b0, b1, b2, b3);
+              mma_bf16(o_acc[2 * np], pa0, pa1, pa2, pa3, b0, b1);
+              mma_bf16(o_acc[2 * np + 1], pa0, pa1, pa2, pa3, b2, b3);
+            }
           }
         }
+        // The warp's reads of the slot (and of q, on a task's last tile) are
+        // done: hand the slot back.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty_bar(smem) + cur.stage);
+        cur.advance();
       }
 
       // Quad-reduce the running sums (fixed shuffle tree: deterministic),
       // then hand each warp's state to the merge area. The previous task's
-      // finish ended with a CTA barrier, so the area is free.
+      // finish ended with a compute barrier, so the area is free.
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         l_run[hr] += __shfl_xor_sync(0xffffffffu, l_run[hr], 1);
@@ -680,19 +781,16 @@ struct DecodeStream {
         }
       }
       bar_sync<kBarCompute, NT>();
-      if (!finish(i, t, smem)) {
-        cp_async_wait<0>();
-        bar_sync<kBarCompute, NT>();
-        return false;
-      }
+      MEGAC_ATTN_TRACE_AT(tid == 0, i, 2, clock64());
+      MEGAC_ATTN_TRACE_AT(tid == 0, i, 6, t.ntiles);
+      if (!finish(i, t, smem)) ok = false;
+      MEGAC_ATTN_TRACE_AT(tid == 0, i, 3, clock64());
     }
-    cp_async_wait<0>();
-    bar_sync<kBarCompute, NT>();
-    return true;
+    return ok;
   }
 
   // Merge the warps' states (merge area) in warp order and store the
-  // normalised partial and its lse. Ends with a CTA barrier.
+  // normalised partial and its lse. Ends with a compute barrier.
   __device__ __forceinline__ static void write_partial(const char* smem, float* o_dst,
                                                        float* lse_dst) {
     const float* mw = reinterpret_cast<const float*>(smem + G::kMergeOffset);
@@ -733,31 +831,6 @@ struct DecodeStream {
     return (int)dynamic_smem_bytes() - G::kCtlOffset;
   }
 };
-
-// One ATTN_DECODE task on its own (no stream around it: the ring fills and
-// drains inside the task). Threads 0..NWARPS*32-1 of the CTA call it;
-// `smem` holds at least DecodeSmem<HD,GQA,NWARPS,STAGES>::kBytes, 128-byte
-// aligned. Ends with a barrier of the calling threads (kBarCompute) after
-// the last global store, so the caller may signal right after.
-template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES>
-__device__ __forceinline__ void decode_task(const DecodeArgs& a, int row, int kvh, int split,
-                                            int num_splits, int window, char* smem) {
-  using S = DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES>;
-  const int q_heads = a.kv_heads * GQA;
-  float* o_dst = a.o_part + ((size_t)split * a.rows + row) * q_heads * HD + (size_t)kvh * GQA * HD;
-  float* lse_dst = a.lse_part + ((size_t)split * a.rows + row) * q_heads + kvh * GQA;
-  auto src = [&](int, DecodeTask& t) {
-    S::task(a, row, kvh, split, num_splits, window, t);
-    return true;
-  };
-  auto begin = [](int) {};
-  auto finish = [&](int, const DecodeTask&, char* sm) {
-    S::write_partial(sm, o_dst, lse_dst);
-    return true;
-  };
-  S s;
-  s.run(src, begin, finish, 1, a.scale, smem);
-}
 
 }  // namespace attn
 }  // namespace megac

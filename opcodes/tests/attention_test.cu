@@ -1,19 +1,26 @@
 // Standalone persistent test kernel for ATTN_DECODE + ATTN_COMBINE
 // (opcodes/attention.cuh): grid = SM count (cooperative launch). Decode slots
 // (row, kv head, split) are dealt round-robin over CTAs, the same way every
-// step, and each CTA runs its slots of all steps as one decode stream on its
-// compute warps, while one more warp (the control warp) does everything that
-// touches counters: the buffer-free wait before a partial is stored, the
-// arrival, and the fused combine. Compute threads never fence, so the ring
-// keeps streaming across task boundaries.
+// step, and each CTA runs its slots of all steps as one decode stream: its
+// producer warp issues the K/V tiles, its compute warps attend, and one more
+// warp (the control warp) does everything that touches counters: the
+// buffer-free wait before a partial is stored, the arrival, and the fused
+// combine. Compute threads never fence, and the producer never waits for a
+// task's epilogue, so the ring keeps streaming across task boundaries.
 //
 // `phases` bits:
 //   1 decode          2 separate combine phase      4 fused combine
+//   8 combine CTAs: the last `comb_ctas` CTAs of the grid only merge (every
+//     thread of the CTA), step after step, each waiting on its (row, kv
+//     head)'s arrival counter; the decode slots are dealt over the others,
+//     whose control warps just count arrivals. The standalone ATTN_COMBINE
+//     task of a schedule that gives the merges their own SMs.
 // 1|4 (the default): the last split of each (row, kv head) to arrive is
-// merged by that CTA's control warp while its compute warps stream on. 1|2: after each step's decodes, combine tasks
-// (row, kv head) dealt round-robin wait on their arrival counter through a
-// bounded wait (megac::cta_wait_counter, 2 s watchdog); the stream then
-// restarts every step. 1: decode only. 2: combine only (watchdog test).
+// merged by that CTA's control warp while its compute warps stream on.
+// 1|2: after each step's decodes, combine tasks (row, kv head) dealt
+// round-robin wait on their arrival counter through a bounded wait
+// (megac::cta_wait_counter, 2 s watchdog); the stream then restarts every
+// step. 1: decode only. 2: combine only (watchdog test).
 //
 // Counters are never reset between launches of one configuration: steps are
 // numbered across launches (`epoch` = number of the launch's first step).
@@ -28,15 +35,22 @@ namespace {
 constexpr int kPhaseDecode = 1;
 constexpr int kPhaseCombine = 2;
 constexpr int kPhaseFused = 4;
+constexpr int kPhaseCombineCtas = 8;
+constexpr int kPhaseNoArrival = 16;  // decode only, not even counting arrivals (timing)
 constexpr int kOpDecode = 2;
 constexpr int kOpCombine = 4;
+constexpr int kBufs = 4;
 
-// Global step e = epoch + r uses partial buffer (e-1) % 2, arrival counters
-// arrive[(e-1) % 2] and page-table copy (e-1) % pt_copies. Before a decode of
-// step e >= 3 stores its partial it waits until the combine of step e-2 on
-// its (row, kv head) has read that buffer (done counter). Arrivals of steps
-// e and e+2 on one counter therefore never interleave.
-// counters: [0, 2*nrk) arrivals (two parities), [2*nrk, 3*nrk) combines done.
+// Global step e = epoch + r uses partial buffer (e-1) % kBufs, arrival
+// counters arrive[(e-1) % kBufs] and page-table copy (e-1) % pt_copies.
+// Before a decode of step e > kBufs stores its partial it waits until the
+// combine of step e-kBufs on its (row, kv head) has read that buffer (done
+// counter). Arrivals of steps e and e+kBufs on one counter therefore never
+// interleave. A step stands for one layer's attention: in a megakernel each
+// layer has its own partials, so the only reuse is across decode steps;
+// four buffers keep this test's reuse from coupling steps more tightly than
+// that (with two, a late merge stalled the decodes two steps on).
+// counters: [0, kBufs*nrk) arrivals, [kBufs*nrk, (kBufs+1)*nrk) merges done.
 struct Launch {
   const __nv_bfloat16* q;
   const __nv_bfloat16* k_pool;
@@ -54,6 +68,7 @@ struct Launch {
   float scale;
   int epoch, phases, pt_copies;
   int q_heads, nrk, per;  // per: decode slots of this CTA per step
+  int dec_ctas;           // CTAs 0..dec_ctas-1 decode
 };
 
 // Hand-offs between the compute warps (the decode stream) and the control
@@ -66,9 +81,9 @@ struct Launch {
 constexpr int kBarWritten = 2;
 constexpr int kBarMayWrite = 3;
 
-template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES>
+template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS>
 struct TestTasks {
-  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES>;
+  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS>;
   static constexpr int NT = NWARPS * 32;
   static constexpr int NALL = NT + 32;
   const Launch& L;
@@ -76,7 +91,7 @@ struct TestTasks {
 
   __device__ __forceinline__ void slot(int i, int& e, int& row, int& kvh, int& split) const {
     e = first_step + i / L.per;
-    const int t = blockIdx.x + (i % L.per) * gridDim.x;
+    const int t = blockIdx.x + (i % L.per) * L.dec_ctas;
     split = t % L.split_stride;
     const int rk = t / L.split_stride;
     row = rk / L.kv_heads;
@@ -87,26 +102,34 @@ struct TestTasks {
     return split < __ldg(L.merge_splits + row);
   }
 
-  __device__ __forceinline__ bool operator()(int i, megac::attn::DecodeTask& t) const {
+  // The decode stream's task source: the row's length and split counts are
+  // fetched a task ahead (megac::attn::TaskPrefetch).
+  __device__ __forceinline__ megac::attn::TaskPrefetch fetch(int i) const {
     int e, row, kvh, split;
     slot(i, e, row, kvh, split);
-    if (!valid(row, split)) return false;
+    return {{__ldg(L.seq_len + row), __ldg(L.chunk_splits + row), __ldg(L.merge_splits + row), 0}};
+  }
+  __device__ __forceinline__ bool make(int i, const megac::attn::TaskPrefetch& p,
+                                       megac::attn::DecodeTask& t) const {
+    int e, row, kvh, split;
+    slot(i, e, row, kvh, split);
+    if (split >= p.w[2]) return false;
     megac::attn::DecodeArgs a{L.q, L.k_pool, L.v_pool,
                               L.page_table + (size_t)((e - 1) % L.pt_copies) * L.rows * L.pt_stride,
                               L.seq_len, nullptr, nullptr, L.rows, L.kv_heads, L.pt_stride,
                               L.split_stride, L.scale};
-    S::task(a, row, kvh, split, __ldg(L.chunk_splits + row), L.window, t);
+    S::task(a, row, kvh, split, p.w[1], L.window, p.w[0], t);
     return true;
   }
 
   __device__ __forceinline__ bool waits(int e) const {
-    return e >= 3 && (L.phases & (kPhaseCombine | kPhaseFused));
+    return e > kBufs && (L.phases & (kPhaseCombine | kPhaseFused | kPhaseCombineCtas));
   }
   __device__ __forceinline__ float* opart(int e) const {
-    return L.o_part + (size_t)((e - 1) & 1) * L.split_stride * L.rows * L.q_heads * HD;
+    return L.o_part + (size_t)((e - 1) % kBufs) * L.split_stride * L.rows * L.q_heads * HD;
   }
   __device__ __forceinline__ float* lpart(int e) const {
-    return L.lse_part + (size_t)((e - 1) & 1) * L.split_stride * L.rows * L.q_heads;
+    return L.lse_part + (size_t)((e - 1) % kBufs) * L.split_stride * L.rows * L.q_heads;
   }
 
   // Compute warps, at the end of task i.
@@ -123,9 +146,12 @@ struct TestTasks {
   // The control warp: the counter side of tasks 0..n-1.
   __device__ __forceinline__ void control(int n, char* smem) const {
     const int lane = threadIdx.x & 31;
-    uint32_t* done = L.counters + 2 * L.nrk;
+    uint32_t* done = L.counters + kBufs * L.nrk;
     bool ok = true;  // false after a watchdog: keep the hand-offs, do nothing else
     for (int i = 0; i < n; ++i) {
+#ifdef MEGAC_ATTN_TRACE
+      const long long c0 = clock64();
+#endif
       int e, row, kvh, split;
       slot(i, e, row, kvh, split);
       if (!valid(row, split)) continue;
@@ -134,14 +160,22 @@ struct TestTasks {
         int w = 1;
         if (lane == 0) {
           megac::WaitSite site{L.status, 0, i, kOpDecode, 0};
-          w = megac::wait_counter(done + rk, (uint32_t)(e - 2), 2 * L.nrk + rk, site);
+          w = megac::wait_counter(done + rk, (uint32_t)(e - kBufs), kBufs * L.nrk + rk, site);
         }
         ok = __shfl_sync(0xffffffffu, w, 0) != 0;
       }
+#ifdef MEGAC_ATTN_TRACE
+      const long long c1 = clock64();
+      MEGAC_ATTN_TRACE_AT(lane == 0, i, 7, (unsigned long long)(c1 - c0));
+      MEGAC_ATTN_TRACE_AT(lane == 0, i, 9, (unsigned long long)c1);
+#endif
       megac::attn::bar_arrive<kBarMayWrite, NALL>();
       megac::attn::bar_sync<kBarWritten, NALL>();
-      if (!ok) continue;
-      uint32_t* arrive = L.counters + ((e - 1) & 1) * L.nrk + rk;
+      if (!ok || (L.phases & kPhaseNoArrival)) continue;
+#ifdef MEGAC_ATTN_TRACE
+      const long long c2 = clock64();
+#endif
+      uint32_t* arrive = L.counters + ((e - 1) % kBufs) * L.nrk + rk;
       if (L.phases & kPhaseFused) {
         const int ns = __ldg(L.merge_splits + row);
         if (megac::attn::warp_arrive_last(arrive, (uint32_t)ns)) {
@@ -155,42 +189,87 @@ struct TestTasks {
         if (lane == 0) megac::signal_counter(arrive);
         __syncwarp();
       }
+      MEGAC_ATTN_TRACE_AT(lane == 0, i, 8, (unsigned long long)(clock64() - c2));
     }
   }
 };
 
-template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES>
+// A combine CTA (phase kPhaseCombineCtas): merges (row, kv head) c =
+// blockIdx.x - dec_ctas, + comb_ctas, ... of every step, with all threads.
+template <int HD, int GQA, int NALL>
+__device__ __forceinline__ void combine_ctas(const Launch& L, int reps) {
+  extern __shared__ __align__(128) char smem[];
+  uint32_t* done = L.counters + kBufs * L.nrk;
+  const int nc = (int)gridDim.x - L.dec_ctas;
+  int task = 0;
+  for (int r = 0; r < reps; ++r) {
+    const int e = L.epoch + r;
+    const int buf = (e - 1) % kBufs;
+    megac::attn::CombineArgs ca{L.o_part + (size_t)buf * L.split_stride * L.rows * L.q_heads * HD,
+                                L.lse_part + (size_t)buf * L.split_stride * L.rows * L.q_heads,
+                                L.out, L.rows, L.kv_heads, L.split_stride};
+    for (int c = (int)blockIdx.x - L.dec_ctas; c < L.nrk; c += nc, ++task) {
+      const int row = c / L.kv_heads;
+      const int kvh = c % L.kv_heads;
+      const uint32_t n = (uint32_t)__ldg(L.merge_splits + row);
+      const uint32_t target = (uint32_t)((e - 1) / kBufs + 1) * n;
+      megac::WaitSite site{L.status, 0, task, kOpCombine, 0};
+      if (!megac::cta_wait_counter(L.counters + buf * L.nrk + c, target, buf * L.nrk + c, site))
+        return;
+      megac::attn::combine_task<HD, GQA, NALL, 0>(ca, row, kvh, (int)n, smem,
+                                               (int)megac::attn::dynamic_smem_bytes());
+      megac::cta_signal_counter(done + c);
+    }
+  }
+}
+
+template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS>
 __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
   extern __shared__ __align__(128) char smem[];
-  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES>;
-  using T = TestTasks<HD, GQA, BLOCK, NWARPS, STAGES>;
+  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS>;
+  using T = TestTasks<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS>;
   constexpr int NT = NWARPS * 32;
   const bool compute = (int)threadIdx.x < NT;
   // Both sides of one decode stream over steps first_step.. (n slots).
+  const bool producer = !compute && (int)threadIdx.x < NT + PWARPS * 32;
+  if (L.phases & kPhaseCombineCtas && (int)blockIdx.x >= L.dec_ctas) {
+    combine_ctas<HD, GQA, NT + PWARPS * 32 + 32>(L, reps);
+    return;
+  }
+  if (threadIdx.x == 0) S::init(smem);
+  __syncthreads();
+  // Each role keeps its side of the ring (its cursor) across streams.
+  S s;
+  const megac::WaitSite site{L.status, 0, 0, kOpDecode, 0};
+  // All three roles of one decode stream over steps first_step.. (n slots).
   auto stream = [&](int first_step, int n) {
-    const T tasks{L, first_step};
+    T tasks{L, first_step};
     if (compute) {
-      auto src = [&](int i, megac::attn::DecodeTask& t) { return tasks(i, t); };
       auto begin = [](int) {};
       auto finish = [&](int i, const megac::attn::DecodeTask&, char* sm) { return tasks.finish(i, sm); };
-      S s;
-      s.run(src, begin, finish, n, L.scale, smem);
+      s.consume(tasks, begin, finish, n, L.scale, smem, site);
+    } else if (producer) {
+      s.produce(tasks, n, smem, site);
     } else {
       tasks.control(n, smem);
     }
   };
+  if (L.phases & kPhaseCombineCtas) {
+    if (L.phases & kPhaseDecode) stream(L.epoch, reps * L.per);
+    return;
+  }
   const bool separate = (L.phases & kPhaseCombine) && !(L.phases & kPhaseFused);
   if (!separate) {
     if (L.phases & kPhaseDecode) stream(L.epoch, reps * L.per);
     return;
   }
-  uint32_t* done = L.counters + 2 * L.nrk;
+  uint32_t* done = L.counters + kBufs * L.nrk;
   int task = 0;
   for (int r = 0; r < reps; ++r) {
     const int e = L.epoch + r;
-    const int buf = (e - 1) & 1;
+    const int buf = (e - 1) % kBufs;
     if (L.phases & kPhaseDecode) stream(e, L.per);
-    __syncthreads();  // the ring is idle: the combine may use all of smem
+    __syncthreads();  // the ring is idle: the combine may use its K/V slots
     megac::attn::CombineArgs ca{L.o_part + (size_t)buf * L.split_stride * L.rows * L.q_heads * HD,
                                 L.lse_part + (size_t)buf * L.split_stride * L.rows * L.q_heads,
                                 L.out, L.rows, L.kv_heads, L.split_stride};
@@ -198,13 +277,13 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
       const int row = c / L.kv_heads;
       const int kvh = c % L.kv_heads;
       const uint32_t n = (uint32_t)__ldg(L.merge_splits + row);
-      const uint32_t target = (uint32_t)((e - 1) / 2 + 1) * n;
-      megac::WaitSite site{L.status, 0, task, kOpCombine, 0};
-      if (!megac::cta_wait_counter(L.counters + buf * L.nrk + c, target, buf * L.nrk + c, site))
+      const uint32_t target = (uint32_t)((e - 1) / kBufs + 1) * n;
+      megac::WaitSite csite{L.status, 0, task, kOpCombine, 0};
+      if (!megac::cta_wait_counter(L.counters + buf * L.nrk + c, target, buf * L.nrk + c, csite))
         return;
       if (compute)
         megac::attn::combine_task<HD, GQA, NT, megac::attn::kBarCompute>(
-            ca, row, kvh, (int)n, smem, (int)megac::attn::dynamic_smem_bytes());
+            ca, row, kvh, (int)n, smem, megac::attn::DecodeSmem<HD, GQA, NWARPS, STAGES>::kRingBytes);
       megac::cta_signal_counter(done + c);
     }
   }
@@ -212,34 +291,35 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
 
 }  // namespace
 
-// Block = NWARPS compute warps + 1 control warp.
-#define ATTN_TEST_ENTRY(NAME, HD, GQA, BLOCK, NWARPS, STAGES)                                  \
-  extern "C" __global__ void __launch_bounds__(NWARPS * 32 + 32, 1) NAME(                            \
+// Block = NWARPS compute warps, the producer warp, the control warp.
+#define ATTN_TEST_ENTRY(NAME, HD, GQA, BLOCK, NWARPS, STAGES, PWARPS)                          \
+  extern "C" __global__ void __launch_bounds__(NWARPS * 32 + PWARPS * 32 + 32, 1) NAME(              \
       const __nv_bfloat16* q, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool,         \
       const int32_t* page_table, const int32_t* seq_len, const int32_t* chunk_splits,           \
       const int32_t* merge_splits, float* o_part, float* lse_part, __nv_bfloat16* out,          \
       uint32_t* counters, int32_t* status, int rows, int kv_heads, int pt_stride,               \
       int split_stride, int window, float scale, int epoch, int phases, int reps,               \
-      int pt_copies) {                                                                          \
+      int pt_copies, int comb_ctas) {                                                           \
     const int n = rows * kv_heads * split_stride;                                               \
-    const int per = (int)blockIdx.x < n ? (n - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;   \
+    const int dec = (phases & kPhaseCombineCtas) ? (int)gridDim.x - comb_ctas : (int)gridDim.x; \
+    const int per = (int)blockIdx.x < n ? (n - 1 - (int)blockIdx.x) / dec + 1 : 0;              \
     const Launch L{q, k_pool, v_pool, page_table, seq_len, chunk_splits, merge_splits, o_part,  \
                    lse_part, out, counters, status, rows, kv_heads, pt_stride, split_stride,    \
                    window, scale, epoch, phases, pt_copies, kv_heads * GQA, rows * kv_heads,    \
-                   per};                                                                        \
-    attn_test_body<HD, GQA, BLOCK, NWARPS, STAGES>(L, reps);                                    \
+                   per, dec};                                                                   \
+    attn_test_body<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS>(L, reps);                            \
   }                                                                                             \
   extern "C" __global__ void NAME##_smem_bytes(unsigned int* o) {                               \
     o[0] = megac::attn::DecodeSmem<HD, GQA, NWARPS, STAGES>::kBytes;                            \
   }
 
 // North Mini Code: 8 query heads per kv head, head_dim 128.
-ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_s4, 128, 8, 64, 4, 4)
-ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_s5, 128, 8, 64, 4, 5)
+ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_p3_s4, 128, 8, 64, 4, 4, 3)
+ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_p3_s5, 128, 8, 64, 4, 5, 3)
 // Page size other than the tile: 16-token pages, 64-key tiles.
-ATTN_TEST_ENTRY(attn_h128_g8_b16_w4_s4, 128, 8, 16, 4, 4)
+ATTN_TEST_ENTRY(attn_h128_g8_b16_w4_p3_s4, 128, 8, 16, 4, 4, 3)
 // SmolLM2: 3 query heads per kv head, head_dim 64.
-ATTN_TEST_ENTRY(attn_h64_g3_b64_w4_s8, 64, 3, 64, 4, 8)
+ATTN_TEST_ENTRY(attn_h64_g3_b64_w4_p3_s8, 64, 3, 64, 4, 8, 3)
 
 // Streaming-read ceiling for this block when the battery gives none
 // (MEGAC_CEILING_TBPS unset): 16-byte non-caching loads, four in flight per

@@ -25,12 +25,12 @@ from megac.gpu.battery import bench, block_main, ceiling_tbps, check, time_cuda
 REPO = Path(__file__).resolve().parents[3]
 SOURCE = REPO / "opcodes" / "tests" / "attention_test.cu"
 
-# (entry point, head_dim, gqa, block_size, warps, stages)
+# (entry point, head_dim, gqa, block_size, compute warps, stages, producer warps)
 VARIANTS = {
-    "nmc": ("attn_h128_g8_b64_w4_s4", 128, 8, 64, 4, 4),
-    "nmc_s5": ("attn_h128_g8_b64_w4_s5", 128, 8, 64, 4, 5),
-    "nmc_b16": ("attn_h128_g8_b16_w4_s4", 128, 8, 16, 4, 4),
-    "smol": ("attn_h64_g3_b64_w4_s8", 64, 3, 64, 4, 8),
+    "nmc": ("attn_h128_g8_b64_w4_p3_s4", 128, 8, 64, 4, 4, 3),
+    "nmc_s5": ("attn_h128_g8_b64_w4_p3_s5", 128, 8, 64, 4, 5, 3),
+    "nmc_b16": ("attn_h128_g8_b16_w4_p3_s4", 128, 8, 16, 4, 4, 3),
+    "smol": ("attn_h64_g3_b64_w4_p3_s8", 64, 3, 64, 4, 8, 3),
 }
 
 
@@ -53,7 +53,9 @@ def plan_splits(seq_len: int, window: int, block: int, *, min_pages: int = 4, ma
 SMEM_MAX = 227 * 1024
 
 # `phases` bits of the test kernel (opcodes/tests/attention_test.cu).
-DECODE, COMBINE, FUSED = 1, 2, 4
+DECODE, COMBINE, FUSED, COMBINE_CTAS = 1, 2, 4, 8
+# Partial buffers the test kernel rotates through (kBufs in attention_test.cu).
+BUFS = 4
 
 
 def _r128(n: int) -> int:
@@ -65,9 +67,10 @@ def smem_min_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
     kt = warps * 16
     ring = stages * 2 * kt * hd * 2
     qslots = stages * _r128(gqa * hd * 2)
+    barriers_flags = 128 + 128
     merge = warps * (32 + gqa * hd) * 4
     combine = _r128((64 * gqa + gqa) * 4) + 2 * gqa * hd * 4  # the control warp's
-    return ring + qslots + 128 + merge + combine
+    return ring + qslots + barriers_flags + merge + combine
 
 
 def smem_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
@@ -93,13 +96,15 @@ class Attn:
 
         self.launch_mod = launch
         self.mod = mod
-        self.name, self.hd, self.gqa, self.block, self.warps, self.stages = VARIANTS[variant]
+        self.name, self.hd, self.gqa, self.block, self.warps, self.stages, self.pwarps = VARIANTS[variant]
         self.smem = smem_bytes(self.hd, self.gqa, self.warps, self.stages)
         self.nsm = launch.sm_count()
 
-    def run(self, st, *, epoch: int, phases: int = DECODE | FUSED, page_table=None, reps: int = 1):
+    def run(self, st, *, epoch: int, phases: int = DECODE | FUSED, page_table=None, reps: int = 1,
+            comb_ctas: int = 0):
         """``reps`` steps in one launch, numbered epoch, epoch+1, ...; with
-        page_table=None step e reads page-table copy (e-1) % copies."""
+        page_table=None step e reads page-table copy (e-1) % copies.
+        ``comb_ctas``: with COMBINE_CTAS, that many CTAs only merge."""
         pt = st["pt_all"] if page_table is None else page_table.unsqueeze(0)
         args = (
             st["q"], st["k"], st["v"], pt, st["seq_len"], st["chunk_splits"], st["merge_splits"],
@@ -107,9 +112,11 @@ class Attn:
             np.int32(st["rows"]), np.int32(st["kv_heads"]), np.int32(pt.shape[-1]),
             np.int32(st["split_stride"]), np.int32(st["window"]), np.float32(1.0 / math.sqrt(self.hd)),
             np.int32(epoch), np.int32(phases), np.int32(reps), np.int32(pt.shape[0]),
+            np.int32(comb_ctas),
         )
-        # compute warps + the control warp (attention_test.cu)
-        launch.launch(self.mod, self.name, (self.nsm,), (self.warps * 32 + 32,), args, self.smem, cooperative=True)
+        # compute warps + producer warps + the control warp (attention_test.cu)
+        threads = (self.warps + self.pwarps + 1) * 32
+        launch.launch(self.mod, self.name, (self.nsm,), (threads,), args, self.smem, cooperative=True)
 
 
 def make_state(a: Attn, seq_lens, kv_heads, window, chunk_splits, merge_splits=None, *, gen, extra_blocks=0, copies=1):
@@ -159,12 +166,12 @@ def make_state(a: Attn, seq_lens, kv_heads, window, chunk_splits, merge_splits=N
         "seq_len": torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         "chunk_splits": torch.tensor(chunk_splits, dtype=torch.int32, device=dev),
         "merge_splits": torch.tensor(merge_splits, dtype=torch.int32, device=dev),
-        # two buffers: step e uses (e-1) % 2 (see attention_test.cu)
-        "o_part": torch.full((2, stride, rows, kv_heads * gqa, hd), float("nan"), device=dev),
-        "lse_part": torch.full((2, stride, rows, kv_heads * gqa), float("nan"), device=dev),
+        # BUFS buffers: step e uses (e-1) % BUFS (see attention_test.cu)
+        "o_part": torch.full((BUFS, stride, rows, kv_heads * gqa, hd), float("nan"), device=dev),
+        "lse_part": torch.full((BUFS, stride, rows, kv_heads * gqa), float("nan"), device=dev),
         "out": torch.full((rows, kv_heads * gqa * hd), float("nan"), dtype=torch.bfloat16, device=dev),
         # arrivals of odd / even steps, then combines done (attention_test.cu)
-        "counters": torch.zeros(3 * rows * kv_heads, dtype=torch.int32, device=dev),
+        "counters": torch.zeros((BUFS + 1) * rows * kv_heads, dtype=torch.int32, device=dev),
         "status": a.launch_mod.new_status(),
     }
     return st
@@ -211,18 +218,22 @@ def _errors(a: Attn, st):
 
 
 def correctness_case(a: Attn, name, seq_lens, kv_heads, window, splits=None, *, gen, tol=1e-2,
-                     phases=DECODE | FUSED, reps=1, copies=1):
+                     phases=DECODE | FUSED, reps=1, copies=1, comb_ctas=0):
     """reps > 1: that many steps in one launch (the pipelined path the bench
     times), each on its own page-table copy; the last step's output is checked."""
     splits = splits or [plan_splits(s, window, a.block) for s in seq_lens]
     st = make_state(a, seq_lens, kv_heads, window, splits, gen=gen, copies=copies)
-    _run_checked(a, st, phases=phases, reps=reps)
+    a.run(st, epoch=1, phases=phases, reps=reps, comb_ctas=comb_ctas)
+    import torch  # noqa: PLC0415
+
+    torch.cuda.synchronize()
+    a.launch_mod.check_status(st["status"], st["counters"])
     st["page_table"] = st["pt_all"][(reps - 1) % copies]
     rel, nan = _errors(a, st)
     ok = nan == 0 and rel <= tol
     return check(name, ok, {"max_row_rel_err": rel, "nan_out": nan, "seq_lens": seq_lens[:8],
                             "splits": splits[:8], "window": window, "variant": a.name,
-                            "phases": phases, "steps": reps}), st
+                            "phases": phases, "steps": reps, "comb_ctas": comb_ctas}), st
 
 
 # --------------------------------------------------------------------------
@@ -290,12 +301,22 @@ def run(quick: bool) -> dict:
         for w in (0, 4096):
             guard(f"{v}_separate_combine_w{w}", lambda: checks.append(correctness_case(
                 A[v], f"{v}_separate_combine_w{w}", ragged, kvh, w, gen=gen, phases=DECODE | COMBINE)[0]))
-    for v, ph, tag in (("nmc", DECODE | FUSED, "fused"), ("nmc", DECODE | COMBINE, "separate"),
-                       ("nmc_b16", DECODE | FUSED, "fused"), ("nmc_s5", DECODE | FUSED, "fused"),
-                       ("smol", DECODE | FUSED, "fused")):
-        guard(f"{v}_{tag}_7steps", lambda: checks.append(correctness_case(
-            A[v], f"{v}_{tag}_7steps", [8192, 1000, 20000, 65], 4 if v != "smol" else 3, 0,
-            gen=gen, phases=ph, reps=7, copies=3)[0]))
+    # Combine CTAs (the merges on SMs of their own, the BS 1 short-context
+    # configuration of the bench): 1, 2 and 4 of them over ragged rows.
+    for v, kvh in (("nmc", 4), ("smol", 3)):
+        for w in (0, 4096):
+            for cc in (1, 4):
+                guard(f"{v}_combine_ctas{cc}_w{w}", lambda: checks.append(correctness_case(
+                    A[v], f"{v}_combine_ctas{cc}_w{w}", ragged, kvh, w, gen=gen,
+                    phases=DECODE | COMBINE_CTAS, comb_ctas=cc)[0]))
+    # 9 steps: past the BUFS partial buffers, so the buffer-reuse waits run.
+    for v, ph, tag, cc in (("nmc", DECODE | FUSED, "fused", 0), ("nmc", DECODE | COMBINE, "separate", 0),
+                           ("nmc", DECODE | COMBINE_CTAS, "combine_ctas", 4),
+                           ("nmc_b16", DECODE | FUSED, "fused", 0), ("nmc_s5", DECODE | FUSED, "fused", 0),
+                           ("smol", DECODE | FUSED, "fused", 0), ("smol", DECODE | COMBINE_CTAS, "combine_ctas", 2)):
+        guard(f"{v}_{tag}_9steps", lambda: checks.append(correctness_case(
+            A[v], f"{v}_{tag}_9steps", [8192, 1000, 20000, 65], 4 if v != "smol" else 3, 0,
+            gen=gen, phases=ph, reps=9, copies=3, comb_ctas=cc)[0]))
 
     # 3. split counts 1..64 on one row (1000 keys: many trailing empty splits).
     scounts = range(1, 65) if not quick else (1, 2, 3, 5, 8, 13, 16, 31, 32, 33, 63, 64)
@@ -330,8 +351,8 @@ def run(quick: bool) -> dict:
         st2.update({
             "merge_splits": torch.tensor(merge, dtype=torch.int32, device="cuda"),
             "split_stride": max(merge),
-            "o_part": torch.full((2, max(merge), len(lens), 32, 128), float("nan"), device="cuda"),
-            "lse_part": torch.full((2, max(merge), len(lens), 32), float("nan"), device="cuda"),
+            "o_part": torch.full((BUFS, max(merge), len(lens), 32, 128), float("nan"), device="cuda"),
+            "lse_part": torch.full((BUFS, max(merge), len(lens), 32), float("nan"), device="cuda"),
             "out": torch.full_like(first, float("nan")),
             "counters": torch.zeros_like(st["counters"]),
         })
@@ -362,6 +383,12 @@ def run(quick: bool) -> dict:
         _run_checked(a, st5, epoch=1, phases=DECODE | COMBINE)
         checks.append(check("fused_equals_separate_combine_bits",
                             torch.equal(first.view(torch.int16), st5["out"].view(torch.int16)), ""))
+        st5.update({"out": torch.full_like(first, float("nan")), "counters": torch.zeros_like(st["counters"])})
+        a.run(st5, epoch=1, phases=DECODE | COMBINE_CTAS, comb_ctas=3)
+        torch.cuda.synchronize()
+        a.launch_mod.check_status(st5["status"], st5["counters"])
+        checks.append(check("fused_equals_combine_ctas_bits",
+                            torch.equal(first.view(torch.int16), st5["out"].view(torch.int16)), ""))
         # NaN poisoning: every element of every row written (checked in all cases too).
         checks.append(check("nan_poison_fully_written", not torch.isnan(first.float()).any().item(), ""))
 
@@ -389,15 +416,17 @@ def run(quick: bool) -> dict:
     except Exception as e:  # noqa: BLE001
         ceil = None
         checks.append(check("ceiling", False, str(e)))
-    cfgs = [(1, 8192), (8, 8192), (1, 131072), (8, 131072)]
-    splits_try = {1: (16, 32, 64), 8: (8, 16, 32)} if not quick else {1: (32,), 8: (8, 32)}
-    for bsz, ctx in cfgs:
-        for var in (("nmc", "nmc_s5") if not quick else ("nmc",)):
-            for s in splits_try[bsz]:
-                try:
-                    benches.append(bench_case(A[var], bsz, ctx, s, ceil, gen, reps=15 if quick else 30))
-                except Exception as e:  # noqa: BLE001
-                    checks.append(check(f"bench_{var}_bs{bsz}_ctx{ctx}_s{s}", False, f"{type(e).__name__}: {e}"))
+    # (batch, context, splits, how the merges run): the planner's split count
+    # (32 at BS 1, 8 at BS 8); at BS 1 / 8K the 128 decode tasks leave 4 SMs,
+    # which take the merges (the fused last-arriver merge runs on one warp
+    # and costs ~12 us at 32 splits: fine beside a 64 us step, not a 5 us one).
+    cfgs = [(1, 8192, 32, "combine_ctas"), (1, 8192, 32, "fused"), (8, 8192, 8, "fused"),
+            (1, 131072, 32, "fused"), (8, 131072, 8, "fused")]
+    for bsz, ctx, s, mode in cfgs:
+        try:
+            benches.append(bench_case(A["nmc"], bsz, ctx, s, mode, ceil, gen, layouts=1 if quick else 3))
+        except Exception as e:  # noqa: BLE001
+            checks.append(check(f"bench_bs{bsz}_ctx{ctx}_s{s}_{mode}", False, f"{type(e).__name__}: {e}"))
     return {"block": "attention", "checks": checks, "bench": benches, "ceiling_tbps": ceil}
 
 
@@ -410,46 +439,57 @@ def json_rel(chk) -> float:
         return float("inf")
 
 
-def bench_case(a: Attn, bsz, ctx, s, ceil, gen, reps=30):
-    """KV bytes / time per attention step (decode + combine). Steps run
-    back to back inside one launch (``steps``), rotating page-table copies
-    over disjoint blocks so the KV read never hits L2, so host launch gaps
-    stay out of the number; one launch of one step is reported beside it."""
+def bench_case(a: Attn, bsz, ctx, s, mode, ceil, gen, layouts=3):
+    """KV bytes / time per attention step (decode + merge), NMC shapes.
+
+    Steps run back to back inside one persistent launch, each on its own
+    page-table copy over disjoint blocks (so the KV read never hits L2), and
+    the time per step is the slope between launches of n and 4n steps, which
+    leaves the launch's fixed cost (~50 us: cooperative launch, first TLB
+    misses) out. Short steps are sensitive to where the random pages land in
+    DRAM (+-10 % between layouts), so the figure is the median over
+    ``layouts`` fresh random page layouts; decode alone is timed beside it.
+    """
+    import statistics  # noqa: PLC0415
+
     import torch  # noqa: PLC0415
 
     kvh = 4
     kv_bytes = bsz * ctx * kvh * a.hd * 2 * 2
     copies = max(2, math.ceil(256e6 / kv_bytes))
-    steps = max(4, min(64, int(4e9 // kv_bytes)))
-    st = make_state(a, [ctx] * bsz, kvh, 0, [s] * bsz, gen=gen, copies=copies)
-    state = {"epoch": 1}
+    n0 = max(2, min(64, int(1e9 // kv_bytes)))
+    tasks = bsz * kvh * s
+    comb = launch.sm_count() - tasks if mode == "combine_ctas" else 0
+    if mode == "combine_ctas" and comb < 1:
+        raise ValueError(f"{tasks} decode tasks leave no SM for the merges")
+    phases = DECODE | (COMBINE_CTAS if comb else FUSED)
 
-    def go(n, phases=DECODE | FUSED):
-        a.run(st, epoch=state["epoch"], phases=phases, reps=n)
-        state["epoch"] += n
+    def slope(st, ph):
+        state = {"epoch": 1}
+        st["counters"].zero_()
+        times = {}
+        for n in (n0, 4 * n0):
+            def go(n=n):
+                a.run(st, epoch=state["epoch"], phases=ph, reps=n, comb_ctas=comb)
+                state["epoch"] += n
+            times[n] = time_cuda(go, reps=5, warmup=1)["median_us"]
+        torch.cuda.synchronize()
+        a.launch_mod.check_status(st["status"], st["counters"])
+        return (times[4 * n0] - times[n0]) / (3 * n0)
 
-    many = time_cuda(lambda: go(steps), reps=max(3, reps // 5), warmup=2)
-    one = time_cuda(lambda: go(1), reps=reps, warmup=3)
-    torch.cuda.synchronize()
-    a.launch_mod.check_status(st["status"], st["counters"])
-    st["counters"].zero_()
-    state["epoch"] = 1
-    dec = time_cuda(lambda: go(steps, DECODE), reps=max(3, reps // 5), warmup=2)
-    torch.cuda.synchronize()
-    a.launch_mod.check_status(st["status"], st["counters"])
-    st["counters"].zero_()
-    state["epoch"] = 1
-    sep = time_cuda(lambda: go(steps, DECODE | COMBINE), reps=max(3, reps // 5), warmup=2)
-    torch.cuda.synchronize()
-    a.launch_mod.check_status(st["status"], st["counters"])
-    per = many["median_us"] / steps
-    b = bench(f"{a.name}_bs{bsz}_ctx{ctx}_s{s}", kv_bytes, per, ceil,
-              steps_per_launch=steps, decode_only_us=round(dec["median_us"] / steps, 3),
-              separate_combine_us=round(sep["median_us"] / steps, 3),
-              one_launch_one_step_us=round(one["median_us"], 3), copies=copies,
-              planner_splits=plan_splits(ctx, 0, a.block))
-    del st
-    torch.cuda.empty_cache()
+    full, dec = [], []
+    for _ in range(layouts):
+        st = make_state(a, [ctx] * bsz, kvh, 0, [s] * bsz, gen=gen, copies=copies)
+        full.append(slope(st, phases))
+        dec.append(slope(st, DECODE))
+        del st
+        torch.cuda.empty_cache()
+    b = bench(f"{a.name}_bs{bsz}_ctx{ctx}_s{s}_{mode}", kv_bytes, statistics.median(full), ceil,
+              merge=mode, comb_ctas=comb, layouts=layouts,
+              per_layout_us=[round(x, 3) for x in full],
+              decode_only_us=round(statistics.median(dec), 3),
+              decode_only_pct_ceiling=round(100 * kv_bytes / (statistics.median(dec) * 1e-6) / 1e12 / ceil, 1) if ceil else None,
+              steps_per_launch=[n0, 4 * n0], copies=copies, planner_splits=plan_splits(ctx, 0, a.block))
     return b
 
 
