@@ -40,6 +40,9 @@ BASE_FLAGS: tuple[str, ...] = (
     "-lineinfo",
 )
 HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inc")
+# A .cu may include another .cu (a probe build of a test kernel does), so the
+# cache key covers every CUDA source under the include directories too.
+KEYED_SUFFIXES = (*HEADER_SUFFIXES, ".cu")
 NVCC_TIMEOUT_S = 600
 
 
@@ -145,7 +148,7 @@ def _headers(include_dirs: Iterable[Path]) -> list[Path]:
         if not d.is_dir():
             continue
         for p in d.rglob("*"):
-            if p.is_file() and p.suffix in HEADER_SUFFIXES:
+            if p.is_file() and p.suffix in KEYED_SUFFIXES:
                 found.add(p.resolve())
     return sorted(found)
 

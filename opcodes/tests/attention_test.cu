@@ -214,11 +214,15 @@ __device__ __forceinline__ void combine_ctas(const Launch& L, int reps) {
       const uint32_t n = (uint32_t)__ldg(L.merge_splits + row);
       const uint32_t target = (uint32_t)((e - 1) / kBufs + 1) * n;
       megac::WaitSite site{L.status, 0, task, kOpCombine, 0};
+      MEGAC_ATTN_TRACE_AT(threadIdx.x == 0, task, 0, clock64());
       if (!megac::cta_wait_counter(L.counters + buf * L.nrk + c, target, buf * L.nrk + c, site))
         return;
+      MEGAC_ATTN_TRACE_AT(threadIdx.x == 0, task, 1, clock64());
       megac::attn::combine_task<HD, GQA, NALL, 0>(ca, row, kvh, (int)n, smem,
                                                (int)megac::attn::dynamic_smem_bytes());
+      MEGAC_ATTN_TRACE_AT(threadIdx.x == 0, task, 2, clock64());
       megac::cta_signal_counter(done + c);
+      MEGAC_ATTN_TRACE_AT(threadIdx.x == 0, task, 3, clock64());
     }
   }
 }

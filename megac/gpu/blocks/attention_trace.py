@@ -12,6 +12,8 @@ as medians over tasks and CTAs, in SM clock cycles:
   slot_wait     cycles the producer waited for a free ring slot
   ctl_pre       the control warp before it allows the store (its counter waits)
   ctl_signal    the control warp's arrival (fence + atomic, or the fused merge)
+  merge_*       with merge CTAs: their period per merge, and the part spent
+                waiting for arrivals, merging and signalling
 
 The probe's own global stores perturb what it measures by a few hundred
 cycles per point: compare configurations with it, quote times from the
@@ -57,6 +59,17 @@ def trace(bsz: int, ctx: int, splits: int, merge: str, steps: int, seed: int = 0
         torch.cuda.synchronize()
     launch.check_status(st["status"], st["counters"])
     tr = buf.view(nsm, TRACE_TASKS, TRACE_WORDS).cpu().numpy().astype(np.int64)
+    comb_stats = {}
+    if comb:
+        # Merge CTAs record per merge: wait start, arrivals seen, merged, signalled.
+        m = tr[nsm - comb:]
+        m = m[:, 1:steps - 1]
+        comb_stats = {"merge_period": float(np.median(np.diff(m[:, :, 0], axis=1))),
+                      "merge_wait": float(np.median(m[:, :, 1] - m[:, :, 0])),
+                      "merge_work": float(np.median(m[:, :, 2] - m[:, :, 1])),
+                      "merge_signal": float(np.median(m[:, :, 3] - m[:, :, 2]))}
+        tr = tr[: nsm - comb]
+    out = {}
     per_cta = []
     for t in tr:
         t = t[t[:, 0] != 0]
@@ -69,7 +82,8 @@ def trace(bsz: int, ctx: int, splits: int, merge: str, steps: int, seed: int = 0
             "ctl_pre": np.median(t[:, 7]), "ctl_signal": np.median(t[:, 8]),
             "tiles_per_task": np.median(t[:, 6]),
         })
-    out = {k: float(np.median([c[k] for c in per_cta])) for k in per_cta[0]}
+    out.update({k: float(np.median([c[k] for c in per_cta])) for k in per_cta[0]})
+    out.update(comb_stats)
     out.update({"bs": bsz, "ctx": ctx, "splits": splits, "merge": merge, "decode_ctas": len(per_cta),
                 "unit": "SM cycles"})
     return out
