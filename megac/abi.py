@@ -3,9 +3,10 @@ the device code.
 
 Everything the device reads is defined here once (opcode numbers, the uniform
 header, each opcode's descriptor fields, sentinels, the claimer queue record,
-the target-word layout, the watchdog error record, the KV layout and the launch
-descriptor). ``megac.codegen.abi_header`` renders it as ``megac_abi.h`` and a
-test parses that header back and compares, so the two sides cannot drift.
+the target-word layout, the watchdog error record, the LM head's argmax record
+and its greedy rule, the KV layout and the launch descriptor).
+``megac.codegen.abi_header`` renders it as ``megac_abi.h`` and a test parses
+that header back and compares, so the two sides cannot drift.
 
 Frozen at ABI_VERSION; any change to a number or an offset bumps the version.
 """
@@ -15,7 +16,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-ABI_VERSION = 2  # 2: X_SLOT on FFN_UPGATE_ACT, ROUTER_GEMM, MOE_GATHER
+import numpy as np
+
+# 2: X_SLOT on FFN_UPGATE_ACT, ROUTER_GEMM, MOE_GATHER
+# 3: argmax_part holds ARGMAX_RECORD {fp32 value, int32 index} (was fp32x2, the index as a float)
+ABI_VERSION = 3
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -375,6 +380,60 @@ DEFAULT_WATCHDOG_NS = 2_000_000_000
 
 
 # --------------------------------------------------------------------------
+# LM-head argmax record: one per (row, LM tile) in ``argmax_part``, so the
+# greedy token of a row is found from lm_tiles records instead of the logits.
+#
+# The greedy rule, the same in every backend (VM, device, host reduction) and
+# the same as torch.argmax / numpy.argmax over the full row, hence as the
+# sampler's greedy over the logits:
+#   * values are compared as the fp32 logits were stored (bf16 logits widened
+#     exactly), so the token agrees with whoever reads the logits;
+#   * the largest value wins; equal values (+0.0 == -0.0) go to the LOWER
+#     vocabulary index;
+#   * NaN ranks above every number (+inf included) and the lowest-index NaN
+#     wins: a NaN logit is never skipped, and it surfaces as the record's (and
+#     the greedy) value, where a caller can see it;
+#   * ``value`` holds the bits of the logit at ``index``.
+# --------------------------------------------------------------------------
+ARGMAX_RECORD = (
+    ("value", "f32", "greatest logit of the tile, bit-exact as stored in logits"),
+    ("index", "i32", "its vocabulary index"),
+)
+#: 32-bit words per record; the VM keeps ``argmax_part`` as int32 [..., 2]
+#: (word 0: the value's fp32 bits, word 1: the index), the device as the
+#: generated ``megac::ArgmaxRecord``, 8-byte aligned: one 8-byte store each.
+ARGMAX_RECORD_WORDS = len(ARGMAX_RECORD)
+ARGMAX_RECORD_BYTES = 4 * ARGMAX_RECORD_WORDS
+
+
+def argmax_select(values, indices) -> np.ndarray:
+    """Position along the last axis of the winner among (value, index) pairs
+    under the greedy rule above: ``values`` fp32, ``indices`` the vocabulary
+    index each value stands for (broadcast against ``values``)."""
+    v = np.asarray(values, dtype=np.float32)
+    idx = np.broadcast_to(np.asarray(indices, dtype=np.int64), v.shape)
+    nan = np.isnan(v)
+    top = np.where(nan, -np.inf, v).max(axis=-1, keepdims=True)
+    cand = np.where(nan.any(axis=-1, keepdims=True), nan, v == top)
+    return np.where(cand, idx, np.iinfo(np.int64).max).argmin(axis=-1)
+
+
+def argmax_reduce(records) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy token and its logit per row from ``records`` int32
+    ``[..., lm_tiles, ARGMAX_RECORD_WORDS]`` (``argmax_part``): int64 tokens
+    and fp32 values of shape ``[...]``. The one host-side reduction of the
+    records; a NaN value means the row's logits hold a NaN."""
+    rec = np.asarray(records)
+    if rec.dtype != np.int32 or rec.shape[-1] != ARGMAX_RECORD_WORDS:
+        raise ValueError(f"argmax records must be int32 [..., {ARGMAX_RECORD_WORDS}] (got {rec.dtype} "
+                         f"{list(rec.shape)})")
+    vals = rec[..., 0].view(np.float32)
+    idx = rec[..., 1].astype(np.int64)
+    pos = argmax_select(vals, idx)[..., None]
+    return np.take_along_axis(idx, pos, -1)[..., 0], np.take_along_axis(vals, pos, -1)[..., 0]
+
+
+# --------------------------------------------------------------------------
 # KV layout
 # --------------------------------------------------------------------------
 KV_LAYOUT = {
@@ -452,7 +511,7 @@ LAUNCH_DESC: tuple[DescField, ...] = (
     _D("moe_act", "ptr", "bf16 [num_layers, rows*top_k, expert_width]"),
     _D("moe_out", "ptr", "fp32 [num_layers, rows*top_k, hidden]"),
     _D("logits", "ptr", "fp32 [rows, vocab]"),
-    _D("argmax_part", "ptr", "fp32x2 [rows, lm_tiles] (value, index)"),
+    _D("argmax_part", "ptr", "ArgmaxRecord [rows, lm_tiles]: per LM tile its greedy (value, index)"),
     # scalars
     _D("rows", "i32", "batch rows of this schedule"),
     _D("num_layers", "i32", ""),
@@ -506,6 +565,8 @@ def abi_summary() -> dict:
                    "timeouts": STATUS_TIMEOUTS, "done": STATUS_DONE, "record": STATUS_RECORD},
         "error_record": [name for name, _ in ERROR_FIELDS],
         "error_kinds": {k.name: int(k) for k in ErrorKind},
+        "argmax_record": [list(f) for f in ARGMAX_RECORD],  # (name, ctype, doc)
+        "argmax_record_bytes": ARGMAX_RECORD_BYTES,
         "kv_layout": KV_LAYOUT,
         "launch_descriptor": [(f.name, f.ctype) for f in LAUNCH_DESC],
     }

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "generated/megac_abi.h"
+
 namespace megac {
 namespace gemm {
 
@@ -159,11 +161,16 @@ __device__ __forceinline__ void epi_qkv(const float* ys, int n0, const QkvArgs& 
   }
 }
 
-// --- LM head: logits slice + greedy argmax partial ------------------------------------
+// --- LM head: logits slice + greedy argmax record -------------------------------------
 
-// Larger value wins; equal values go to the lower index (greedy ties).
+// The ABI's greedy rule (megac/abi.py, ArgmaxRecord): the larger value wins,
+// equal values go to the lower index, NaN ranks above every number and the
+// lowest-index NaN wins, so a NaN logit is never dropped by one lane and kept
+// by another. Takes (ov, oi) into (v, i) when it ranks higher.
 __device__ __forceinline__ void argmax_merge(float& v, int& i, float ov, int oi) {
-  if (ov > v || (ov == v && oi < i)) {
+  const bool o_nan = isnan(ov), v_nan = isnan(v);
+  const bool take = o_nan ? (!v_nan || oi < i) : (!v_nan && (ov > v || (ov == v && oi < i)));
+  if (take) {
     v = ov;
     i = oi;
   }
@@ -179,18 +186,20 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 }
 
 // logits points at [row 0][column 0] (pitch ldl); the tile covers columns
-// [n0, n0 + NT). Writes its slice and, per row, (max value, its column) to
-// amax_val/amax_idx[m * amax_ld + tile]. The argmax is taken over the stored
-// (rounded) values, so it agrees with a sampler reading the logits.
+// [n0, n0 + NT). Writes its slice and, per row, the tile's ArgmaxRecord to
+// amax[m * amax_ld + tile] (one 8-byte store). The argmax is taken over the
+// stored (rounded) values and moves them only through copies and shuffles,
+// so the record's value is the bits of the logit at its index and the token
+// agrees with a sampler reading the logits.
 template <int NT, int M, int NTHREADS, class OutT>
 __device__ __forceinline__ void epi_lm_head(const float* ys, OutT* __restrict__ logits,
                                             int64_t ldl, int n0, int tile,
-                                            float* __restrict__ amax_val,
-                                            int32_t* __restrict__ amax_idx, int64_t amax_ld,
+                                            ArgmaxRecord* __restrict__ amax, int64_t amax_ld,
                                             int tid) {
   constexpr int NW = NTHREADS / 32;
   const int warp = tid >> 5, lane = tid & 31;
   for (int m = warp; m < M; m += NW) {
+    // (-inf, INT_MAX) loses to every real column, -inf ones included
     float best = -__int_as_float(0x7f800000);
     int bi = 0x7fffffff;
     for (int c = lane; c < NT; c += 32) {
@@ -199,24 +208,22 @@ __device__ __forceinline__ void epi_lm_head(const float* ys, OutT* __restrict__ 
       argmax_merge(best, bi, to_f32(o), n0 + c);
     }
     warp_argmax(best, bi);
-    if (lane == 0) {
-      amax_val[m * amax_ld + tile] = best;
-      amax_idx[m * amax_ld + tile] = bi;
-    }
+    if (lane == 0) amax[m * amax_ld + tile] = ArgmaxRecord{best, bi};
   }
 }
 
-// One warp: the final argmax of a row over its tiles' partials.
-__device__ __forceinline__ int argmax_reduce_warp(const float* __restrict__ vals,
-                                                  const int32_t* __restrict__ idxs, int n,
-                                                  float* best_out) {
+// One warp: the greedy record of a row over its n tile records.
+__device__ __forceinline__ ArgmaxRecord argmax_reduce_warp(const ArgmaxRecord* __restrict__ rec,
+                                                           int n) {
   const int lane = threadIdx.x & 31;
   float best = -__int_as_float(0x7f800000);
   int bi = 0x7fffffff;
-  for (int j = lane; j < n; j += 32) argmax_merge(best, bi, vals[j], idxs[j]);
+  for (int j = lane; j < n; j += 32) {
+    const ArgmaxRecord r = rec[j];
+    argmax_merge(best, bi, r.value, r.index);
+  }
   warp_argmax(best, bi);
-  if (best_out) *best_out = best;
-  return bi;
+  return ArgmaxRecord{best, bi};
 }
 
 }  // namespace gemm

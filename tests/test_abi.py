@@ -32,6 +32,9 @@ def _parse(text: str) -> dict:
         out["records"][ns] = {n: int(v) for n, v in re.findall(r"constexpr int (\w+) = (\d+);", body)}
     struct = re.search(r"struct LaunchDesc \{(.*?)\};", text, re.S).group(1)
     out["desc"] = re.findall(r"^\s*(\w+) (\w+);", struct, re.M)
+    size, rec = re.search(r"struct alignas\((\d+)\) ArgmaxRecord \{(.*?)\};", text, re.S).groups()
+    out["argmax"] = (int(size), re.findall(r"^\s*(\w+) (\w+);", rec, re.M))
+    out["argmax_assert"] = re.search(r"static_assert\(sizeof\(ArgmaxRecord\) == (\d+),", text).group(1)
     out["dyn_flag"] = int(re.search(r"DYN_FLAG = (0x[0-9A-F]+);", text).group(1), 16)
     return out
 
@@ -49,6 +52,9 @@ def test_header_parses_back_to_the_python_abi():
         assert parsed["records"][q.name.lower()] == expected
     assert [n for _, n in parsed["desc"]] == list(abi.DESC_NAMES)
     assert parsed["dyn_flag"] == abi.DYN_FLAG
+    ctypes = abi_header.CTYPES
+    assert parsed["argmax"] == (8, [(ctypes[c], n) for n, c, _ in abi.ARGMAX_RECORD])
+    assert int(parsed["argmax_assert"]) == abi.ARGMAX_RECORD_BYTES == 8
 
 
 def test_abi_invariants():
@@ -77,9 +83,14 @@ def test_header_compiles_and_descriptor_layout_is_packed(tmp_path):
         f'  std::printf("%s %zu\\n", "{f.name}", offsetof(megac::LaunchDesc, {f.name}));'
         for f in abi.LAUNCH_DESC
     )
+    fields += "".join(
+        f'\n  std::printf("argmax.%s %zu\\n", "{name}", offsetof(megac::ArgmaxRecord, {name}));'
+        for name, _, _ in abi.ARGMAX_RECORD
+    )
     src.write_text(
         f'#include <cstddef>\n#include <cstdio>\n#include "{abi_header.HEADER_PATH}"\n'
-        f'int main() {{\n{fields}\n  std::printf("sizeof %zu\\n", sizeof(megac::LaunchDesc));\n}}\n'
+        f'int main() {{\n{fields}\n  std::printf("sizeof %zu\\n", sizeof(megac::LaunchDesc));\n'
+        f'  std::printf("argmax.sizeof %zu\\n", sizeof(megac::ArgmaxRecord));\n}}\n'
     )
     exe = tmp_path / "probe"
     subprocess.run(["g++", "-std=c++17", str(src), "-o", str(exe)], check=True)
@@ -89,6 +100,9 @@ def test_header_compiles_and_descriptor_layout_is_packed(tmp_path):
     for name, off in offsets["fields"].items():
         assert int(got[name]) == off, name
     assert int(got["sizeof"]) == offsets["size"]
+    # the VM's int32 words: value in word 0, index in word 1
+    assert [int(got[f"argmax.{n}"]) for n, _, _ in abi.ARGMAX_RECORD] == [0, 4]
+    assert int(got["argmax.sizeof"]) == abi.ARGMAX_RECORD_BYTES
 
 
 def test_pack_descriptor_by_name():

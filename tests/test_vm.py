@@ -352,8 +352,8 @@ def test_device_state_follows_the_plan():
             assert v is None  # bound from the KV cache each step
         elif b.kind == "scalar":
             assert isinstance(v, (int, float))
-        elif b.dtype == "fp32x2":
-            assert tuple(v.shape) == tuple(b.shape) + (2,)
+        elif b.dtype == "argmax":
+            assert tuple(v.shape) == tuple(b.shape) + (abi.ARGMAX_RECORD_WORDS,) and v.dtype == torch.int32
         else:
             assert tuple(v.shape) == tuple(b.shape), f.name
     assert st["x_norm"].dtype == torch.float32  # fp32 mode: bf16 buffers are fp32

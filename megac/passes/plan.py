@@ -42,7 +42,8 @@ from megac.schedule import BufferPlan, BufferSpec, WeightLayout
 
 NAME = "plan"
 
-DTYPE_BYTES = {"bf16": 2, "fp32": 4, "int32": 4, "uint32": 4, "u64": 8, "fp32x2": 8, "f32": 4, "i32": 4}
+DTYPE_BYTES = {"bf16": 2, "fp32": 4, "int32": 4, "uint32": 4, "u64": 8, "argmax": abi.ARGMAX_RECORD_BYTES, "f32": 4,
+               "i32": 4}
 
 #: descriptor buffers whose physical name differs from the access model's
 _ACCESS_NAME = {"targets": "target_word", "k_pool": "kv_new", "v_pool": "kv_new"}
@@ -125,7 +126,7 @@ def _shapes(lw: Lowering) -> dict[str, tuple[str, tuple, str, str]]:
         "moe_act": ("bf16", (L, RK, geo.expert_width), "scratch", ""),
         "moe_out": ("fp32", (L, RK, D), "scratch", ""),
         "logits": ("fp32", (R, geo.vocab), "scratch", "read by the sampler"),
-        "argmax_part": ("fp32x2", (R, geo.lm_tiles), "scratch", "(value, index) per LM tile"),
+        "argmax_part": ("argmax", (R, geo.lm_tiles), "scratch", "abi.ARGMAX_RECORD per LM tile"),
     }
     for f in abi.LAUNCH_DESC:
         if f.name not in out:

@@ -147,8 +147,8 @@ class Tracker:
         geo = st.geo
         self.bufs: dict[str, _Track] = {}
         for name in st.scratch:
-            t = st[name]
-            shape = tuple(t.shape[:2]) if name == "argmax_part" else tuple(t.shape)
+            # per planned element (an argmax record is one element of its words)
+            shape = tuple(st.plan.buffers[name].shape)
             inp = None
             if name == "x_resid":
                 inp = np.ones(shape, dtype=bool)

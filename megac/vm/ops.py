@@ -628,18 +628,23 @@ class Ops:
                 self.tr.write("argmax_part", (slice(None), slice(int(a) // bn, -(-int(b) // bn))))
             cols = _as_slice(_cols(n0, nl))
             logits[:, cols] = Y[:, cols]
-            # argmax partial per vocab tile over the stored values (ties: lower index)
+            # one argmax record per vocab tile over the stored logits, by the
+            # ABI's greedy rule (abi.argmax_select); the short last tile is
+            # padded with -inf at higher indices, which never win
             tiles = np.unique(np.concatenate([np.arange(int(a) // bn, -(-int(b) // bn)) for a, b in
                                               zip(n0, n0 + nl)]))
             for t0, t1 in _ranges(tiles):
                 c0, c1 = t0 * bn, min(t1 * bn, geo.vocab)
-                seg = logits[:, c0:c1]
+                seg = logits[:, c0:c1].numpy()
                 pad = (t1 - t0) * bn - (c1 - c0)
                 if pad:
-                    seg = torch.cat([seg, torch.full((seg.shape[0], pad), float("-inf"))], dim=1)
-                v, i = seg.view(seg.shape[0], t1 - t0, bn).max(dim=2)
-                amax[:, t0:t1, 0] = v
-                amax[:, t0:t1, 1] = (i + torch.arange(t0, t1)[None, :] * bn).to(torch.float32)
+                    seg = np.concatenate([seg, np.full((seg.shape[0], pad), -np.inf, dtype=np.float32)], axis=1)
+                seg = seg.reshape(seg.shape[0], t1 - t0, bn)
+                cols = np.arange(t0 * bn, t1 * bn).reshape(t1 - t0, bn)
+                pos = abi.argmax_select(seg, cols)
+                rec = amax[:, t0:t1].numpy()
+                rec[..., 0] = np.take_along_axis(seg, pos[..., None], axis=-1)[..., 0].view(np.int32)
+                rec[..., 1] = cols[:, 0] + pos
 
     # ---------------------------------------------------------------- norm
     def add_rmsnorm(self, words: np.ndarray) -> None:

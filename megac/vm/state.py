@@ -16,9 +16,11 @@ in fp32 mode there is one copy.
 
 :class:`DeviceState` allocates every other descriptor pointer from the
 schedule's :class:`~megac.schedule.BufferPlan` (shape and dtype exactly as
-planned; ``bf16`` buffers are fp32 in fp32 mode, ``fp32x2`` is ``[..., 2]``
-fp32), plus the scalars. ``desc`` maps every ``abi.LAUNCH_DESC`` name to its
-tensor or scalar (an unassigned field is an error, :meth:`check_desc`).
+planned; ``bf16`` buffers are fp32 in fp32 mode; ``argmax`` records are int32
+``[..., abi.ARGMAX_RECORD_WORDS]``, the value's fp32 bits in word 0 and the
+index in word 1, the device's bytes), plus the scalars. ``desc`` maps every
+``abi.LAUNCH_DESC`` name to its tensor or scalar (an unassigned field is an
+error, :meth:`check_desc`).
 Integer buffers the interpreter touches word by word (counters, queue heads,
 targets, queues, tables) also have numpy views (``st.np[name]``) sharing
 memory with the tensors.
@@ -257,13 +259,13 @@ class DeviceState:
 
     # ------------------------------------------------------------ allocation
     def _torch_dtype(self, dtype: str) -> torch.dtype:
-        return {"bf16": self.act, "fp32": torch.float32, "fp32x2": torch.float32, "int32": torch.int32,
+        return {"bf16": self.act, "fp32": torch.float32, "argmax": torch.int32, "int32": torch.int32,
                 "uint32": torch.int64}[dtype]
 
     def _alloc(self, spec) -> torch.Tensor:
         shape = tuple(spec.shape)
-        if spec.dtype == "fp32x2":
-            shape = shape + (2,)
+        if spec.dtype == "argmax":
+            shape = shape + (abi.ARGMAX_RECORD_WORDS,)
         t = torch.zeros(shape, dtype=self._torch_dtype(spec.dtype))
         if spec.kind in ("activation", "scratch"):
             self.scratch.append(spec.name)

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 2
+#define MEGAC_ABI_VERSION 3
 
 namespace megac {
 
@@ -222,6 +222,16 @@ enum ErrorKindCode : int32_t {
   ERRKIND_BAD_TASK = 4,
 };
 
+// LM-head argmax record, one per (row, LM tile) of argmax_part. Greedy rule
+// (megac/abi.py): larger value wins, equal values go to the lower index, NaN
+// ranks above every number (lowest-index NaN wins); value holds the bits of
+// the stored logit at index. 8-byte aligned so a record is one 8-byte store.
+struct alignas(8) ArgmaxRecord {
+  float value;  // greatest logit of the tile, bit-exact as stored in logits
+  int32_t index;  // its vocabulary index
+};
+static_assert(sizeof(ArgmaxRecord) == 8, "ArgmaxRecord is 8 bytes");
+
 // Launch descriptor: every pointer and scalar the kernel reads. Filled by name
 // on the host (megac.abi.LAUNCH_DESC); pointers travel as uint64.
 struct LaunchDesc {
@@ -275,7 +285,7 @@ struct LaunchDesc {
   uint64_t moe_act;  // bf16 [num_layers, rows*top_k, expert_width]
   uint64_t moe_out;  // fp32 [num_layers, rows*top_k, hidden]
   uint64_t logits;  // fp32 [rows, vocab]
-  uint64_t argmax_part;  // fp32x2 [rows, lm_tiles] (value, index)
+  uint64_t argmax_part;  // ArgmaxRecord [rows, lm_tiles]: per LM tile its greedy (value, index)
   int32_t rows;  // batch rows of this schedule
   int32_t num_layers;  // 
   int32_t hidden;  // 

@@ -51,8 +51,7 @@ struct Params {
   int64_t rope_style;
   bf16* k_pool;
   bf16* v_pool;
-  float* amax_val;
-  int32_t* amax_idx;
+  ArgmaxRecord* amax;  // [x_mat][M][num_ntiles]
   int64_t num_ntiles;
   int32_t* status;
 };
@@ -102,8 +101,8 @@ __device__ __forceinline__ void run_epilogue(const float* ys, const Params& p, i
     using OutT = std::conditional_t<EPI == kEpiLmHead, float, bf16>;
     OutT* logits = static_cast<OutT*>(p.y) + x_mat * p.y_mat_stride;
     const int64_t arow = int64_t(x_mat) * M * p.num_ntiles;
-    epi_lm_head<NT, M, NTH, OutT>(ys, logits, p.ldy, n0, n_tile, p.amax_val + arow,
-                                  p.amax_idx + arow, p.num_ntiles, tid);
+    epi_lm_head<NT, M, NTH, OutT>(ys, logits, p.ldy, n0, n_tile, p.amax + arow, p.num_ntiles,
+                                  tid);
   }
 }
 
@@ -247,12 +246,10 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   if (acc == 0x9e3779b9u) atomicAdd(out, 1ull);
 }
 
-// Final greedy argmax of each row over its per-tile partials: one warp per row.
-extern "C" __global__ void gemm_argmax_reduce(const float* __restrict__ vals,
-                                              const int32_t* __restrict__ idxs, int ntiles,
-                                              int32_t* __restrict__ out) {
+// Greedy record of each row over its per-tile records: one warp per row.
+extern "C" __global__ void gemm_argmax_reduce(const ArgmaxRecord* __restrict__ rec, int ntiles,
+                                              ArgmaxRecord* __restrict__ out) {
   const int row = blockIdx.x;
-  const int i = argmax_reduce_warp(vals + int64_t(row) * ntiles, idxs + int64_t(row) * ntiles,
-                                   ntiles, nullptr);
-  if (threadIdx.x == 0) out[row] = i;
+  const ArgmaxRecord r = argmax_reduce_warp(rec + int64_t(row) * ntiles, ntiles);
+  if (threadIdx.x == 0) out[row] = r;
 }

@@ -10,6 +10,11 @@ the bandwidth target, see opcodes/gemm_tile.cuh):
     from the same bf16 inputs (TF32 off), outputs poisoned with NaN first and
     checked fully written (and, for the paged KV pool, that nothing else was
     touched), and two launches bit-identical;
+  * the LM head's argmax records (megac.abi.ARGMAX_RECORD) exactly against
+    torch.argmax over the stored logits, per tile and reduced to the greedy
+    token (host megac.abi.argmax_reduce and the device reduce), also on
+    integer-valued inputs built to force ties within and across tiles, all
+    logits equal, and NaN logits;
   * bandwidth at M = 1 and 8: the tile list covers rotated weight copies
     (~1 GiB per launch, far past the 60 MB L2), bytes that must move over the
     median of per-launch CUDA-event times, against the streaming-read ceiling
@@ -26,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megac import abi
 from megac.gpu import battery
 from megac.gpu.battery import bench, check
 from megac.weights.layout import tile_gemm_weights
@@ -64,8 +70,8 @@ def smem_bytes(nt: int, k: int, m: int, tiled: bool = False, bk_max: int = 576) 
 PARAM_FIELDS = (
     "w", "x", "y", "tasks", "num_tasks", "w_mat_stride", "x_mat_stride", "ldw", "ldx",
     "y_mat_stride", "ldy", "split_stride", "positions", "inv_freq", "page_table", "max_pages",
-    "block_size", "q_heads", "kv_heads", "rope_style", "k_pool", "v_pool", "amax_val",
-    "amax_idx", "num_ntiles", "status",
+    "block_size", "q_heads", "kv_heads", "rope_style", "k_pool", "v_pool", "amax",
+    "num_ntiles", "status",
 )
 ROPE_INTERLEAVED, ROPE_HALF = 1, 2
 
@@ -303,11 +309,11 @@ def _setup(env: _Env, case: Case, m: int, w, copies: int = 1, x=None, w_kernel=N
     elif case.epi in ("lmhead", "lmheadbf16"):
         dt = torch.float32 if case.epi == "lmhead" else torch.bfloat16
         b.y = torch.full((E, m, case.n), nan, dtype=dt, device=dev)
-        b.amax_val = torch.full((E, m, case.ntiles), nan, dtype=torch.float32, device=dev)
-        b.amax_idx = torch.full((E, m, case.ntiles), -1, dtype=torch.int32, device=dev)
-        kw.update(y=b.y, y_mat_stride=m * case.n, ldy=case.n, amax_val=b.amax_val,
-                  amax_idx=b.amax_idx, num_ntiles=case.ntiles)
-        b.outputs = [b.y, b.amax_val, b.amax_idx]
+        # ArgmaxRecord words, poisoned with index -1 (no column has it)
+        b.amax = torch.full((E, m, case.ntiles, abi.ARGMAX_RECORD_WORDS), -1, dtype=torch.int32,
+                            device=dev)
+        kw.update(y=b.y, y_mat_stride=m * case.n, ldy=case.n, amax=b.amax, num_ntiles=case.ntiles)
+        b.outputs = [b.y, b.amax]
     else:
         raise ValueError(case.epi)
     b.params = env.params(**kw)
@@ -396,28 +402,108 @@ def _verify(env: _Env, case: Case, bufs, m: int) -> tuple[bool, str]:
         msgs.append(f"pool_untouched_elsewhere:{untouched}")
     elif case.epi in ("lmhead", "lmheadbf16"):
         rel_check("logits", bufs.y, ref, 1e-3 if case.epi == "lmhead" else 1e-2)
-        lg = bufs.y.float().view(case.experts, m, case.ntiles, case.nt)
-        mx = lg.max(dim=-1).values
-        col = torch.arange(case.n, device=env.dev, dtype=torch.int64).view(1, 1, case.ntiles, case.nt)
-        first = torch.where(lg == mx[..., None], col, torch.full_like(col, 1 << 40)).min(dim=-1).values
-        part_ok = bool(torch.equal(_bits(mx), _bits(bufs.amax_val))) and bool(
-            torch.equal(first.to(torch.int32), bufs.amax_idx))
-        ok &= part_ok
-        msgs.append(f"argmax_partials_exact:{part_ok}")
-        out = torch.full((m,), -1, dtype=torch.int32, device=env.dev)
-        env.launch_mod.launch(
-            env.module, "gemm_argmax_reduce", (m, 1, 1), (32, 1, 1),
-            [bufs.amax_val[0], bufs.amax_idx[0], np.int32(case.ntiles), out],
-        )
-        torch.cuda.synchronize()
-        y0 = bufs.y[0].float()
-        gmax = y0.max(dim=-1).values
-        colf = torch.arange(case.n, device=env.dev)
-        gfirst = torch.where(y0 == gmax[:, None], colf, torch.full_like(colf, 1 << 40)).min(dim=-1).values
-        g_ok = bool(torch.equal(gfirst.to(torch.int32), out))
-        ok &= g_ok
-        msgs.append(f"greedy_argmax:{g_ok}")
+        good, detail = _argmax_checks(env, case, bufs, m)
+        ok &= good
+        msgs += detail
     return ok, "; ".join(msgs)
+
+
+def _argmax_checks(env: _Env, case: Case, bufs, m: int) -> tuple[bool, list[str]]:
+    """The argmax records of matrix 0 against torch.argmax over the stored
+    logits (torch's rule is the ABI's: the larger value wins, ties and NaNs go
+    to the lowest index): per tile the index exact and the value the bits of
+    the logit at it; per row the greedy record through the host reduction
+    (abi.argmax_reduce) and the device one (gemm_argmax_reduce)."""
+    torch = env.torch
+    T, nt = case.ntiles, case.nt
+    lg = bufs.y[0].float().cpu()  # [m, N] as stored; bf16 widens exactly
+    bits = lg.view(torch.int32)
+    rec = bufs.amax[0].cpu()  # [m, T, words]
+    idx = lg.view(m, T, nt).argmax(-1) + torch.arange(T) * nt
+    tiles_ok = bool(torch.equal(rec[..., 1], idx.to(torch.int32))) and bool(
+        torch.equal(rec[..., 0], bits.gather(-1, idx)))
+    tok = lg.argmax(-1)
+    want = torch.stack([bits.gather(-1, tok[:, None])[:, 0], tok.to(torch.int32)], -1)
+    h_tok, h_val = abi.argmax_reduce(rec.numpy())
+    host_ok = np.array_equal(h_tok, tok.numpy()) and np.array_equal(h_val.view(np.int32),
+                                                                    want[:, 0].numpy())
+    out = torch.full((m, abi.ARGMAX_RECORD_WORDS), -1, dtype=torch.int32, device=env.dev)
+    env.launch_mod.launch(env.module, "gemm_argmax_reduce", (m, 1, 1), (32, 1, 1),
+                          [bufs.amax[0], np.int32(T), out])
+    torch.cuda.synchronize()
+    dev_ok = bool(torch.equal(out.cpu(), want))
+    return tiles_ok and host_ok and dev_ok, [f"argmax_records_exact:{tiles_ok}",
+                                             f"greedy_host:{host_ok}", f"greedy_device:{dev_ok}"]
+
+
+#: Inputs built to stress the greedy rule (see _forced_weights).
+FORCED = ("ties", "equal", "nan")
+
+
+def _forced_weights(env: _Env, case: Case, kind: str, x):
+    """Row-major LM-head weights [N, K] for x [1, m, K] in {-1, 0, 1}, and the
+    greedy token each row must get. Integer-valued inputs make every logit an
+    exact fp32 sum, so equal dot products are equal bits whatever the
+    accumulation order.
+
+    ties:  weights in {-2..2} (many equal maxima per tile); row r's maximum
+           2 * sum|x_r| planted at the last column of tile 1 + r and at columns
+           0 and 3 of tile T - 2 - r: across tiles the lower one wins, within
+           a tile the lower column.
+    equal: all weights 1, so every logit of a row is the same: each tile's
+           record is its first column and the token is 0.
+    nan:   as ties, plus NaN weight rows at columns 5 and NT - 1 of tile 2 and
+           column 0 of tile 4: NaN ranks above everything, so the token is
+           2 * NT + 5 on every row."""
+    torch = env.torch
+    n, k, nt, T = case.n, case.kfull, case.nt, case.ntiles
+    m = x.shape[1]
+    if kind == "equal":
+        return torch.ones((n, k), dtype=torch.bfloat16, device=env.dev), [0] * m
+    w = torch.randint(-2, 3, (n, k), generator=env.gen, device=env.dev, dtype=torch.int8)
+    w = w.to(torch.bfloat16)
+    tokens = []
+    for r in range(m):
+        top = 2 * torch.sign(x[0, r].float()).to(torch.bfloat16)
+        first = (1 + r) * nt + nt - 1
+        for col in (first, (T - 2 - r) * nt, (T - 2 - r) * nt + 3):
+            w[col] = top
+        tokens.append(first)
+    if kind == "nan":
+        for col in (2 * nt + 5, 2 * nt + nt - 1, 4 * nt):
+            w[col] = float("nan")
+        tokens = [2 * nt + 5] * m
+    return w, tokens
+
+
+def _forced(env: _Env, case: Case, kind: str, m: int, tiled: bool) -> dict:
+    """One launch on FORCED inputs: logits bit-exact to the reference (NaN
+    where it is NaN), the argmax checks, and the planted greedy tokens."""
+    torch = env.torch
+    assert case.experts == 1 and case.splits == 1 and case.ntiles >= 2 * m + 3
+    x = torch.randint(-1, 2, (1, m, case.kfull), generator=env.gen, device=env.dev,
+                      dtype=torch.int8).to(torch.bfloat16)
+    w, tokens = _forced_weights(env, case, kind, x)
+    wk = tile_gemm_weights(w[None], _pick_bk(case.k, case.bk_max)).view(-1) if tiled else None
+    bufs = _setup(env, case, m, w.view(-1), x=x, w_kernel=wk)
+    kernel = case.kernel(m, tiled)
+    env.status.zero_()
+    env.run_gemm(kernel, bufs.params, m, case)
+    env.check_status()
+    ref = _reference(env, case, bufs, m).to(bufs.y.dtype)
+    nan = torch.isnan(ref)
+    exact = bool(torch.equal(nan, torch.isnan(bufs.y))) and bool(
+        torch.equal(_bits(bufs.y)[~nan], _bits(ref)[~nan]))
+    ok, detail = _argmax_checks(env, case, bufs, m)
+    got = bufs.amax[0].cpu()
+    planted = torch.equal(torch.from_numpy(abi.argmax_reduce(got.numpy())[0]), torch.tensor(tokens))
+    if kind == "equal":
+        starts = (torch.arange(case.ntiles, dtype=torch.int32) * case.nt).expand(m, -1)
+        planted = planted and torch.equal(got[..., 1], starts)
+    ok = ok and exact and planted
+    detail = [f"logits_exact:{exact}", *detail, f"planted_tokens:{planted}"]
+    lay = "tiled" if tiled else "rowmajor"
+    return check(f"{case.name}.argmax_{kind}.{lay}.m{m}", ok, f"{kernel}: {'; '.join(detail)}")
 
 
 def _correctness(env: _Env, case: Case, m: int, big, tiled: bool) -> dict:
@@ -542,6 +628,18 @@ def run(quick: bool) -> dict:
                     checks.append(check(f"{case.name}.{'tiled' if tiled else 'rowmajor'}.m{m}",
                                         False, f"{type(e).__name__}: {e}"))
                     if "illegal" in str(e).lower():  # the context is gone
+                        raise
+    for case in CASES:
+        if case.epi not in ("lmhead", "lmheadbf16"):
+            continue
+        for kind in FORCED:
+            for m in case.ms:
+                try:
+                    checks.append(_forced(env, case, kind, m, tiled=True))
+                except Exception as e:  # noqa: BLE001
+                    checks.append(check(f"{case.name}.argmax_{kind}.tiled.m{m}", False,
+                                        f"{type(e).__name__}: {e}"))
+                    if "illegal" in str(e).lower():
                         raise
     reps = 10 if quick else 30
     ceil_env = battery.ceiling_tbps()
