@@ -313,6 +313,71 @@ __device__ __forceinline__ void combine_core(const float* o_part, const float* l
   sync();
 }
 
+// ONE warp merges query head h of (row, kvh): splits 0..n-1 in index order,
+// fp32, the same arithmetic as combine_core (weights folded over the same
+// xor tree, products accumulated in split order), so it gives the same bits.
+// A merge cut into GQA such pieces reads GQA times fewer partial bytes per
+// warp, so the merges of a step can be spread over many SMs' spare warps
+// instead of loading whole (row, kv head) partials onto a few SMs: at BS 1
+// / 8K a 32-split merge is 128 KB, which one SM pulls from L2 in ~3.5 us,
+// longer than the whole decode step. `work` (16-byte aligned shared memory
+// of this warp) holds 4*(n rounded up to 4) bytes of weights, then the n
+// partial rows (n*HD*4 bytes), all copied at once with cp.async (the warp
+// must have no other cp.async group pending). The caller has acquired the
+// arrivals.
+template <int HD, int GQA>
+__device__ __forceinline__ void combine_head_warp(const float* o_part, const float* lse_part,
+                                                  __nv_bfloat16* out, int rows, int q_heads,
+                                                  int row, int kvh, int h, int n, char* work) {
+  static_assert(HD % 64 == 0, "each lane owns HD/32 consecutive dims (2 or 4)");
+  constexpr int DPL = HD / 32;    // dims per lane
+  constexpr int CPS = HD / 4;     // 16-byte chunks per split row
+  const int lane = threadIdx.x & 31;
+  const size_t split_elems = (size_t)rows * q_heads;
+  const int qh = kvh * GQA + h;
+  float* w = reinterpret_cast<float*>(work);
+  float* rows_s = w + (n + 3) / 4 * 4;
+  const float* ob = o_part + ((size_t)row * q_heads + qh) * HD;
+  for (int i = lane; i < n * CPS; i += 32)
+    cp_async16(smem_addr(rows_s) + i * 16, ob + (size_t)(i / CPS) * split_elems * HD + (i % CPS) * 4, 16);
+  cp_async_commit();
+  // The weights while the rows are in flight.
+  const float* lp = lse_part + (size_t)row * q_heads + qh;
+  float M = -INFINITY;
+  for (int s = lane; s < n; s += 32) {
+    w[s] = __ldcg(lp + (size_t)s * split_elems);
+    M = fmaxf(M, w[s]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  float L = 0.f;
+  for (int s = lane; s < n; s += 32) {
+    const float l = w[s];
+    const float f = (l == -INFINITY || M == -INFINITY) ? 0.f : expf(l - M);
+    w[s] = f;
+    L += f;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  cp_async_wait<0>();
+  __syncwarp();
+  float acc[DPL];
+#pragma unroll
+  for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
+  for (int s = 0; s < n; ++s) {
+    const float f = w[s];
+    const float* v = rows_s + s * HD + lane * DPL;
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) acc[d] += f * v[d];
+  }
+  __nv_bfloat16* orow = out + (size_t)row * q_heads * HD + (size_t)qh * HD + lane * DPL;
+#pragma unroll
+  for (int d = 0; d < DPL; d += 2)
+    *reinterpret_cast<__nv_bfloat162*>(orow + d) = __floats2bfloat162_rn(acc[d] * inv, acc[d + 1] * inv);
+  __syncwarp();
+}
+
 // One ATTN_COMBINE task: merge splits 0..n_splits-1 of (row, kvh). The
 // caller has acquired the (row, kvh) arrival counter. Threads 0..NT-1 call
 // it (BAR 0 when they are the whole CTA). `smem` is free shared memory of

@@ -10,6 +10,11 @@
 //
 // `phases` bits:
 //   1 decode          2 separate combine phase      4 fused combine
+//  32 spread merges: every merge is cut into one piece per query head
+//     (megac::attn::combine_head_warp) and the pieces of step e are dealt
+//     over the decode CTAs' control warps, which run them after counting
+//     their own arrival of step e+1 (a step stands for a layer here: the
+//     merges of one run beside the decodes of the next).
 //   8 combine CTAs: the last `comb_ctas` CTAs of the grid only merge (every
 //     thread of the CTA), step after step, each waiting on its (row, kv
 //     head)'s arrival counter; the decode slots are dealt over the others,
@@ -37,6 +42,7 @@ constexpr int kPhaseCombine = 2;
 constexpr int kPhaseFused = 4;
 constexpr int kPhaseCombineCtas = 8;
 constexpr int kPhaseNoArrival = 16;  // decode only, not even counting arrivals (timing)
+constexpr int kPhaseSpread = 32;
 constexpr int kOpDecode = 2;
 constexpr int kOpCombine = 4;
 constexpr int kBufs = 4;
@@ -70,6 +76,13 @@ struct Launch {
   int q_heads, nrk, per;  // per: decode slots of this CTA per step
   int dec_ctas;           // CTAs 0..dec_ctas-1 decode
 };
+
+// Step e's output: one per partial buffer as well, so a late merge of step e
+// never lands on a later step's output.
+template <int HD>
+__device__ __forceinline__ __nv_bfloat16* out_of(const Launch& L, int e) {
+  return L.out + (size_t)((e - 1) % kBufs) * L.rows * L.q_heads * HD;
+}
 
 // Hand-offs between the compute warps (the decode stream) and the control
 // warp, once per task, in this order:
@@ -123,7 +136,12 @@ struct TestTasks {
   }
 
   __device__ __forceinline__ bool waits(int e) const {
-    return e > kBufs && (L.phases & (kPhaseCombine | kPhaseFused | kPhaseCombineCtas));
+    return e > kBufs && (L.phases & (kPhaseCombine | kPhaseFused | kPhaseCombineCtas | kPhaseSpread));
+  }
+  // What the done counter of a (row, kv head) counts per step: merges, or
+  // with spread merges their per-head pieces.
+  __device__ __forceinline__ uint32_t done_per_step() const {
+    return (L.phases & kPhaseSpread) ? GQA : 1;
   }
   __device__ __forceinline__ float* opart(int e) const {
     return L.o_part + (size_t)((e - 1) % kBufs) * L.split_stride * L.rows * L.q_heads * HD;
@@ -131,6 +149,7 @@ struct TestTasks {
   __device__ __forceinline__ float* lpart(int e) const {
     return L.lse_part + (size_t)((e - 1) % kBufs) * L.split_stride * L.rows * L.q_heads;
   }
+  __device__ __forceinline__ __nv_bfloat16* outp(int e) const { return out_of<HD>(L, e); }
 
   // Compute warps, at the end of task i.
   __device__ __forceinline__ bool finish(int i, char* smem) const {
@@ -160,7 +179,7 @@ struct TestTasks {
         int w = 1;
         if (lane == 0) {
           megac::WaitSite site{L.status, 0, i, kOpDecode, 0};
-          w = megac::wait_counter(done + rk, (uint32_t)(e - kBufs), kBufs * L.nrk + rk, site);
+          w = megac::wait_counter(done + rk, done_per_step() * (uint32_t)(e - kBufs), kBufs * L.nrk + rk, site);
         }
         ok = __shfl_sync(0xffffffffu, w, 0) != 0;
       }
@@ -179,7 +198,7 @@ struct TestTasks {
       if (L.phases & kPhaseFused) {
         const int ns = __ldg(L.merge_splits + row);
         if (megac::attn::warp_arrive_last(arrive, (uint32_t)ns)) {
-          megac::attn::combine_core<HD, GQA, 32, 0>(opart(e), lpart(e), L.out, L.rows, L.q_heads,
+          megac::attn::combine_core<HD, GQA, 32, 0>(opart(e), lpart(e), outp(e), L.rows, L.q_heads,
                                                     row, kvh, ns, S::ctl_work(smem),
                                                     S::ctl_work_bytes(), lane);
           if (lane == 0) megac::signal_counter(done + rk);
@@ -189,8 +208,40 @@ struct TestTasks {
         if (lane == 0) megac::signal_counter(arrive);
         __syncwarp();
       }
+      // Spread merges: this CTA's pieces of the previous step, once per step.
+      if ((L.phases & kPhaseSpread) && i % L.per == 0 && e - 1 >= first_step)
+        ok = merge_pieces(e - 1, smem);
       MEGAC_ATTN_TRACE_AT(lane == 0, i, 8, (unsigned long long)(clock64() - c2));
     }
+    if ((L.phases & kPhaseSpread) && n > 0 && ok) merge_pieces(first_step + (n - 1) / L.per, smem);
+  }
+
+  // The merge pieces (row, kv head, query head) of step `e` dealt to this
+  // CTA: piece p goes to decode CTA (p + e * pieces) % decoders, so the
+  // pieces rotate over all of them. Each waits for its row's arrivals.
+  __device__ __forceinline__ bool merge_pieces(int e, char* smem) const {
+    const int lane = threadIdx.x & 31;
+    const int pieces = L.nrk * GQA;
+    const int decoders = min(L.dec_ctas, L.nrk * L.split_stride);
+    const int first = (int)(((long long)blockIdx.x - (long long)e * pieces) % decoders + decoders) % decoders;
+    uint32_t* done = L.counters + kBufs * L.nrk;
+    for (int p = first; p < pieces; p += decoders) {
+      const int c = p / GQA;
+      const int row = c / L.kv_heads;
+      const int ns = __ldg(L.merge_splits + row);
+      int got = 1;
+      if (lane == 0) {
+        megac::WaitSite site{L.status, 0, p, kOpCombine, 0};
+        const int arr = ((e - 1) % kBufs) * L.nrk + c;
+        got = megac::wait_counter(L.counters + arr, (uint32_t)((e - 1) / kBufs + 1) * ns, arr, site);
+      }
+      if (!__shfl_sync(0xffffffffu, got, 0)) return false;
+      megac::attn::combine_head_warp<HD, GQA>(opart(e), lpart(e), outp(e), L.rows, L.q_heads, row,
+                                              c % L.kv_heads, p % GQA, ns, S::ctl_work(smem));
+      if (lane == 0) megac::signal_counter(done + c);
+      __syncwarp();
+    }
+    return true;
   }
 };
 
@@ -207,7 +258,7 @@ __device__ __forceinline__ void combine_ctas(const Launch& L, int reps) {
     const int buf = (e - 1) % kBufs;
     megac::attn::CombineArgs ca{L.o_part + (size_t)buf * L.split_stride * L.rows * L.q_heads * HD,
                                 L.lse_part + (size_t)buf * L.split_stride * L.rows * L.q_heads,
-                                L.out, L.rows, L.kv_heads, L.split_stride};
+                                out_of<HD>(L, e), L.rows, L.kv_heads, L.split_stride};
     for (int c = (int)blockIdx.x - L.dec_ctas; c < L.nrk; c += nc, ++task) {
       const int row = c / L.kv_heads;
       const int kvh = c % L.kv_heads;
@@ -276,7 +327,7 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
     __syncthreads();  // the ring is idle: the combine may use its K/V slots
     megac::attn::CombineArgs ca{L.o_part + (size_t)buf * L.split_stride * L.rows * L.q_heads * HD,
                                 L.lse_part + (size_t)buf * L.split_stride * L.rows * L.q_heads,
-                                L.out, L.rows, L.kv_heads, L.split_stride};
+                                out_of<HD>(L, e), L.rows, L.kv_heads, L.split_stride};
     for (int c = blockIdx.x; c < L.nrk; c += gridDim.x, ++task) {
       const int row = c / L.kv_heads;
       const int kvh = c % L.kv_heads;

@@ -53,7 +53,7 @@ def plan_splits(seq_len: int, window: int, block: int, *, min_pages: int = 4, ma
 SMEM_MAX = 227 * 1024
 
 # `phases` bits of the test kernel (opcodes/tests/attention_test.cu).
-DECODE, COMBINE, FUSED, COMBINE_CTAS = 1, 2, 4, 8
+DECODE, COMBINE, FUSED, COMBINE_CTAS, SPREAD = 1, 2, 4, 8, 32
 # Partial buffers the test kernel rotates through (kBufs in attention_test.cu).
 BUFS = 4
 
@@ -108,7 +108,7 @@ class Attn:
         pt = st["pt_all"] if page_table is None else page_table.unsqueeze(0)
         args = (
             st["q"], st["k"], st["v"], pt, st["seq_len"], st["chunk_splits"], st["merge_splits"],
-            st["o_part"], st["lse_part"], st["out"], st["counters"], st["status"],
+            st["o_part"], st["lse_part"], st["out_all"], st["counters"], st["status"],
             np.int32(st["rows"]), np.int32(st["kv_heads"]), np.int32(pt.shape[-1]),
             np.int32(st["split_stride"]), np.int32(st["window"]), np.float32(1.0 / math.sqrt(self.hd)),
             np.int32(epoch), np.int32(phases), np.int32(reps), np.int32(pt.shape[0]),
@@ -169,12 +169,24 @@ def make_state(a: Attn, seq_lens, kv_heads, window, chunk_splits, merge_splits=N
         # BUFS buffers: step e uses (e-1) % BUFS (see attention_test.cu)
         "o_part": torch.full((BUFS, stride, rows, kv_heads * gqa, hd), float("nan"), device=dev),
         "lse_part": torch.full((BUFS, stride, rows, kv_heads * gqa), float("nan"), device=dev),
-        "out": torch.full((rows, kv_heads * gqa * hd), float("nan"), dtype=torch.bfloat16, device=dev),
+        # one output per buffer too: a late merge of step e must not land on
+        # step e+1's output (attention_test.cu); "out" is step 1's
+        "out_all": torch.full((BUFS, rows, kv_heads * gqa * hd), float("nan"), dtype=torch.bfloat16, device=dev),
         # arrivals of odd / even steps, then combines done (attention_test.cu)
         "counters": torch.zeros((BUFS + 1) * rows * kv_heads, dtype=torch.int32, device=dev),
         "status": a.launch_mod.new_status(),
     }
+    st["out"] = st["out_all"][0]
     return st
+
+
+def fresh_outputs(st) -> None:
+    """NaN outputs and zero counters, so a rerun must write everything again."""
+    import torch  # noqa: PLC0415
+
+    st["out_all"] = torch.full_like(st["out_all"], float("nan"))
+    st["out"] = st["out_all"][0]
+    st["counters"] = torch.zeros_like(st["counters"])
 
 
 def reference(a: Attn, st):
@@ -205,11 +217,11 @@ def _run_checked(a: Attn, st, epoch=1, page_table=None, phases=DECODE | FUSED, r
     a.launch_mod.check_status(st["status"], st["counters"])
 
 
-def _errors(a: Attn, st):
+def _errors(a: Attn, st, out=None):
     import torch  # noqa: PLC0415
 
     ref = reference(a, st)
-    out = st["out"].float()
+    out = (st["out"] if out is None else out).float()
     nan = int(torch.isnan(out).sum().item())
     num = (out - ref).norm(dim=1)
     den = ref.norm(dim=1).clamp_min(1e-30)
@@ -229,7 +241,7 @@ def correctness_case(a: Attn, name, seq_lens, kv_heads, window, splits=None, *, 
     torch.cuda.synchronize()
     a.launch_mod.check_status(st["status"], st["counters"])
     st["page_table"] = st["pt_all"][(reps - 1) % copies]
-    rel, nan = _errors(a, st)
+    rel, nan = _errors(a, st, st["out_all"][(reps - 1) % BUFS])
     ok = nan == 0 and rel <= tol
     return check(name, ok, {"max_row_rel_err": rel, "nan_out": nan, "seq_lens": seq_lens[:8],
                             "splits": splits[:8], "window": window, "variant": a.name,
@@ -305,6 +317,8 @@ def run(quick: bool) -> dict:
     # configuration of the bench): 1, 2 and 4 of them over ragged rows.
     for v, kvh in (("nmc", 4), ("smol", 3)):
         for w in (0, 4096):
+            guard(f"{v}_spread_w{w}", lambda: checks.append(correctness_case(
+                A[v], f"{v}_spread_w{w}", ragged, kvh, w, gen=gen, phases=DECODE | SPREAD)[0]))
             for cc in (1, 4):
                 guard(f"{v}_combine_ctas{cc}_w{w}", lambda: checks.append(correctness_case(
                     A[v], f"{v}_combine_ctas{cc}_w{w}", ragged, kvh, w, gen=gen,
@@ -312,6 +326,7 @@ def run(quick: bool) -> dict:
     # 9 steps: past the BUFS partial buffers, so the buffer-reuse waits run.
     for v, ph, tag, cc in (("nmc", DECODE | FUSED, "fused", 0), ("nmc", DECODE | COMBINE, "separate", 0),
                            ("nmc", DECODE | COMBINE_CTAS, "combine_ctas", 4),
+                           ("nmc", DECODE | SPREAD, "spread", 0), ("smol", DECODE | SPREAD, "spread", 0),
                            ("nmc_b16", DECODE | FUSED, "fused", 0), ("nmc_s5", DECODE | FUSED, "fused", 0),
                            ("smol", DECODE | FUSED, "fused", 0), ("smol", DECODE | COMBINE_CTAS, "combine_ctas", 2)):
         guard(f"{v}_{tag}_9steps", lambda: checks.append(correctness_case(
@@ -342,9 +357,8 @@ def run(quick: bool) -> dict:
         st = make_state(a, lens, 4, 0, splits, gen=gen)
         _run_checked(a, st, epoch=1)
         first = st["out"].clone()
-        st["out"].fill_(float("nan"))
-        _run_checked(a, st, epoch=2)
-        checks.append(check("two_launches_bit_identical", torch.equal(first.view(torch.int16), st["out"].view(torch.int16)), ""))
+        _run_checked(a, st, epoch=2)  # writes output buffer 1
+        checks.append(check("two_launches_bit_identical", torch.equal(first.view(torch.int16), st["out_all"][1].view(torch.int16)), ""))
         # Extra empty splits: same chunking, 16 more (empty) splits merged.
         merge = [s + 16 for s in splits]
         st2 = dict(st)
@@ -353,9 +367,8 @@ def run(quick: bool) -> dict:
             "split_stride": max(merge),
             "o_part": torch.full((BUFS, max(merge), len(lens), 32, 128), float("nan"), device="cuda"),
             "lse_part": torch.full((BUFS, max(merge), len(lens), 32), float("nan"), device="cuda"),
-            "out": torch.full_like(first, float("nan")),
-            "counters": torch.zeros_like(st["counters"]),
         })
+        fresh_outputs(st2)
         _run_checked(a, st2, epoch=1)
         same = torch.equal(first.view(torch.int16), st2["out"].view(torch.int16))
         tail = st2["lse_part"][0, max(splits):]
@@ -379,15 +392,21 @@ def run(quick: bool) -> dict:
         checks.append(check("batch_invariant_row", torch.equal(st4["out"][0].view(torch.int16), first[1].view(torch.int16)), ""))
         # The fused combine (last arriver) and the standalone one: same bits.
         st5 = dict(st)
-        st5.update({"out": torch.full_like(first, float("nan")), "counters": torch.zeros_like(st["counters"])})
+        fresh_outputs(st5)
         _run_checked(a, st5, epoch=1, phases=DECODE | COMBINE)
         checks.append(check("fused_equals_separate_combine_bits",
                             torch.equal(first.view(torch.int16), st5["out"].view(torch.int16)), ""))
-        st5.update({"out": torch.full_like(first, float("nan")), "counters": torch.zeros_like(st["counters"])})
+        fresh_outputs(st5)
         a.run(st5, epoch=1, phases=DECODE | COMBINE_CTAS, comb_ctas=3)
         torch.cuda.synchronize()
         a.launch_mod.check_status(st5["status"], st5["counters"])
         checks.append(check("fused_equals_combine_ctas_bits",
+                            torch.equal(first.view(torch.int16), st5["out"].view(torch.int16)), ""))
+        fresh_outputs(st5)
+        a.run(st5, epoch=1, phases=DECODE | SPREAD)
+        torch.cuda.synchronize()
+        a.launch_mod.check_status(st5["status"], st5["counters"])
+        checks.append(check("fused_equals_spread_merge_bits",
                             torch.equal(first.view(torch.int16), st5["out"].view(torch.int16)), ""))
         # NaN poisoning: every element of every row written (checked in all cases too).
         checks.append(check("nan_poison_fully_written", not torch.isnan(first.float()).any().item(), ""))
@@ -420,8 +439,10 @@ def run(quick: bool) -> dict:
     # (32 at BS 1, 8 at BS 8); at BS 1 / 8K the 128 decode tasks leave 4 SMs,
     # which take the merges (the fused last-arriver merge runs on one warp
     # and costs ~12 us at 32 splits: fine beside a 64 us step, not a 5 us one).
-    cfgs = [(1, 8192, 32, "combine_ctas"), (1, 8192, 32, "fused"), (8, 8192, 8, "fused"),
-            (1, 131072, 32, "fused"), (8, 131072, 8, "fused")]
+    cfgs = [(1, 8192, 32, "spread"), (1, 8192, 32, "combine_ctas"), (1, 8192, 32, "fused"),
+            (8, 8192, 8, "spread"), (8, 8192, 8, "fused"),
+            (1, 131072, 32, "spread"), (1, 131072, 32, "fused"),
+            (8, 131072, 8, "spread"), (8, 131072, 8, "fused")]
     for bsz, ctx, s, mode in cfgs:
         try:
             benches.append(bench_case(A["nmc"], bsz, ctx, s, mode, ceil, gen, layouts=1 if quick else 3))
@@ -462,7 +483,7 @@ def bench_case(a: Attn, bsz, ctx, s, mode, ceil, gen, layouts=3):
     comb = launch.sm_count() - tasks if mode == "combine_ctas" else 0
     if mode == "combine_ctas" and comb < 1:
         raise ValueError(f"{tasks} decode tasks leave no SM for the merges")
-    phases = DECODE | (COMBINE_CTAS if comb else FUSED)
+    phases = DECODE | {"combine_ctas": COMBINE_CTAS, "fused": FUSED, "spread": SPREAD}[mode]
 
     def slope(st, ph):
         state = {"epoch": 1}

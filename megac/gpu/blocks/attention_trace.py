@@ -48,7 +48,7 @@ def trace(bsz: int, ctx: int, splits: int, merge: str, steps: int, seed: int = 0
     st = A.make_state(a, [ctx] * bsz, 4, 0, [splits] * bsz, gen=torch.Generator().manual_seed(seed),
                       copies=max(2, math.ceil(256e6 / kv_bytes)))
     comb = nsm - bsz * 4 * splits if merge == "combine_ctas" else 0
-    phases = A.DECODE | {"combine_ctas": A.COMBINE_CTAS, "fused": A.FUSED, "none": 0}[merge]
+    phases = A.DECODE | {"spread": A.SPREAD, "combine_ctas": A.COMBINE_CTAS, "fused": A.FUSED, "none": 0}[merge]
     buf = torch.zeros(nsm * TRACE_TASKS * TRACE_WORDS, dtype=torch.int64, device="cuda")
     ptr = np.array([buf.data_ptr()], dtype=np.uint64)
     cupy.cuda.runtime.memcpy(mod.get_global("megac_attn_trace").ptr, ptr.ctypes.data, 8,
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--splits", type=int, default=32)
-    ap.add_argument("--merge", choices=("combine_ctas", "fused", "none"), default="combine_ctas")
+    ap.add_argument("--merge", choices=("spread", "combine_ctas", "fused", "none"), default="spread")
     ap.add_argument("--steps", type=int, default=64)
     args = ap.parse_args(argv)
     print(json.dumps(trace(args.bs, args.ctx, args.splits, args.merge, min(args.steps, TRACE_TASKS // 2)), indent=1))
