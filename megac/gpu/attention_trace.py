@@ -19,7 +19,7 @@ The probe's own global stores perturb what it measures by a few hundred
 cycles per point: compare configurations with it, quote times from the
 battery.
 
-    python -m megac.gpu.blocks.attention_trace --bs 1 --ctx 8192 --splits 32 --merge combine_ctas
+    python -m megac.gpu.attention_trace --bs 1 --ctx 8192 --splits 32 --merge spread
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def trace(bsz: int, ctx: int, splits: int, merge: str, steps: int, seed: int = 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="megac.gpu.blocks.attention_trace")
+    ap = argparse.ArgumentParser(prog="megac.gpu.attention_trace")
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--splits", type=int, default=32)
