@@ -439,11 +439,16 @@ struct DecodeSmem {
   static constexpr int kBytes = kCtlOffset + combine_min_bytes<HD, GQA>(kMinCombineSplits);
 };
 
-// Swizzled byte offset of 16-byte chunk `c` of key row `r`: XOR with the row
-// index mod 8 puts the 8 rows an ldmatrix reads in 8 different bank groups.
-template <int HD>
+// Byte offset of 16-byte chunk `c` of row `r` in a region of ROWS rows:
+// the head dims are split in 64-wide halves (128 bytes a row), each half a
+// block of ROWS x 128 bytes, and inside a half chunk c is stored at
+// c ^ (r mod 8). That is the layout the tensor-memory copies write with the
+// 128-byte swizzle (the XOR comes from address bits 7-9, so halves sit on
+// 1024-byte boundaries), and it puts the 8 rows an ldmatrix reads in 8
+// different bank groups.
+template <int HD, int ROWS>
 __device__ __forceinline__ uint32_t swz(int r, int c) {
-  return static_cast<uint32_t>(r * (HD * 2) + ((c ^ (r & 7)) << 4));
+  return static_cast<uint32_t>((c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
 // The cp.async copies this thread has issued so far complete an arrival on
@@ -451,6 +456,18 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
 __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar))
                : "memory");
+}
+
+// Tensor-memory copy of one 4-D box (coordinates innermost first) into
+// shared memory, completing its bytes on `bar`. `tmap` is the generic
+// address of a tensor map in global memory, written before the launch.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, int c0, int c1, int c2,
+                                            int c3, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
+      : "memory");
 }
 
 // The words a task source loads for one task ahead of time (its split
@@ -472,6 +489,7 @@ struct DecodeTask {
   int kbeg, kend;          // visible keys of the split (empty: kbeg >= kend)
   int tbeg;                // first tile position, page aligned
   int ntiles;              // 0 for an empty split
+  int kvh;                 // kv head (the tensor-map coordinate)
 };
 
 // Optional timing probe (a test kernel defines MEGAC_ATTN_TRACE and points
@@ -526,7 +544,7 @@ namespace attn {
 // Both sides derive the same task sequence from the same source and keep
 // their ring position (RingCursor) across calls, so a CTA may run its
 // tasks in several streams (one per step, say) without re-initialising.
-template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS>
+template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS, bool TMA = false>
 struct DecodeStream {
   static_assert(HD % 64 == 0 && HD <= 256, "head_dim must be 64, 128, 192 or 256");
   static_assert(GQA >= 1 && GQA <= 16, "at most 16 query heads per kv head");
@@ -541,6 +559,13 @@ struct DecodeStream {
   // A page holds the whole tile: one page-table entry serves every row.
   static constexpr bool kTileInPage = BLOCK >= KT;
   static constexpr int QCHUNKS = GQA * HD / 8;
+  static_assert(!TMA || PWARPS == 1, "tensor copies need one producer warp");
+  // Rows of one tensor copy: a page, or the tile when pages hold whole tiles.
+  static constexpr int TMA_ROWS = kTileInPage ? KT : BLOCK;
+  static constexpr int PAGES_PER_TILE = kTileInPage ? 1 : KT / BLOCK;
+  // `full` completes on: each producer thread's cp.asyncs (noinc arrivals),
+  // plus, with tensor copies, the expect-tx arrival of the issuing thread.
+  static constexpr int kFullArrivals = NP + (TMA ? 1 : 0);
 
   RingCursor<STAGES> cur;  // this side's ring position
   uint32_t ord = 0;        // tasks with tiles seen so far (their q slot: ord % STAGES)
@@ -556,7 +581,7 @@ struct DecodeStream {
   // must pass a CTA barrier.
   __device__ __forceinline__ static void init(char* smem) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar(smem) + s, NP);          // one arrival per producer thread
+      mbar_init(full_bar(smem) + s, kFullArrivals);
       mbar_init(empty_bar(smem) + s, NWARPS);     // one per compute warp
     }
     *reinterpret_cast<uint4*>(smem + G::kFlagOffset + 64) = make_uint4(0, 0, 0, 0);
@@ -579,6 +604,7 @@ struct DecodeStream {
     t.kend = kend;
     t.tbeg = kbeg - kbeg % BLOCK;
     t.ntiles = kbeg < kend ? (kend - t.tbeg + KT - 1) / KT : 0;
+    t.kvh = kvh;
   }
 
   // Page-table entry of the page holding tile `tt` when pages hold whole
@@ -652,7 +678,7 @@ struct DecodeStream {
           // Smaller pages: each row's own entry (only live rows look).
           const int b = kTileInPage ? blk : (in ? __ldg(t.pt + pos / BLOCK) : 0);
           const size_t off = in ? ((size_t)b * BLOCK + pos % BLOCK) * (size_t)t.tok_stride + c * 8 : 0;
-          const uint32_t d = st + swz<HD>(r, c);
+          const uint32_t d = st + swz<HD, KT>(r, c);
           // Masked rows read as zeros, never as a stale page (0 * NaN = NaN).
           cp_async16(d, t.k + off, in ? 16 : 0);
           cp_async16(d + G::kTileBytes, t.v + off, in ? 16 : 0);
@@ -660,7 +686,7 @@ struct DecodeStream {
         if (tt == 0) {
           // Task o+STAGES is first issued after task o's last tile was
           // handed back, so slot o % STAGES is free again.
-          for (int q = ptid; q < QCHUNKS; q += NP) cp_async16(qd + swz<HD>(q / CPR, q % CPR), t.q + q * 8, 16);
+          for (int q = ptid; q < QCHUNKS; q += NP) cp_async16(qd + swz<HD, GQA>(q / CPR, q % CPR), t.q + q * 8, 16);
         }
         cp_async_mbar_arrive(full_bar(smem) + cur.stage);
         cur.advance();
@@ -668,6 +694,88 @@ struct DecodeStream {
       }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // leave no copy behind
+    return ok;
+  }
+
+  // The producer with tensor-memory copies (TMA mode): ONE warp. Lane 0
+  // issues, per tile, one 4-D box copy per live page, tensor (K, V) and
+  // 64-dim half, from tensor maps over the pools ([num_blocks, BLOCK,
+  // kv_heads, HD], box [TMA_ROWS tokens, 1 head, 64 dims], 128-byte swizzle),
+  // counted in bytes on `full`: four instructions instead of 2048 16-byte
+  // cp.asyncs a 64-key tile, which capped an SM near 39 GB/s. Whole pages
+  // are copied, so rows outside the split's keys hold whatever the page
+  // holds: the compute warps mask scores and zero those V rows. The lanes
+  // copy each task's query rows with cp.async as before.
+  template <class Src>
+  __device__ __forceinline__ bool produce_tma(Src& src, int n, char* smem, const WaitSite& site,
+                                              const void* tmap_k, const void* tmap_v) {
+    const int lane = threadIdx.x & 31;
+    const uint32_t ring = smem_addr(smem);
+    bool ok = true;
+    TaskPrefetch pre;
+    if (n > 0) pre = src.fetch(0);
+    int scan = 0;
+    int nidx = -1;
+    DecodeTask nt;
+    auto prepare = [&]() {
+      nidx = -1;
+      while (scan < n && nidx < 0) {
+        const TaskPrefetch p = pre;
+        if (scan + 1 < n) pre = src.fetch(scan + 1);
+        if (src.make(scan, p, nt) && nt.ntiles > 0) nidx = scan;
+        ++scan;
+      }
+    };
+    prepare();
+    while (nidx >= 0 && ok) {
+      const DecodeTask t = nt;
+      prepare();
+      const uint32_t qd = ring + G::kQOffset + (ord % STAGES) * G::kQBytes;
+      ++ord;
+      // Page entries of the next tile, loaded a tile ahead by lane p.
+      auto entry = [&](int tt) {
+        const int page = (t.tbeg + tt * KT) / BLOCK + lane;
+        const bool live = lane < PAGES_PER_TILE && page * BLOCK < t.kend && (page + 1) * BLOCK > t.kbeg;
+        return live ? __ldg(t.pt + page) : -1;
+      };
+      int blk = entry(0);
+      for (int tt = 0; tt < t.ntiles; ++tt) {
+        ok = mbar_wait(empty_bar(smem) + cur.stage, cur.phase ^ 1u, (int32_t)cur.stage, site,
+                       lane == 0);
+        ok = __all_sync(0xffffffffu, ok);
+        if (!ok) break;
+        const int blk_next = tt + 1 < t.ntiles ? entry(tt + 1) : -1;
+        const uint32_t live = __ballot_sync(0xffffffffu, blk >= 0);
+        uint64_t* bar = full_bar(smem) + cur.stage;
+        const uint32_t st = ring + cur.stage * G::kStageBytes;
+        if (lane == 0) {
+          constexpr uint32_t kBoxBytes = TMA_ROWS * 128;
+          mbar_arrive_expect_tx(bar, __popc(live) * 2 * (HD / 64) * kBoxBytes);
+        }
+        const int tok0 = kTileInPage ? (t.tbeg + tt * KT) % BLOCK : 0;
+#pragma unroll
+        for (int p = 0; p < PAGES_PER_TILE; ++p) {
+          const int b = __shfl_sync(0xffffffffu, blk, p);
+          if (lane == 0 && b >= 0) {
+#pragma unroll
+            for (int h = 0; h < HD / 64; ++h) {
+              const uint32_t off = h * (KT * 128) + p * TMA_ROWS * 128;
+              tma_load_4d(st + off, tmap_k, h * 64, t.kvh, tok0, b, bar);
+              tma_load_4d(st + G::kTileBytes + off, tmap_v, h * 64, t.kvh, tok0, b, bar);
+            }
+          }
+        }
+        if (tt == 0) {
+          // Task o+STAGES is first issued after task o's last tile was
+          // handed back, so slot o % STAGES is free again.
+          for (int q = lane; q < QCHUNKS; q += 32) cp_async16(qd + swz<HD, GQA>(q / CPR, q % CPR), t.q + q * 8, 16);
+        }
+        cp_async_mbar_arrive(bar);
+        cur.advance();
+        blk = blk_next;
+      }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
     return ok;
   }
 
@@ -739,6 +847,23 @@ struct DecodeStream {
         const uint32_t vst = kst + G::kTileBytes;
         const int key0 = warp * 16;  // this warp's slice of the tile
         const int pos0 = t.tbeg + tt * KT + key0;
+        bool zeroed = false;
+        if constexpr (TMA) {
+          // Whole pages were copied: this warp's rows outside the split's
+          // keys hold stale (even NaN) values. Scores are masked below; V
+          // rows must be 0, since 0 * NaN would poison the output.
+          if (ok && pos0 < t.kend && pos0 + 16 > t.kbeg && (pos0 < t.kbeg || pos0 + 16 > t.kend)) {
+            for (int idx = lane; idx < 16 * CPR; idx += 32) {
+              const int pos = pos0 + idx / CPR;
+              if (pos < t.kbeg || pos >= t.kend)
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(vst + swz<HD, KT>(key0 + idx / CPR, idx % CPR)),
+                             "r"(0u)
+                             : "memory");
+            }
+            __syncwarp();
+            zeroed = true;
+          }
+        }
         // After an abort the slot may never fill: skip the math, keep walking.
         if (ok && pos0 < t.kend && pos0 + 16 > t.kbeg) {
           // S = Q K^T for 16 keys: two n-tiles of 8 keys.
@@ -749,8 +874,8 @@ struct DecodeStream {
 #pragma unroll
             for (int ks = 0; ks < HD / 16; ++ks) {
               uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
-              ldsm_x4(q_row < GQA ? qs + swz<HD>(q_row, ks * 2 + q_half) : zero_row, a0, a1, a2, a3);
-              ldsm_x4(kst + swz<HD>(kr, ks * 2 + (mat & 1)), b0, b1, b2, b3);
+              ldsm_x4(q_row < GQA ? qs + swz<HD, GQA>(q_row, ks * 2 + q_half) : zero_row, a0, a1, a2, a3);
+              ldsm_x4(kst + swz<HD, KT>(kr, ks * 2 + (mat & 1)), b0, b1, b2, b3);
               mma_bf16(s[0], a0, a1, a2, a3, b0, b1);
               mma_bf16(s[1], a0, a1, a2, a3, b2, b3);
             }
@@ -807,14 +932,16 @@ struct DecodeStream {
 #pragma unroll
             for (int np = 0; np < HD / 16; ++np) {
               uint32_t b0, b1, b2, b3;
-              ldsm_x4_t(vst + swz<HD>(vr, np * 2 + (mat >> 1)), b0, b1, b2, b3);
+              ldsm_x4_t(vst + swz<HD, KT>(vr, np * 2 + (mat >> 1)), b0, b1, b2, b3);
               mma_bf16(o_acc[2 * np], pa0, pa1, pa2, pa3, b0, b1);
               mma_bf16(o_acc[2 * np + 1], pa0, pa1, pa2, pa3, b2, b3);
             }
           }
         }
         // The warp's reads of the slot (and of q, on a task's last tile) are
-        // done: hand the slot back.
+        // done: hand the slot back. Its zero stores must be ordered before
+        // the tensor copies that will refill the slot (another proxy).
+        if (zeroed) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncwarp();
         if (lane == 0) mbar_arrive(empty_bar(smem) + cur.stage);
         cur.advance();

@@ -75,6 +75,8 @@ struct Launch {
   int epoch, phases, pt_copies;
   int q_heads, nrk, per;  // per: decode slots of this CTA per step
   int dec_ctas;           // CTAs 0..dec_ctas-1 decode
+  const void* tmap_k;     // tensor maps over the pools (TMA variants only)
+  const void* tmap_v;
 };
 
 // Step e's output: one per partial buffer as well, so a late merge of step e
@@ -94,9 +96,9 @@ __device__ __forceinline__ __nv_bfloat16* out_of(const Launch& L, int e) {
 constexpr int kBarWritten = 2;
 constexpr int kBarMayWrite = 3;
 
-template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS>
+template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS, bool TMA>
 struct TestTasks {
-  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS>;
+  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA>;
   static constexpr int NT = NWARPS * 32;
   static constexpr int NALL = NT + 32;
   const Launch& L;
@@ -249,7 +251,7 @@ struct TestTasks {
 // blockIdx.x - dec_ctas, + comb_ctas, ... of every step, with all threads.
 template <int HD, int GQA, int NALL>
 __device__ __forceinline__ void combine_ctas(const Launch& L, int reps) {
-  extern __shared__ __align__(128) char smem[];
+  extern __shared__ __align__(1024) char smem[];  // tensor-copy swizzle: 1024-byte rows of 8
   uint32_t* done = L.counters + kBufs * L.nrk;
   const int nc = (int)gridDim.x - L.dec_ctas;
   int task = 0;
@@ -278,11 +280,11 @@ __device__ __forceinline__ void combine_ctas(const Launch& L, int reps) {
   }
 }
 
-template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS>
+template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS, bool TMA>
 __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
-  extern __shared__ __align__(128) char smem[];
-  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS>;
-  using T = TestTasks<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS>;
+  extern __shared__ __align__(1024) char smem[];  // tensor-copy swizzle: 1024-byte rows of 8
+  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA>;
+  using T = TestTasks<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA>;
   constexpr int NT = NWARPS * 32;
   const bool compute = (int)threadIdx.x < NT;
   // Both sides of one decode stream over steps first_step.. (n slots).
@@ -290,6 +292,15 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
   if (L.phases & kPhaseCombineCtas && (int)blockIdx.x >= L.dec_ctas) {
     combine_ctas<HD, GQA, NT + PWARPS * 32 + 32>(L, reps);
     return;
+  }
+  if constexpr (TMA) {
+    // The tensor copies' swizzle is a function of address bits 7-9.
+    if (megac::smem_addr(smem) & 1023u) {
+      if (threadIdx.x == 0)
+        megac::report_error(L.status, 0, kOpDecode, -1, (int32_t)megac::smem_addr(smem), 1024, 0,
+                            megac::kErrBadTask);
+      return;
+    }
   }
   if (threadIdx.x == 0) S::init(smem);
   __syncthreads();
@@ -304,7 +315,11 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
       auto finish = [&](int i, const megac::attn::DecodeTask&, char* sm) { return tasks.finish(i, sm); };
       s.consume(tasks, begin, finish, n, L.scale, smem, site);
     } else if (producer) {
-      s.produce(tasks, n, smem, site);
+      if constexpr (TMA) {
+        s.produce_tma(tasks, n, smem, site, L.tmap_k, L.tmap_v);
+      } else {
+        s.produce(tasks, n, smem, site);
+      }
     } else {
       tasks.control(n, smem);
     }
@@ -347,34 +362,38 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
 }  // namespace
 
 // Block = NWARPS compute warps, the producer warp, the control warp.
-#define ATTN_TEST_ENTRY(NAME, HD, GQA, BLOCK, NWARPS, STAGES, PWARPS)                          \
+#define ATTN_TEST_ENTRY(NAME, HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA)                     \
   extern "C" __global__ void __launch_bounds__(NWARPS * 32 + PWARPS * 32 + 32, 1) NAME(              \
       const __nv_bfloat16* q, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool,         \
       const int32_t* page_table, const int32_t* seq_len, const int32_t* chunk_splits,           \
       const int32_t* merge_splits, float* o_part, float* lse_part, __nv_bfloat16* out,          \
       uint32_t* counters, int32_t* status, int rows, int kv_heads, int pt_stride,               \
       int split_stride, int window, float scale, int epoch, int phases, int reps,               \
-      int pt_copies, int comb_ctas) {                                                           \
+      int pt_copies, int comb_ctas, const void* tmap_k, const void* tmap_v) {                   \
     const int n = rows * kv_heads * split_stride;                                               \
     const int dec = (phases & kPhaseCombineCtas) ? (int)gridDim.x - comb_ctas : (int)gridDim.x; \
     const int per = (int)blockIdx.x < n ? (n - 1 - (int)blockIdx.x) / dec + 1 : 0;              \
     const Launch L{q, k_pool, v_pool, page_table, seq_len, chunk_splits, merge_splits, o_part,  \
                    lse_part, out, counters, status, rows, kv_heads, pt_stride, split_stride,    \
                    window, scale, epoch, phases, pt_copies, kv_heads * GQA, rows * kv_heads,    \
-                   per, dec};                                                                   \
-    attn_test_body<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS>(L, reps);                            \
+                   per, dec, tmap_k, tmap_v};                                                   \
+    attn_test_body<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA>(L, reps);                       \
   }                                                                                             \
   extern "C" __global__ void NAME##_smem_bytes(unsigned int* o) {                               \
     o[0] = megac::attn::DecodeSmem<HD, GQA, NWARPS, STAGES>::kBytes;                            \
   }
 
 // North Mini Code: 8 query heads per kv head, head_dim 128.
-ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_p3_s4, 128, 8, 64, 4, 4, 3)
-ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_p3_s5, 128, 8, 64, 4, 5, 3)
+ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_p3_s4, 128, 8, 64, 4, 4, 3, false)
+ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_p3_s5, 128, 8, 64, 4, 5, 3, false)
+// K/V through tensor-memory copies (one producer warp).
+ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_tma_s4, 128, 8, 64, 4, 4, 1, true)
+ATTN_TEST_ENTRY(attn_h128_g8_b16_w4_tma_s4, 128, 8, 16, 4, 4, 1, true)
+ATTN_TEST_ENTRY(attn_h64_g3_b64_w4_tma_s8, 64, 3, 64, 4, 8, 1, true)
 // Page size other than the tile: 16-token pages, 64-key tiles.
-ATTN_TEST_ENTRY(attn_h128_g8_b16_w4_p3_s4, 128, 8, 16, 4, 4, 3)
+ATTN_TEST_ENTRY(attn_h128_g8_b16_w4_p3_s4, 128, 8, 16, 4, 4, 3, false)
 // SmolLM2: 3 query heads per kv head, head_dim 64.
-ATTN_TEST_ENTRY(attn_h64_g3_b64_w4_p3_s8, 64, 3, 64, 4, 8, 3)
+ATTN_TEST_ENTRY(attn_h64_g3_b64_w4_p3_s8, 64, 3, 64, 4, 8, 3, false)
 
 // Streaming-read ceiling for this block when the battery gives none
 // (MEGAC_CEILING_TBPS unset): 16-byte non-caching loads, four in flight per

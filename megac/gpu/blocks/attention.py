@@ -25,12 +25,16 @@ from megac.gpu.battery import bench, block_main, ceiling_tbps, check, time_cuda
 REPO = Path(__file__).resolve().parents[3]
 SOURCE = REPO / "opcodes" / "tests" / "attention_test.cu"
 
-# (entry point, head_dim, gqa, block_size, compute warps, stages, producer warps)
+# (entry point, head_dim, gqa, block_size, compute warps, stages, producer
+# warps, K/V through tensor-memory copies)
 VARIANTS = {
-    "nmc": ("attn_h128_g8_b64_w4_p3_s4", 128, 8, 64, 4, 4, 3),
-    "nmc_s5": ("attn_h128_g8_b64_w4_p3_s5", 128, 8, 64, 4, 5, 3),
-    "nmc_b16": ("attn_h128_g8_b16_w4_p3_s4", 128, 8, 16, 4, 4, 3),
-    "smol": ("attn_h64_g3_b64_w4_p3_s8", 64, 3, 64, 4, 8, 3),
+    "nmc": ("attn_h128_g8_b64_w4_p3_s4", 128, 8, 64, 4, 4, 3, False),
+    "nmc_s5": ("attn_h128_g8_b64_w4_p3_s5", 128, 8, 64, 4, 5, 3, False),
+    "nmc_b16": ("attn_h128_g8_b16_w4_p3_s4", 128, 8, 16, 4, 4, 3, False),
+    "smol": ("attn_h64_g3_b64_w4_p3_s8", 64, 3, 64, 4, 8, 3, False),
+    "nmc_tma": ("attn_h128_g8_b64_w4_tma_s4", 128, 8, 64, 4, 4, 1, True),
+    "nmc_b16_tma": ("attn_h128_g8_b16_w4_tma_s4", 128, 8, 16, 4, 4, 1, True),
+    "smol_tma": ("attn_h64_g3_b64_w4_tma_s8", 64, 3, 64, 4, 8, 1, True),
 }
 
 
@@ -96,7 +100,8 @@ class Attn:
 
         self.launch_mod = launch
         self.mod = mod
-        self.name, self.hd, self.gqa, self.block, self.warps, self.stages, self.pwarps = VARIANTS[variant]
+        (self.name, self.hd, self.gqa, self.block, self.warps, self.stages, self.pwarps,
+         self.tma) = VARIANTS[variant]
         self.smem = smem_bytes(self.hd, self.gqa, self.warps, self.stages)
         self.nsm = launch.sm_count()
 
@@ -113,10 +118,40 @@ class Attn:
             np.int32(st["split_stride"]), np.int32(st["window"]), np.float32(1.0 / math.sqrt(self.hd)),
             np.int32(epoch), np.int32(phases), np.int32(reps), np.int32(pt.shape[0]),
             np.int32(comb_ctas),
+            *(_tmap_args(st) if self.tma else (None, None)),
         )
         # compute warps + producer warps + the control warp (attention_test.cu)
         threads = (self.warps + self.pwarps + 1) * 32
         launch.launch(self.mod, self.name, (self.nsm,), (threads,), args, self.smem, cooperative=True)
+
+
+def encode_pool_tmap(pool, rows: int):
+    """Tensor map (CUtensorMap, 128 bytes) over a K or V pool
+    [num_blocks, BLOCK, kv_heads, HD] bf16 for the tensor-copy producer:
+    box = `rows` tokens x 1 head x 64 dims, 128-byte swizzle (the layout of
+    megac::attn::swz). Encoded by the driver (cuTensorMapEncodeTiled)."""
+    import ctypes  # noqa: PLC0415
+
+    nb, bs, kvh, hd = pool.shape
+    lib = ctypes.CDLL("libcuda.so.1")
+    raw = (ctypes.c_uint8 * 192)()
+    base = (ctypes.addressof(raw) + 63) // 64 * 64  # the map must be 64-byte aligned
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    dims = (u64 * 4)(hd, kvh, bs, nb)
+    strides = (u64 * 3)(hd * 2, kvh * hd * 2, bs * kvh * hd * 2)
+    box = (u32 * 4)(64, 1, rows, 1)
+    one = (u32 * 4)(1, 1, 1, 1)
+    # dtype bf16 = 9, interleave none = 0, swizzle 128B = 3, L2 promotion 256B = 3, oob fill none = 0
+    rc = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(base), 9, 4, ctypes.c_void_p(pool.data_ptr()), dims,
+                                    strides, box, one, 0, 3, 3, 0)
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed: CUresult {rc}")
+    return bytes((ctypes.c_uint8 * 128).from_address(base))
+
+
+def _tmap_args(st):
+    t = st["tmaps"]
+    return (np.uint64(t.data_ptr()), np.uint64(t.data_ptr() + 128))
 
 
 def make_state(a: Attn, seq_lens, kv_heads, window, chunk_splits, merge_splits=None, *, gen, extra_blocks=0, copies=1):
@@ -177,6 +212,10 @@ def make_state(a: Attn, seq_lens, kv_heads, window, chunk_splits, merge_splits=N
         "status": a.launch_mod.new_status(),
     }
     st["out"] = st["out_all"][0]
+    if a.tma:
+        rows_box = a.warps * 16 if a.block >= a.warps * 16 else a.block
+        maps = encode_pool_tmap(k, rows_box) + encode_pool_tmap(v, rows_box)
+        st["tmaps"] = torch.frombuffer(bytearray(maps), dtype=torch.uint8).to(dev)
     return st
 
 
@@ -290,18 +329,19 @@ def run(quick: bool) -> dict:
 
     # 1. contexts, one row, both GQA shapes, full and sliding window.
     ctxs = [1, 63, 64, 65, 1000, 8192, 32768, 131072] if not quick else [1, 63, 64, 65, 1000, 8192, 131072]
-    for v, kvh in (("nmc", 4), ("smol", 3)):
+    for v, kvh in (("nmc", 4), ("smol", 3), ("nmc_tma", 4), ("smol_tma", 3)):
         for w in (0, 4096):
             for c in ctxs:
-                if v == "smol" and c > 32768 and quick:
+                if v.startswith("smol") and c > 32768 and quick:
                     continue
                 guard(f"{v}_ctx{c}_w{w}", lambda: checks.append(
                     correctness_case(A[v], f"{v}_ctx{c}_w{w}", [c], kvh, w, gen=gen)[0]))
 
     # 2. ragged batches.
     ragged = [1, 4097, 65, 8192, 63, 1000, 300, 20000]
-    for v, kvh in (("nmc", 4), ("smol", 3), ("nmc_b16", 4), ("nmc_s5", 4)):
-        for bsz in ((1, 2, 4, 8) if v in ("nmc", "smol") else (8,)):
+    for v, kvh in (("nmc", 4), ("smol", 3), ("nmc_b16", 4), ("nmc_s5", 4), ("nmc_tma", 4),
+                   ("nmc_b16_tma", 4), ("smol_tma", 3)):
+        for bsz in ((1, 2, 4, 8) if v in ("nmc", "smol", "nmc_tma") else (8,)):
             for w in (0, 4096):
                 lens = ragged[:bsz]
                 guard(f"{v}_ragged_bs{bsz}_w{w}", lambda: checks.append(
@@ -327,6 +367,8 @@ def run(quick: bool) -> dict:
     for v, ph, tag, cc in (("nmc", DECODE | FUSED, "fused", 0), ("nmc", DECODE | COMBINE, "separate", 0),
                            ("nmc", DECODE | COMBINE_CTAS, "combine_ctas", 4),
                            ("nmc", DECODE | SPREAD, "spread", 0), ("smol", DECODE | SPREAD, "spread", 0),
+                           ("nmc_tma", DECODE | SPREAD, "spread", 0), ("nmc_tma", DECODE | FUSED, "fused", 0),
+                           ("nmc_b16_tma", DECODE | SPREAD, "spread", 0), ("smol_tma", DECODE | SPREAD, "spread", 0),
                            ("nmc_b16", DECODE | FUSED, "fused", 0), ("nmc_s5", DECODE | FUSED, "fused", 0),
                            ("smol", DECODE | FUSED, "fused", 0), ("smol", DECODE | COMBINE_CTAS, "combine_ctas", 2)):
         guard(f"{v}_{tag}_9steps", lambda: checks.append(correctness_case(
@@ -408,6 +450,14 @@ def run(quick: bool) -> dict:
         a.launch_mod.check_status(st5["status"], st5["counters"])
         checks.append(check("fused_equals_spread_merge_bits",
                             torch.equal(first.view(torch.int16), st5["out"].view(torch.int16)), ""))
+        # Tensor copies and 16-byte copies fill the same swizzled tiles (masked
+        # V rows zeroed either way): same bits.
+        st6 = make_state(A["nmc_tma"], lens, 4, 0, splits, gen=gen)
+        _run_checked(A["nmc"], st6, epoch=1)
+        o_cp = st6["out"].clone()
+        fresh_outputs(st6)
+        _run_checked(A["nmc_tma"], st6, epoch=1)
+        checks.append(check("tma_equals_cp_async_bits", torch.equal(o_cp.view(torch.int16), st6["out"].view(torch.int16)), ""))
         # NaN poisoning: every element of every row written (checked in all cases too).
         checks.append(check("nan_poison_fully_written", not torch.isnan(first.float()).any().item(), ""))
 
@@ -439,15 +489,18 @@ def run(quick: bool) -> dict:
     # (32 at BS 1, 8 at BS 8); at BS 1 / 8K the 128 decode tasks leave 4 SMs,
     # which take the merges (the fused last-arriver merge runs on one warp
     # and costs ~12 us at 32 splits: fine beside a 64 us step, not a 5 us one).
-    cfgs = [(1, 8192, 32, "spread"), (1, 8192, 32, "combine_ctas"), (1, 8192, 32, "fused"),
-            (8, 8192, 8, "spread"), (8, 8192, 8, "fused"),
-            (1, 131072, 32, "spread"), (1, 131072, 32, "fused"),
-            (8, 131072, 8, "spread"), (8, 131072, 8, "fused")]
-    for bsz, ctx, s, mode in cfgs:
+    # K/V through tensor copies (nmc_tma) is the production path; the
+    # cp.async stream (nmc) is kept beside it at BS 1 / 8K for comparison.
+    cfgs = [("nmc_tma", 1, 8192, 32, "spread"), ("nmc", 1, 8192, 32, "spread"),
+            ("nmc_tma", 1, 8192, 32, "combine_ctas"),
+            ("nmc_tma", 8, 8192, 8, "spread"), ("nmc_tma", 8, 8192, 8, "fused"),
+            ("nmc_tma", 1, 131072, 32, "spread"), ("nmc_tma", 1, 131072, 32, "fused"),
+            ("nmc_tma", 8, 131072, 8, "spread"), ("nmc_tma", 8, 131072, 8, "fused")]
+    for var, bsz, ctx, s, mode in cfgs:
         try:
-            benches.append(bench_case(A["nmc"], bsz, ctx, s, mode, ceil, gen, layouts=1 if quick else 3))
+            benches.append(bench_case(A[var], bsz, ctx, s, mode, ceil, gen, layouts=1 if quick else 3))
         except Exception as e:  # noqa: BLE001
-            checks.append(check(f"bench_bs{bsz}_ctx{ctx}_s{s}_{mode}", False, f"{type(e).__name__}: {e}"))
+            checks.append(check(f"bench_{var}_bs{bsz}_ctx{ctx}_s{s}_{mode}", False, f"{type(e).__name__}: {e}"))
     return {"block": "attention", "checks": checks, "bench": benches, "ceiling_tbps": ceil}
 
 
