@@ -2,9 +2,11 @@
 // (ATTN_COMBINE).
 //
 // One decode task = (row, kv head, split). A CTA runs a *stream* of decode
-// tasks (DecodeStream): producer warps issue the K/V tiles of all its tasks,
-// one sequence, into a shared-memory ring (16-byte cp.async completing on
-// mbarriers); compute warps consume them. The next task's tiles are in
+// tasks (DecodeStream): a producer copies the K/V tiles of all its tasks,
+// one sequence, into a shared-memory ring completing on mbarriers (TMA:
+// one tensor-memory box copy per page, tensor and 64-dim half, the
+// production path; or 16-byte cp.async from three producer warps, ~39 GB/s
+// an SM at most); compute warps consume them. The next task's tiles are in
 // flight while this one finishes (its epilogue, its counter, maybe a
 // merge), so a task boundary costs no ring refill and no pause in the SM's
 // loads; this is what makes short splits (a few tiles) stream at the DRAM

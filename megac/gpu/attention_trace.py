@@ -9,7 +9,8 @@ as medians over tasks and CTAs, in SM clock cycles:
   tiles         first tile ready to last tile done
   finish        the epilogue: merge, partial store, hand-offs
   tile_wait     cycles the compute warps waited for K/V to land
-  slot_wait     cycles the producer waited for a free ring slot
+  slot_wait     cycles the producer waited for a free ring slot (16-byte
+                copy producers only)
   ctl_pre       the control warp before it allows the store (its counter waits)
   ctl_signal    the control warp's arrival (fence + atomic, or the fused merge)
   merge_*       with merge CTAs: their period per merge, and the part spent
@@ -37,12 +38,13 @@ PROBE = A.REPO / "opcodes" / "tests" / "attention_probe.cu"
 TRACE_TASKS, TRACE_WORDS = 256, 16  # kTraceTasks and the record width in attention.cuh
 
 
-def trace(bsz: int, ctx: int, splits: int, merge: str, steps: int, seed: int = 0) -> dict:
+def trace(bsz: int, ctx: int, splits: int, merge: str, steps: int, seed: int = 0,
+          variant: str = "nmc_tma") -> dict:
     import cupy  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
     mod = launch.load_module(build.build_cubin(PROBE))
-    a = A.Attn(mod, "nmc")
+    a = A.Attn(mod, variant)
     nsm = launch.sm_count()
     kv_bytes = bsz * ctx * 4 * a.hd * 4
     st = A.make_state(a, [ctx] * bsz, 4, 0, [splits] * bsz, gen=torch.Generator().manual_seed(seed),
@@ -96,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", type=int, default=32)
     ap.add_argument("--merge", choices=("spread", "combine_ctas", "fused", "none"), default="spread")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--variant", choices=sorted(v for v in A.VARIANTS if v.startswith("nmc")), default="nmc_tma")
     args = ap.parse_args(argv)
-    print(json.dumps(trace(args.bs, args.ctx, args.splits, args.merge, min(args.steps, TRACE_TASKS // 2)), indent=1))
+    print(json.dumps(trace(args.bs, args.ctx, args.splits, args.merge, min(args.steps, TRACE_TASKS // 2),
+                           variant=args.variant), indent=1))
     return 0
 
 
