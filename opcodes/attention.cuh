@@ -494,6 +494,34 @@ struct DecodeTask {
   int kvh;                 // kv head (the tensor-map coordinate)
 };
 
+// The producers' walk over a task source: `next` is the next task with
+// tiles (task `idx`; idx < 0 once there is none), its geometry made from
+// words fetched a task earlier, so a task boundary costs the producer no
+// memory round trip. See DecodeStream::produce for the source's interface.
+template <class Src>
+struct TasksAhead {
+  Src& src;
+  int n;
+  int scan = 0;  // next task index to look at
+  TaskPrefetch pre;
+  int idx = -1;
+  DecodeTask next;
+
+  __device__ __forceinline__ TasksAhead(Src& s, int count) : src(s), n(count) {
+    if (n > 0) pre = src.fetch(0);
+    advance();
+  }
+  __device__ __forceinline__ void advance() {
+    idx = -1;
+    while (scan < n && idx < 0) {
+      const TaskPrefetch p = pre;
+      if (scan + 1 < n) pre = src.fetch(scan + 1);
+      if (src.make(scan, p, next) && next.ntiles > 0) idx = scan;
+      ++scan;
+    }
+  }
+};
+
 // Optional timing probe (a test kernel defines MEGAC_ATTN_TRACE and points
 // megac_attn_trace at [grid][kTraceTasks][16] u64): per task, the first
 // compute thread records clock64 at the task's start, first tile ready, last
@@ -629,31 +657,15 @@ struct DecodeStream {
     const int ptid = (int)threadIdx.x - NT;
     const uint32_t ring = smem_addr(smem);
     bool ok = true;
-    TaskPrefetch pre;
-    if (n > 0) pre = src.fetch(0);
-    // The next task with tiles is prepared while the current one issues: its
-    // geometry from words fetched a task earlier, its first page entry in
-    // flight, so a task boundary costs the producer no memory round trip.
-    int scan = 0;  // next task index to look at
-    int nidx = -1;
-    DecodeTask nt;
-    int nblk = 0;
-    auto prepare = [&]() {
-      nidx = -1;
-      while (scan < n && nidx < 0) {
-        const TaskPrefetch p = pre;
-        if (scan + 1 < n) pre = src.fetch(scan + 1);
-        if (src.make(scan, p, nt) && nt.ntiles > 0) nidx = scan;
-        ++scan;
-      }
-      if (nidx >= 0) nblk = tile_page(nt, 0);
-    };
-    prepare();
-    while (nidx >= 0 && ok) {
-      const DecodeTask t = nt;
-      const int i = nidx;
+    TasksAhead<Src> ahead(src, n);
+    // The next task's first page entry is in flight while this one issues.
+    int nblk = ahead.idx >= 0 ? tile_page(ahead.next, 0) : 0;
+    while (ahead.idx >= 0 && ok) {
+      const DecodeTask t = ahead.next;
+      const int i = ahead.idx;
       int blk = nblk;
-      prepare();
+      ahead.advance();
+      if (ahead.idx >= 0) nblk = tile_page(ahead.next, 0);
       const uint32_t qd = ring + G::kQOffset + (ord % STAGES) * G::kQBytes;
       ++ord;
       for (int tt = 0; tt < t.ntiles; ++tt) {
@@ -714,24 +726,10 @@ struct DecodeStream {
     const int lane = threadIdx.x & 31;
     const uint32_t ring = smem_addr(smem);
     bool ok = true;
-    TaskPrefetch pre;
-    if (n > 0) pre = src.fetch(0);
-    int scan = 0;
-    int nidx = -1;
-    DecodeTask nt;
-    auto prepare = [&]() {
-      nidx = -1;
-      while (scan < n && nidx < 0) {
-        const TaskPrefetch p = pre;
-        if (scan + 1 < n) pre = src.fetch(scan + 1);
-        if (src.make(scan, p, nt) && nt.ntiles > 0) nidx = scan;
-        ++scan;
-      }
-    };
-    prepare();
-    while (nidx >= 0 && ok) {
-      const DecodeTask t = nt;
-      prepare();
+    TasksAhead<Src> ahead(src, n);
+    while (ahead.idx >= 0 && ok) {
+      const DecodeTask t = ahead.next;
+      ahead.advance();
       const uint32_t qd = ring + G::kQOffset + (ord % STAGES) * G::kQBytes;
       ++ord;
       // Page entries of the next tile, loaded a tile ahead by lane p.
