@@ -41,7 +41,6 @@ constexpr int kPhaseDecode = 1;
 constexpr int kPhaseCombine = 2;
 constexpr int kPhaseFused = 4;
 constexpr int kPhaseCombineCtas = 8;
-constexpr int kPhaseNoArrival = 16;  // decode only, not even counting arrivals (timing)
 constexpr int kPhaseSpread = 32;
 constexpr int kOpDecode = 2;
 constexpr int kOpCombine = 4;
@@ -192,7 +191,7 @@ struct TestTasks {
 #endif
       megac::attn::bar_arrive<kBarMayWrite, NALL>();
       megac::attn::bar_sync<kBarWritten, NALL>();
-      if (!ok || (L.phases & kPhaseNoArrival)) continue;
+      if (!ok) continue;
 #ifdef MEGAC_ATTN_TRACE
       const long long c2 = clock64();
 #endif
