@@ -6,6 +6,13 @@ bandwidth against the streaming-read ceiling.
 
     python -m megac.gpu.blocks.attention --quick|--full [--json PATH]
 
+Variants (``VARIANTS``): K/V through tensor-memory copies (``*_tma``, the
+production path; tensor maps over the pools from ``encode_pool_tmap``) or
+16-byte cp.async producers, NMC and SmolLM2 shapes, 64- and 16-token pages.
+Merges (``phases``): fused in the last-arriving split's control warp, on SMs
+of their own, separate tasks, or spread per query head over the decode
+CTAs' control warps; all give the same bits.
+
 The split rule itself is ``megac.abi.split_range`` (the host mirror of
 ``megac::attn::split_range`` in opcodes/attention.cuh); ``plan_splits`` here
 picks a row's split count from its own length only, which is what keeps
