@@ -184,6 +184,31 @@ constexpr float kLn2 = 0.6931471805599453f;
 // The combine
 // ---------------------------------------------------------------------------
 
+// ONE warp turns the lse values of one head's n splits (w[s * stride]) into
+// merge weights in place, exp(lse - max), and returns 1 / their sum (0 when
+// every split is empty). Lanes take splits lane, lane+32, ..., and max and
+// sum run over a fixed xor tree, so the bits do not depend on timing, and
+// the whole merge (combine_core) and its per-head pieces
+// (combine_head_warp) share them. A lane reads only the entries it wrote
+// until the fold is done; the caller syncs before others read the weights.
+__device__ __forceinline__ float fold_weights_warp(float* w, int stride, int n) {
+  const int lane = threadIdx.x & 31;
+  float M = -INFINITY;
+  for (int s = lane; s < n; s += 32) M = fmaxf(M, w[s * stride]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  float L = 0.f;
+  for (int s = lane; s < n; s += 32) {
+    const float l = w[s * stride];
+    const float f = (l == -INFINITY || M == -INFINITY) ? 0.f : expf(l - M);
+    w[s * stride] = f;
+    L += f;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+  return L > 0.f ? 1.f / L : 0.f;
+}
+
 // Bytes of `work` the combine needs at least: the weights of up to
 // `max_splits` splits plus two one-split staging buffers.
 template <int HD, int GQA>
@@ -242,32 +267,15 @@ __device__ __forceinline__ void combine_core(const float* o_part, const float* l
   issue(1);
 
   // All lse values in one round trip, then one warp per head turns them into
-  // weights while the partials are still in flight: lanes take splits
-  // lane, lane+32, ..., and max / sum run over a fixed xor tree, so the
-  // bits do not depend on timing (a serial loop per head cost ~0.7 us at
-  // 32 splits, on the critical path of every merge).
+  // weights while the partials are still in flight (a serial loop per head
+  // cost ~0.7 us at 32 splits, on the critical path of every merge).
   const float* lp = lse_part + (size_t)row * q_heads + kvh * GQA;
   for (int i = tid; i < n * GQA; i += NT)
     w[i] = __ldcg(lp + (size_t)(i / GQA) * split_elems + i % GQA);
   sync();
-  {
-    const int lane = tid & 31;
-    for (int h = tid >> 5; h < GQA; h += NT / 32) {
-      float M = -INFINITY;
-      for (int s = lane; s < n; s += 32) M = fmaxf(M, w[s * GQA + h]);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-      float L = 0.f;
-      for (int s = lane; s < n; s += 32) {
-        const float l = w[s * GQA + h];
-        const float f = (l == -INFINITY || M == -INFINITY) ? 0.f : expf(l - M);
-        w[s * GQA + h] = f;
-        L += f;
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-      if (lane == 0) Ls[h] = L > 0.f ? 1.f / L : 0.f;
-    }
+  for (int h = tid >> 5; h < GQA; h += NT / 32) {
+    const float inv = fold_weights_warp(w + h, GQA, n);
+    if ((tid & 31) == 0) Ls[h] = inv;
   }
 
   float4 acc[kItems];
@@ -345,23 +353,8 @@ __device__ __forceinline__ void combine_head_warp(const float* o_part, const flo
   cp_async_commit();
   // The weights while the rows are in flight.
   const float* lp = lse_part + (size_t)row * q_heads + qh;
-  float M = -INFINITY;
-  for (int s = lane; s < n; s += 32) {
-    w[s] = __ldcg(lp + (size_t)s * split_elems);
-    M = fmaxf(M, w[s]);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  float L = 0.f;
-  for (int s = lane; s < n; s += 32) {
-    const float l = w[s];
-    const float f = (l == -INFINITY || M == -INFINITY) ? 0.f : expf(l - M);
-    w[s] = f;
-    L += f;
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-  const float inv = L > 0.f ? 1.f / L : 0.f;
+  for (int s = lane; s < n; s += 32) w[s] = __ldcg(lp + (size_t)s * split_elems);
+  const float inv = fold_weights_warp(w, 1, n);  // each lane folds the splits it loaded
   cp_async_wait<0>();
   __syncwarp();
   float acc[DPL];
