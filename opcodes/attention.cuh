@@ -16,9 +16,11 @@
 //
 // Compute: mma.sync m16n8k16, the GQA query heads of the kv head are the
 // 16-row M side (padded), keys / head dims the N side. The online softmax
-// runs in fp32 in the log2 domain. Each warp owns a fixed 16-key slice of
-// every tile, so the result does not depend on timing; the warps' states are
-// merged in warp order at the end of each task.
+// runs in fp32 in the log2 domain. Each warp owns a fixed KPW-key slice of
+// every tile (16, or 32: one softmax step per 32 keys and four independent
+// QK^T accumulation chains, 17 % less compute time per key), so the result
+// does not depend on timing; the warps' states are merged in warp order at
+// the end of each task.
 //
 // Combine: the partials of one (row, kv head) are merged in split order, in
 // fp32, by `combine_core`. It is reached two ways with identical bits: the
@@ -31,6 +33,11 @@
 // opcodes/tests/attention_test.cu shows the hand-off. The fused merge runs
 // on that one warp: cheap beside a long step, too slow (~12 us at 32
 // splits) when the whole step takes a few microseconds.
+// Spread merges: `combine_head_warp` cuts a merge into one piece per query
+// head, and the pieces are dealt over warps that have nothing else to do
+// (the test kernel gives each CTA one merge warp). On the control warp they
+// delayed its next store permission and cost ~8 points at BS 1 / 8K; on a
+// warp of their own, ~1.
 // The merge copies all partials into shared memory with cp.async (all of
 // them in flight at once, two buffers), so it costs about one L2 round trip
 // plus the bytes, not one round trip per few splits.
@@ -331,14 +338,16 @@ __device__ __forceinline__ void combine_core(const float* o_part, const float* l
 // instead of loading whole (row, kv head) partials onto a few SMs: at BS 1
 // / 8K a 32-split merge is 128 KB, which one SM pulls from L2 in ~3.5 us,
 // longer than the whole decode step. `work` (16-byte aligned shared memory
-// of this warp) holds 4*(n rounded up to 4) bytes of weights, then the n
-// partial rows (n*HD*4 bytes), all copied at once with cp.async (the warp
-// must have no other cp.async group pending). The caller has acquired the
+// of this warp, `work_bytes` of it) holds 4*(n rounded up to 4) bytes of
+// weights, then as many partial rows (HD*4 bytes each) as fit, copied with
+// cp.async a chunk at a time (all n at once when they fit; the warp must
+// have no other cp.async group pending). The caller has acquired the
 // arrivals.
 template <int HD, int GQA>
 __device__ __forceinline__ void combine_head_warp(const float* o_part, const float* lse_part,
                                                   __nv_bfloat16* out, int rows, int q_heads,
-                                                  int row, int kvh, int h, int n, char* work) {
+                                                  int row, int kvh, int h, int n, char* work,
+                                                  int work_bytes) {
   static_assert(HD % 64 == 0, "each lane owns HD/32 consecutive dims (2 or 4)");
   constexpr int DPL = HD / 32;    // dims per lane
   constexpr int CPS = HD / 4;     // 16-byte chunks per split row
@@ -347,24 +356,33 @@ __device__ __forceinline__ void combine_head_warp(const float* o_part, const flo
   const int qh = kvh * GQA + h;
   float* w = reinterpret_cast<float*>(work);
   float* rows_s = w + (n + 3) / 4 * 4;
+  const int fit = (work_bytes - (n + 3) / 4 * 16) / (HD * 4);
+  const int cap = fit < 1 ? 1 : fit;  // callers give room for one row at least
   const float* ob = o_part + ((size_t)row * q_heads + qh) * HD;
-  for (int i = lane; i < n * CPS; i += 32)
-    cp_async16(smem_addr(rows_s) + i * 16, ob + (size_t)(i / CPS) * split_elems * HD + (i % CPS) * 4, 16);
-  cp_async_commit();
-  // The weights while the rows are in flight.
-  const float* lp = lse_part + (size_t)row * q_heads + qh;
-  for (int s = lane; s < n; s += 32) w[s] = __ldcg(lp + (size_t)s * split_elems);
-  const float inv = fold_weights_warp(w, 1, n);  // each lane folds the splits it loaded
-  cp_async_wait<0>();
-  __syncwarp();
   float acc[DPL];
 #pragma unroll
   for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
-  for (int s = 0; s < n; ++s) {
-    const float f = w[s];
-    const float* v = rows_s + s * HD + lane * DPL;
+  float inv = 0.f;
+  for (int s0 = 0; s0 < n; s0 += cap) {
+    const int m = n - s0 < cap ? n - s0 : cap;
+    for (int i = lane; i < m * CPS; i += 32)
+      cp_async16(smem_addr(rows_s) + i * 16, ob + (size_t)(s0 + i / CPS) * split_elems * HD + (i % CPS) * 4, 16);
+    cp_async_commit();
+    if (s0 == 0) {
+      // The weights while the first rows are in flight.
+      const float* lp = lse_part + (size_t)row * q_heads + qh;
+      for (int s = lane; s < n; s += 32) w[s] = __ldcg(lp + (size_t)s * split_elems);
+      inv = fold_weights_warp(w, 1, n);  // each lane folds the splits it loaded
+    }
+    cp_async_wait<0>();
+    __syncwarp();
+    for (int s = 0; s < m; ++s) {
+      const float f = w[s0 + s];
+      const float* v = rows_s + s * HD + lane * DPL;
 #pragma unroll
-    for (int d = 0; d < DPL; ++d) acc[d] += f * v[d];
+      for (int d = 0; d < DPL; ++d) acc[d] += f * v[d];
+    }
+    __syncwarp();  // the rows are read before the next chunk lands on them
   }
   __nv_bfloat16* orow = out + (size_t)row * q_heads * HD + (size_t)qh * HD + lane * DPL;
 #pragma unroll
@@ -413,10 +431,12 @@ __device__ __forceinline__ bool warp_arrive_last(uint32_t* counter, uint32_t n) 
 //   [kMergeOffset, +kMergeBytes) the warp merge
 //   [kCtlOffset, ...)          a control warp's combine (everything up to the
 //                              end of the dynamic shared memory)
-template <int HD, int GQA, int NWARPS, int STAGES>
+// A tile is KPW keys per compute warp (16 or 32).
+template <int HD, int GQA, int NWARPS, int STAGES, int KPW = 16>
 struct DecodeSmem {
   static_assert(STAGES <= 8, "the barrier block holds 8 full + 8 empty barriers");
-  static constexpr int kTileKeys = NWARPS * 16;
+  static_assert(KPW == 16 || KPW == 32, "a warp attends 16 or 32 keys of each tile");
+  static constexpr int kTileKeys = NWARPS * KPW;
   static constexpr int kRowBytes = HD * 2;
   static constexpr int kTileBytes = kTileKeys * kRowBytes;  // one of K or V
   static constexpr int kStageBytes = 2 * kTileBytes;
@@ -554,7 +574,7 @@ namespace attn {
 //     (`empty`). One warp cannot issue fast enough (measured: a 32 KB tile
 //     every ~3000 cycles, 56 % of the DRAM rate at 128K); four keep up.
 //   * NWARPS COMPUTE warps walk the same tasks, wait for each tile's `full`
-//     barrier, attend their 16-key slice of it and hand the slot back
+//     barrier, attend their KPW-key slice of it and hand the slot back
 //     (`empty`, one arrival per warp), then merge and write each task's
 //     partial.
 // The ring is not tied to a task, so the producer streams on into the next
@@ -567,13 +587,15 @@ namespace attn {
 // Both sides derive the same task sequence from the same source and keep
 // their ring position (RingCursor) across calls, so a CTA may run its
 // tasks in several streams (one per step, say) without re-initialising.
-template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS, bool TMA = false>
+template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS, bool TMA = false,
+          int KPW = 16>
 struct DecodeStream {
   static_assert(HD % 64 == 0 && HD <= 256, "head_dim must be 64, 128, 192 or 256");
   static_assert(GQA >= 1 && GQA <= 16, "at most 16 query heads per kv head");
   static_assert(STAGES >= 2, "need a ring");
-  using G = DecodeSmem<HD, GQA, NWARPS, STAGES>;
+  using G = DecodeSmem<HD, GQA, NWARPS, STAGES, KPW>;
   static constexpr int NT = NWARPS * 32;  // compute threads
+  static constexpr int KB = KPW / 16;     // 16-key blocks a warp attends per tile
   static constexpr int NP = PWARPS * 32;  // producer threads
   static constexpr int KT = G::kTileKeys;
   static constexpr int CPR = HD / 8;        // 16-byte chunks per key row
@@ -720,24 +742,29 @@ struct DecodeStream {
     const uint32_t ring = smem_addr(smem);
     bool ok = true;
     TasksAhead<Src> ahead(src, n);
+    // Page entries of tile tt of task t (lane p: the tile's page p, or -1).
+    auto entry = [&](const DecodeTask& t, int tt) {
+      const int page = (t.tbeg + tt * KT) / BLOCK + lane;
+      const bool live = lane < PAGES_PER_TILE && page * BLOCK < t.kend && (page + 1) * BLOCK > t.kbeg;
+      return live ? __ldg(t.pt + page) : -1;
+    };
+    // Entries are loaded a tile ahead, across task boundaries too: the next
+    // task's first entries are in flight while this task issues (waiting
+    // for them at every task start cost an L2 round trip per task).
+    int nblk = ahead.idx >= 0 ? entry(ahead.next, 0) : -1;
     while (ahead.idx >= 0 && ok) {
       const DecodeTask t = ahead.next;
+      int blk = nblk;
       ahead.advance();
+      if (ahead.idx >= 0) nblk = entry(ahead.next, 0);
       const uint32_t qd = ring + G::kQOffset + (ord % STAGES) * G::kQBytes;
       ++ord;
-      // Page entries of the next tile, loaded a tile ahead by lane p.
-      auto entry = [&](int tt) {
-        const int page = (t.tbeg + tt * KT) / BLOCK + lane;
-        const bool live = lane < PAGES_PER_TILE && page * BLOCK < t.kend && (page + 1) * BLOCK > t.kbeg;
-        return live ? __ldg(t.pt + page) : -1;
-      };
-      int blk = entry(0);
       for (int tt = 0; tt < t.ntiles; ++tt) {
         ok = mbar_wait(empty_bar(smem) + cur.stage, cur.phase ^ 1u, (int32_t)cur.stage, site,
                        lane == 0);
         ok = __all_sync(0xffffffffu, ok);
         if (!ok) break;
-        const int blk_next = tt + 1 < t.ntiles ? entry(tt + 1) : -1;
+        const int blk_next = tt + 1 < t.ntiles ? entry(t, tt + 1) : -1;
         const uint32_t live = __ballot_sync(0xffffffffu, blk >= 0);
         uint64_t* bar = full_bar(smem) + cur.stage;
         const uint32_t st = ring + cur.stage * G::kStageBytes;
@@ -838,15 +865,15 @@ struct DecodeStream {
 #endif
         const uint32_t kst = ring + cur.stage * G::kStageBytes;
         const uint32_t vst = kst + G::kTileBytes;
-        const int key0 = warp * 16;  // this warp's slice of the tile
+        const int key0 = warp * KPW;  // this warp's slice of the tile
         const int pos0 = t.tbeg + tt * KT + key0;
         bool zeroed = false;
         if constexpr (TMA) {
           // Whole pages were copied: this warp's rows outside the split's
           // keys hold stale (even NaN) values. Scores are masked below; V
           // rows must be 0, since 0 * NaN would poison the output.
-          if (ok && pos0 < t.kend && pos0 + 16 > t.kbeg && (pos0 < t.kbeg || pos0 + 16 > t.kend)) {
-            for (int idx = lane; idx < 16 * CPR; idx += 32) {
+          if (ok && pos0 < t.kend && pos0 + KPW > t.kbeg && (pos0 < t.kbeg || pos0 + KPW > t.kend)) {
+            for (int idx = lane; idx < KPW * CPR; idx += 32) {
               const int pos = pos0 + idx / CPR;
               if (pos < t.kbeg || pos >= t.kend)
                 asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(vst + swz<HD, KT>(key0 + idx / CPR, idx % CPR)),
@@ -858,37 +885,51 @@ struct DecodeStream {
           }
         }
         // After an abort the slot may never fill: skip the math, keep walking.
-        if (ok && pos0 < t.kend && pos0 + 16 > t.kbeg) {
-          // S = Q K^T for 16 keys: two n-tiles of 8 keys.
-          float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        if (ok && pos0 < t.kend && pos0 + KPW > t.kbeg) {
+          // S = Q K^T for the warp's KPW keys: KB blocks of two 8-key
+          // n-tiles, 2*KB independent accumulation chains (the Q fragment of
+          // a k step is loaded once for all of them).
+          float s[KB][2][4];
+#pragma unroll
+          for (int b = 0; b < KB; ++b)
+#pragma unroll
+            for (int n2 = 0; n2 < 2; ++n2) s[b][n2][0] = s[b][n2][1] = s[b][n2][2] = s[b][n2][3] = 0.f;
           {
             const int mat = lane >> 3;
             const int kr = key0 + ((mat >> 1) << 3) + (lane & 7);
 #pragma unroll
             for (int ks = 0; ks < HD / 16; ++ks) {
-              uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
+              uint32_t a0, a1, a2, a3;
               ldsm_x4(q_row < GQA ? qs + swz<HD, GQA>(q_row, ks * 2 + q_half) : zero_row, a0, a1, a2, a3);
-              ldsm_x4(kst + swz<HD, KT>(kr, ks * 2 + (mat & 1)), b0, b1, b2, b3);
-              mma_bf16(s[0], a0, a1, a2, a3, b0, b1);
-              mma_bf16(s[1], a0, a1, a2, a3, b2, b3);
+#pragma unroll
+              for (int b = 0; b < KB; ++b) {
+                uint32_t b0, b1, b2, b3;
+                ldsm_x4(kst + swz<HD, KT>(kr + b * 16, ks * 2 + (mat & 1)), b0, b1, b2, b3);
+                mma_bf16(s[b][0], a0, a1, a2, a3, b0, b1);
+                mma_bf16(s[b][1], a0, a1, a2, a3, b2, b3);
+              }
             }
           }
 
-          // Online softmax, log2 domain. Thread holds rows g (s[.][0..1]) and
-          // g+8 (s[.][2..3]) at keys pos0 + n*8 + tq*2 + {0,1}.
-          float pr[2][4];
+          // Online softmax, log2 domain, once per tile over the warp's KPW
+          // keys. Thread holds rows g (s[b][.][0..1]) and g+8 (s[b][.][2..3])
+          // at keys pos0 + b*16 + n2*8 + tq*2 + {0,1}.
+          float pr[KB][2][4];
 #pragma unroll
           for (int hr = 0; hr < (kTwoRows ? 2 : 1); ++hr) {
-            float x[4];
+            float x[KB][4];
+            float mx = -INFINITY;
 #pragma unroll
-            for (int n2 = 0; n2 < 2; ++n2)
+            for (int b = 0; b < KB; ++b)
 #pragma unroll
-              for (int j = 0; j < 2; ++j) {
-                const int pos = pos0 + n2 * 8 + tq * 2 + j;
-                const bool vis = pos >= t.kbeg && pos < t.kend;
-                x[n2 * 2 + j] = vis ? s[n2][hr * 2 + j] * sl2 : -INFINITY;
-              }
-            float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+              for (int n2 = 0; n2 < 2; ++n2)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                  const int pos = pos0 + b * 16 + n2 * 8 + tq * 2 + j;
+                  const bool vis = pos >= t.kbeg && pos < t.kend;
+                  x[b][n2 * 2 + j] = vis ? s[b][n2][hr * 2 + j] * sl2 : -INFINITY;
+                  mx = fmaxf(mx, x[b][n2 * 2 + j]);
+                }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m_run[hr], mx);
@@ -898,11 +939,13 @@ struct DecodeStream {
             m_run[hr] = m_new;
             float psum = 0.f;
 #pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {
-              const float e = exp2f(x[q4] - m_use);
-              pr[q4 >> 1][hr * 2 + (q4 & 1)] = e;
-              psum += e;
-            }
+            for (int b = 0; b < KB; ++b)
+#pragma unroll
+              for (int q4 = 0; q4 < 4; ++q4) {
+                const float e = exp2f(x[b][q4] - m_use);
+                pr[b][q4 >> 1][hr * 2 + (q4 & 1)] = e;
+                psum += e;
+              }
             l_run[hr] = l_run[hr] * alpha + psum;
 #pragma unroll
             for (int n8 = 0; n8 < HD / 8; ++n8) {
@@ -911,17 +954,20 @@ struct DecodeStream {
             }
           }
           if constexpr (!kTwoRows) {
-            pr[0][2] = pr[0][3] = pr[1][2] = pr[1][3] = 0.f;
+#pragma unroll
+            for (int b = 0; b < KB; ++b) pr[b][0][2] = pr[b][0][3] = pr[b][1][2] = pr[b][1][3] = 0.f;
           }
-          const uint32_t pa0 = pack_bf16(pr[0][0], pr[0][1]);
-          const uint32_t pa1 = pack_bf16(pr[0][2], pr[0][3]);
-          const uint32_t pa2 = pack_bf16(pr[1][0], pr[1][1]);
-          const uint32_t pa3 = pack_bf16(pr[1][2], pr[1][3]);
 
-          // O += P V: V^T chunks through ldmatrix.trans, two 8-dim n-tiles a call.
-          {
+          // O += P V: V^T chunks through ldmatrix.trans, two 8-dim n-tiles a
+          // call, one k step per 16-key block.
+#pragma unroll
+          for (int b = 0; b < KB; ++b) {
+            const uint32_t pa0 = pack_bf16(pr[b][0][0], pr[b][0][1]);
+            const uint32_t pa1 = pack_bf16(pr[b][0][2], pr[b][0][3]);
+            const uint32_t pa2 = pack_bf16(pr[b][1][0], pr[b][1][1]);
+            const uint32_t pa3 = pack_bf16(pr[b][1][2], pr[b][1][3]);
             const int mat = lane >> 3;
-            const int vr = key0 + ((mat & 1) << 3) + (lane & 7);
+            const int vr = key0 + b * 16 + ((mat & 1) << 3) + (lane & 7);
 #pragma unroll
             for (int np = 0; np < HD / 16; ++np) {
               uint32_t b0, b1, b2, b3;

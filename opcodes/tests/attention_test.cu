@@ -2,19 +2,19 @@
 // (opcodes/attention.cuh): grid = SM count (cooperative launch). Decode slots
 // (row, kv head, split) are dealt round-robin over CTAs, the same way every
 // step, and each CTA runs its slots of all steps as one decode stream: its
-// producer warp issues the K/V tiles, its compute warps attend, and one more
+// producer warp issues the K/V tiles, its compute warps attend, one more
 // warp (the control warp) does everything that touches counters: the
 // buffer-free wait before a partial is stored, the arrival, and the fused
-// combine. Compute threads never fence, and the producer never waits for a
+// combine; a last warp runs spread merges. Compute threads never fence, and the producer never waits for a
 // task's epilogue, so the ring keeps streaming across task boundaries.
 //
 // `phases` bits:
 //   1 decode          2 separate combine phase      4 fused combine
 //  32 spread merges: every merge is cut into one piece per query head
 //     (megac::attn::combine_head_warp) and the pieces of step e are dealt
-//     over the decode CTAs' control warps, which run them after counting
-//     their own arrival of step e+1 (a step stands for a layer here: the
-//     merges of one run beside the decodes of the next).
+//     over every CTA's merge warp (the block's last warp, idle otherwise),
+//     which runs them as soon as their arrivals are in, beside the decodes
+//     of the next step (a step stands for a layer here).
 //   8 combine CTAs: the last `comb_ctas` CTAs of the grid only merge (every
 //     thread of the CTA), step after step, each waiting on its (row, kv
 //     head)'s arrival counter; the decode slots are dealt over the others,
@@ -95,9 +95,9 @@ __device__ __forceinline__ __nv_bfloat16* out_of(const Launch& L, int e) {
 constexpr int kBarWritten = 2;
 constexpr int kBarMayWrite = 3;
 
-template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS, bool TMA>
+template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS, bool TMA, int KPW>
 struct TestTasks {
-  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA>;
+  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA, KPW>;
   static constexpr int NT = NWARPS * 32;
   static constexpr int NALL = NT + 32;
   const Launch& L;
@@ -110,10 +110,6 @@ struct TestTasks {
     const int rk = t / L.split_stride;
     row = rk / L.kv_heads;
     kvh = rk % L.kv_heads;
-  }
-
-  __device__ __forceinline__ bool valid(int row, int split) const {
-    return split < __ldg(L.merge_splits + row);
   }
 
   // The decode stream's task source: the row's length and split counts are
@@ -163,18 +159,28 @@ struct TestTasks {
     return true;
   }
 
-  // The control warp: the counter side of tasks 0..n-1.
+  // The control warp: the counter side of tasks 0..n-1. Each task's split
+  // count is loaded a task ahead (an L2 round trip per task otherwise sat
+  // between the previous arrival and the next store permission).
   __device__ __forceinline__ void control(int n, char* smem) const {
     const int lane = threadIdx.x & 31;
     uint32_t* done = L.counters + kBufs * L.nrk;
     bool ok = true;  // false after a watchdog: keep the hand-offs, do nothing else
+    auto splits_of = [&](int i) {
+      int e, row, kvh, split;
+      slot(i, e, row, kvh, split);
+      return __ldg(L.merge_splits + row);
+    };
+    int ns_next = n > 0 ? splits_of(0) : 0;
     for (int i = 0; i < n; ++i) {
 #ifdef MEGAC_ATTN_TRACE
       const long long c0 = clock64();
 #endif
       int e, row, kvh, split;
       slot(i, e, row, kvh, split);
-      if (!valid(row, split)) continue;
+      const int ns = ns_next;
+      if (i + 1 < n) ns_next = splits_of(i + 1);
+      if (split >= ns) continue;
       const int rk = row * L.kv_heads + kvh;
       if (ok && waits(e)) {
         int w = 1;
@@ -197,7 +203,6 @@ struct TestTasks {
 #endif
       uint32_t* arrive = L.counters + ((e - 1) % kBufs) * L.nrk + rk;
       if (L.phases & kPhaseFused) {
-        const int ns = __ldg(L.merge_splits + row);
         if (megac::attn::warp_arrive_last(arrive, (uint32_t)ns)) {
           megac::attn::combine_core<HD, GQA, 32, 0>(opart(e), lpart(e), outp(e), L.rows, L.q_heads,
                                                     row, kvh, ns, S::ctl_work(smem),
@@ -209,40 +214,43 @@ struct TestTasks {
         if (lane == 0) megac::signal_counter(arrive);
         __syncwarp();
       }
-      // Spread merges: this CTA's pieces of the previous step, once per step.
-      if ((L.phases & kPhaseSpread) && i % L.per == 0 && e - 1 >= first_step)
-        ok = merge_pieces(e - 1, smem);
       MEGAC_ATTN_TRACE_AT(lane == 0, i, 8, (unsigned long long)(clock64() - c2));
     }
-    if ((L.phases & kPhaseSpread) && n > 0 && ok) merge_pieces(first_step + (n - 1) / L.per, smem);
   }
 
-  // The merge pieces (row, kv head, query head) of step `e` dealt to this
-  // CTA: piece p goes to decode CTA (p + e * pieces) % decoders, so the
-  // pieces rotate over all of them. Each waits for its row's arrivals.
-  __device__ __forceinline__ bool merge_pieces(int e, char* smem) const {
+  // The merge warp (spread merges): the pieces (row, kv head, query head)
+  // of steps first_step.. first_step+steps-1 dealt to this CTA, step by
+  // step: piece p of step e goes to CTA (p + e * pieces) % dec_ctas, so the
+  // pieces rotate over every CTA, the idle ones included. Each waits for
+  // its row's arrivals. A warp of its own, so a merge never holds up the
+  // control warp's hand-offs with the compute warps. Uses the control
+  // warp's shared-memory work area (spread merges exclude fused ones).
+  __device__ __forceinline__ void merges(int steps, char* smem) const {
     const int lane = threadIdx.x & 31;
     const int pieces = L.nrk * GQA;
-    const int decoders = min(L.dec_ctas, L.nrk * L.split_stride);
-    const int first = (int)(((long long)blockIdx.x - (long long)e * pieces) % decoders + decoders) % decoders;
+    const int ctas = L.dec_ctas;
     uint32_t* done = L.counters + kBufs * L.nrk;
-    for (int p = first; p < pieces; p += decoders) {
-      const int c = p / GQA;
-      const int row = c / L.kv_heads;
-      const int ns = __ldg(L.merge_splits + row);
-      int got = 1;
-      if (lane == 0) {
-        megac::WaitSite site{L.status, 0, p, kOpCombine, 0};
-        const int arr = ((e - 1) % kBufs) * L.nrk + c;
-        got = megac::wait_counter(L.counters + arr, (uint32_t)((e - 1) / kBufs + 1) * ns, arr, site);
+    for (int r = 0; r < steps; ++r) {
+      const int e = first_step + r;
+      const int first = (int)(((long long)blockIdx.x - (long long)e * pieces) % ctas + ctas) % ctas;
+      for (int p = first; p < pieces; p += ctas) {
+        const int c = p / GQA;
+        const int row = c / L.kv_heads;
+        const int ns = __ldg(L.merge_splits + row);
+        int got = 1;
+        if (lane == 0) {
+          megac::WaitSite site{L.status, 0, p, kOpCombine, 0};
+          const int arr = ((e - 1) % kBufs) * L.nrk + c;
+          got = megac::wait_counter(L.counters + arr, (uint32_t)((e - 1) / kBufs + 1) * ns, arr, site);
+        }
+        if (!__shfl_sync(0xffffffffu, got, 0)) return;
+        megac::attn::combine_head_warp<HD, GQA>(opart(e), lpart(e), outp(e), L.rows, L.q_heads, row,
+                                                c % L.kv_heads, p % GQA, ns, S::ctl_work(smem),
+                                                S::ctl_work_bytes());
+        if (lane == 0) megac::signal_counter(done + c);
+        __syncwarp();
       }
-      if (!__shfl_sync(0xffffffffu, got, 0)) return false;
-      megac::attn::combine_head_warp<HD, GQA>(opart(e), lpart(e), outp(e), L.rows, L.q_heads, row,
-                                              c % L.kv_heads, p % GQA, ns, S::ctl_work(smem));
-      if (lane == 0) megac::signal_counter(done + c);
-      __syncwarp();
     }
-    return true;
   }
 };
 
@@ -279,17 +287,18 @@ __device__ __forceinline__ void combine_ctas(const Launch& L, int reps) {
   }
 }
 
-template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS, bool TMA>
+template <int HD, int GQA, int BLOCK, int NWARPS, int STAGES, int PWARPS, bool TMA, int KPW>
 __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
   extern __shared__ __align__(1024) char smem[];  // tensor-copy swizzle: 1024-byte rows of 8
-  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA>;
-  using T = TestTasks<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA>;
+  using S = megac::attn::DecodeStream<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA, KPW>;
+  using T = TestTasks<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA, KPW>;
   constexpr int NT = NWARPS * 32;
   const bool compute = (int)threadIdx.x < NT;
   // Both sides of one decode stream over steps first_step.. (n slots).
   const bool producer = !compute && (int)threadIdx.x < NT + PWARPS * 32;
+  const bool merger = (int)threadIdx.x >= NT + PWARPS * 32 + 32;  // the last warp
   if (L.phases & kPhaseCombineCtas && (int)blockIdx.x >= L.dec_ctas) {
-    combine_ctas<HD, GQA, NT + PWARPS * 32 + 32>(L, reps);
+    combine_ctas<HD, GQA, NT + PWARPS * 32 + 64>(L, reps);
     return;
   }
   if constexpr (TMA) {
@@ -306,10 +315,12 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
   // Each role keeps its side of the ring (its cursor) across streams.
   S s;
   const megac::WaitSite site{L.status, 0, 0, kOpDecode, 0};
-  // All three roles of one decode stream over steps first_step.. (n slots).
+  // All roles of one decode stream over steps first_step.. (n slots).
   auto stream = [&](int first_step, int n) {
     T tasks{L, first_step};
-    if (compute) {
+    if (merger) {
+      // spread merges of the launch's steps (the default path only)
+    } else if (compute) {
       auto begin = [](int) {};
       auto finish = [&](int i, const megac::attn::DecodeTask&, char* sm) { return tasks.finish(i, sm); };
       s.consume(tasks, begin, finish, n, L.scale, smem, site);
@@ -328,6 +339,10 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
     return;
   }
   const bool separate = (L.phases & kPhaseCombine) && !(L.phases & kPhaseFused);
+  if (merger && !separate) {
+    if (L.phases & kPhaseSpread) T{L, L.epoch}.merges(reps, smem);
+    return;
+  }
   if (!separate) {
     if (L.phases & kPhaseDecode) stream(L.epoch, reps * L.per);
     return;
@@ -352,7 +367,7 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
         return;
       if (compute)
         megac::attn::combine_task<HD, GQA, NT, megac::attn::kBarCompute>(
-            ca, row, kvh, (int)n, smem, megac::attn::DecodeSmem<HD, GQA, NWARPS, STAGES>::kRingBytes);
+            ca, row, kvh, (int)n, smem, megac::attn::DecodeSmem<HD, GQA, NWARPS, STAGES, KPW>::kRingBytes);
       megac::cta_signal_counter(done + c);
     }
   }
@@ -360,9 +375,10 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
 
 }  // namespace
 
-// Block = NWARPS compute warps, the producer warp, the control warp.
-#define ATTN_TEST_ENTRY(NAME, HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA)                     \
-  extern "C" __global__ void __launch_bounds__(NWARPS * 32 + PWARPS * 32 + 32, 1) NAME(              \
+// Block = NWARPS compute warps, the producer warps, the control warp, the
+// merge warp. KPW: keys per compute warp of each tile.
+#define ATTN_TEST_ENTRY(NAME, HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA, KPW)                \
+  extern "C" __global__ void __launch_bounds__(NWARPS * 32 + PWARPS * 32 + 64, 1) NAME(         \
       const __nv_bfloat16* q, const __nv_bfloat16* k_pool, const __nv_bfloat16* v_pool,         \
       const int32_t* page_table, const int32_t* seq_len, const int32_t* chunk_splits,           \
       const int32_t* merge_splits, float* o_part, float* lse_part, __nv_bfloat16* out,          \
@@ -376,23 +392,25 @@ __device__ __forceinline__ void attn_test_body(const Launch& L, int reps) {
                    lse_part, out, counters, status, rows, kv_heads, pt_stride, split_stride,    \
                    window, scale, epoch, phases, pt_copies, kv_heads * GQA, rows * kv_heads,    \
                    per, dec, tmap_k, tmap_v};                                                   \
-    attn_test_body<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA>(L, reps);                       \
+    attn_test_body<HD, GQA, BLOCK, NWARPS, STAGES, PWARPS, TMA, KPW>(L, reps);                  \
   }                                                                                             \
   extern "C" __global__ void NAME##_smem_bytes(unsigned int* o) {                               \
-    o[0] = megac::attn::DecodeSmem<HD, GQA, NWARPS, STAGES>::kBytes;                            \
+    o[0] = megac::attn::DecodeSmem<HD, GQA, NWARPS, STAGES, KPW>::kBytes;                            \
   }
 
 // North Mini Code: 8 query heads per kv head, head_dim 128.
-ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_p3_s4, 128, 8, 64, 4, 4, 3, false)
-ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_p3_s5, 128, 8, 64, 4, 5, 3, false)
+ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_p2_s4, 128, 8, 64, 4, 4, 2, false, 16)
+ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_p2_s5, 128, 8, 64, 4, 5, 2, false, 16)
 // K/V through tensor-memory copies (one producer warp).
-ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_tma_s4, 128, 8, 64, 4, 4, 1, true)
-ATTN_TEST_ENTRY(attn_h128_g8_b16_w4_tma_s4, 128, 8, 16, 4, 4, 1, true)
-ATTN_TEST_ENTRY(attn_h64_g3_b64_w4_tma_s8, 64, 3, 64, 4, 8, 1, true)
+ATTN_TEST_ENTRY(attn_h128_g8_b64_w4_tma_s4, 128, 8, 64, 4, 4, 1, true, 16)
+ATTN_TEST_ENTRY(attn_h128_g8_b16_w4_tma_s4, 128, 8, 16, 4, 4, 1, true, 16)
+// 32 keys per compute warp: 128-key tiles, softmax once per 32 keys.
+ATTN_TEST_ENTRY(attn_h128_g8_b64_w4k32_tma_s2, 128, 8, 64, 4, 2, 1, true, 32)
+ATTN_TEST_ENTRY(attn_h64_g3_b64_w4_tma_s8, 64, 3, 64, 4, 8, 1, true, 16)
 // Page size other than the tile: 16-token pages, 64-key tiles.
-ATTN_TEST_ENTRY(attn_h128_g8_b16_w4_p3_s4, 128, 8, 16, 4, 4, 3, false)
+ATTN_TEST_ENTRY(attn_h128_g8_b16_w4_p2_s4, 128, 8, 16, 4, 4, 2, false, 16)
 // SmolLM2: 3 query heads per kv head, head_dim 64.
-ATTN_TEST_ENTRY(attn_h64_g3_b64_w4_p3_s8, 64, 3, 64, 4, 8, 3, false)
+ATTN_TEST_ENTRY(attn_h64_g3_b64_w4_p2_s8, 64, 3, 64, 4, 8, 2, false, 16)
 
 // Streaming-read ceiling for this block when the battery gives none
 // (MEGAC_CEILING_TBPS unset): 16-byte non-caching loads, four in flight per

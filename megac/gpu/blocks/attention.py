@@ -10,8 +10,8 @@ Variants (``VARIANTS``): K/V through tensor-memory copies (``*_tma``, the
 production path; tensor maps over the pools from ``encode_pool_tmap``) or
 16-byte cp.async producers, NMC and SmolLM2 shapes, 64- and 16-token pages.
 Merges (``phases``): fused in the last-arriving split's control warp, on SMs
-of their own, separate tasks, or spread per query head over the decode
-CTAs' control warps; all give the same bits.
+of their own, separate tasks, or spread per query head over every CTA's
+merge warp; all give the same bits.
 
 The split rule itself is ``megac.abi.split_range`` (the host mirror of
 ``megac::attn::split_range`` in opcodes/attention.cuh); ``plan_splits`` here
@@ -33,15 +33,16 @@ REPO = Path(__file__).resolve().parents[3]
 SOURCE = REPO / "opcodes" / "tests" / "attention_test.cu"
 
 # (entry point, head_dim, gqa, block_size, compute warps, stages, producer
-# warps, K/V through tensor-memory copies)
+# warps, K/V through tensor-memory copies, keys per compute warp of a tile)
 VARIANTS = {
-    "nmc": ("attn_h128_g8_b64_w4_p3_s4", 128, 8, 64, 4, 4, 3, False),
-    "nmc_s5": ("attn_h128_g8_b64_w4_p3_s5", 128, 8, 64, 4, 5, 3, False),
-    "nmc_b16": ("attn_h128_g8_b16_w4_p3_s4", 128, 8, 16, 4, 4, 3, False),
-    "smol": ("attn_h64_g3_b64_w4_p3_s8", 64, 3, 64, 4, 8, 3, False),
-    "nmc_tma": ("attn_h128_g8_b64_w4_tma_s4", 128, 8, 64, 4, 4, 1, True),
-    "nmc_b16_tma": ("attn_h128_g8_b16_w4_tma_s4", 128, 8, 16, 4, 4, 1, True),
-    "smol_tma": ("attn_h64_g3_b64_w4_tma_s8", 64, 3, 64, 4, 8, 1, True),
+    "nmc": ("attn_h128_g8_b64_w4_p2_s4", 128, 8, 64, 4, 4, 2, False, 16),
+    "nmc_s5": ("attn_h128_g8_b64_w4_p2_s5", 128, 8, 64, 4, 5, 2, False, 16),
+    "nmc_b16": ("attn_h128_g8_b16_w4_p2_s4", 128, 8, 16, 4, 4, 2, False, 16),
+    "smol": ("attn_h64_g3_b64_w4_p2_s8", 64, 3, 64, 4, 8, 2, False, 16),
+    "nmc_tma": ("attn_h128_g8_b64_w4_tma_s4", 128, 8, 64, 4, 4, 1, True, 16),
+    "nmc_tma_k32": ("attn_h128_g8_b64_w4k32_tma_s2", 128, 8, 64, 4, 2, 1, True, 32),
+    "nmc_b16_tma": ("attn_h128_g8_b16_w4_tma_s4", 128, 8, 16, 4, 4, 1, True, 16),
+    "smol_tma": ("attn_h64_g3_b64_w4_tma_s8", 64, 3, 64, 4, 8, 1, True, 16),
 }
 
 
@@ -73,9 +74,9 @@ def _r128(n: int) -> int:
     return -(-n // 128) * 128
 
 
-def smem_min_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
-    """Mirror of DecodeSmem<HD, GQA, NWARPS, STAGES>::kBytes."""
-    kt = warps * 16
+def smem_min_bytes(hd: int, gqa: int, warps: int, stages: int, kpw: int = 16) -> int:
+    """Mirror of DecodeSmem<HD, GQA, NWARPS, STAGES, KPW>::kBytes."""
+    kt = warps * kpw
     ring = stages * 2 * kt * hd * 2
     qslots = stages * _r128(gqa * hd * 2)
     barriers_flags = 128 + 128
@@ -84,8 +85,8 @@ def smem_min_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
     return ring + qslots + barriers_flags + merge + combine
 
 
-def smem_bytes(hd: int, gqa: int, warps: int, stages: int) -> int:
-    need = smem_min_bytes(hd, gqa, warps, stages)
+def smem_bytes(hd: int, gqa: int, warps: int, stages: int, kpw: int = 16) -> int:
+    need = smem_min_bytes(hd, gqa, warps, stages, kpw)
     assert need <= SMEM_MAX, f"variant needs {need} B of shared memory"
     return SMEM_MAX
 
@@ -108,8 +109,9 @@ class Attn:
         self.launch_mod = launch
         self.mod = mod
         (self.name, self.hd, self.gqa, self.block, self.warps, self.stages, self.pwarps,
-         self.tma) = VARIANTS[variant]
-        self.smem = smem_bytes(self.hd, self.gqa, self.warps, self.stages)
+         self.tma, self.kpw) = VARIANTS[variant]
+        self.tile = self.warps * self.kpw  # keys per ring slot
+        self.smem = smem_bytes(self.hd, self.gqa, self.warps, self.stages, self.kpw)
         self.nsm = launch.sm_count()
 
     def run(self, st, *, epoch: int, phases: int = DECODE | FUSED, page_table=None, reps: int = 1,
@@ -127,8 +129,8 @@ class Attn:
             np.int32(comb_ctas),
             *(_tmap_args(st) if self.tma else (None, None)),
         )
-        # compute warps + producer warps + the control warp (attention_test.cu)
-        threads = (self.warps + self.pwarps + 1) * 32
+        # compute warps + producer warps + the control and merge warps (attention_test.cu)
+        threads = (self.warps + self.pwarps + 2) * 32
         launch.launch(self.mod, self.name, (self.nsm,), (threads,), args, self.smem, cooperative=True)
 
 
@@ -220,7 +222,7 @@ def make_state(a: Attn, seq_lens, kv_heads, window, chunk_splits, merge_splits=N
     }
     st["out"] = st["out_all"][0]
     if a.tma:
-        rows_box = a.warps * 16 if a.block >= a.warps * 16 else a.block
+        rows_box = a.tile if a.block >= a.tile else a.block
         maps = encode_pool_tmap(k, rows_box) + encode_pool_tmap(v, rows_box)
         st["tmaps"] = torch.frombuffer(bytearray(maps), dtype=torch.uint8).to(dev)
     return st
@@ -336,7 +338,7 @@ def run(quick: bool) -> dict:
 
     # 1. contexts, one row, both GQA shapes, full and sliding window.
     ctxs = [1, 63, 64, 65, 1000, 8192, 32768, 131072] if not quick else [1, 63, 64, 65, 1000, 8192, 131072]
-    for v, kvh in (("nmc", 4), ("smol", 3), ("nmc_tma", 4), ("smol_tma", 3)):
+    for v, kvh in (("nmc", 4), ("smol", 3), ("nmc_tma", 4), ("smol_tma", 3), ("nmc_tma_k32", 4)):
         for w in (0, 4096):
             for c in ctxs:
                 if v.startswith("smol") and c > 32768 and quick:
@@ -347,7 +349,7 @@ def run(quick: bool) -> dict:
     # 2. ragged batches.
     ragged = [1, 4097, 65, 8192, 63, 1000, 300, 20000]
     for v, kvh in (("nmc", 4), ("smol", 3), ("nmc_b16", 4), ("nmc_s5", 4), ("nmc_tma", 4),
-                   ("nmc_b16_tma", 4), ("smol_tma", 3)):
+                   ("nmc_b16_tma", 4), ("smol_tma", 3), ("nmc_tma_k32", 4)):
         for bsz in ((1, 2, 4, 8) if v in ("nmc", "smol", "nmc_tma") else (8,)):
             for w in (0, 4096):
                 lens = ragged[:bsz]
@@ -375,6 +377,7 @@ def run(quick: bool) -> dict:
                            ("nmc", DECODE | COMBINE_CTAS, "combine_ctas", 4),
                            ("nmc", DECODE | SPREAD, "spread", 0), ("smol", DECODE | SPREAD, "spread", 0),
                            ("nmc_tma", DECODE | SPREAD, "spread", 0), ("nmc_tma", DECODE | FUSED, "fused", 0),
+                           ("nmc_tma_k32", DECODE | SPREAD, "spread", 0), ("nmc_tma_k32", DECODE | FUSED, "fused", 0),
                            ("nmc_b16_tma", DECODE | SPREAD, "spread", 0), ("smol_tma", DECODE | SPREAD, "spread", 0),
                            ("nmc_b16", DECODE | FUSED, "fused", 0), ("nmc_s5", DECODE | FUSED, "fused", 0),
                            ("smol", DECODE | FUSED, "fused", 0), ("smol", DECODE | COMBINE_CTAS, "combine_ctas", 2)):
@@ -493,12 +496,14 @@ def run(quick: bool) -> dict:
         ceil = None
         checks.append(check("ceiling", False, str(e)))
     # (batch, context, splits, how the merges run): the planner's split count
-    # (32 at BS 1, 8 at BS 8); at BS 1 / 8K the 128 decode tasks leave 4 SMs,
-    # which take the merges (the fused last-arriver merge runs on one warp
-    # and costs ~12 us at 32 splits: fine beside a 64 us step, not a 5 us one).
-    # K/V through tensor copies (nmc_tma) is the production path; the
-    # cp.async stream (nmc) is kept beside it at BS 1 / 8K for comparison.
+    # (32 at BS 1, 8 at BS 8). Spread merges run on each CTA's merge warp;
+    # the fused last-arriver merge runs on one control warp and costs ~12 us
+    # at 32 splits: fine beside a 64 us step, not a 5 us one. K/V through
+    # tensor copies (nmc_tma) is the production path; the cp.async stream
+    # (nmc) and 32 keys per warp (nmc_tma_k32: less compute, same DRAM
+    # stream) are kept beside it at BS 1 / 8K for comparison.
     cfgs = [("nmc_tma", 1, 8192, 32, "spread"), ("nmc", 1, 8192, 32, "spread"),
+            ("nmc_tma_k32", 1, 8192, 32, "spread"),
             ("nmc_tma", 1, 8192, 32, "combine_ctas"),
             ("nmc_tma", 8, 8192, 8, "spread"), ("nmc_tma", 8, 8192, 8, "fused"),
             ("nmc_tma", 1, 131072, 32, "spread"), ("nmc_tma", 1, 131072, 32, "fused"),
@@ -520,7 +525,7 @@ def json_rel(chk) -> float:
         return float("inf")
 
 
-def bench_case(a: Attn, bsz, ctx, s, mode, ceil, gen, layouts=3):
+def bench_case(a: Attn, bsz, ctx, s, mode, ceil, gen, layouts=3, copies=None):
     """KV bytes / time per attention step (decode + merge), NMC shapes.
 
     Steps run back to back inside one persistent launch, each on its own
@@ -537,7 +542,7 @@ def bench_case(a: Attn, bsz, ctx, s, mode, ceil, gen, layouts=3):
 
     kvh = 4
     kv_bytes = bsz * ctx * kvh * a.hd * 2 * 2
-    copies = max(2, math.ceil(256e6 / kv_bytes))
+    copies = copies or max(2, math.ceil(256e6 / kv_bytes))
     n0 = max(2, min(64, int(1e9 // kv_bytes)))
     tasks = bsz * kvh * s
     comb = launch.sm_count() - tasks if mode == "combine_ctas" else 0
