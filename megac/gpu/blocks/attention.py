@@ -119,6 +119,9 @@ class Attn:
         """``reps`` steps in one launch, numbered epoch, epoch+1, ...; with
         page_table=None step e reads page-table copy (e-1) % copies.
         ``comb_ctas``: with COMBINE_CTAS, that many CTAs only merge."""
+        if phases & SPREAD and phases & FUSED:
+            # both would merge, in the same shared-memory work area
+            raise ValueError("phases: SPREAD and FUSED both merge; pick one")
         pt = st["pt_all"] if page_table is None else page_table.unsqueeze(0)
         args = (
             st["q"], st["k"], st["v"], pt, st["seq_len"], st["chunk_splits"], st["merge_splits"],
