@@ -5,8 +5,9 @@
 // producer warp issues the K/V tiles, its compute warps attend, one more
 // warp (the control warp) does everything that touches counters: the
 // buffer-free wait before a partial is stored, the arrival, and the fused
-// combine; a last warp runs spread merges. Compute threads never fence, and the producer never waits for a
-// task's epilogue, so the ring keeps streaming across task boundaries.
+// combine; a last warp runs spread merges. Compute threads never fence, and
+// the producer never waits for a task's epilogue, so the ring keeps
+// streaming across task boundaries.
 //
 // `phases` bits:
 //   1 decode          2 separate combine phase      4 fused combine
