@@ -115,9 +115,11 @@ class Attn:
         self.nsm = launch.sm_count()
 
     def run(self, st, *, epoch: int, phases: int = DECODE | FUSED, page_table=None, reps: int = 1,
-            comb_ctas: int = 0):
+            comb_ctas: int = 0, smem: int | None = None):
         """``reps`` steps in one launch, numbered epoch, epoch+1, ...; with
         page_table=None step e reads page-table copy (e-1) % copies.
+        ``smem``: dynamic shared memory (default all of it; the least is
+        ``smem_min_bytes``, where merges work through their partials in chunks).
         ``comb_ctas``: with COMBINE_CTAS, that many CTAs only merge."""
         if phases & SPREAD and phases & FUSED:
             # both would merge, in the same shared-memory work area
@@ -134,7 +136,8 @@ class Attn:
         )
         # compute warps + producer warps + the control and merge warps (attention_test.cu)
         threads = (self.warps + self.pwarps + 2) * 32
-        launch.launch(self.mod, self.name, (self.nsm,), (threads,), args, self.smem, cooperative=True)
+        launch.launch(self.mod, self.name, (self.nsm,), (threads,), args, smem or self.smem,
+                      cooperative=True)
 
 
 def encode_pool_tmap(pool, rows: int):
@@ -332,6 +335,14 @@ def run(quick: bool) -> dict:
     checks.append(check("no_spills", not sp, sp or "0 spill bytes"))
     gen = torch.Generator().manual_seed(1234)
     A = {k: Attn(mod, k) for k in VARIANTS}
+    # The host mirror of DecodeSmem::kBytes against the device's own figure.
+    sizes = torch.zeros(len(A), dtype=torch.int32, device="cuda")
+    for i, a in enumerate(A.values()):
+        launch.launch(mod, a.name + "_smem_bytes", (1,), (1,), (sizes[i:],))
+    dev_sizes = dict(zip(A, sizes.tolist()))
+    host_sizes = {k: smem_min_bytes(a.hd, a.gqa, a.warps, a.stages, a.kpw) for k, a in A.items()}
+    checks.append(check("smem_mirror_matches_device", dev_sizes == host_sizes,
+                        {"device": dev_sizes, "host": host_sizes}))
 
     def guard(name, fn):
         try:
@@ -463,6 +474,17 @@ def run(quick: bool) -> dict:
         a.launch_mod.check_status(st5["status"], st5["counters"])
         checks.append(check("fused_equals_spread_merge_bits",
                             torch.equal(first.view(torch.int16), st5["out"].view(torch.int16)), ""))
+        # The least shared memory: both merges then stage their partials in
+        # chunks (32 splits do not fit at once); same bits.
+        least = smem_min_bytes(a.hd, a.gqa, a.warps, a.stages, a.kpw)
+        for ph, tag in ((DECODE | FUSED, "fused"), (DECODE | SPREAD, "spread")):
+            fresh_outputs(st5)
+            a.run(st5, epoch=1, phases=ph, smem=least)
+            torch.cuda.synchronize()
+            a.launch_mod.check_status(st5["status"], st5["counters"])
+            checks.append(check(f"least_smem_{tag}_merge_bits",
+                                torch.equal(first.view(torch.int16), st5["out"].view(torch.int16)),
+                                f"{least} B of shared memory"))
         # Tensor copies and 16-byte copies fill the same swizzled tiles (masked
         # V rows zeroed either way): same bits.
         st6 = make_state(A["nmc_tma"], lens, 4, 0, splits, gen=gen)
