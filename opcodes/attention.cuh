@@ -36,8 +36,8 @@
 // Spread merges: `combine_head_warp` cuts a merge into one piece per query
 // head, and the pieces are dealt over warps that have nothing else to do
 // (the test kernel gives each CTA one merge warp). On the control warp they
-// delayed its next store permission and cost ~8 points at BS 1 / 8K; on a
-// warp of their own, ~1.
+// delayed its next store permission and cost ~9 points at BS 1 / 8K; on a
+// warp of their own, ~1-4.
 // The merge copies all partials into shared memory with cp.async (all of
 // them in flight at once, two buffers), so it costs about one L2 round trip
 // plus the bytes, not one round trip per few splits.
