@@ -535,6 +535,31 @@ struct TasksAhead {
   }
 };
 
+// A producer's task walk: TasksAhead plus the next task's first page
+// entries, loaded while the current task issues (waiting for them at every
+// task start cost an L2 round trip per task). `entry(const DecodeTask&)`
+// loads them; `none` stands for "no task".
+template <class Src, class Entry>
+struct TasksWithEntry {
+  TasksAhead<Src> ahead;
+  Entry entry;
+  int nblk;
+
+  __device__ __forceinline__ TasksWithEntry(Src& s, int count, Entry e, int none)
+      : ahead(s, count), entry(e), nblk(ahead.idx >= 0 ? entry(ahead.next) : none) {}
+  // The next task with tiles (slot i) and its first entries; false when
+  // none is left.
+  __device__ __forceinline__ bool pop(DecodeTask& t, int& i, int& blk) {
+    if (ahead.idx < 0) return false;
+    t = ahead.next;
+    i = ahead.idx;
+    blk = nblk;
+    ahead.advance();
+    if (ahead.idx >= 0) nblk = entry(ahead.next);
+    return true;
+  }
+};
+
 // Optional timing probe (a test kernel defines MEGAC_ATTN_TRACE and points
 // megac_attn_trace at [grid][kTraceTasks][16] u64): per task, the first
 // compute thread records clock64 at the task's start, first tile ready, last
@@ -672,15 +697,11 @@ struct DecodeStream {
     const int ptid = (int)threadIdx.x - NT;
     const uint32_t ring = smem_addr(smem);
     bool ok = true;
-    TasksAhead<Src> ahead(src, n);
-    // The next task's first page entry is in flight while this one issues.
-    int nblk = ahead.idx >= 0 ? tile_page(ahead.next, 0) : 0;
-    while (ahead.idx >= 0 && ok) {
-      const DecodeTask t = ahead.next;
-      const int i = ahead.idx;
-      int blk = nblk;
-      ahead.advance();
-      if (ahead.idx >= 0) nblk = tile_page(ahead.next, 0);
+    auto first = [](const DecodeTask& t) { return tile_page(t, 0); };
+    TasksWithEntry<Src, decltype(first)> walk(src, n, first, 0);
+    DecodeTask t;
+    int i, blk;
+    while (ok && walk.pop(t, i, blk)) {
       const uint32_t qd = ring + G::kQOffset + (ord % STAGES) * G::kQBytes;
       ++ord;
       for (int tt = 0; tt < t.ntiles; ++tt) {
@@ -741,22 +762,18 @@ struct DecodeStream {
     const int lane = threadIdx.x & 31;
     const uint32_t ring = smem_addr(smem);
     bool ok = true;
-    TasksAhead<Src> ahead(src, n);
     // Page entries of tile tt of task t (lane p: the tile's page p, or -1).
     auto entry = [&](const DecodeTask& t, int tt) {
       const int page = (t.tbeg + tt * KT) / BLOCK + lane;
       const bool live = lane < PAGES_PER_TILE && page * BLOCK < t.kend && (page + 1) * BLOCK > t.kbeg;
       return live ? __ldg(t.pt + page) : -1;
     };
-    // Entries are loaded a tile ahead, across task boundaries too: the next
-    // task's first entries are in flight while this task issues (waiting
-    // for them at every task start cost an L2 round trip per task).
-    int nblk = ahead.idx >= 0 ? entry(ahead.next, 0) : -1;
-    while (ahead.idx >= 0 && ok) {
-      const DecodeTask t = ahead.next;
-      int blk = nblk;
-      ahead.advance();
-      if (ahead.idx >= 0) nblk = entry(ahead.next, 0);
+    // Entries are loaded a tile ahead, across task boundaries too.
+    auto first = [&](const DecodeTask& t) { return entry(t, 0); };
+    TasksWithEntry<Src, decltype(first)> walk(src, n, first, -1);
+    DecodeTask t;
+    int i, blk;
+    while (ok && walk.pop(t, i, blk)) {
       const uint32_t qd = ring + G::kQOffset + (ord % STAGES) * G::kQBytes;
       ++ord;
       for (int tt = 0; tt < t.ntiles; ++tt) {
