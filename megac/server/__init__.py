@@ -1,7 +1,13 @@
 """The OpenAI-compatible server (``megac serve``) and its load client
 (``megac bench-serve``).
 
-* :mod:`megac.server.app` -- FastAPI app, request validation, streaming, model loading
+* :mod:`megac.server.app` -- FastAPI app: routes, API-key and HTTP-counter middleware, stats log
+* :mod:`megac.server.config` -- ``ServeConfig``, every ``megac serve`` option
+* :mod:`megac.server.errors` -- ``APIError`` (the OpenAI error envelope), ``bad``, ``ClientGone``
+* :mod:`megac.server.state` -- ``ServerState``: loaded model, tokenizer, engine; readiness checks
+* :mod:`megac.server.startup` -- model + tokenizer loading (``load_served_model``) and ``build_engine``
+* :mod:`megac.server.prepare` -- request validation: prompt ids and sampling parameters
+* :mod:`megac.server.responses` -- running a request: JSON answers, SSE streams, disconnects
 * :mod:`megac.server.protocol` -- pydantic request/response models
 * :mod:`megac.server.chat` -- tokenizers (incl. the byte-level fallback) and chat templates
 * :mod:`megac.server.tools` -- tool-call parsers (Hermes), streaming

@@ -82,7 +82,9 @@ def serve_cmd(model, backend, host, port, max_batch_size, max_model_len, served_
     """Serve MODEL behind an OpenAI-compatible API (default: SmolLM2-135M-Instruct on the CPU)."""
     import uvicorn
 
-    from megac.server.app import ServeConfig, ServerState, create_app
+    from megac.server.app import create_app
+    from megac.server.config import ServeConfig
+    from megac.server.state import ServerState
     from megac.server.tools import get_tool_parser
 
     _setup_logging(log_level)

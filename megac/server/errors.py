@@ -1,0 +1,48 @@
+"""Errors answered to HTTP clients.
+
+Errors use the OpenAI envelope ``{"error": {"message", "type", "param",
+"code"}}``: 400 ``invalid_request_error`` for every client mistake
+(malformed JSON, wrong types, out-of-range values, context overflow,
+unsupported options such as ``n > 1``), 404 ``not_found_error`` for an
+unknown model (``code: model_not_found``) or route, 401
+``authentication_error`` with ``--api-key`` (checked on ``/v1/*``), 503
+while loading, 500 only for server faults.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI envelope."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
+             501: "not_implemented_error", 503: "service_unavailable_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or self.TYPES.get(status, "invalid_request_error")
+        self.code = code or {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
+                             500: "internal_error", 503: "not_ready"}.get(status, str(status))
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected (answered 499,
+    which nobody reads)."""
+
+
+__all__ = ["APIError", "ClientGone", "bad"]
