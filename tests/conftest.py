@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import sys
+from pathlib import Path
+
+# helper modules of tests/ (``from models import ...``) importable from test files in subdirectories
+_TESTS = str(Path(__file__).parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+import pytest  # noqa: E402
 
 
 def _has_gpu() -> bool:

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from test_server_util import ServerProc, untied_tiny_yaml
+from test_util import ServerProc, untied_tiny_yaml
 
 MAX_LEN = 1024
 
@@ -398,7 +398,9 @@ def test_health_is_503_until_loaded_and_after_engine_death():
     until ``load`` finished; a dead engine makes /health 503 again."""
     from fastapi.testclient import TestClient
 
-    from megac.server.app import ServeConfig, ServerState, create_app
+    from megac.server.app import create_app
+    from megac.server.config import ServeConfig
+    from megac.server.state import ServerState
 
     cfg = ServeConfig(model="tiny-llama", random_weights=True, log_stats_interval=0, max_model_len=256,
                       threads=0)  # 0: leave the test process's torch threads alone

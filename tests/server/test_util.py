@@ -19,7 +19,7 @@ import httpx
 
 from megac.server.metrics import metric_value, parse_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

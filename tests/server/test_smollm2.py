@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from test_server_util import REPO, ServerProc
+from test_util import REPO, ServerProc
 
 pytestmark = [
     pytest.mark.slow,

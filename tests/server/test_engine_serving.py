@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from test_server_util import ServerProc, untied_tiny_yaml
+from test_util import ServerProc, untied_tiny_yaml
 
 
 @pytest.fixture(scope="module")
