@@ -1,9 +1,9 @@
 """Cost model: a per-SM timeline of one decode step under a bytes/bandwidth +
 fixed-cost model.
 
-Same execution semantics as the verifier's deadlock simulation (each SM runs
-its queue in order; a task starts once every signaller of each counter it
-waits on is done), with time:
+The schedule's execution semantics are the one walker's
+(``megac.passes.walk``: each SM runs its queue in order; a task starts once
+every signaller of each counter it waits on is done), with time:
 
 * a task costs ``fixed_us + bytes / per_sm_bw``, where ``per_sm_bw`` is the
   streaming ceiling (4.55e12 B/s measured on the H200) divided by the SM
@@ -13,9 +13,10 @@ waits on is done), with time:
 * a wait releases ``dependency_latency_us`` after the last signal arrives
   (~1 us for one grid-wide dependency on the H200);
 * a claimer queue's work is claimed one task at a time by whichever claimer
-  reaches it first (in time order), so it spreads over the claimers that
-  reach it while there is work left; the queue's counters complete when its
-  last claimed task ends. The number of claimed tasks follows the bucket's
+  reaches it first (in time order; as on the device, a claimer claims
+  before it waits on the claimed task's inputs), so it spreads over the
+  claimers that reach it while there is work left; the queue's counters
+  complete when its last claimed task ends. The number of claimed tasks follows the bucket's
   context (attention splits) and the expected number of active experts under
   uniform routing (``E * (1 - (1 - k/E) ** rows)``) unless given.
 
@@ -26,22 +27,21 @@ measured step. ``predicted >= bytes / bandwidth`` always holds.
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from megac import abi
-from megac.abi import DYN_FLAG, H, Op
-
-F = abi.field_index
+from megac.abi import H, Op
+from megac.ops import REGISTRY
+from megac.errors import MegacError
+from megac.ops.moe import expected_active_experts
+from megac.passes.program import Program, build_groups
+from megac.passes.violations import Sink
+from megac.passes.walk import Claim, Hooks, UnitCounters, Walker
 
 #: Streaming-read ceiling measured on the H200 (B/s), see DESIGN.md.
 CEILING_BPS = 4.55e12
-
-BF16 = 2
-FP32 = 4
 
 
 @dataclass
@@ -99,99 +99,76 @@ class CostResult:
 
 
 # --------------------------------------------------------------------------
-# bytes per task, from the words
+# bytes per task, from the words (each opcode's definition: megac.ops)
 # --------------------------------------------------------------------------
 def _ctx(geo, params: CostParams) -> int:
     return int(params.context or geo.context)
 
 
-def _attn_bytes(geo, span: np.ndarray, splits: np.ndarray) -> np.ndarray:
-    """One (row, kv head, split): its share of K and V, the query heads, the
-    partial outputs."""
-    tokens = -(-np.maximum(span, 1) // np.maximum(splits, 1))
-    kv = tokens * geo.head_dim * 2 * BF16
-    q = geo.heads_per_kv * geo.head_dim * BF16
-    part = geo.heads_per_kv * (geo.head_dim + 1) * FP32
-    return kv + q + part
-
-
-def _full_splits(geo, params: CostParams) -> int:
-    return geo.attn_splits(_ctx(geo, params))
-
-
-def _resolve(v: np.ndarray, fallback: int) -> np.ndarray:
-    """A count field: itself, or ``fallback`` when it is a dynamic reference."""
-    v = v.astype(np.int64)
-    return np.where((v >= 0) & ((v & DYN_FLAG) != 0), fallback, v)
-
-
 def task_bytes(words: np.ndarray, geo, params: CostParams | None = None) -> np.ndarray:
-    """Bytes each task (rows of ``words [n, 32]``) moves. Claimers: 0 (their
-    claimed work is costed separately)."""
+    """Bytes each task (rows of ``words [n, 32]``) moves (``OpDef.task_bytes``).
+    Claimers: 0 (their claimed work is costed separately)."""
     params = params or CostParams()
     words = np.asarray(words)
     op = words[:, H.OPCODE]
     out = np.zeros(len(words), dtype=np.float64)
-    R, D = geo.rows, geo.hidden
-    ctx = _ctx(geo, params)
     for opv in np.unique(op):
         m = op == opv
-        w = words[m].astype(np.int64)
-        o = Op(int(opv))
-        if o in (Op.QKV_PROJ, Op.O_PROJ, Op.FFN_UPGATE_ACT, Op.FFN_DOWN, Op.ROUTER_GEMM, Op.LM_HEAD):
-            nl, kl = w[:, F(o, "N_LEN")], w[:, F(o, "K_LEN")]
-            out_elem = {Op.QKV_PROJ: BF16 * nl, Op.FFN_UPGATE_ACT: BF16 * nl // 2}.get(o, FP32 * nl)
-            out[m] = nl * kl * BF16 + R * kl * BF16 + R * out_elem
-        elif o == Op.ATTN_DECODE:
-            window = w[:, F(o, "WINDOW")]
-            span = np.where(window > 0, np.minimum(ctx, window), ctx)
-            ns = _resolve(w[:, F(o, "NUM_SPLITS")], _full_splits(geo, params))
-            out[m] = _attn_bytes(geo, span, ns)
-        elif o == Op.ATTN_COMBINE:
-            ns = _resolve(w[:, F(o, "NUM_SPLITS")], _full_splits(geo, params))
-            out[m] = ns * geo.heads_per_kv * (geo.head_dim + 1) * FP32 + geo.heads_per_kv * geo.head_dim * BF16
-        elif o == Op.ROUTER_TOPK:
-            out[m] = w[:, F(o, "NUM_SPLITS")] * max(geo.experts, 1) * FP32 + 3 * max(geo.top_k, 1) * FP32
-        elif o == Op.ROUTE_FINALIZE:
-            out[m] = R * max(geo.top_k, 1) * 3 * FP32 + 2 * abi.QUEUE_RECORD_WORDS * 4 * geo.moe_queue_cap
-        elif o == Op.MOE_GATHER:
-            out[m] = D * BF16 * (1 + max(geo.top_k, 1))
-        elif o == Op.MOE_COMBINE:
-            out[m] = max(geo.top_k, 1) * D * FP32 + D * FP32
-        elif o == Op.ADD_RMSNORM:
-            splits = w[:, F(o, "ATTN_SPLITS")] + w[:, F(o, "FFN_SPLITS")]
-            out[m] = D * (FP32 * 2 + BF16 * 2) + splits * D * FP32
+        d = REGISTRY[Op(int(opv))]
+        if not d.claimer:
+            out[m] = d.task_bytes(words[m].astype(np.int64), geo, params)
     return out
 
 
-def _expected_active(geo, params: CostParams) -> int:
-    if params.active_experts is not None:
-        return int(params.active_experts)
-    E, k, R = geo.experts, geo.top_k, geo.rows
-    if not E:
-        return 0
-    return max(min(k, E), int(round(E * (1.0 - (1.0 - k / E) ** R))))
-
-
-def _claimed_work(op: int, geo, params: CostParams) -> tuple[int, float]:
-    """(claimed tasks, bytes per claimed task) of one queue of one layer."""
-    if op == Op.ATTN_DRAIN:
-        ns = _full_splits(geo, params)
-        n = geo.rows * geo.kv_heads * ns
-        return n, float(_attn_bytes(geo, np.array([_ctx(geo, params)]), np.array([ns]))[0])
-    act = _expected_active(geo, params)
-    rows_per_expert = geo.rows * geo.top_k / max(act, 1)
-    if op == Op.MOE_UPGATE_DRAIN:
-        b = geo.moe_up_bn * geo.hidden * BF16 + rows_per_expert * (geo.hidden + geo.moe_up_bn // 2) * BF16
-        return act * geo.up_tiles, float(b)
-    b = geo.moe_down_bn * geo.expert_width * BF16 + rows_per_expert * (geo.expert_width * BF16 + geo.moe_down_bn * FP32)
-    return act * geo.down_tiles, float(b)
-
-
 # --------------------------------------------------------------------------
-# timed simulation
+# timed simulation (the one walker of SM queues: megac.passes.walk)
 # --------------------------------------------------------------------------
-_CLAIMERS = {int(o) for o in abi.CLAIMERS}
+class _TimedHooks(Hooks):
+    """Time and bytes per piece of work. A claimer queue's claimed tasks are
+    claimed one at a time by whichever claimer gets there first; the queue's
+    counters complete when its last claimed task ends."""
+
+    def __init__(self, p, cost: list[float], nbytes, op, layer, params: CostParams) -> None:
+        geo = p.geo
+        self.cost, self.nbytes, self.op, self.layer = cost, nbytes, op, layer
+        self.cg = p.claimer_group.tolist()
+        us_per_byte = 1e6 * p.num_sms / params.bandwidth
+        C = p.num_counters
+        self.g_left, self.g_cost, self.g_bytes, self.g_sigs, self.g_waits = [], [], [], [], []
+        self.g_run, self.g_end = [], []
+        for g in p.groups:
+            n, b = REGISTRY[Op(g.op)].claimed_work(geo, params)
+            self.g_left.append(n)
+            self.g_run.append(n)
+            self.g_bytes.append(b)
+            self.g_cost.append(params.fixed_us + b * us_per_byte)
+            self.g_waits.append(sorted({c for c, _ in g.waits if 0 <= c < C}))
+            self.g_sigs.append(sorted({c for c, _ in g.signals if 0 <= c < C}))
+            self.g_end.append(0.0)
+        self.rec: list[tuple] = []  # (sm, start, end, opcode, layer, bytes, claimed, task)
+
+    def run_task(self, s, k, t):
+        e = t + self.cost[k]
+        self.rec.append((s, t, e, int(self.op[k]), int(self.layer[k]), float(self.nbytes[k]), False, k))
+        return e
+
+    def claim(self, s, k, t):
+        gi = self.cg[k]
+        if self.g_left[gi] <= 0:
+            return None
+        self.g_left[gi] -= 1
+        return Claim([(c, 0) for c in self.g_waits[gi]], [], gi)
+
+    def run_claimed(self, s, k, claim, t):
+        gi = claim.payload
+        e = t + self.g_cost[gi]
+        self.rec.append((s, t, e, int(self.op[k]), int(self.layer[k]), self.g_bytes[gi], True, -1))
+        self.g_end[gi] = max(self.g_end[gi], e)
+        self.g_run[gi] -= 1
+        if self.g_run[gi] == 0:
+            for c in self.g_sigs[gi]:
+                self.walker.signal(c, self.g_end[gi])
+        return e
 
 
 def simulate(schedule, params: CostParams | None = None, **overrides) -> CostResult:
@@ -203,142 +180,32 @@ def simulate(schedule, params: CostParams | None = None, **overrides) -> CostRes
             raise TypeError(f"unknown cost parameter {k!r}")
         setattr(params, k, v)
     geo = schedule.geometry
-    tasks = np.asarray(schedule.tasks)
-    counts = np.asarray(schedule.task_counts, dtype=np.int64)
-    S = tasks.shape[0]
-    C = int(schedule.num_counters)
-    live = np.arange(tasks.shape[1])[None, :] < counts[:, None]
-    words = tasks[live]
-    sm_of = np.repeat(np.arange(S), counts)
-    start_of = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    op = words[:, H.OPCODE].astype(np.int64)
-    layer = words[:, H.LAYER].astype(np.int64)
-    nbytes = task_bytes(words, geo, params)
+    p = Program(schedule.tasks, schedule.task_counts, int(schedule.num_counters), geo)
+    build_groups(p, Sink())
+    S, C = p.num_sms, p.num_counters
+    nbytes = task_bytes(p.words, geo, params)
     us_per_byte = 1e6 * S / params.bandwidth
     cost = (params.fixed_us + nbytes * us_per_byte).tolist()
-    lat = params.dependency_latency_us
-
-    # claimer groups: (op, layer) -> claimed tasks, their cost, waits, signals
-    gkey: dict[tuple[int, int], int] = {}
-    g_left: list[int] = []
-    g_cost: list[float] = []
-    g_bytes: list[float] = []
-    g_waits: list[list[int]] = []
-    g_sigs: list[list[int]] = []
-    g_end: list[float] = []
-    g_done: list[bool] = []
-    task_group = np.full(len(words), -1, dtype=np.int64)
-    from megac import access as _access
-
-    for i in np.flatnonzero(np.isin(op, list(_CLAIMERS))):
-        key = (int(op[i]), int(layer[i]))
-        if key not in gkey:
-            gkey[key] = len(g_left)
-            n, b = _claimed_work(key[0], geo, params)
-            w = words[i].astype(np.int64)
-            o = Op(key[0])
-            queue = _access.CLAIMER_QUEUE[o]
-            sub = _access.queue_subtasks(queue, key[1], geo)
-            wb, sb = int(w[F(o, "TASK_WAIT_BASE")]), int(w[F(o, "TASK_SIGNAL_BASE")])
-            g_left.append(n)
-            g_bytes.append(b)
-            g_cost.append(params.fixed_us + b * us_per_byte)
-            g_waits.append(sorted({wb + int(x) for x in np.unique(sub.wait_offset) if 0 <= wb + x < C}))
-            g_sigs.append(sorted({sb + int(x) for x in np.unique(sub.signal_offset) if 0 <= sb + x < C}))
-            g_end.append(0.0)
-            g_done.append(False)
-        task_group[i] = gkey[key]
-
-    # counter state: signalling units left, time of the last signal
-    sig = words[:, H.SIGNAL].astype(np.int64)
-    sig = np.where((sig >= 0) & (sig < C), sig, -1)
-    units = np.bincount(sig[sig >= 0], minlength=C).astype(np.int64)
-    for ss in g_sigs:
-        for c in ss:
-            units[c] += 1
-    rem = units.tolist()
-    last = [0.0] * C
 
     def ok(v):
-        return np.where((v >= 0) & (v < C), v, -1).tolist()
+        return np.where((v >= 0) & (v < C), v, -1)
 
-    w0, w1, sgl = ok(words[:, H.WAIT0].astype(np.int64)), ok(words[:, H.WAIT1].astype(np.int64)), sig.tolist()
-    tg = task_group.tolist()
-    head = start_of[:-1].tolist()
-    end = start_of[1:].tolist()
-    free = [0.0] * S
-    blocked: dict[int, list[int]] = {}
-    heap = [(0.0, s) for s in range(S) if head[s] < end[s]]
-    heapq.heapify(heap)
-    rec: list[tuple] = []  # (sm, start, end, opcode, layer, bytes, claimed, task)
-
-    def signal(c: int, t: float) -> None:
-        rem[c] -= 1
-        if t > last[c]:
-            last[c] = t
-        if rem[c] == 0 and c in blocked:
-            for s2 in blocked.pop(c):
-                heapq.heappush(heap, (max(free[s2], last[c] + lat), s2))
-
-    def ready_time(cs, t):
-        """(blocking counter or -1, earliest start)."""
-        for c in cs:
-            if c >= 0:
-                if rem[c] > 0:
-                    return c, t
-                t = max(t, last[c] + lat)
-        return -1, t
-
-    while heap:
-        t, s = heapq.heappop(heap)
-        k = head[s]
-        if k >= end[s]:
-            continue
-        b, t0 = ready_time((w0[k], w1[k]), t)
-        if b >= 0:
-            blocked.setdefault(b, []).append(s)
-            continue
-        gi = tg[k]
-        if gi >= 0:
-            if g_done[gi]:  # queue drained: the claimer passes
-                head[s] = k + 1
-                free[s] = t0
-                heapq.heappush(heap, (t0, s))
-                continue
-            b, t1 = ready_time(g_waits[gi], t0)
-            if b >= 0:
-                blocked.setdefault(b, []).append(s)
-                continue
-            if g_left[gi] > 0:
-                g_left[gi] -= 1
-                e = t1 + g_cost[gi]
-                rec.append((s, t1, e, int(op[k]), int(layer[k]), g_bytes[gi], True, -1))
-                g_end[gi] = max(g_end[gi], e)
-                free[s] = e
-            else:
-                e = t1
-            if g_left[gi] == 0:
-                g_done[gi] = True
-                for c in g_sigs[gi]:
-                    signal(c, max(g_end[gi], t1))
-            heapq.heappush(heap, (e, s))  # claim again (or pass) when free
-            continue
-        e = t0 + cost[k]
-        rec.append((s, t0, e, int(op[k]), int(layer[k]), float(nbytes[k]), False, k))
-        free[s] = e
-        head[s] = k + 1
-        if sgl[k] >= 0:
-            signal(sgl[k], e)
-        heapq.heappush(heap, (e, s))
-    stuck = [s for s in range(S) if head[s] < end[s]]
+    sig = ok(p.sig)
+    units = np.bincount(sig[sig >= 0], minlength=C).astype(np.int64)
+    hooks = _TimedHooks(p, cost, nbytes, p.op, p.layer, params)
+    for ss in hooks.g_sigs:
+        for c in ss:
+            units[c] += 1  # a queue completes its counters as one unit
+    walker = Walker(p.start, ok(p.w0), p.t0, ok(p.w1), p.t1, sig, p.claimer_group >= 0,
+                    UnitCounters(units, params.dependency_latency_us), hooks)
+    stuck = walker.run("time")
     if stuck:
-        from megac.errors import MegacError
-
-        s = stuck[0]
+        b = stuck[0]
         raise MegacError(
-            f"costmodel: the schedule does not complete (SM {s} stuck at slot {head[s] - start_of[s]} "
-            f"{Op(int(op[head[s]])).name}); run the verifier"
+            f"costmodel: the schedule does not complete (SM {b.sm} stuck at slot {b.task - p.start[b.sm]} "
+            f"{Op(int(p.op[b.task])).name}); run the verifier"
         )
+    rec = hooks.rec
     cols = list(zip(*rec)) if rec else [()] * 8
     res = CostResult(
         sm=np.array(cols[0], dtype=np.int64),
@@ -361,7 +228,7 @@ def simulate(schedule, params: CostParams | None = None, **overrides) -> CostRes
     res.bw_fraction = res.lower_bound_us / res.step_us if res.step_us > 0 else 0.0
     res.meta = {
         "context": _ctx(geo, params),
-        "active_experts": _expected_active(geo, params),
+        "active_experts": expected_active_experts(geo, params),
         "fixed_us": params.fixed_us,
         "dependency_latency_us": params.dependency_latency_us,
     }

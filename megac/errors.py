@@ -26,4 +26,25 @@ class SpecError(MegacError):
     outside the supported envelope."""
 
 
-__all__ = ["MegacError", "SpecError"]
+class VMError(MegacError):
+    """A task that cannot execute or a schedule that cannot run (raised by the
+    opcode semantics and the executors). Attributes name where: ``sm``,
+    ``slot``, ``opcode``, ``layer``, ``counter``, ``buffer`` (None when not
+    applicable)."""
+
+    def __init__(self, message: str, *, sm=None, slot=None, opcode=None, layer=None, counter=None,
+                 buffer=None) -> None:
+        super().__init__(message)
+        self.sm, self.slot, self.opcode, self.layer = sm, slot, opcode, layer
+        self.counter, self.buffer = counter, buffer
+
+
+class BadTaskError(VMError):
+    """A descriptor field the semantics cannot honour (range, layout, unmapped KV page)."""
+
+
+class QueueOverflowError(VMError):
+    """ROUTE_FINALIZE (or the host) would write past a queue's capacity."""
+
+
+__all__ = ["BadTaskError", "MegacError", "QueueOverflowError", "SpecError", "VMError"]

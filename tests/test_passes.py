@@ -257,17 +257,17 @@ def test_assign_and_encode_ensures():
 
 def test_depend_fails_loudly_on_more_than_two_waits(monkeypatch):
     """A consumer that needs three unrelated counters is an error, not a guess."""
-    import megac.access as acc
+    from megac.ops import REGISTRY
 
-    orig = acc._ops_access
+    combine = REGISTRY[Op.MOE_COMBINE]
+    orig = combine.access
 
-    def patched(accum, words, idx, op, geo):
-        orig(accum, words, idx, op, geo)
-        if op == Op.MOE_COMBINE:  # also read the O-proj partials: route + moe_down + oproj
-            layer = words[idx, H.LAYER].astype(np.int64)
-            accum.add("o_part", False, idx, (layer, layer + 1), (0, geo.kv_heads), (0, geo.rows), (0, geo.hidden))
+    def patched(accum, w, idx, layer, geo):
+        orig(accum, w, idx, layer, geo)
+        # also read the O-proj partials: route + moe_down + oproj
+        accum.add("o_part", False, idx, (layer, layer + 1), (0, geo.kv_heads), (0, geo.rows), (0, geo.hidden))
 
-    monkeypatch.setattr(acc, "_ops_access", patched)
+    monkeypatch.setattr(combine, "access", patched)
     with pytest.raises(PassError, match=r"depend: L1.moe_combine: a task needs 3 waits \(max 2\): "
                                         r"\['route\[1\]', 'oproj\[1\]', 'moe_down\[1\]'\]"):
         fresh()

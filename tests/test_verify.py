@@ -21,6 +21,7 @@ from megac import abi
 from megac.abi import H, Op
 from megac.geometry import Geometry
 from megac.passes import verify as V
+from megac.passes.boxjoin import box_pairs
 from megac.spec import load_spec
 
 F = abi.field_index
@@ -627,7 +628,7 @@ def test_pairs_finds_exactly_the_overlapping_boxes():
 
         la, ha = boxes(na)
         lb, hb = boxes(nb)
-        i, j = V._pairs(la, ha, lb, hb, max_candidates=int(rng.integers(1, 50)))
+        i, j = box_pairs(la, ha, lb, hb, max_candidates=int(rng.integers(1, 50)))
         got = sorted(zip(i.tolist(), j.tolist()))
         want = [(x, y) for x in range(na) for y in range(nb)
                 if all(la[x, d] < hb[y, d] and lb[y, d] < ha[x, d] for d in range(D))]

@@ -5,7 +5,8 @@ interleaved, counters simulated, happens-before tracked per buffer element).
 
 * :mod:`megac.vm.state` -- ``VMWeights`` (kernel-layout weights), ``DeviceState``
   (every launch-descriptor buffer, allocated from the buffer plan)
-* :mod:`megac.vm.ops` -- per-opcode semantics
+* :mod:`megac.vm.machine` -- ``VM``: runs any opcode through its definition
+  (``megac.ops``), with the shared GEMM products, caches and claim cursor
 * :mod:`megac.vm.interp` -- ``Interpreter.run_fast`` / ``run_checked`` and the errors
 * :mod:`megac.vm.step` -- ``DecodeStep``: the host side of one step
 * :mod:`megac.vm.engine` -- ``Engine``: prefill + decode loop, sampling;
@@ -28,7 +29,8 @@ from megac.vm.interp import (
     OverwriteError,
     coalesced_runs,
 )
-from megac.vm.ops import BadTaskError, Ops, QueueOverflowError, VMError
+from megac.errors import BadTaskError, QueueOverflowError, VMError
+from megac.vm.machine import VM
 from megac.vm.state import DeviceState, VMWeights
 from megac.vm.step import DecodeStep
 
@@ -43,7 +45,7 @@ __all__ = [
     "EngineStats",
     "HazardError",
     "Interpreter",
-    "Ops",
+    "VM",
     "OverwriteError",
     "QueueOverflowError",
     "ScheduleSet",

@@ -10,7 +10,7 @@
 topological order, claimers included: the ``order`` pass guarantees every
 input of a claimed task precedes the first claimer of its queue). Consecutive
 tasks of one opcode and layer form a *run* executed by one vectorised call
-(``Ops`` methods take ``[n, 32]`` words) unless a task of the run waits on a
+(``VM.run`` takes ``[n, 32]`` words) unless a task of the run waits on a
 counter an earlier task of the run signals. Claimers execute in place: the
 first drains its queue. No counters, no tracking (``check_order=True`` keeps
 the counters and raises if a task or claimed record would run before its
@@ -47,14 +47,20 @@ and the readers since; scratch is poisoned with NaN. Errors:
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from megac import abi
 from megac.abi import H, Op, Queue
-from megac.vm.ops import NULL_TRACKER, BadTaskError, Ops, VMError
+from megac.errors import BadTaskError, VMError
+from megac.ops import opdef
+from megac.ops.base import claim_sync
+from megac.passes.hb import counter_closure, part_wait_sets
+from megac.passes.program import Program, build_groups
+from megac.passes.violations import Sink
+from megac.passes.walk import HELD, PHASE_NAMES, WAIT0, WAIT1, Claim, Hooks, ValueCounters, Walker
+from megac.vm.machine import NULL_TRACKER, VM
 
 
 class DeadlockError(VMError):
@@ -139,7 +145,10 @@ class _Track:
 
 
 class Tracker:
-    """Element-level last-writer / readers tracking for one step."""
+    """Element-level last-writer / readers tracking for one step. Ordering
+    between events is the counter closure (:mod:`megac.passes.hb`): the
+    writer's signal counter must lie in the closure of the counters the
+    reader has acquired so far."""
 
     def __init__(self, run: "CheckedRun") -> None:
         self.run = run
@@ -192,12 +201,17 @@ class Tracker:
         raise cls(f"{ev.describe(self.run.sched)}: {msg}", sm=ev.sm, slot=ev.slot, opcode=ev.op, layer=ev.layer,
                   counter=counter, buffer=buffer)
 
+    def _before(self, e: int) -> bool:
+        """Event ``e`` happens-before the current event (at its current phase)."""
+        r = self.run
+        return r.closure.ordered(r.cur_acq, r.events[e].signal)
+
     def read(self, name: str, index) -> None:
         t = self.bufs.get(name)
         if t is None:
             return
         r = self.run
-        ev, hb = r.cur_ev, r.cur_hb
+        ev = r.cur_ev
         lw = t.lastw[index]
         if lw.size == 0:
             return
@@ -207,7 +221,7 @@ class Tracker:
                 if not ok:
                     self._err(EarlyReadError, f"reads {name}{_fmt(index)} before anything wrote it (no counter "
                                               f"wait orders its producer first){r.waits_note()}", name)
-            elif w != ev and not (hb >> w) & 1:
+            elif w != ev and not self._before(w):
                 wev = r.events[w]
                 self._err(EarlyReadError,
                           f"reads {name}{_fmt(index)} written by {wev.describe(r.sched)}, but no counter wait "
@@ -236,24 +250,25 @@ class Tracker:
         if t is None:
             return
         r = self.run
-        ev, hb = r.cur_ev, r.cur_hb
+        ev = r.cur_ev
         lw = t.lastw[index]
         if lw.size == 0:
             return
         for w in np.unique(lw).tolist():
-            if w >= 0 and w != ev and not (hb >> w) & 1:
+            if w >= 0 and w != ev and not self._before(w):
                 wev = r.events[w]
                 self._err(OverwriteError, f"overwrites {name}{_fmt(index)} written by {wev.describe(r.sched)} "
                                           f"with no counter ordering the two writes{r.waits_note()}", name)
-        mine = ~(1 << ev)
         for u in np.unique(t.rset[index]).tolist():
-            bad = self.sets[u] & mine & ~hb
-            if bad:
-                rid = (bad & -bad).bit_length() - 1
-                rev = r.events[rid]
-                self._err(OverwriteError, f"overwrites {name}{_fmt(index)} that {rev.describe(r.sched)} reads, "
-                                          f"with no counter ordering that read before this write"
-                                          f"{r.waits_note()}", name)
+            bits = self.sets[u] & ~(1 << ev)
+            while bits:
+                rid = (bits & -bits).bit_length() - 1
+                bits &= bits - 1
+                if not self._before(rid):
+                    rev = r.events[rid]
+                    self._err(OverwriteError, f"overwrites {name}{_fmt(index)} that {rev.describe(r.sched)} reads, "
+                                              f"with no counter ordering that read before this write"
+                                              f"{r.waits_note()}", name)
         t.lastw[index] = ev
         t.rset[index] = 0
 
@@ -272,55 +287,21 @@ def _fmt(index) -> str:
 
 
 # ---------------------------------------------------------------------------
-# checked mode: the SM simulation
+# checked mode: the SM queues (megac.passes.walk) with the VM as hooks
 # ---------------------------------------------------------------------------
-def _claim_sync(geo, ops: Ops, op: Op, w: np.ndarray, r: np.ndarray) -> tuple[int, int, int]:
-    """(wait counter, target, signal counter) of claimed record ``r`` of claimer
-    ``w`` (the ABI's offsets: attention waits TASK_WAIT_BASE + kv_head and
-    signals TASK_SIGNAL_BASE + row*kv_heads + kv_head; MoE up waits
-    TASK_WAIT_BASE and signals + expert; MoE down waits + expert and signals
-    TASK_SIGNAL_BASE)."""
-    base = int(w[abi.field_index(op, "TASK_WAIT_BASE")])
-    target = int(w[abi.field_index(op, "TASK_WAIT_TARGET")])
-    sbase = int(w[abi.field_index(op, "TASK_SIGNAL_BASE")])
-    q = Queue(int(w[abi.field_index(op, "QUEUE")]))
-    if q == Queue.ATTN:
-        kvh = int(r[abi.record_index(q, "KV_HEAD")])
-        row = int(r[abi.record_index(q, "ROW")])
-        woff, soff = kvh, row * geo.kv_heads + kvh
-    elif q == Queue.MOE_UP:
-        woff, soff = 0, int(r[abi.record_index(q, "EXPERT")])
-    else:
-        woff, soff = int(r[abi.record_index(q, "EXPERT")]), 0
-    wc = base + woff if base >= 0 else -1
-    sg = sbase + soff if sbase >= 0 else -1
-    tgt = ops.value(target) if wc >= 0 else 0
+def _claim_sync(geo, vm: VM, op: Op, w: np.ndarray, r: np.ndarray) -> tuple[int, int, int]:
+    """(wait counter, target value, signal counter) of claimed record ``r`` of
+    claimer ``w`` (offsets: ``ClaimerOp.offsets``)."""
+    wc, target, sg = claim_sync(opdef(op), w, r, geo)
+    tgt = vm.value(target) if wc >= 0 else 0
     return wc, tgt, sg
 
 
-START, W0, W1, CLAIM, HELD = range(5)
+class CheckedRun(Hooks):
+    """One step of the SM queues, interleaved by ``policy``, executing every
+    task and claimed record as its own event and checking every buffer
+    access against happens-before (module docstring)."""
 
-
-@dataclass
-class _SM:
-    sm: int
-    count: int
-    slot: int = 0
-    phase: int = START
-    ev: int = -1
-    hb: int = 0
-    t0: int = 0
-    t1: int = 0
-    qlen: int = 0
-    claim: tuple | None = None
-    claimed: int = field(default=0)
-
-    @property
-    def done(self) -> bool:
-        return self.slot >= self.count
-
-
-class CheckedRun:
     def __init__(self, interp: "Interpreter", policy: str = "round_robin", seed: int = 0) -> None:
         if policy not in ("round_robin", "random"):
             raise ValueError(f"unknown interleaving policy {policy!r} (round_robin | random)")
@@ -330,27 +311,39 @@ class CheckedRun:
         self.tasks = np.asarray(self.sched.tasks)
         self.counts = np.asarray(self.sched.task_counts)
         self.policy = policy
-        self.rng = random.Random(seed)
+        self.seed = seed
         self.C = len(self.st.counters)
         self.counters = self.st.counters
-        self.cbits = [0] * self.C
         self.events: list[_Event] = []
         self.cur_ev = -1
-        self.cur_hb = 0
-        self.cur_waits: tuple = ()
-        self.sms = [_SM(s, int(self.counts[s])) for s in range(len(self.counts))]
-        self.tracker = Tracker(self)
+        self.cur_acq: tuple = ()
         self.ops = interp.ops
+        p = Program(self.tasks, self.counts, self.C, self.sched.geometry)
+        self.program = p
+        for s, j in zip(p.sm.tolist(), p.slot.tolist()):
+            for c in (int(self.tasks[s, j, H.WAIT0]), int(self.tasks[s, j, H.WAIT1]), int(self.tasks[s, j, H.SIGNAL])):
+                self._check_counter(c, s, j, self.tasks[s, j])
+        sink = Sink()
+        build_groups(p, sink)
+        self.closure = counter_closure(p, part_wait_sets(p))[0]
+        self.tracker = Tracker(self)
+        self.ev_of: dict[int, int] = {}  # SM -> event of its head (or held record)
+        self.acq: dict[int, list[int]] = {}  # SM -> counters its head acquired
+        self.claim_of: dict[int, tuple] = {}
 
     # ----------------------------------------------------------------- helpers
     def waits_note(self) -> str:
-        if not self.cur_waits:
+        if not self.cur_acq:
             return " (the task waits on no counter)"
         names = []
-        for c in self.cur_waits:
+        for c in self.cur_acq:
             nm = self.sched.counters[c].name if c < len(self.sched.counters) else "?"
             names.append(f"{c} {nm}")
         return f" (it waits on counter {', '.join(names)})"
+
+    def _sm_slot(self, k: int) -> tuple[int, int]:
+        p = self.program
+        return int(p.sm[k]), int(p.slot[k])
 
     def _new_event(self, s: int, slot: int, w: np.ndarray, signal: int, note: str = "") -> int:
         self.events.append(_Event(s, slot, int(w[H.OPCODE]), int(w[H.LAYER]), signal, note))
@@ -361,19 +354,32 @@ class CheckedRun:
             raise BadTaskError(f"SM {s} slot {slot}: counter {c} outside 0..{self.C - 1}", sm=s, slot=slot,
                                opcode=int(w[H.OPCODE]), layer=int(w[H.LAYER]), counter=c)
 
-    def _target(self, t: int) -> int:
-        return self.ops.value(t)
+    def _enter(self, s: int) -> None:
+        self.cur_ev = self.ev_of[s]
+        self.cur_acq = tuple(self.acq[s])
 
-    def _enter(self, ev: int, hb: int, waits: tuple) -> None:
-        self.cur_ev, self.cur_hb, self.cur_waits = ev, hb, waits
+    def _words(self, k: int) -> np.ndarray:
+        s, j = self._sm_slot(k)
+        return self.tasks[s, j]
 
-    def _signal(self, c: int, ev: int, hb: int) -> None:
-        if c < 0:
-            return
-        self.counters[c] += 1
-        self.cbits[c] |= hb | (1 << ev)
+    # ----------------------------------------------------------------- walker hooks
+    def start(self, s, k):
+        w = self._words(k)
+        self.ev_of[s] = self._new_event(s, self._sm_slot(k)[1], w, int(w[H.SIGNAL]))
+        self.acq[s] = []
+        self._enter(s)
 
-    def _dyn_fields(self, w: np.ndarray) -> None:
+    def target(self, s, k, which, raw):
+        self._enter(s)
+        return self.ops.value(raw)
+
+    def acquired(self, s, k, c):
+        self.acq[s].append(c)
+        self._enter(s)
+
+    def after_wait0(self, s, k):
+        self._enter(s)
+        w = self._words(k)
         op = int(w[H.OPCODE])
         for dop, name in abi.DYN_CAPABLE:
             if int(dop) == op:
@@ -381,121 +387,61 @@ class CheckedRun:
                 if abi.is_dyn(v):
                     self.ops.value(v)
 
-    # ----------------------------------------------------------------- one step
-    def step(self, s: int) -> bool:
-        sm = self.sms[s]
-        if sm.done:
-            return False
-        w = self.tasks[s, sm.slot]
-        op = int(w[H.OPCODE])
-        progress = False
-        if sm.phase == START:
-            if op == Op.NOP:
-                sm.slot += 1
-                return True
-            for c in (int(w[H.WAIT0]), int(w[H.WAIT1]), int(w[H.SIGNAL])):
-                self._check_counter(c, s, sm.slot, w)
-            sm.ev = self._new_event(s, sm.slot, w, int(w[H.SIGNAL]))
-            sm.hb = 0
-            self._enter(sm.ev, 0, ())
-            sm.t0 = self._target(int(w[H.TARGET0])) if int(w[H.WAIT0]) >= 0 else 0
-            sm.phase = W0
-            progress = True
-        if sm.phase == W0:
-            c = int(w[H.WAIT0])
-            if c >= 0:
-                if self.counters[c] < sm.t0:
-                    return progress
-                sm.hb |= self.cbits[c]
-            sm.phase = W1
-            progress = True
-            self._enter(sm.ev, sm.hb, (c,) if c >= 0 else ())
-            sm.t1 = self._target(int(w[H.TARGET1])) if int(w[H.WAIT1]) >= 0 else 0
-            self._dyn_fields(w)
-        if sm.phase == W1:
-            c = int(w[H.WAIT1])
-            if c >= 0:
-                if self.counters[c] < sm.t1:
-                    return progress
-                sm.hb |= self.cbits[c]
-            waits = tuple(x for x in (int(w[H.WAIT0]), c) if x >= 0)
-            self._enter(sm.ev, sm.hb, waits)
-            if op in abi.CLAIMERS:
-                o = Op(op)
-                sm.qlen = self.ops.value(int(w[abi.field_index(o, "QUEUE_LEN")]))
-                sm.phase = CLAIM
-                progress = True
-            else:
-                self.ops.run(w[None, :])
-                self._signal(int(w[H.SIGNAL]), sm.ev, sm.hb)
-                sm.slot += 1
-                sm.phase = START
-                return True
-        if sm.phase == CLAIM:
-            o = Op(op)
-            q = int(w[abi.field_index(o, "QUEUE")])
-            layer = int(w[H.LAYER])
-            heads = self.st.queue_heads
-            if not 0 <= q < heads.shape[0] or not 0 <= layer < heads.shape[1]:
-                raise BadTaskError(f"SM {s} slot {sm.slot}: queue {q} layer {layer} has no claim cursor",
-                                   sm=s, slot=sm.slot, opcode=op, layer=layer)
-            idx = int(heads[q, layer])
-            heads[q, layer] += 1
-            if idx >= sm.qlen:
-                self._signal(int(w[H.SIGNAL]), sm.ev, sm.hb)
-                sm.slot += 1
-                sm.phase = START
-                return True
-            self._enter(sm.ev, sm.hb, self.cur_waits)
-            r = self.ops.queue_records(q, layer, idx, idx + 1)[0]
-            wc, tgt, sg = self._claim_sync(o, w, r)
-            self._check_counter(wc, s, sm.slot, w)
-            self._check_counter(sg, s, sm.slot, w)
-            ev = self._new_event(s, sm.slot, w, sg, note=f" (claimed {Queue(q).name} record {idx} "
-                                                        f"{list(int(x) for x in r)})")
-            sm.claim = (r, wc, tgt, sg, ev, sm.hb)
-            sm.phase = HELD
-            progress = True
-        if sm.phase == HELD:
-            r, wc, tgt, sg, ev, hb = sm.claim
-            if wc >= 0:
-                if self.counters[wc] < tgt:
-                    return progress
-                hb |= self.cbits[wc]
-            waits = tuple(x for x in (int(w[H.WAIT0]), int(w[H.WAIT1]), wc) if x >= 0)
-            self._enter(ev, hb, waits)
-            self.ops.claimed(w, r[None, :])
-            self._signal(sg, ev, hb)
-            sm.claim = None
-            sm.claimed += 1
-            sm.phase = CLAIM
-            return True
-        return progress
+    def run_task(self, s, k, t):
+        self._enter(s)
+        self.ops.run(self._words(k)[None, :])
+        return t
 
-    def _claim_sync(self, op: Op, w: np.ndarray, r: np.ndarray) -> tuple[int, int, int]:
-        return _claim_sync(self.st.geo, self.ops, op, w, r)
+    def claim(self, s, k, t):
+        self._enter(s)
+        w = self._words(k)
+        o = Op(int(w[H.OPCODE]))
+        if s not in self.claim_of:  # first claim of this claimer: the queue length
+            self.claim_of[s] = (k, self.ops.value(int(w[abi.field_index(o, "QUEUE_LEN")])))
+        qlen = self.claim_of[s][1]
+        q = int(w[abi.field_index(o, "QUEUE")])
+        layer = int(w[H.LAYER])
+        heads = self.st.queue_heads
+        slot = self._sm_slot(k)[1]
+        if not 0 <= q < heads.shape[0] or not 0 <= layer < heads.shape[1]:
+            raise BadTaskError(f"SM {s} slot {slot}: queue {q} layer {layer} has no claim cursor",
+                               sm=s, slot=slot, opcode=int(o), layer=layer)
+        idx = int(heads[q, layer])
+        heads[q, layer] += 1
+        if idx >= qlen:
+            del self.claim_of[s]
+            return None
+        r = self.ops.queue_records(q, layer, idx, idx + 1)[0]
+        wc, tgt, sg = _claim_sync(self.st.geo, self.ops, o, w, r)
+        self._check_counter(wc, s, slot, w)
+        self._check_counter(sg, s, slot, w)
+        ev = self._new_event(s, slot, w, sg, note=f" (claimed {Queue(q).name} record {idx} "
+                                                  f"{list(int(x) for x in r)})")
+        self.claim_of[s] = (k, qlen, self.ev_of[s], list(self.acq[s]))
+        self.ev_of[s] = ev
+        return Claim([(wc, tgt)] if wc >= 0 else [], [sg] if sg >= 0 else [], r)
+
+    def run_claimed(self, s, k, claim, t):
+        self._enter(s)
+        self.ops.claimed(self._words(k), np.asarray(claim.payload)[None, :])
+        # back to the claimer's own event and waits for the next claim
+        _, qlen, ev, acq = self.claim_of[s]
+        self.claim_of[s] = (k, qlen)
+        self.ev_of[s], self.acq[s] = ev, acq
+        return t
 
     # ----------------------------------------------------------------- run
     def run(self) -> None:
         ops = self.ops
         ops.tr = self.tracker
+        p = self.program
+        walker = Walker(p.start, p.w0, p.t0, p.w1, p.t1, p.sig, np.isin(p.op, [int(o) for o in abi.CLAIMERS]),
+                        ValueCounters(self.counters), self)
+        self.walker = walker
         try:
-            S = len(self.sms)
-            while True:
-                alive = [s for s in range(S) if not self.sms[s].done]
-                if not alive:
-                    break
-                progressed = False
-                if self.policy == "random":
-                    self.rng.shuffle(alive)
-                for s in alive:
-                    k = self.rng.randint(1, 3) if self.policy == "random" else 1
-                    for _ in range(k):
-                        if not self.step(s):
-                            break
-                        progressed = True
-                if not progressed:
-                    self._deadlock(alive)
+            stuck = walker.run(self.policy, self.seed)
+            if stuck:
+                self._deadlock(stuck)
         except VMError as e:
             if e.sm is None and 0 <= self.cur_ev < len(self.events):  # say where
                 ev = self.events[self.cur_ev]
@@ -506,25 +452,18 @@ class CheckedRun:
         finally:
             ops.tr = NULL_TRACKER
 
-    def _deadlock(self, alive: list[int]) -> None:
+    def _deadlock(self, stuck) -> None:
         sched = self.sched
         blocked = []
-        for s in sorted(alive):
-            sm = self.sms[s]
-            w = self.tasks[s, sm.slot]
-            if sm.phase == HELD:
-                c, t = sm.claim[1], sm.claim[2]
-                what = "a claimed record"
-            elif sm.phase == W1:
-                c, t = int(w[H.WAIT1]), sm.t1
-                what = "WAIT1"
-            else:
-                c, t = int(w[H.WAIT0]), sm.t0
-                what = "WAIT0"
+        for b in stuck:
+            s, slot = self._sm_slot(b.task)
+            w = self.tasks[s, slot]
+            what = {WAIT0: "WAIT0", WAIT1: "WAIT1", HELD: "a claimed record"}.get(b.phase, PHASE_NAMES[b.phase])
+            c = b.counter
             blocked.append({
-                "sm": s, "slot": sm.slot, "opcode": Op(int(w[H.OPCODE])).name, "layer": int(w[H.LAYER]),
+                "sm": s, "slot": slot, "opcode": Op(int(w[H.OPCODE])).name, "layer": int(w[H.LAYER]),
                 "counter": c, "counter_name": sched.counters[c].name if 0 <= c < len(sched.counters) else "?",
-                "value": int(self.counters[c]) if c >= 0 else None, "target": t, "wait": what,
+                "value": int(self.counters[c]) if c >= 0 else None, "target": b.target, "wait": what,
                 "missing": self._missing(c),
             })
         b = blocked[0]
@@ -541,8 +480,9 @@ class CheckedRun:
         if c < 0:
             return []
         out = []
-        for s, sm in enumerate(self.sms):
-            for j in range(sm.slot, sm.count):
+        p = self.program
+        for s in range(len(self.counts)):
+            for j in range(self.walker.head[s] - int(p.start[s]), int(self.counts[s])):
                 w = self.tasks[s, j]
                 if int(w[H.SIGNAL]) == c:
                     out.append(f"SM {s} slot {j} {Op(int(w[H.OPCODE])).name} layer {int(w[H.LAYER])}")
@@ -550,17 +490,9 @@ class CheckedRun:
                 if op in abi.CLAIMERS:
                     o = Op(op)
                     sb = int(w[abi.field_index(o, "TASK_SIGNAL_BASE")])
-                    if sb >= 0 and sb <= c < sb + self._signal_span(o):
+                    if sb >= 0 and sb <= c < sb + opdef(o).signal_span(self.st.geo):
                         out.append(f"claimed tasks of SM {s} slot {j} {o.name} layer {int(w[H.LAYER])}")
         return out
-
-    def _signal_span(self, op: Op) -> int:
-        geo = self.st.geo
-        if op == Op.ATTN_DRAIN:
-            return geo.rows * geo.kv_heads
-        if op == Op.MOE_UPGATE_DRAIN:
-            return max(geo.experts, 1)
-        return 1
 
 
 # ---------------------------------------------------------------------------
@@ -574,7 +506,7 @@ class Interpreter:
         sched = state.schedule
         self.words = np.ascontiguousarray(sched.global_words())
         self.runs = coalesced_runs(self.words)
-        self.ops = Ops(state)
+        self.ops = VM(state)
 
     def run_fast(self, *, check_order: bool = False) -> None:
         """Execute the global order. ``check_order``: also keep the counters and

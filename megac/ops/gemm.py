@@ -1,0 +1,411 @@
+"""The GEMM family: QKV_PROJ, O_PROJ, FFN_UPGATE_ACT, FFN_DOWN, ROUTER_GEMM,
+LM_HEAD. One task is one tile ``Y[rows, N0:N0+N_LEN] = X[rows, K0:K0+K_LEN] .
+W[N0:N0+N_LEN, K0:K0+K_LEN]^T`` with an opcode-specific epilogue.
+
+Shared fields (``abi._GEMM``): N0, N_LEN, K0, K_LEN, SPLIT.
+
+CPU numerics: every tile is a slice of one per-row product (op, layer, K
+range, row) computed once per step by the VM (``VM.products``), so tasks
+grouped any way give the same bits. Split-K partials are fp32, reduced by
+their consumer in split order.
+
+Device: ``opcodes/gemm_tile.cuh`` (the tiny-M MMA tile over tiled weights)
+with the epilogues of ``opcodes/gemm_epilogues.cuh``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch.nn.functional as F
+
+from megac import abi
+from megac.abi import Flag, H, Op
+from megac.errors import BadTaskError
+from megac.ops.base import BF16, BIG, FP32, Limits, OpDef, at, field, span, summed
+from megac.ops.cpu import as_slice, cols, idx, ranges, rotate
+
+
+class GemmOp(OpDef):
+    """What every GEMM-like opcode shares: the N/K/SPLIT fields, their rules,
+    the bytes of a tile."""
+
+    header = "gemm_tile.cuh"
+    #: bytes of one output element the tile stores (fp32 partials unless overridden)
+    out_bytes_per_n: float = FP32
+
+    def dims(self, geo) -> tuple[int, int]:
+        """(N, K) of the whole weight of one layer."""
+        raise NotImplementedError
+
+    def split_slots(self, lim: Limits) -> int:
+        """Partial slots SPLIT may index."""
+        return BIG
+
+    def check_tiles(self, F_, geo):
+        n_dim, k_dim = self.dims(geo)
+        if np.any(F_["N0"] < 0) or np.any(F_["N_LEN"] < 1) or np.any(F_["N0"] + F_["N_LEN"] > n_dim):
+            return f"N range outside [0, {n_dim})"
+        if np.any(F_["K0"] < 0) or np.any(F_["K_LEN"] < 1) or np.any(F_["K0"] + F_["K_LEN"] > k_dim):
+            return f"K range outside [0, {k_dim})"
+        return None
+
+    def field_rules(self, lim):
+        op = self.op
+        n_total, k_total = self.dims(lim.geo)
+        return [
+            ("N0", 0, n_total, False),
+            ("N_LEN", 1, n_total + 1, False),
+            (summed(op, "N0", "N_LEN"), 1, n_total + 1, False),
+            ("K0", 0, k_total, False),
+            ("K_LEN", 1, k_total + 1, False),
+            (summed(op, "K0", "K_LEN"), 1, k_total + 1, False),
+            ("SPLIT", 0, self.split_slots(lim), False),
+        ]
+
+    def task_bytes(self, w, geo, params):
+        nl, kl = field(w, self.op, "N_LEN"), field(w, self.op, "K_LEN")
+        return nl * kl * BF16 + geo.rows * kl * BF16 + geo.rows * self.out_elem(nl)
+
+    def out_elem(self, nl: np.ndarray) -> np.ndarray:
+        return FP32 * nl
+
+    # -- CPU helpers ---------------------------------------------------------
+    def run_splitk(self, vm, words, xbuf: str, xslot, W_of, out: str) -> None:
+        """Split-K partial GEMM tiles: ``out[layer, split, :, n0:n0+nl]`` (fp32).
+        ``xslot``: the input slot as a function of the layer, or the name of
+        the field that holds it."""
+        op = self.op
+        by_field = isinstance(xslot, str)
+
+        def build(words):
+            groups = []
+            keys = ("K0", "K_LEN", "SPLIT") + ((xslot,) if by_field else ())
+            for key, ti in vm.groups(words, op, keys):
+                layer, k0, kl, split = key[:4]
+                xs = vm.x_slot(op, key[4], layer) if by_field else xslot(layer)
+                W = W_of(layer)
+                vm.check_k(op, k0, kl, W.shape[1])
+                n0, nl = field(words[ti], op, "N0"), field(words[ti], op, "N_LEN")
+                vm.check_n(op, n0, nl, W.shape[0])
+                if not 0 <= split < vm.st[out].shape[1]:
+                    raise BadTaskError(f"{op.name}: SPLIT {split} outside the {out} buffer "
+                                       f"({vm.st[out].shape[1]} slots)", layer=layer)
+                rngs = [(int(a), int(b)) for a, b in zip(n0, n0 + nl)]
+                groups.append((layer, k0, kl, split, xs, rngs, as_slice(cols(n0, nl))))
+            return groups
+
+        buf = vm.st[out]
+        for layer, k0, kl, split, xs, rngs, cs in vm.plan(op.name, words, build):
+            vm.tr.read(xbuf, (xs, slice(None), slice(k0, k0 + kl)))
+            Y = vm.products((op, layer, k0, kl), xbuf, (xs,), k0, kl, W_of(layer))
+            for a, b in rngs:
+                vm.tr.write(out, (layer, split, slice(None), slice(a, b)))
+            buf[layer, split, :, cs] = Y[:, cs]
+
+
+class QkvProj(GemmOp):
+    """One head tile of the fused Q/K/V projection; RoPE on flagged heads;
+    K/V of active rows appended to the paged cache at ``seq_pos``."""
+
+    op = Op.QKV_PROJ
+    node_kinds = ("qkv",)
+    device_fn = "qkv_proj"
+
+    def dims(self, geo):
+        return geo.qkv_width, geo.hidden
+
+    def flags(self, nt, geo):
+        flags = np.zeros(nt.n, dtype=np.int64)
+        if geo.rope[nt.layer]:
+            f = Flag.ROPE | (Flag.ROPE_HALF if geo.rope_half else 0)
+            flags[nt.fields["PART"] != abi.QkvPart.V] = int(f)
+        return flags
+
+    def check_tiles(self, F_, geo):
+        problem = super().check_tiles(F_, geo)
+        if problem is None and np.any((F_["N0"] < geo.q_width) & (F_["N0"] + F_["N_LEN"] > geo.q_width)):
+            return "a QKV tile straddles the Q/KV boundary"
+        return problem
+
+    def field_rules(self, lim):
+        geo = lim.geo
+
+        def head_hi(sub):
+            return np.where(sub[:, abi.field_index(Op.QKV_PROJ, "PART")] == abi.QkvPart.Q, geo.num_heads,
+                            geo.kv_heads)
+
+        return super().field_rules(lim) + [("PART", 0, 3, False), ("HEAD", 0, head_hi, False)]
+
+    def out_elem(self, nl):
+        return BF16 * nl
+
+    def access(self, acc, w, ix, layer, geo):
+        n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")
+        k0, kl = field(w, self.op, "K0"), field(w, self.op, "K_LEN")
+        R = geo.rows
+        acc.add("x_norm", False, ix, at(layer), span(R), (k0, k0 + kl))
+        isq = n0 < geo.q_width
+        acc.add("q", True, ix[isq], at(layer[isq]), span(R), (n0[isq], n0[isq] + nl[isq]))
+        kv = ~isq
+        off = n0[kv] - geo.q_width
+        acc.add("kv_new", True, ix[kv], at(layer[kv]), span(R), (off, off + nl[kv]))
+
+    def run(self, vm, words):
+        op, geo, st = self.op, vm.geo, vm.st
+        hd, nq, nkv = vm.hd, geo.num_heads, geo.kv_heads
+
+        def build(words):
+            groups = []
+            for (layer, k0, kl), ti in vm.groups(words, op, ("K0", "K_LEN")):
+                if k0 != 0 or kl != geo.hidden:
+                    raise BadTaskError("QKV_PROJ: the RoPE / KV epilogue needs the whole K range (no split-K)",
+                                       opcode=int(op), layer=layer)
+                w = words[ti]
+                n0, nl = field(w, op, "N0"), field(w, op, "N_LEN")
+                vm.check_n(op, n0, nl, geo.qkv_width)
+                if (n0 % hd).any() or (nl % hd).any():
+                    raise BadTaskError("QKV_PROJ: a tile must hold whole heads", opcode=int(op), layer=layer)
+                flags = w[:, H.FLAGS].astype(np.int64)
+                heads = cols(n0 // hd, nl // hd)
+                hflags = np.repeat(flags, nl // hd)
+                ropes = []
+                ropem = ((hflags & Flag.ROPE) != 0) & (heads < nq + nkv)
+                for half in (False, True):
+                    sel = ropem & (((hflags & Flag.ROPE_HALF) != 0) == half)
+                    if sel.any():
+                        ropes.append((half, as_slice(np.flatnonzero(sel))))
+                isq = heads < nq
+                q = None
+                if isq.any():
+                    qh = heads[isq]
+                    q = ([(int(h) * hd, (int(h) + 1) * hd) for h in qh], as_slice(qh),
+                         as_slice(np.flatnonzero(isq)))
+                kvp = []
+                for part, pool in ((0, "k_pool"), (1, "v_pool")):
+                    sel = (heads >= nq + part * nkv) & (heads < nq + (part + 1) * nkv)
+                    if sel.any():
+                        kvh = heads[sel] - nq - part * nkv
+                        kvp.append((pool, kvh, as_slice(kvh), as_slice(np.flatnonzero(sel))))
+                groups.append((layer, kl, as_slice(heads), ropes, q, kvp))
+            return groups
+
+        for layer, kl, hsel, ropes, q, kvp in vm.plan(op.name, words, build):
+            vm.tr.read("x_norm", (layer, slice(None), slice(None)))
+            Y = vm.products((op, layer, 0, kl), "x_norm", (layer,), 0, kl, st.w("w_qkv")[layer])
+            vals = Y.view(vm.R, geo.qkv_width // hd, hd)[:, hsel].clone()  # [R, m, hd] fp32
+            if ropes:
+                c, s = vm.rope_table()
+                for half, si in ropes:
+                    vals[:, si] = rotate(vals[:, si], c, s, half)
+            if q is not None:
+                rngs, dst, src = q
+                for a, b in rngs:
+                    vm.tr.write("q", (layer, slice(None), slice(a, b)))
+                qv = st["q"][layer].view(vm.R, nq, hd)
+                qv[:, dst] = vals[:, src].to(qv.dtype)
+            # K / V heads -> the paged pool (active rows only)
+            for pool, kvh, dst, src in kvp:
+                P = st[pool]
+                for r in range(vm.R):
+                    if not st.np["row_active"][r]:
+                        continue
+                    blk, off = vm.kv_slot(layer, r, int(st.np["seq_pos"][r]))
+                    vm.tr.write(pool, (blk, off, kvh))
+                    P[blk, off, dst] = vals[r, src].to(P.dtype)
+
+
+class OProj(GemmOp):
+    """One N tile of one split-K slice (= one KV head's query heads) of the
+    output projection: fp32 partial ``o_part[layer, split]``."""
+
+    op = Op.O_PROJ
+    node_kinds = ("o_proj",)
+    device_fn = "o_proj"
+
+    def dims(self, geo):
+        return geo.hidden, geo.q_width
+
+    def split_slots(self, lim):
+        return max(lim.geo.kv_heads, 1)
+
+    def access(self, acc, w, ix, layer, geo):
+        n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")
+        k0, kl = field(w, self.op, "K0"), field(w, self.op, "K_LEN")
+        acc.add("attn_out", False, ix, at(layer), span(geo.rows), (k0, k0 + kl))
+        acc.add("o_part", True, ix, at(layer), at(field(w, self.op, "SPLIT")), span(geo.rows), (n0, n0 + nl))
+
+    def run(self, vm, words):
+        self.run_splitk(vm, words, "attn_out", lambda layer: layer, lambda layer: vm.st.w("w_o")[layer], "o_part")
+
+
+class FfnUpgateAct(GemmOp):
+    """One tile of the dense gate+up GEMM (gate/up rows interleaved in chunks
+    of N_LEN/2) with the SiLU(gate)*up epilogue into ``ffn_act``."""
+
+    op = Op.FFN_UPGATE_ACT
+    node_kinds = ("ffn_upgate",)
+    ffn_kind = "dense"
+    device_fn = "ffn_upgate_act"
+
+    def dims(self, geo):
+        return 2 * geo.dense_width, geo.hidden
+
+    def field_rules(self, lim):
+        if not lim.geo.dense_width:
+            return None
+        return super().field_rules(lim) + [("OUT0", 0, lim.geo.dense_width, False)]
+
+    def out_elem(self, nl):
+        return BF16 * nl // 2
+
+    def access(self, acc, w, ix, layer, geo):
+        k0, kl = field(w, self.op, "K0"), field(w, self.op, "K_LEN")
+        nl, out0 = field(w, self.op, "N_LEN"), field(w, self.op, "OUT0")
+        acc.add("x_norm", False, ix, at(field(w, self.op, "X_SLOT")), span(geo.rows), (k0, k0 + kl))
+        acc.add("ffn_act", True, ix, at(layer), span(geo.rows), (out0, out0 + nl // 2))
+
+    def run(self, vm, words):
+        op, st, geo = self.op, vm.st, vm.geo
+        chunk = st.weights.chunk
+
+        def build(words):
+            vm.require_ffn(words, self)
+            groups = []
+            for (layer, k0, kl, xs), ti in vm.groups(words, op, ("K0", "K_LEN", "X_SLOT")):
+                if k0 != 0 or kl != geo.hidden:
+                    raise BadTaskError("FFN_UPGATE_ACT: the SiLU*up epilogue needs the whole K range", layer=layer)
+                w = words[ti]
+                n0, nl, out0 = field(w, op, "N0"), field(w, op, "N_LEN"), field(w, op, "OUT0")
+                vm.check_n(op, n0, nl, 2 * geo.dense_width)
+                h = nl // 2
+                if (nl % 2).any() or (n0 != 2 * out0).any() or (out0 % chunk).any() or \
+                        (h != np.minimum(chunk, geo.dense_width - out0)).any():
+                    raise BadTaskError(f"FFN_UPGATE_ACT: tile does not match the gate/up interleave (chunk {chunk})",
+                                       layer=layer)
+                groups.append((layer, kl, vm.x_slot(op, xs, layer),
+                               [(int(a), int(b)) for a, b in zip(out0, out0 + h)],
+                               idx(cols(n0, h)), idx(cols(n0 + h, h)), as_slice(cols(out0, h))))
+            return groups
+
+        buf = st["ffn_act"]
+        for layer, kl, xs, rngs, g, u, oc in vm.plan(op.name, words, build):
+            vm.tr.read("x_norm", (xs, slice(None), slice(None)))
+            Y = vm.products((op, layer, 0, kl), "x_norm", (xs,), 0, kl, st.w("w_upgate")[vm.slot(layer)])
+            for a, b in rngs:
+                vm.tr.write("ffn_act", (layer, slice(None), slice(a, b)))
+            buf[layer, :, oc] = (F.silu(Y[:, g]) * Y[:, u]).to(buf.dtype)
+
+
+class FfnDown(GemmOp):
+    """One N tile of one split-K slice of the dense down projection: fp32
+    partial ``ffn_part[layer, split]``."""
+
+    op = Op.FFN_DOWN
+    node_kinds = ("ffn_down",)
+    ffn_kind = "dense"
+    device_fn = "ffn_down"
+
+    def dims(self, geo):
+        return geo.hidden, geo.dense_width
+
+    def field_rules(self, lim):
+        return super().field_rules(lim) if lim.geo.dense_width else None
+
+    def access(self, acc, w, ix, layer, geo):
+        n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")
+        k0, kl = field(w, self.op, "K0"), field(w, self.op, "K_LEN")
+        acc.add("ffn_act", False, ix, at(layer), span(geo.rows), (k0, k0 + kl))
+        acc.add("ffn_part", True, ix, at(layer), at(field(w, self.op, "SPLIT")), span(geo.rows), (n0, n0 + nl))
+
+    def run(self, vm, words):
+        vm.require_ffn(words, self)
+        self.run_splitk(vm, words, "ffn_act", lambda layer: layer,
+                        lambda layer: vm.st.w("w_down")[vm.slot(layer)], "ffn_part")
+
+
+class RouterGemm(GemmOp):
+    """One split-K slice of the router logits: fp32 ``router_part[layer, split]``."""
+
+    op = Op.ROUTER_GEMM
+    node_kinds = ("router",)
+    ffn_kind = "moe"
+    device_fn = "router_gemm"
+
+    def dims(self, geo):
+        return geo.experts, geo.hidden
+
+    def field_rules(self, lim):
+        return super().field_rules(lim) if lim.geo.experts else None
+
+    def access(self, acc, w, ix, layer, geo):
+        n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")
+        k0, kl = field(w, self.op, "K0"), field(w, self.op, "K_LEN")
+        acc.add("x_norm", False, ix, at(field(w, self.op, "X_SLOT")), span(geo.rows), (k0, k0 + kl))
+        acc.add("router_part", True, ix, at(layer), at(field(w, self.op, "SPLIT")), span(geo.rows), (n0, n0 + nl))
+
+    def run(self, vm, words):
+        vm.require_ffn(words, self)
+        self.run_splitk(vm, words, "x_norm", "X_SLOT", lambda layer: vm.st.w("w_router")[vm.slot(layer)],
+                        "router_part")
+
+
+class LmHead(GemmOp):
+    """One vocab tile of the LM head: its slice of the fp32 logits and one
+    argmax record per (row, ``lm_bn`` vocab tile) by the ABI's greedy rule."""
+
+    op = Op.LM_HEAD
+    node_kinds = ("lm_head",)
+    device_fn = "lm_head"
+
+    def dims(self, geo):
+        return geo.vocab, geo.hidden
+
+    def access(self, acc, w, ix, layer, geo):
+        n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")
+        k0, kl = field(w, self.op, "K0"), field(w, self.op, "K_LEN")
+        R = geo.rows
+        acc.add("x_norm", False, ix, at(geo.final_norm_slot), span(R), (k0, k0 + kl))
+        acc.add("logits", True, ix, span(R), (n0, n0 + nl))
+        acc.add("argmax_part", True, ix, span(R), (n0 // geo.lm_bn, -(-(n0 + nl) // geo.lm_bn)))
+
+    def run(self, vm, words):
+        op, st, geo = self.op, vm.st, vm.geo
+        W = st.w("w_lm_head")
+        bn = geo.lm_bn
+        for (layer, k0, kl), ti in vm.groups(words, op, ("K0", "K_LEN")):
+            if k0 != 0 or kl != geo.hidden:
+                raise BadTaskError("LM_HEAD: needs the whole K range (logits have no split slots)", layer=layer)
+            w = words[ti]
+            n0, nl = field(w, op, "N0"), field(w, op, "N_LEN")
+            vm.check_n(op, n0, nl, geo.vocab)
+            xs = geo.final_norm_slot
+            vm.tr.read("x_norm", (xs, slice(None), slice(None)))
+            Y = vm.products((op, layer, 0, kl), "x_norm", (xs,), 0, kl, W)
+            logits, amax = st["logits"], st["argmax_part"]
+            for a, b in zip(n0, n0 + nl):
+                vm.tr.write("logits", (slice(None), slice(int(a), int(b))))
+                vm.tr.write("argmax_part", (slice(None), slice(int(a) // bn, -(-int(b) // bn))))
+            cs = as_slice(cols(n0, nl))
+            logits[:, cs] = Y[:, cs]
+            # one argmax record per vocab tile over the stored logits, by the
+            # ABI's greedy rule (abi.argmax_select); the short last tile is
+            # padded with -inf at higher indices, which never win
+            tiles = np.unique(np.concatenate([np.arange(int(a) // bn, -(-int(b) // bn)) for a, b in
+                                              zip(n0, n0 + nl)]))
+            for t0, t1 in ranges(tiles):
+                c0, c1 = t0 * bn, min(t1 * bn, geo.vocab)
+                seg = logits[:, c0:c1].numpy()
+                pad = (t1 - t0) * bn - (c1 - c0)
+                if pad:
+                    seg = np.concatenate([seg, np.full((seg.shape[0], pad), -np.inf, dtype=np.float32)], axis=1)
+                seg = seg.reshape(seg.shape[0], t1 - t0, bn)
+                cidx = np.arange(t0 * bn, t1 * bn).reshape(t1 - t0, bn)
+                pos = abi.argmax_select(seg, cidx)
+                rec = amax[:, t0:t1].numpy()
+                rec[..., 0] = np.take_along_axis(seg, pos[..., None], axis=-1)[..., 0].view(np.int32)
+                rec[..., 1] = cidx[:, 0] + pos
+
+
+GEMM_OPS = (QkvProj(), OProj(), FfnUpgateAct(), FfnDown(), RouterGemm(), LmHead())
+
+__all__ = ["FfnDown", "FfnUpgateAct", "GEMM_OPS", "GemmOp", "LmHead", "OProj", "QkvProj", "RouterGemm"]

@@ -1,0 +1,468 @@
+"""The MoE family: ROUTER_TOPK, ROUTE_FINALIZE, MOE_GATHER, the expert
+claimers MOE_UPGATE_DRAIN and MOE_DOWN_DRAIN, and MOE_COMBINE (ROUTER_GEMM
+is a GEMM: :mod:`megac.ops.gemm`).
+
+The routing math is :mod:`megac.routing` (the one CPU definition the device
+block is checked against): top-k by logit (ties: lower expert id); sigmoid
+weights (fp64, rounded once), optionally renormalised; softmax weights over
+the k selected logits; ROUTE_FINALIZE assigns slots in (row, k) order and
+writes one queue record ``{expert, n_tile, slot0, rows}`` per active expert
+(ascending) and tile, and the queue lengths into its target words.
+
+MoE buffers are indexed logically ``[L, expert, row, k, feature]`` in the
+access model: the physical slot of (row, k) is a device-chosen permutation,
+and the expert dimension lets per-expert counters fall out of region overlap.
+
+Device: ``opcodes/moe_routing.cuh`` (top-k, finalize, gather, combine) and
+the GEMM tile for the expert tiles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megac import abi, routing
+from megac.abi import Flag, H, Op, Queue
+from megac.errors import BadTaskError, QueueOverflowError
+from megac.ops.base import BF16, BIG, FP32, QUEUE_BUFFER, ClaimerOp, OpDef, SubTasks, at, field, last_of, span
+from megac.ops.cpu import idx
+
+
+def _ek(geo) -> tuple[int, int]:
+    return max(geo.experts, 1), max(geo.top_k, 1)
+
+
+def _queue_buffer(q: int) -> str:
+    try:
+        return QUEUE_BUFFER[Queue(int(q))]
+    except ValueError:
+        raise BadTaskError(f"unknown queue id {q}") from None
+
+
+def expected_active_experts(geo, params) -> int:
+    """Experts with at least one routed row per MoE layer: ``params.active_experts``
+    or the expected value under uniform routing ``E * (1 - (1 - k/E) ** rows)``."""
+    if params.active_experts is not None:
+        return int(params.active_experts)
+    E, k, R = geo.experts, geo.top_k, geo.rows
+    if not E:
+        return 0
+    return max(min(k, E), int(round(E * (1.0 - (1.0 - k / E) ** R))))
+
+
+class RouterTopk(OpDef):
+    """Per row: sum the router split-K partials in split order, top-k experts
+    and their weights."""
+
+    op = Op.ROUTER_TOPK
+    node_kinds = ("topk",)
+    ffn_kind = "moe"
+    header = "moe_routing.cuh"
+    device_fn = "router_topk"
+
+    def flags(self, nt, geo):
+        return int((Flag.SOFTMAX_ROUTER if geo.router_softmax else 0)
+                   | (Flag.RENORMALIZE if geo.router_renormalize else 0))
+
+    def field_rules(self, lim):
+        return [("ROW", 0, lim.geo.rows, False), ("NUM_SPLITS", 1, BIG, False)]
+
+    def access(self, acc, w, ix, layer, geo):
+        row = field(w, self.op, "ROW")
+        E, K = _ek(geo)
+        acc.add("router_part", False, ix, at(layer), (0, field(w, self.op, "NUM_SPLITS")), at(row), span(E))
+        for buf in ("topk_ids", "topk_w"):
+            acc.add(buf, True, ix, at(layer), at(row), span(K))
+
+    def task_bytes(self, w, geo, params):
+        E, K = _ek(geo)
+        return field(w, self.op, "NUM_SPLITS") * E * FP32 + 3 * K * FP32
+
+    def run(self, vm, words):
+        op, st, geo = self.op, vm.st, vm.geo
+        vm.require_ffn(words, self)
+        K = geo.top_k
+        for (layer, nsp, flags), ti in vm.groups(words, op, ("NUM_SPLITS",), flags=True):
+            rows = field(words[ti], op, "ROW")
+            if not 1 <= nsp <= st["router_part"].shape[1]:
+                raise BadTaskError("ROUTER_TOPK: NUM_SPLITS outside router_part", layer=layer)
+            rt = idx(rows)
+            for r in rows:
+                vm.tr.read("router_part", (layer, slice(0, nsp), int(r), slice(None)))
+            logit = routing.sum_splits(st["router_part"][layer, :nsp][:, rt])
+            ids, wts = routing.topk(logit, K, softmax=bool(flags & Flag.SOFTMAX_ROUTER),
+                                    renormalize=bool(flags & Flag.RENORMALIZE))
+            for r in rows:
+                vm.tr.write("topk_ids", (layer, int(r), slice(None)))
+                vm.tr.write("topk_w", (layer, int(r), slice(None)))
+            st["topk_ids"][layer, rt] = ids.to(torch.int32)
+            st["topk_w"][layer, rt] = wts
+
+
+class RouteFinalize(OpDef):
+    """Per layer, on the device: per-expert counts -> offsets -> slot map ->
+    the MoE up/down queues and their lengths (target words)."""
+
+    op = Op.ROUTE_FINALIZE
+    node_kinds = ("route_finalize",)
+    ffn_kind = "moe"
+    header = "moe_routing.cuh"
+    device_fn = "route_finalize"
+
+    def field_rules(self, lim):
+        g, tw = lim.geo, lim.tw
+        if not g.experts:
+            return None
+
+        def word_of(fn):
+            def lo(sub):
+                return np.array([fn(int(l)) for l in sub[:, H.LAYER]], dtype=np.int64)
+
+            return lo
+
+        up_w, down_w = word_of(tw.moe_up_count), word_of(tw.moe_down_count)
+        return [
+            # the device emits UP_TILES records per active expert: the count
+            # the claimed tasks' waiters expect (geometry.up_tiles)
+            ("UP_TILES", g.up_tiles, g.up_tiles + 1, False),
+            ("DOWN_TILES", g.down_tiles, g.down_tiles + 1, False),
+            ("UP_COUNT_WORD", up_w, lambda sub: up_w(sub) + 1, False),
+            ("DOWN_COUNT_WORD", down_w, lambda sub: down_w(sub) + 1, False),
+            ("UP_QUEUE", int(Queue.MOE_UP), int(Queue.MOE_UP) + 1, False),
+            ("DOWN_QUEUE", int(Queue.MOE_DOWN), int(Queue.MOE_DOWN) + 1, False),
+            ("NUM_ROWS", 1, g.rows + 1, False),
+        ]
+
+    def access(self, acc, w, ix, layer, geo):
+        _, K = _ek(geo)
+        n = field(w, self.op, "NUM_ROWS")
+        acc.add("topk_ids", False, ix, at(layer), (0, n), span(K))
+        acc.add("route_slot", True, ix, at(layer), (0, n), span(K))
+        acc.add("moe_up_queue", True, ix, at(layer))
+        acc.add("moe_down_queue", True, ix, at(layer))
+        acc.add("target_word", True, ix, at(field(w, self.op, "UP_COUNT_WORD")))
+        acc.add("target_word", True, ix, at(field(w, self.op, "DOWN_COUNT_WORD")))
+
+    def task_bytes(self, w, geo, params):
+        _, K = _ek(geo)
+        return np.full(len(w), geo.rows * K * 3 * FP32 + 2 * abi.QUEUE_RECORD_WORDS * 4 * geo.moe_queue_cap,
+                       dtype=np.float64)
+
+    def run(self, vm, words):
+        op, st, geo = self.op, vm.st, vm.geo
+        vm.require_ffn(words, self)
+        E, K = geo.experts, geo.top_k
+        for i in range(len(words)):
+            w = words[i: i + 1]
+            layer = int(w[0, H.LAYER])
+            n = int(field(w, op, "NUM_ROWS")[0])
+            up_t, down_t = int(field(w, op, "UP_TILES")[0]), int(field(w, op, "DOWN_TILES")[0])
+            uq, dq = _queue_buffer(field(w, op, "UP_QUEUE")[0]), _queue_buffer(field(w, op, "DOWN_QUEUE")[0])
+            uw, dw = int(field(w, op, "UP_COUNT_WORD")[0]), int(field(w, op, "DOWN_COUNT_WORD")[0])
+            if not 0 <= n <= vm.R:
+                raise BadTaskError("ROUTE_FINALIZE: NUM_ROWS outside the batch", layer=layer)
+            for word in (uw, dw):
+                if not st.tw.host_words <= word < len(vm.targets):
+                    raise BadTaskError(f"ROUTE_FINALIZE: count word {word} outside the device target words",
+                                       layer=layer)
+            vm.tr.read("topk_ids", (layer, slice(0, n), slice(None)))
+            flat = st.np["topk_ids"][layer, :n].reshape(-1).astype(np.int64)
+            if ((flat < 0) | (flat >= E)).any():
+                raise BadTaskError("ROUTE_FINALIZE: expert id out of range", layer=layer, buffer="topk_ids")
+            route = routing.finalize(flat.reshape(n, K), E)
+            vm.tr.write("route_slot", (layer, slice(0, n), slice(None)))
+            st.np["route_slot"][layer, :n] = route.slot
+            for qname, tiles, word in ((uq, up_t, uw), (dq, down_t, dw)):
+                recs = routing.queue_records(route, tiles)
+                qb = st.np[qname]
+                if len(recs) > qb.shape[1]:
+                    raise QueueOverflowError(f"ROUTE_FINALIZE layer {layer}: {len(recs)} records for "
+                                             f"{qname} (capacity {qb.shape[1]})", layer=layer, buffer=qname)
+                vm.tr.write(qname, (layer, slice(0, len(recs))))
+                vm.tr.write("targets", (word,))
+                qb[layer, : len(recs)] = recs
+                vm.targets[word] = len(recs)
+
+
+class MoeGather(OpDef):
+    """Copy a row's normed activations to its routed slots of ``moe_x``."""
+
+    op = Op.MOE_GATHER
+    node_kinds = ("moe_gather",)
+    ffn_kind = "moe"
+    header = "moe_routing.cuh"
+    device_fn = "moe_gather"
+
+    def field_rules(self, lim):
+        return [("ROW", 0, lim.geo.rows, False)]
+
+    def access(self, acc, w, ix, layer, geo):
+        row = field(w, self.op, "ROW")
+        E, K = _ek(geo)
+        acc.add("x_norm", False, ix, at(field(w, self.op, "X_SLOT")), at(row), span(geo.hidden))
+        acc.add("route_slot", False, ix, at(layer), at(row), span(K))
+        acc.add("moe_x", True, ix, at(layer), span(E), at(row), span(K), span(geo.hidden))
+
+    def task_bytes(self, w, geo, params):
+        return np.full(len(w), geo.hidden * BF16 * (1 + max(geo.top_k, 1)), dtype=np.float64)
+
+    def run(self, vm, words):
+        op, st = self.op, vm.st
+        vm.require_ffn(words, self)
+        for (layer, xs), ti in vm.groups(words, op, ("X_SLOT",)):
+            rows = field(words[ti], op, "ROW")
+            xs = vm.x_slot(op, xs, layer)
+            for r in rows:
+                vm.tr.read("route_slot", (layer, int(r), slice(None)))
+                vm.tr.read("x_norm", (xs, int(r), slice(None)))
+            slots = st.np["route_slot"][layer, rows].astype(np.int64)  # [m, K]
+            if ((slots < 0) | (slots >= st["moe_x"].shape[1])).any():
+                raise BadTaskError("MOE_GATHER: routed slot out of range", layer=layer, buffer="route_slot")
+            for j in range(len(rows)):
+                vm.tr.write("moe_x", (layer, slots[j], slice(None)))
+            x = st["x_norm"][xs, idx(rows)]  # [m, D]
+            st["moe_x"][layer, idx(slots.reshape(-1))] = x.repeat_interleave(slots.shape[1], dim=0)
+
+
+class MoeCombine(OpDef):
+    """Per row: the score-weighted sum of its experts' outputs in k order
+    (fp32) into ``ffn_part[layer, 0]``."""
+
+    op = Op.MOE_COMBINE
+    node_kinds = ("moe_combine",)
+    ffn_kind = "moe"
+    header = "moe_routing.cuh"
+    device_fn = "moe_combine"
+
+    def field_rules(self, lim):
+        return [("ROW", 0, lim.geo.rows, False)]
+
+    def access(self, acc, w, ix, layer, geo):
+        row = field(w, self.op, "ROW")
+        E, K = _ek(geo)
+        D = geo.hidden
+        acc.add("moe_out", False, ix, at(layer), span(E), at(row), span(K), span(D))
+        acc.add("topk_w", False, ix, at(layer), at(row), span(K))
+        acc.add("route_slot", False, ix, at(layer), at(row), span(K))
+        acc.add("ffn_part", True, ix, at(layer), at(0), at(row), span(D))
+
+    def task_bytes(self, w, geo, params):
+        return np.full(len(w), max(geo.top_k, 1) * geo.hidden * FP32 + geo.hidden * FP32, dtype=np.float64)
+
+    def run(self, vm, words):
+        op, st = self.op, vm.st
+        vm.require_ffn(words, self)
+        for (layer,), ti in vm.groups(words, op, ()):
+            rows = field(words[ti], op, "ROW")
+            for r in rows:
+                vm.tr.read("route_slot", (layer, int(r), slice(None)))
+                vm.tr.read("topk_w", (layer, int(r), slice(None)))
+            slots = st.np["route_slot"][layer, rows].astype(np.int64)
+            if ((slots < 0) | (slots >= st["moe_out"].shape[1])).any():
+                raise BadTaskError("MOE_COMBINE: routed slot out of range", layer=layer, buffer="route_slot")
+            for j in range(len(rows)):
+                vm.tr.read("moe_out", (layer, slots[j], slice(None)))
+            wts = st["topk_w"][layer, idx(rows)]  # [m, K]
+            y = st["moe_out"][layer][idx(slots)]  # [m, K, D]
+            acc = routing.combine(wts, y)
+            for r in rows:
+                vm.tr.write("ffn_part", (layer, 0, int(r), slice(None)))
+            st["ffn_part"][layer, 0, idx(rows)] = acc
+
+
+class _ExpertDrain(ClaimerOp):
+    """What the two expert claimers share: records ``{expert, n_tile, slot0,
+    rows}`` written by ROUTE_FINALIZE, one per (active expert, tile)."""
+
+    ffn_kind = "moe"
+    header = "gemm_tile.cuh"
+
+    def tiles(self, geo) -> int:
+        raise NotImplementedError
+
+    def subtasks(self, layer, geo, merged=False):
+        tiles = self.tiles(geo)
+        e, t = np.meshgrid(np.arange(geo.experts), np.arange(1 if merged else tiles), indexing="ij")
+        e, t = e.ravel(), t.ravel()
+        fields = {"EXPERT": e, "N_TILE": t, "N_TILE_HI": np.full_like(t, tiles) if merged else t + 1}
+        woff, soff = self._offsets_of(e)
+        return SubTasks(self.queue, layer, fields, wait_offset=woff, signal_offset=soff)
+
+    def _offsets_of(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def offsets(self, records, geo):
+        return self._offsets_of(records[:, abi.record_index(self.queue, "EXPERT")].astype(np.int64))
+
+    def records(self, vm, records, layer):
+        Q = self.queue
+        r = records.astype(np.int64)
+        e, t = r[:, abi.record_index(Q, "EXPERT")], r[:, abi.record_index(Q, "N_TILE")]
+        s0, nr = r[:, abi.record_index(Q, "SLOT0")], r[:, abi.record_index(Q, "ROWS")]
+        cap = vm.st["moe_x"].shape[1]
+        if ((e < 0) | (e >= vm.geo.experts) | (s0 < 0) | (nr < 0) | (s0 + nr > cap) | (t < 0)).any():
+            raise BadTaskError(f"{Q.name} record out of range", layer=layer)
+        return e, t, s0, nr
+
+
+class MoeUpgateDrain(_ExpertDrain):
+    """Claimer of expert gate+up tiles with SiLU*up into ``moe_act``. A claimed
+    task waits ``TASK_WAIT_BASE`` (the gathered rows) and signals
+    ``TASK_SIGNAL_BASE + expert``."""
+
+    op = Op.MOE_UPGATE_DRAIN
+    node_kinds = ("moe_upgate",)
+    device_fn = "moe_upgate_drain"
+    queue = Queue.MOE_UP
+
+    def tiles(self, geo):
+        return geo.up_tiles
+
+    def _offsets_of(self, experts):
+        return np.zeros_like(experts), experts.copy()
+
+    def field_rules(self, lim):
+        g, C = lim.geo, lim.num_counters
+        if not g.experts:
+            return None
+        return [
+            ("QUEUE", int(Queue.MOE_UP), int(Queue.MOE_UP) + 1, False),
+            ("QUEUE_LEN", 0, BIG, True),
+            ("TASK_WAIT_BASE", 0, C, False),
+            ("TASK_WAIT_TARGET", 1, BIG, True),
+            ("TASK_SIGNAL_BASE", 0, C, False),
+            (last_of(self.op, "TASK_SIGNAL_BASE", g.experts), 0, C, False),
+            ("N_LEN", 1, 2 * g.expert_width + 1, False),
+        ]
+
+    def subtask_access(self, acc, sub, geo):
+        m = len(sub)
+        t = np.arange(m, dtype=np.int64)
+        layer = np.full(m, sub.layer, dtype=np.int64)
+        E, R, K = max(geo.experts, 1), geo.rows, max(geo.top_k, 1)
+        e, n = sub.fields["EXPERT"], sub.fields["N_TILE"]
+        n_hi = sub.fields.get("N_TILE_HI", n + 1)
+        half = geo.moe_up_bn // 2
+        c0 = n * half
+        c1 = np.minimum(n_hi * half, geo.expert_width)
+        acc.add("moe_x", False, t, at(layer), at(e), span(R), span(K), span(geo.hidden))
+        acc.add("moe_act", True, t, at(layer), at(e), span(R), span(K), (c0, c1))
+
+    def signal_span(self, geo):
+        return max(geo.experts, 1)
+
+    def signal_count(self, layer, offset, geo):
+        return geo.up_tiles  # per active expert
+
+    def claimed_work(self, geo, params):
+        act = expected_active_experts(geo, params)
+        rows_per_expert = geo.rows * geo.top_k / max(act, 1)
+        b = geo.moe_up_bn * geo.hidden * BF16 + rows_per_expert * (geo.hidden + geo.moe_up_bn // 2) * BF16
+        return act * geo.up_tiles, float(b)
+
+    def run_claimed(self, vm, cw, records):
+        layer = int(cw[H.LAYER])
+        vm.require_ffn(cw[None, :], self)
+        nlen = int(cw[abi.field_index(self.op, "N_LEN")])
+        st, geo = vm.st, vm.geo
+        ew = geo.expert_width
+        if nlen != 2 * st.weights.moe_chunk:
+            raise BadTaskError(f"MOE_UPGATE_DRAIN: N_LEN {nlen} does not match the expert gate/up interleave "
+                               f"(chunk {st.weights.moe_chunk})", layer=layer)
+        W = st.w("w_moe_upgate")[vm.slot(layer)]  # [E, 2ew, D]
+        e, t, s0, nr = self.records(vm, records, layer)
+        act = st["moe_act"]
+        for i in range(len(records)):
+            n0 = int(t[i]) * nlen
+            n1 = min(n0 + nlen, 2 * ew)
+            if n0 >= n1:
+                raise BadTaskError(f"MOE_UPGATE_DRAIN: N_TILE {int(t[i])} outside the expert", layer=layer)
+            h, c0 = (n1 - n0) // 2, n0 // 2
+            slots = range(int(s0[i]), int(s0[i] + nr[i]))
+            vm.tr.read("moe_x", (layer, slice(int(s0[i]), int(s0[i] + nr[i])), slice(None)))
+            for s in slots:
+                y = vm.slot_product(("moe_up", layer, int(e[i]), s), "moe_x", layer, s, W[int(e[i])])
+                act[layer, s, c0:c0 + h] = (F.silu(y[n0:n0 + h]) * y[n0 + h:n1]).to(act.dtype)
+            vm.tr.write("moe_act", (layer, slice(int(s0[i]), int(s0[i] + nr[i])), slice(c0, c0 + h)))
+
+
+class MoeDownDrain(_ExpertDrain):
+    """Claimer of expert down tiles into fp32 ``moe_out``. A claimed task waits
+    ``TASK_WAIT_BASE + expert`` and signals ``TASK_SIGNAL_BASE``."""
+
+    op = Op.MOE_DOWN_DRAIN
+    node_kinds = ("moe_down",)
+    device_fn = "moe_down_drain"
+    queue = Queue.MOE_DOWN
+
+    def tiles(self, geo):
+        return geo.down_tiles
+
+    def _offsets_of(self, experts):
+        return experts.copy(), np.zeros_like(experts)
+
+    def field_rules(self, lim):
+        g, C = lim.geo, lim.num_counters
+        if not g.experts:
+            return None
+        return [
+            ("QUEUE", int(Queue.MOE_DOWN), int(Queue.MOE_DOWN) + 1, False),
+            ("QUEUE_LEN", 0, BIG, True),
+            ("TASK_WAIT_BASE", 0, C, False),
+            (last_of(self.op, "TASK_WAIT_BASE", g.experts), 0, C, False),
+            ("TASK_WAIT_TARGET", 1, BIG, True),
+            ("TASK_SIGNAL_BASE", 0, C, False),
+            ("N_LEN", 1, g.hidden + 1, False),
+        ]
+
+    def subtask_access(self, acc, sub, geo):
+        m = len(sub)
+        t = np.arange(m, dtype=np.int64)
+        layer = np.full(m, sub.layer, dtype=np.int64)
+        E, R, K = max(geo.experts, 1), geo.rows, max(geo.top_k, 1)
+        e, n = sub.fields["EXPERT"], sub.fields["N_TILE"]
+        n_hi = sub.fields.get("N_TILE_HI", n + 1)
+        c0 = n * geo.moe_down_bn
+        c1 = np.minimum(n_hi * geo.moe_down_bn, geo.hidden)
+        acc.add("moe_act", False, t, at(layer), at(e), span(R), span(K), span(max(geo.expert_width, 1)))
+        acc.add("moe_out", True, t, at(layer), at(e), span(R), span(K), (c0, c1))
+
+    def signal_span(self, geo):
+        return 1
+
+    def signal_count(self, layer, offset, geo):
+        return abi.dyn(geo.target_words.moe_down_count(layer))
+
+    def claimed_work(self, geo, params):
+        act = expected_active_experts(geo, params)
+        rows_per_expert = geo.rows * geo.top_k / max(act, 1)
+        b = geo.moe_down_bn * geo.expert_width * BF16 + rows_per_expert * (geo.expert_width * BF16
+                                                                           + geo.moe_down_bn * FP32)
+        return act * geo.down_tiles, float(b)
+
+    def run_claimed(self, vm, cw, records):
+        layer = int(cw[H.LAYER])
+        vm.require_ffn(cw[None, :], self)
+        nlen = int(cw[abi.field_index(self.op, "N_LEN")])
+        st, geo = vm.st, vm.geo
+        W = st.w("w_moe_down")[vm.slot(layer)]  # [E, D, ew]
+        e, t, s0, nr = self.records(vm, records, layer)
+        out = st["moe_out"]
+        for i in range(len(records)):
+            n0 = int(t[i]) * nlen
+            n1 = min(n0 + nlen, geo.hidden)
+            if n0 >= n1:
+                raise BadTaskError(f"MOE_DOWN_DRAIN: N_TILE {int(t[i])} outside the hidden size", layer=layer)
+            vm.tr.read("moe_act", (layer, slice(int(s0[i]), int(s0[i] + nr[i])), slice(None)))
+            for s in range(int(s0[i]), int(s0[i] + nr[i])):
+                y = vm.slot_product(("moe_down", layer, int(e[i]), s), "moe_act", layer, s, W[int(e[i])])
+                out[layer, s, n0:n1] = y[n0:n1]
+            vm.tr.write("moe_out", (layer, slice(int(s0[i]), int(s0[i] + nr[i])), slice(n0, n1)))
+
+
+MOE_OPS = (RouterTopk(), RouteFinalize(), MoeGather(), MoeUpgateDrain(), MoeDownDrain(), MoeCombine())
+
+__all__ = ["MOE_OPS", "MoeCombine", "MoeDownDrain", "MoeGather", "MoeUpgateDrain", "RouteFinalize", "RouterTopk",
+           "expected_active_experts"]

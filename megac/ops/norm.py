@@ -1,0 +1,108 @@
+"""ADD_RMSNORM: per row, ``x_resid += partials`` (the O-proj split-K partials
+and/or the FFN partials, each set in index order), then RMSNorm with gamma
+``GAMMA`` into ``x_norm[GAMMA]``.
+
+``x_resid`` is the only buffer written more than once per step: each
+ADD_RMSNORM of a row rewrites that row, and only its own row's chain reads it.
+
+Device: none yet (the megakernel assembly adds it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megac import abi
+from megac.abi import Flag, H, Op
+from megac.errors import BadTaskError
+from megac.ops.base import BF16, BIG, FP32, OpDef, at, field, span
+from megac.ops.cpu import as_slice
+
+
+class AddRmsnorm(OpDef):
+    op = Op.ADD_RMSNORM
+    node_kinds = ("norm", "norm_attn")
+    device_fn = "add_rmsnorm"
+
+    def flags(self, nt, geo):
+        if nt.kind == "norm_attn":
+            f = Flag.ADD_ATTN
+        elif geo.block == "sequential":
+            f = Flag.ADD_FFN
+        else:
+            f = Flag.ADD_ATTN | Flag.ADD_FFN
+        if nt.kind == "norm" and nt.layer == geo.num_layers - 1:
+            f |= Flag.LAST_LAYER
+        return int(f)
+
+    def check_tiles(self, F_, geo):
+        if np.any((F_["GAMMA"] < 0) | (F_["GAMMA"] >= geo.norm_slots)):
+            return "GAMMA outside the norm slots"
+        return None
+
+    def field_rules(self, lim):
+        g = lim.geo
+        return [
+            ("ROW", 0, g.rows, False),
+            ("ATTN_SPLITS", 0, BIG, False),
+            ("FFN_SPLITS", 0, BIG, False),
+            ("GAMMA", 0, 2 * g.num_layers + 1, False),
+        ]
+
+    def access(self, acc, w, ix, layer, geo):
+        op, D = self.op, geo.hidden
+        row = field(w, op, "ROW")
+        flags = w[:, H.FLAGS].astype(np.int64)
+        acc.add("x_resid", False, ix, at(row), span(D))
+        a = (flags & abi.Flag.ADD_ATTN) != 0
+        acc.add("o_part", False, ix[a], at(layer[a]), (0, field(w[a], op, "ATTN_SPLITS")), at(row[a]), span(D))
+        f = (flags & abi.Flag.ADD_FFN) != 0
+        acc.add("ffn_part", False, ix[f], at(layer[f]), (0, field(w[f], op, "FFN_SPLITS")), at(row[f]), span(D))
+        acc.add("x_resid", True, ix, at(row), span(D))
+        acc.add("x_norm", True, ix, at(field(w, op, "GAMMA")), at(row), span(D))
+
+    def task_bytes(self, w, geo, params):
+        D = geo.hidden
+        splits = field(w, self.op, "ATTN_SPLITS") + field(w, self.op, "FFN_SPLITS")
+        return D * (FP32 * 2 + BF16 * 2) + splits * D * FP32
+
+    def run(self, vm, words):
+        op, st, geo = self.op, vm.st, vm.geo
+
+        def build(words):
+            groups = []
+            for (layer, na, nf, gamma, flags), ti in vm.groups(words, op, ("ATTN_SPLITS", "FFN_SPLITS", "GAMMA"),
+                                                               flags=True):
+                rows = field(words[ti], op, "ROW")
+                if ((rows < 0) | (rows >= vm.R)).any() or not 0 <= gamma < geo.norm_slots:
+                    raise BadTaskError("ADD_RMSNORM: ROW or GAMMA out of range", layer=layer)
+                parts = []
+                if flags & Flag.ADD_ATTN:
+                    if not 0 <= na <= st["o_part"].shape[1]:
+                        raise BadTaskError("ADD_RMSNORM: ATTN_SPLITS outside o_part", layer=layer)
+                    parts += [("o_part", sp) for sp in range(na)]
+                if flags & Flag.ADD_FFN:
+                    if not 0 <= nf <= st["ffn_part"].shape[1]:
+                        raise BadTaskError("ADD_RMSNORM: FFN_SPLITS outside ffn_part", layer=layer)
+                    parts += [("ffn_part", sp) for sp in range(nf)]
+                groups.append((layer, gamma, [int(r) for r in rows], as_slice(rows), parts))
+            return groups
+
+        for layer, gamma, rows, rs, parts in vm.plan(op.name, words, build):
+            for r in rows:
+                vm.tr.read("x_resid", (r, slice(None)))
+            x = st["x_resid"][rs]
+            for name, sp in parts:
+                for r in rows:
+                    vm.tr.read(name, (layer, sp, r, slice(None)))
+                x = x + st[name][layer, sp, rs]
+            for r in rows:
+                vm.tr.write("x_resid", (r, slice(None)))
+                vm.tr.write("x_norm", (gamma, r, slice(None)))
+            st["x_resid"][rs] = x
+            st["x_norm"][gamma, rs] = vm.rms_norm(x, gamma)
+
+
+NORM_OPS = (AddRmsnorm(),)
+
+__all__ = ["AddRmsnorm", "NORM_OPS"]
