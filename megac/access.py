@@ -90,6 +90,7 @@ import numpy as np
 
 from megac import abi
 from megac.abi import H, Op, Queue
+from megac.buffers import step_buffers
 from megac.geometry import Geometry
 from megac.ops import CLAIMER_OF_QUEUE, REGISTRY, claimer_for_queue
 from megac.ops.base import BoxCollector, Boxes, SubTasks, dyn_mask
@@ -145,23 +146,14 @@ class GroupAccess:
 # Logical shapes
 # ---------------------------------------------------------------------------
 def logical_shapes(geo: Geometry) -> dict[str, tuple[int, ...]]:
+    """The planned shape of every buffer a step writes (``megac.buffers``),
+    empty dimensions clamped to 1, plus the logical views: ``kv_new``, the
+    MoE buffers by (expert, row, k), the queues and the target words."""
     L, R = geo.num_layers, geo.rows
     E, K = max(geo.experts, 1), max(geo.top_k, 1)
-    return {
-        "x_resid": (R, geo.hidden),
-        "x_norm": (geo.norm_slots, R, geo.hidden),
-        "q": (L, R, geo.q_width),
+    out = {name: tuple(max(int(d), 1) for d in shape) for name, (_, shape, _, _) in step_buffers(geo).items()}
+    out.update({
         "kv_new": (L, R, 2 * geo.kv_width),
-        "attn_o_part": (L, R, geo.num_heads, geo.max_splits, geo.head_dim),
-        "attn_lse_part": (L, R, geo.num_heads, geo.max_splits),
-        "attn_out": (L, R, geo.q_width),
-        "o_part": (L, geo.kv_heads, R, geo.hidden),
-        "ffn_act": (L, R, max(geo.dense_width, 1)),
-        "ffn_part": (L, max(geo.ffn_splits, 1), R, geo.hidden),
-        "router_part": (L, max(geo.router_splits, 1), R, E),
-        "topk_ids": (L, R, K),
-        "topk_w": (L, R, K),
-        "route_slot": (L, R, K),
         "moe_x": (L, E, R, K, geo.hidden),
         "moe_act": (L, E, R, K, max(geo.expert_width, 1)),
         "moe_out": (L, E, R, K, geo.hidden),
@@ -169,9 +161,8 @@ def logical_shapes(geo: Geometry) -> dict[str, tuple[int, ...]]:
         "moe_down_queue": (L,),
         "attn_queue": (1,),
         "target_word": (geo.target_words.total,),
-        "logits": (R, geo.vocab),
-        "argmax_part": (R, geo.lm_tiles),
-    }
+    })
+    return out
 
 
 def step_inputs(geo: Geometry) -> list[Region]:

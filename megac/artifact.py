@@ -6,7 +6,8 @@ opcode table, and per schedule key (batch size, context bucket) the counter
 table, task counts, waves, the buffer plan and the sha256 of every array.
 ``schedule.npz`` holds the arrays, named ``<key>/tasks`` and
 ``<key>/task_counts``, plus ``<key>/global_order`` (the topological list the
-cost model and tools use).
+cost model and tools use). ``megac_layout.h`` is every planned buffer's
+shape and strides per key, for the device code.
 
 :func:`load_artifact` checks the ABI version and every hash, so a stale or
 edited artifact is refused with one line instead of running wrong.
@@ -27,14 +28,13 @@ import numpy as np
 import megac
 from megac import abi
 from megac.errors import MegacError
+from megac.schedule import schedule_key
 
 MANIFEST = "manifest.json"
 ARRAYS = "schedule.npz"
+#: C++ header of every buffer's shape and strides (megac.codegen.layout_header)
+LAYOUT_HEADER = "megac_layout.h"
 FORMAT_VERSION = 1
-
-
-def schedule_key(rows: int, context: int) -> str:
-    return f"bs{rows}_ctx{context}"
 
 
 def _sha256(data: bytes) -> str:
@@ -129,6 +129,9 @@ def write_artifact(out_dir: Path, spec, schedules, *, order: str, pass_log=()) -
         for name, a in arrays.items():
             with zf.open(name + ".npy", "w", force_zip64=True) as fh:
                 np.lib.format.write_array(fh, a, allow_pickle=False)
+    from megac.codegen.layout_header import render as render_layout
+
+    (out_dir / LAYOUT_HEADER).write_text(render_layout(spec.name, schedules))
     manifest = {
         "format": FORMAT_VERSION,
         "megac_version": megac.__version__,
@@ -141,7 +144,8 @@ def write_artifact(out_dir: Path, spec, schedules, *, order: str, pass_log=()) -
         "target": spec.target.model_dump(mode="json"),
         "passes": [dict(p) for p in pass_log],
         "schedules": entries,
-        "content_hashes": {ARRAYS: _sha256(npz_path.read_bytes())},
+        "content_hashes": {ARRAYS: _sha256(npz_path.read_bytes()),
+                           LAYOUT_HEADER: _sha256((out_dir / LAYOUT_HEADER).read_bytes())},
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -166,6 +170,35 @@ class Artifact:
         from megac.spec.loader import spec_from_dict
 
         return spec_from_dict(self.manifest["spec"])
+
+    def to_schedules(self) -> list:
+        """The artifact's schedules as :class:`megac.schedule.Schedule` objects:
+        the exact task words, task counts, global order, counter table and
+        buffer plan (hash-checked by :func:`load_artifact`), with the geometry
+        of each (batch size, context) key."""
+        from megac.geometry import Geometry
+        from megac.schedule import BufferPlan, BufferSpec, Counter, Schedule
+
+        spec = self.spec()
+        out = []
+        for ls in self.schedules.values():
+            m = ls.meta
+            plan = m["plan"]
+            buffers = {name: BufferSpec(name, b["dtype"], tuple(b["shape"]), int(b["nbytes"]), b["kind"],
+                                        tuple(b["lifetime"]) if b["lifetime"] else None, list(b["guards"]),
+                                        bool(b["reset_per_step"]))
+                       for name, b in plan["buffers"].items()}
+            counters = [Counter(int(c[0]), c[1], c[2], -1, c[3], c[4]) for c in m["counters"]]
+            geo = Geometry.from_spec(spec, int(m["batch_size"]), int(m["context"]))
+            out.append(Schedule(
+                spec_name=spec.name, rows=int(m["batch_size"]), context=int(m["context"]),
+                buckets=list(m["buckets"]), order=self.manifest.get("order", "?"), num_sms=int(m["num_sms"]),
+                tasks=ls.tasks, task_counts=ls.task_counts, counters=counters, num_counters=int(m["num_counters"]),
+                waves={k: [tuple(w) for w in v] for k, v in m["waves"].items()}, layer_kinds=list(m["layer_kinds"]),
+                tasks_per_opcode=dict(m["tasks_per_opcode"]), tasks_per_sm=dict(m["tasks_per_sm"]),
+                plan=BufferPlan(buffers, {}, list(plan["reset"])), geometry=geo, global_order=ls.global_order,
+                task_node=np.zeros(len(ls.global_order), dtype=np.int32), node_names=[]))
+        return out
 
     def schedule_for(self, rows: int, context: int) -> LoadedSchedule:
         """The schedule serving ``rows`` live rows at ``context`` tokens: the

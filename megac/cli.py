@@ -52,7 +52,8 @@ def main() -> None:
 @main.command("compile")
 @click.argument("model")
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              default=None, help="Artifact directory (default: ./artifacts/<model name>).")
+              default=None, help="Artifact directory (default: the artifact cache, where serve and generate "
+                                 "find it: $MEGAC_CACHE_DIR or ~/.cache/megac).")
 @click.option("--order", type=click.Choice(ORDERS), default="tuned", show_default=True,
               help="Wave order (schedules/<order>.yaml).")
 @click.option("--batch-size", "batch_sizes", type=click.IntRange(1, 64), multiple=True,
@@ -62,28 +63,25 @@ def main() -> None:
 @click.option("--dump-passes", is_flag=True, help="Print each pass with its wall time and summary.")
 def compile_cmd(model, out_dir, order, batch_sizes, target, dump_passes):
     """Compile MODEL (bundled name, model.yaml or HF checkpoint dir) to an artifact."""
-    from megac.artifact import write_artifact
-    from megac.passes.pipeline import compile_schedules
+    from megac.runtime.artifacts import cache_path, compile_into
 
     t0 = time.perf_counter()
     spec = _load(model, target)
     _progress(f"loaded spec {spec.name}: {spec.num_layers} layers, hidden {spec.hidden_size}")
-    result = compile_schedules(spec, order=order, batch_sizes=list(batch_sizes) or None,
-                               progress=_progress)
-    out_dir = out_dir or Path("artifacts") / spec.name
-    manifest = write_artifact(out_dir, spec, result.schedules, order=order, pass_log=result.pass_log)
+    out_dir = out_dir or cache_path(spec, order, list(batch_sizes) or None)
+    result = compile_into(out_dir, spec, order, list(batch_sizes) or None, progress=_progress, strict=True)
     elapsed = time.perf_counter() - t0
     if dump_passes:
         for entry in result.pass_log:
             click.echo(f"  {entry['pass']:<8} {entry['ms']:9.1f} ms  {entry.get('summary', '')}")
-    for key in manifest["schedules"]:
+    for s in result.schedules:
         click.echo(
-            f"  batch {key['batch_size']:>2}  context <= {key['context']:>6}  "
-            f"{key['num_tasks']:>6} tasks  {key['num_counters']:>6} counters  "
-            f"max {key['max_tasks']} tasks/SM"
+            f"  batch {s.rows:>2}  context <= {s.context:>6}  "
+            f"{s.num_tasks:>6} tasks  {s.num_counters:>6} counters  "
+            f"max {s.max_tasks} tasks/SM"
         )
     click.echo(f"wrote {out_dir}/manifest.json and schedule.npz "
-               f"({len(manifest['schedules'])} schedules) in {elapsed:.2f} s")
+               f"({len(result.schedules)} schedules) in {elapsed:.2f} s")
 
 
 def _verify_report(sched):
@@ -171,7 +169,7 @@ def _encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
 @click.argument("model", required=False)
 @click.option("--weights", type=str, default=None, help="Checkpoint directory or GGUF file for MODEL's spec.")
 @click.option("--random-weights", is_flag=True, help="Seeded random weights (CPU generator).")
-@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--backend", type=click.Choice(["cpu", "cuda", "reference"]), default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt token ids, e.g. 1,2,3 (repeat for a ragged batch).")
@@ -182,16 +180,23 @@ def _encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0: off")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (and the random-weights seed).")
 @click.option("--order", type=click.Choice(ORDERS), default="tuned", show_default=True)
+@click.option("--artifact", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Run this compiled artifact (megac compile -o DIR) instead of compiling or loading from the cache.")
 @click.option("--mode", type=click.Choice(["fast", "checked"]), default="fast", show_default=True,
               help="checked: interleave the SM queues and track happens-before (slow; for debugging).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"outputs": [{"token_ids": [...], "text": ...}]}.')
 def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt_ids, chat, max_tokens,
-                 temperature, top_p, top_k, seed, order, mode, as_json):
-    """Generate with MODEL through the compiled task words (default: SmolLM2-135M-Instruct)."""
-    from megac.loading import dtype_of, load_model
+                 temperature, top_p, top_k, seed, order, artifact, mode, as_json):
+    """Generate with MODEL through the compiled task words (default: SmolLM2-135M-Instruct).
 
-    if backend == "cuda":
-        raise MegacError("--backend cuda: the CUDA megakernel backend does not exist yet; use --backend cpu")
+    Runs the serving engine (chunked prefill, continuous batching) in this
+    process, over the artifact compiled once and cached."""
+    from megac.engine.build import EngineOptions, build_engine
+    from megac.engine.generate import generate
+    from megac.loading import dtype_of, load_model
+    from megac.runtime.backends import check_kind
+
+    check_kind(backend)
     if bool(prompts) == bool(prompt_ids):
         raise MegacError("give either --prompt TEXT or --prompt-ids 1,2,3 (each may repeat)")
     ids_given = [_parse_ids(t) for t in prompt_ids]
@@ -206,32 +211,31 @@ def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt
         if len(ids) + max_tokens > spec.max_context:
             raise MegacError(f"prompt ({len(ids)} tokens) + --max-tokens {max_tokens} exceeds the context "
                              f"limit {spec.max_context}")
-    _progress(f"loaded {loaded.name} in {time.perf_counter() - t0:.1f} s; compiling schedules ({order}) ...")
-    from megac.vm.engine import Engine
-
-    sizes = sorted(spec.target.batch_sizes)
-    bs = next((b for b in sizes if b >= len(batch)), sizes[-1])
-    engine = Engine.build(spec, loaded.weights, order=order, batch_sizes=[bs], dtype=dtype_of(dtype), mode=mode,
-                          seed=seed)
-    _progress(f"generating {len(batch)} prompt(s) on the CPU VM (batch schedule {bs}, {mode} mode) ...")
-    outs = engine.generate(batch, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                           seed=seed, eos_token_ids=spec.eos_token_ids)
+    _progress(f"loaded {loaded.name} in {time.perf_counter() - t0:.1f} s")
+    opts = EngineOptions(backend=backend, order=order, artifact=artifact, max_batch_size=len(batch),
+                         max_model_len=max(len(ids) for ids in batch) + max_tokens, mode=mode, seed=seed)
+    engine = build_engine(spec, loaded.weights, opts, progress=_progress)
+    where = {"vm": "the CPU VM", "reference": "plain PyTorch"}.get(engine.backend.name, engine.backend.name)
+    _progress(f"generating {len(batch)} prompt(s) on {where} ({mode} mode) ...")
+    t1 = time.perf_counter()
+    outs = generate(engine, batch, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                    seed=seed)
+    seconds = time.perf_counter() - t1
     results = []
     for o in outs:
         item = {"token_ids": list(o.tokens), "finish_reason": o.finish_reason}
         if tok is not None:
             item["text"] = tok.decode(o.tokens, skip_special_tokens=True)
         results.append(item)
-    stats = engine.stats
     if as_json:
         click.echo(json.dumps({"outputs": results}))
     else:
         for i, item in enumerate(results):
             head = f"[{i}] " if len(results) > 1 else ""
             click.echo(head + (item["text"] if "text" in item else " ".join(map(str, item["token_ids"]))))
-    if stats.decode_s > 0:
-        _progress(f"{stats.decode_tokens} tokens in {stats.decode_s:.2f} s of decode "
-                  f"({stats.decode_tokens / stats.decode_s:.1f} tok/s), prefill {stats.prefill_s:.2f} s")
+    n = sum(len(o.tokens) for o in outs)
+    if seconds > 0:
+        _progress(f"{n} tokens in {seconds:.2f} s ({n / seconds:.1f} tok/s, prefill included)")
 
 
 def _add_server_commands() -> None:

@@ -55,6 +55,12 @@ import numpy as np
 from megac.geometry import Geometry
 
 
+def schedule_key(rows: int, context: int) -> str:
+    """The name of one schedule key (batch size, context bucket) in artifacts
+    and generated headers."""
+    return f"bs{rows}_ctx{context}"
+
+
 @dataclass(frozen=True)
 class Counter:
     index: int
@@ -158,4 +164,4 @@ class Schedule:
         }
 
 
-__all__ = ["BufferPlan", "BufferSpec", "Counter", "Schedule", "WeightLayout"]
+__all__ = ["BufferPlan", "BufferSpec", "Counter", "Schedule", "WeightLayout", "schedule_key"]

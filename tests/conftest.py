@@ -29,3 +29,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_artifact_cache(tmp_path_factory):
+    """Artifacts compiled by tests (and by the servers and CLIs they start)
+    go to a cache of this session, never the user's ~/.cache/megac."""
+    import os
+
+    old = os.environ.get("MEGAC_CACHE_DIR")
+    os.environ["MEGAC_CACHE_DIR"] = str(tmp_path_factory.mktemp("megac-cache"))
+    yield
+    if old is None:
+        os.environ.pop("MEGAC_CACHE_DIR", None)
+    else:
+        os.environ["MEGAC_CACHE_DIR"] = old
+

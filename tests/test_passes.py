@@ -8,7 +8,6 @@ catches a broken contract.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -371,16 +370,12 @@ def test_compile_one_schedule_fields():
     assert sched.node_names[int(sched.task_node[-1])] == "lm_head"
 
 
-def test_compile_time_north_mini_code_all_batch_sizes():
+def test_north_mini_code_all_batch_sizes():
+    """Every batch size and bucket of North Mini Code compiles and verifies
+    (its compile time is a benchmark, BENCHMARKS.md, not an assertion)."""
     s = spec_of("north-mini-code")
     seen = []
-    t0 = time.perf_counter()
     res = compile_schedules(s, "tuned", progress=seen.append)
-    elapsed = time.perf_counter() - t0
-    totals = {k: round(v) for k, v in res.pass_totals.items()}
-    print(f"\nnorth-mini-code, batch sizes {s.target.batch_sizes}, {len(res.schedules)} schedules "
-          f"({len(s.resolved_context_buckets)} buckets each): {elapsed:.2f} s; ms per pass {totals}")
-    assert elapsed < 20
     assert len(seen) == len(res.schedules) == 12
     assert set(res.key_map) == {(b, c) for b in BATCHES for c in s.resolved_context_buckets}
     big = res.schedule_for(8, 262144)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megac.engine import Engine, EngineConfig, ReferenceBackend, Request
-from megac.engine.backend import make_backend
-from megac.engine.prefix_cache import PrefixCache, attach_blocks, chain_hashes
+from megac.engine import Engine, EngineConfig, Request
+from megac.passes.pipeline import compile_schedules
+from megac.runtime.backend import ReferenceBackend
+from megac.runtime.backends import make_backend
+from megac.engine.prefix_cache import PrefixCache, chain_hashes
 from megac.engine.request import IncrementalDetokenizer, Phase
 from megac.errors import MegacError
 from megac.kv.paged import PagedKVCache
@@ -86,7 +88,7 @@ def test_preemption_recomputes_to_the_same_output(alone):
     got = run_all(eng, PROMPTS, seeded)
     assert eng.num_preemptions > 0
     assert got == alone["seeded"]
-    assert eng.kv.allocator.num_used == eng.prefix_cache.num_blocks_held  # only the cache holds blocks
+    assert eng.kv.num_used_blocks == eng.prefix_cache.num_blocks_held  # only the cache holds blocks
 
 
 def test_max_batch_size_is_respected():
@@ -137,7 +139,7 @@ def test_prefix_cache_eviction_under_pressure():
     eng = make_engine(num_blocks=40)
     for i in range(6):
         run_all(eng, [f"{i} unique prompt text that fills a few chunks " * 3], greedy)
-    assert eng.kv.allocator.num_used <= 40
+    assert eng.kv.num_used_blocks <= 40
     eng.prefix_cache.check()
 
 
@@ -187,13 +189,13 @@ def test_prefix_hash_chain_and_attach():
     other = kv.allocate_row()
     hashes, blocks = pc.match(toks, 2)
     assert len(hashes) == 1
-    attach_blocks(kv, other, blocks)
+    kv.attach_shared(other, blocks)
     assert kv.seq_pos[other] == 32 and kv.blocks_of_row(other) <= kv.blocks_of_row(row)
     pc.check()
     kv.free_row(row)
     kv.free_row(other)
     assert pc.num_evictable_blocks() == blocks.size
-    assert pc.evict(1) == blocks.size and kv.allocator.num_used == 0
+    assert pc.evict(1) == blocks.size and kv.num_used_blocks == 0
 
 
 def test_request_stop_strings_hold_back_and_cut():
@@ -228,9 +230,12 @@ def test_detokenizer_waits_for_complete_utf8():
 
 def test_make_backend():
     kv = PagedKVCache(SPEC, max_rows=1, num_blocks=10, max_context=64, dtype=torch.float32)
-    vm = make_backend("cpu", SPEC, WEIGHTS, kv)
+    scheds = compile_schedules(SPEC).schedules
+    vm = make_backend("cpu", SPEC, WEIGHTS, kv, schedules=scheds)
     assert vm.name == "vm" and vm.max_batch_size == max(SPEC.target.batch_sizes)
-    assert make_backend("auto", SPEC, WEIGHTS, kv).name == "vm"
+    assert make_backend("auto", SPEC, WEIGHTS, kv, schedules=scheds).name == "vm"
+    with pytest.raises(MegacError, match="needs compiled schedules"):
+        make_backend("cpu", SPEC, WEIGHTS, kv)
     assert make_backend("reference", SPEC, WEIGHTS, kv).name == "reference"
     with pytest.raises(MegacError, match="no CUDA backend yet"):
         make_backend("cuda", SPEC, WEIGHTS, kv)

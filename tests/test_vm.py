@@ -22,7 +22,9 @@ from megac.passes.pipeline import compile_one, compile_schedules  # noqa: E402
 from megac.prefill import prefill  # noqa: E402
 from megac.spec import load_spec  # noqa: E402
 from megac.abi import split_range  # noqa: E402
-from megac.vm import DecodeStep, DeviceState, Engine, VMWeights  # noqa: E402
+from megac.vm import DecodeStep, DeviceState, VMWeights  # noqa: E402
+from megac.engine.generate import generate  # noqa: E402
+from engines import run, vm_engine  # noqa: E402
 from megac.vm.interp import coalesced_runs  # noqa: E402
 from megac.weights import kernel_weights, load_hf, random_weights  # noqa: E402
 from models import hf_last_logits, hf_model, save_checkpoint, variant  # noqa: E402
@@ -121,21 +123,21 @@ def test_fp32_matches_transformers(ckpt, name, order):
     tokens for 32 steps, ragged prompts (one longer than the sliding window)."""
     spec, w, model = ckpt(name)
     compiled = compile_schedules(spec, order=order, batch_sizes=[1, 2, 4])
-    eng = Engine(spec, w, compiled)
+    eng = vm_engine(spec, w, compiled)
     prompts = _prompts(spec)
-    outs = eng.generate(prompts, max_tokens=STEPS, eos_token_ids=[], return_logits=True)
+    outs = generate(eng, prompts, max_tokens=STEPS, eos_token_ids=[], return_logits=True)
     _check_against_hf(model, prompts, outs, STEPS)
-    assert set(eng.stats.schedules_used) == {(4, max(spec.resolved_context_buckets))}
+    assert set(eng.backend.schedules_used) == {(4, max(spec.resolved_context_buckets))}
 
 
 @pytest.mark.parametrize("name", ["moe-tied", "softmax", "sigmoid-renorm", "nope-dense", "sliding-splits",
                                   "llama-mqa"])
 def test_fp32_variants_match_transformers(ckpt, name):
     spec, w, model = ckpt(name)
-    eng = Engine(spec, w, compile_schedules(spec, order="tuned", batch_sizes=[4]))
     prompts = _prompts(spec, (5, 30, 2))
     steps = 16
-    outs = eng.generate(prompts, max_tokens=steps, eos_token_ids=[], return_logits=True)
+    outs = run(spec, w, compile_schedules(spec, order="tuned", batch_sizes=[4]), prompts, max_tokens=steps,
+               eos_token_ids=[], return_logits=True)
     _check_against_hf(model, prompts, outs, steps)
 
 
@@ -160,9 +162,9 @@ def test_bf16_close_to_transformers(name):
     spec = _spec(name)
     w = random_weights(spec, seed=4, dtype=torch.bfloat16)
     model = hf_model(spec, w)
-    eng = Engine(spec, w, compile_schedules(spec, order="tuned", batch_sizes=[4]), dtype=torch.bfloat16)
     prompts = _prompts(spec, (4, 30, 11))
-    outs = eng.generate(prompts, max_tokens=12, eos_token_ids=[], return_logits=True)
+    outs = run(spec, w, compile_schedules(spec, order="tuned", batch_sizes=[4]), prompts, max_tokens=12,
+               eos_token_ids=[], return_logits=True)
     worst = 1.0
     for p, o in zip(prompts, outs):
         seq = list(p)
@@ -181,11 +183,11 @@ def test_batch_invariance(ckpt, name):
     schedule, one inactive row, rows finishing at different steps): the same
     tokens and bit-identical fp32 logits."""
     spec, w, _ = ckpt(name)
-    eng = Engine(spec, w, compile_schedules(spec, order="interleaved", batch_sizes=[1, 2, 4]))
+    eng = vm_engine(spec, w, compile_schedules(spec, order="interleaved", batch_sizes=[1, 2, 4]))
     prompts = _prompts(spec, (3, 40, 17), seed=5)
-    batch = eng.generate(prompts, max_tokens=12, eos_token_ids=[], return_logits=True)
+    batch = generate(eng, prompts, max_tokens=12, eos_token_ids=[], return_logits=True)
     for i, p in enumerate(prompts):
-        alone = eng.generate([p], max_tokens=12, eos_token_ids=[], return_logits=True)[0]
+        alone = generate(eng, [p], max_tokens=12, eos_token_ids=[], return_logits=True)[0]
         assert alone.tokens == batch[i].tokens
         for a, b in zip(alone.logits, batch[i].logits):
             assert torch.equal(a, b)
@@ -194,15 +196,15 @@ def test_batch_invariance(ckpt, name):
     toks = batch[0].tokens
     j = next(j for j in range(2, len(toks)) if toks[j] not in toks[:j])
     eos = toks[j]
-    eng.stats.schedules_used.clear()
-    shrink = eng.generate(prompts, max_tokens=12, eos_token_ids=[eos], return_logits=True)
+    eng.backend.schedules_used.clear()
+    shrink = generate(eng, prompts, max_tokens=12, eos_token_ids=[eos], return_logits=True)
     assert shrink[0].tokens == toks[:j] and shrink[0].finish_reason == "stop"
     for i in (1, 2):
         n = len(shrink[i].tokens)
         assert shrink[i].tokens == batch[i].tokens[:n]
         for a, b in zip(shrink[i].logits, batch[i].logits):
             assert torch.equal(a, b)
-    assert any(r == 2 for r, _ in eng.stats.schedules_used)
+    assert any(r == 2 for r, _ in eng.backend.schedules_used)
 
 
 def test_orders_and_sm_counts_give_identical_bits(ckpt):
@@ -213,8 +215,8 @@ def test_orders_and_sm_counts_give_identical_bits(ckpt):
     ref = None
     for order, sms in (("tuned", 132), ("interleaved", 132), ("attention-first", 132), ("tuned", 7)):
         sp = spec.model_copy(update={"target": spec.target.model_copy(update={"num_sms": sms})})
-        eng = Engine(sp, w, compile_schedules(sp, order=order, batch_sizes=[2], buckets=[1024]))
-        outs = eng.generate(prompts, max_tokens=6, eos_token_ids=[], return_logits=True)
+        outs = run(sp, w, compile_schedules(sp, order=order, batch_sizes=[2], buckets=[1024]), prompts, max_tokens=6,
+                   eos_token_ids=[], return_logits=True)
         got = [torch.stack(o.logits) for o in outs]
         if ref is None:
             ref = got
@@ -224,12 +226,11 @@ def test_orders_and_sm_counts_give_identical_bits(ckpt):
 def test_bf16_batch_invariance():
     spec = _spec("moe")
     w = random_weights(spec, seed=4, dtype=torch.bfloat16)
-    eng = Engine(spec, w, compile_schedules(spec, order="tuned", batch_sizes=[1, 4], buckets=[1024]),
-                 dtype=torch.bfloat16)
+    eng = vm_engine(spec, w, compile_schedules(spec, order="tuned", batch_sizes=[1, 4], buckets=[1024]))
     prompts = _prompts(spec, (2, 19, 33), seed=8)
-    batch = eng.generate(prompts, max_tokens=6, eos_token_ids=[], return_logits=True)
+    batch = generate(eng, prompts, max_tokens=6, eos_token_ids=[], return_logits=True)
     for i, p in enumerate(prompts):
-        alone = eng.generate([p], max_tokens=6, eos_token_ids=[], return_logits=True)[0]
+        alone = generate(eng, [p], max_tokens=6, eos_token_ids=[], return_logits=True)[0]
         assert alone.tokens == batch[i].tokens
         assert all(torch.equal(a, b) for a, b in zip(alone.logits, batch[i].logits))
 
@@ -238,40 +239,41 @@ def test_bf16_batch_invariance():
 def _tiny_engine(**kw):
     spec = _spec("llama")
     w = random_weights(spec, seed=3)
-    return spec, Engine(spec, w, compile_schedules(spec, order="tuned", batch_sizes=[1, 2]), **kw)
+    return spec, vm_engine(spec, w, compile_schedules(spec, order="tuned", batch_sizes=[1, 2]), **kw)
 
 
 def test_engine_sampling_eos_and_groups():
     spec, eng = _tiny_engine()
     prompts = _prompts(spec, (4, 7, 2), seed=9)
     # more prompts than the largest batch size: consecutive groups
-    a = eng.generate(prompts, max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=[1, 2, 3], eos_token_ids=[])
-    b = eng.generate(prompts, max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=[1, 2, 3], eos_token_ids=[])
+    a = generate(eng, prompts, max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=[1, 2, 3], eos_token_ids=[])
+    b = generate(eng, prompts, max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=[1, 2, 3], eos_token_ids=[])
     assert [o.tokens for o in a] == [o.tokens for o in b]
     assert all(len(o.tokens) == 6 and o.finish_reason == "length" for o in a)
     # a request's sampled tokens do not depend on its batch (own generator)
-    alone = eng.generate([prompts[1]], max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=[2],
+    alone = generate(eng, [prompts[1]], max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=[2],
                          eos_token_ids=[])
     assert alone[0].tokens == a[1].tokens
-    c = eng.generate(prompts, max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=[7, 8, 9], eos_token_ids=[])
+    c = generate(eng, prompts, max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=[7, 8, 9], eos_token_ids=[])
     assert [o.tokens for o in c] != [o.tokens for o in a]
     # EOS stops a row and is not returned
-    g = eng.generate([prompts[0]], max_tokens=6, eos_token_ids=[])[0]
-    e = eng.generate([prompts[0]], max_tokens=6, eos_token_ids=[g.tokens[2]])[0]
+    g = generate(eng, [prompts[0]], max_tokens=6, eos_token_ids=[])[0]
+    e = generate(eng, [prompts[0]], max_tokens=6, eos_token_ids=[g.tokens[2]])[0]
     assert e.finish_reason == "stop" and e.tokens == g.tokens[: g.tokens.index(g.tokens[2])]
     with pytest.raises(MegacError):
-        eng.generate([[]])
+        generate(eng, [[]])
 
 
 def test_engine_picks_schedules():
     spec, eng = _tiny_engine()
-    s = eng.pick(1, 10)
+    pick = eng.backend.schedules.pick
+    s = pick(1, 10)
     assert s.rows == 1
-    assert eng.pick(2, 10).rows == 2
+    assert pick(2, 10).rows == 2
     with pytest.raises(MegacError):
-        eng.pick(3, 10)
+        pick(3, 10)
     with pytest.raises(MegacError):
-        eng.pick(1, spec.max_context + 1)
+        pick(1, spec.max_context + 1)
 
 
 def test_vm_backend_protocol():
@@ -284,17 +286,13 @@ def test_vm_backend_protocol():
     kv = PagedKVCache(spec, max_rows=2, num_blocks=200, dtype=torch.float32)
     be = VMBackend(spec, w, kv, comp)
     assert be.name == "vm" and be.max_batch_size == 2
-    try:
-        from megac.engine.backend import Backend
+    from megac.runtime.backend import Backend
 
-        assert isinstance(be, Backend)
-    except ImportError:  # the server engine is optional here
-        pass
+    assert isinstance(be, Backend)
     prompts = _prompts(spec, (4, 11), seed=1)
     rows = [kv.allocate_row() for _ in prompts]
     lg = torch.stack([be.prefill(r, p) for r, p in zip(rows, prompts)])
-    eng = Engine(spec, w, comp)
-    ref = eng.generate(prompts, max_tokens=4, eos_token_ids=[], return_logits=True)
+    ref = run(spec, w, comp, prompts, max_tokens=4, eos_token_ids=[], return_logits=True)
     for s in range(3):
         for i in range(2):
             assert torch.equal(lg[i], ref[i].logits[s])
@@ -310,18 +308,18 @@ def test_vm_backend_protocol():
 def test_engine_runs_an_artifact(tmp_path):
     """``megac compile``'s artifact (manifest + schedule.npz) runs in the VM
     with the same bits as the in-memory schedules it was written from."""
-    from megac.artifact import write_artifact
-    from megac.vm import schedules_from_artifact
+    from megac.artifact import load_artifact, write_artifact
 
     spec = _spec("moe")
     w = random_weights(spec, seed=5)
     comp = compile_schedules(spec, order="interleaved", batch_sizes=[1, 2], buckets=[1024])
     write_artifact(tmp_path / "art", spec, comp.schedules, order="interleaved")
-    spec2, scheds = schedules_from_artifact(tmp_path / "art")
+    art = load_artifact(tmp_path / "art")
+    spec2, scheds = art.spec(), art.to_schedules()
     assert spec2 == spec and len(scheds) == 2
     prompts = _prompts(spec, (4, 11), seed=1)
-    a = Engine(spec, w, comp).generate(prompts, max_tokens=5, eos_token_ids=[], return_logits=True)
-    b = Engine(spec2, w, scheds).generate(prompts, max_tokens=5, eos_token_ids=[], return_logits=True)
+    a = run(spec, w, comp, prompts, max_tokens=5, eos_token_ids=[], return_logits=True)
+    b = run(spec2, w, scheds, prompts, max_tokens=5, eos_token_ids=[], return_logits=True)
     for x, y in zip(a, b):
         assert x.tokens == y.tokens and all(torch.equal(p, q) for p, q in zip(x.logits, y.logits))
 

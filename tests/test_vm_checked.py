@@ -27,12 +27,12 @@ from megac.vm import (
     DecodeStep,
     DeviceState,
     EarlyReadError,
-    Engine,
     HazardError,
     OverwriteError,
     VMWeights,
 )
 from megac.weights import random_weights
+from engines import run
 
 NUM_SMS = 8  # deep SM queues: many tasks per SM, so interleavings differ a lot
 
@@ -94,9 +94,9 @@ def test_checked_engine_matches_fast_engine():
 
     comp = compile_schedules(spec, order="tuned", batch_sizes=[1, 2], buckets=[128])
     prompts = [[5, 6, 7, 8], [9] * 20]
-    fast = Engine(spec, w, comp).generate(prompts, max_tokens=4, eos_token_ids=[], return_logits=True)
-    chk = Engine(spec, w, comp, mode="checked", policy="random", seed=11).generate(
-        prompts, max_tokens=4, eos_token_ids=[], return_logits=True)
+    fast = run(spec, w, comp, prompts, max_tokens=4, eos_token_ids=[], return_logits=True)
+    chk = run(spec, w, comp, prompts, mode="checked", policy="random", vm_seed=11, max_tokens=4, eos_token_ids=[],
+              return_logits=True)
     for a, b in zip(fast, chk):
         assert a.tokens == b.tokens
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))

@@ -12,10 +12,9 @@ from pathlib import Path
 import jinja2
 
 from megac import abi
+from megac.resources import opcodes_dir, templates_dir
 
-REPO = Path(__file__).resolve().parents[2]
-TEMPLATE_DIR = REPO / "templates"
-HEADER_PATH = REPO / "opcodes" / "generated" / "megac_abi.h"
+HEADER_PATH = opcodes_dir() / "generated" / "megac_abi.h"
 
 # Pointers are uint64 so the struct layout is identical on host and device
 # and can be filled from Python with ctypes/numpy by field name.
@@ -24,7 +23,7 @@ CTYPES = {"ptr": "uint64_t", "i32": "int32_t", "f32": "float", "u64": "uint64_t"
 
 def render() -> str:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+        loader=jinja2.FileSystemLoader(templates_dir()),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
     )

@@ -29,11 +29,9 @@ Needs full attention in every layer (sliding layers release blocks as the
 window moves, which a shared chain cannot follow); :class:`PrefixCache` is
 disabled otherwise.
 
-``PagedKVCache`` has no public hook to map existing blocks into a fresh row
-(``fork_row`` copies a whole live row); :func:`attach_blocks` is that hook,
-written here against the cache's internals (``page_table``, ``seq_pos``,
-``_reserved``, ``_may_share``) and checked by ``PagedKVCache.check()`` in the
-tests.
+Only the cache's public API is used: ``PagedKVCache.hold`` / ``release`` /
+``refcounts`` for the entries' references, ``attach_shared`` to map a cached
+chain into a fresh row, ``check(held=...)`` for the invariants.
 """
 
 from __future__ import annotations
@@ -63,28 +61,6 @@ def chain_hashes(tokens: Sequence[int], chunk_tokens: int, n_chunks: int | None 
         h = hashlib.blake2b(h + arr[j * chunk_tokens:(j + 1) * chunk_tokens].tobytes(), digest_size=16).digest()
         out.append(h)
     return out
-
-
-def attach_blocks(kv: "PagedKVCache", row: int, blocks: np.ndarray) -> None:
-    """Map ``blocks`` (``int32 [num_layers, n]``: block ``j`` of every layer)
-    as the first ``n`` blocks of the fresh, empty ``row`` (one reference
-    each) and start the row at ``n * block_size`` tokens."""
-    if not kv.row_active[row] or kv.seq_pos[row] != 0 or kv.reserved_end(row) != 0:
-        raise MegacError(f"prefix cache: row {row} must be freshly allocated to attach blocks")
-    if blocks.ndim != 2 or blocks.shape[0] != kv.num_layers:
-        raise MegacError(f"prefix cache: blocks must be [num_layers, n] (got {blocks.shape})")
-    n = blocks.shape[1]
-    if n == 0:
-        return
-    if (blocks < 0).any():
-        raise MegacError("prefix cache: cannot attach an unmapped block")
-    for b in blocks.ravel().tolist():
-        kv.allocator.incref(int(b))
-    kv.page_table[:, row, :n] = blocks
-    tokens = n * kv.block_size
-    kv.seq_pos[row] = tokens
-    kv._reserved[row] = tokens  # noqa: SLF001 -- no public hook (see module docstring)
-    kv._may_share[row] = True  # noqa: SLF001
 
 
 @dataclass
@@ -117,7 +93,7 @@ class PrefixCache:
         return len(self._entries)
 
     def _evictable(self, e: _Entry) -> bool:
-        return bool((self.kv.allocator.refcount[e.blocks] == 1).all())
+        return bool((self.kv.refcounts(e.blocks) == 1).all())
 
     @property
     def num_blocks_held(self) -> int:
@@ -166,8 +142,7 @@ class PrefixCache:
         blocks = self.kv.page_table[:, row, b0:b0 + self.blocks_per_chunk].copy()
         if (blocks < 0).any():
             raise MegacError(f"prefix cache: chunk {chunk} of row {row} is not mapped")
-        for b in blocks.ravel().tolist():
-            self.kv.allocator.incref(int(b))
+        self.kv.hold(blocks)
         self._entries[key] = _Entry(blocks, chunk, self._clock)
         return True
 
@@ -184,9 +159,7 @@ class PrefixCache:
                 break
             if not self._evictable(e):
                 continue
-            for b in e.blocks.ravel().tolist():
-                if self.kv.allocator.decref(int(b)):
-                    freed += 1
+            freed += self.kv.release(e.blocks)
             del self._entries[key]
         return freed
 
@@ -195,27 +168,16 @@ class PrefixCache:
         references plus the cache's own; the free list holds exactly the
         unreferenced blocks (``PagedKVCache.check`` with the cache counted)."""
         kv = self.kv
-        counts = np.bincount(kv.page_table[kv.page_table >= 0].ravel(), minlength=kv.num_blocks)
+        held = np.zeros(kv.num_blocks, dtype=np.int64)
         for e in self._entries.values():
-            counts += np.bincount(e.blocks.ravel(), minlength=kv.num_blocks)
-        if not np.array_equal(counts, kv.allocator.refcount):
-            bad = int(np.flatnonzero(counts != kv.allocator.refcount)[0])
-            raise MegacError(f"prefix cache: block {bad} has refcount {int(kv.allocator.refcount[bad])} "
-                             f"but {int(counts[bad])} references")
-        free = set(kv.allocator._free)  # noqa: SLF001
-        if len(free) != len(kv.allocator._free) or any(kv.allocator.refcount[b] for b in free):  # noqa: SLF001
-            raise MegacError("prefix cache: free list corrupt")
-        if len(free) + int((kv.allocator.refcount > 0).sum()) != kv.num_blocks:
-            raise MegacError("prefix cache: blocks lost (neither free nor referenced)")
+            held += np.bincount(e.blocks.ravel(), minlength=kv.num_blocks)
+        kv.check(held=held)
 
     def clear(self) -> int:
         """Drop every entry (blocks still used by rows stay with the rows)."""
-        n = 0
-        for e in self._entries.values():
-            for b in e.blocks.ravel().tolist():
-                n += bool(self.kv.allocator.decref(int(b)))
+        n = sum(self.kv.release(e.blocks) for e in self._entries.values())
         self._entries.clear()
         return n
 
 
-__all__ = ["PrefixCache", "attach_blocks", "chain_hashes"]
+__all__ = ["PrefixCache", "chain_hashes"]

@@ -118,6 +118,9 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.aborted = False
+        #: keep the fp32 logits each output token was sampled from (``logits``): tools and tests
+        self.keep_logits = False
+        self.logits: list[torch.Tensor] = []
         # output processing
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
         self.text = ""  # all text so far (stop string cut applied at the end)

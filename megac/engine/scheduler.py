@@ -41,14 +41,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megac.engine.prefix_cache import PrefixCache, attach_blocks
+from megac.engine.prefix_cache import PrefixCache
 from megac.engine.request import Phase, Request, Status
 from megac.errors import MegacError
 from megac.kv.paged import KVOutOfBlocks, blocks_for_tokens
 from megac.sampling import sample_row
 
 if TYPE_CHECKING:
-    from megac.engine.backend import Backend
+    from megac.runtime.backend import Backend
 
 log = logging.getLogger("megac.engine")
 
@@ -174,12 +174,12 @@ class Engine:
 
     @property
     def num_blocks_used(self) -> int:
-        return self.kv.allocator.num_used
+        return self.kv.num_used_blocks
 
     @property
     def num_blocks_active(self) -> int:
         """Blocks mapped by live rows (excludes blocks only the prefix cache holds)."""
-        return self.kv.allocator.num_used - self.prefix_cache.num_evictable_blocks()
+        return self.kv.num_used_blocks - self.prefix_cache.num_evictable_blocks()
 
     def has_work(self) -> bool:
         return bool(self._inbox or self.running or self.waiting)
@@ -273,7 +273,7 @@ class Engine:
             n = len(req.prompt_ids)
             max_chunks = (n // C) if req.output_ids else ((n - 1) // C)
             hashes, blocks = self.prefix_cache.match(req.prompt_ids, max_chunks)
-            attach_blocks(self.kv, row, blocks)
+            self.kv.attach_shared(row, blocks)
             hit = len(hashes) * C
             need = self.blocks_needed(req.num_tokens + 1) - blocks.size
             others = len(self.running) > 0
@@ -391,6 +391,8 @@ class Engine:
     # ------------------------------------------------------------------ output
 
     def _emit(self, req: Request, logits) -> None:
+        if req.keep_logits:
+            req.logits.append(logits)
         tok = sample_row(logits, req.params, req.generator, req.output_ids, req.eos_ids)
         now = time.monotonic()
         out = req.append_token(tok, self.config.max_model_len)

@@ -25,9 +25,13 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
-REPO = Path(__file__).resolve().parents[2]
-OPCODES = REPO / "opcodes"
-DEFAULT_CACHE = REPO / "build" / "cubin"
+from megac.resources import cache_dir, opcodes_dir, repo_root
+
+OPCODES = opcodes_dir()
+REPO = OPCODES.parent
+#: a checkout keeps its cubins in build/ (a carried build/ finds them on the
+#: GPU machine); an installed megac in the user cache
+DEFAULT_CACHE = (repo_root() / "build" / "cubin") if repo_root() else cache_dir() / "cubin"
 
 ARCH_FLAGS: tuple[str, ...] = ("-gencode=arch=compute_90a,code=sm_90a",)
 BASE_FLAGS: tuple[str, ...] = (

@@ -162,6 +162,50 @@ class PagedKVCache:
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by a row or held by someone else (``hold``)."""
+        return self.allocator.num_used
+
+    # ------------------------------------------------------------------ shared blocks
+
+    def hold(self, blocks: np.ndarray) -> None:
+        """One more reference on each of ``blocks`` (a prefix cache keeping
+        them alive beyond the row that filled them)."""
+        for b in np.asarray(blocks).ravel().tolist():
+            self.allocator.incref(int(b))
+
+    def release(self, blocks: np.ndarray) -> int:
+        """Drop one reference on each of ``blocks``; returns how many went
+        back to the pool."""
+        return sum(bool(self.allocator.decref(int(b))) for b in np.asarray(blocks).ravel().tolist())
+
+    def refcounts(self, blocks: np.ndarray) -> np.ndarray:
+        """Reference counts of ``blocks`` (same shape)."""
+        return self.allocator.refcount[np.asarray(blocks)]
+
+    def attach_shared(self, row: int, blocks: np.ndarray) -> None:
+        """Map ``blocks`` (``int32 [num_layers, n]``: block ``j`` of every
+        layer) as the first ``n`` blocks of the fresh, empty ``row`` (one
+        reference each) and start the row at ``n * block_size`` tokens. The
+        row may only write positions after them; a shared block it must
+        write is copied first (copy-on-write)."""
+        if not self.row_active[row] or self.seq_pos[row] != 0 or self.reserved_end(row) != 0:
+            raise MegacError(f"KV cache: row {row} must be freshly allocated to attach shared blocks")
+        if blocks.ndim != 2 or blocks.shape[0] != self.num_layers:
+            raise MegacError(f"KV cache: shared blocks must be [num_layers, n] (got {blocks.shape})")
+        n = blocks.shape[1]
+        if n == 0:
+            return
+        if (blocks < 0).any():
+            raise MegacError("KV cache: cannot attach an unmapped block")
+        self.hold(blocks)
+        self.page_table[:, row, :n] = blocks
+        tokens = n * self.block_size
+        self.seq_pos[row] = tokens
+        self._reserved[row] = tokens
+        self._may_share[row] = True
+
     def reserved_end(self, row: int) -> int:
         return int(self._reserved[row])
 
@@ -412,10 +456,13 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ checks
 
-    def check(self) -> None:
+    def check(self, held: np.ndarray | None = None) -> None:
         """Invariants (tests): every refcount equals the number of page-table
-        entries naming the block; free blocks are named by none."""
+        entries naming the block (plus ``held``: references taken with
+        ``hold``, per block); free blocks are named by none."""
         counts = np.bincount(self.page_table[self.page_table >= 0].ravel(), minlength=self.num_blocks)
+        if held is not None:
+            counts = counts + held
         if not np.array_equal(counts, self.allocator.refcount):
             bad = int(np.flatnonzero(counts != self.allocator.refcount)[0])
             raise MegacError(f"KV cache: block {bad} has refcount {int(self.allocator.refcount[bad])} "

@@ -341,7 +341,7 @@ class MoeUpgateDrain(_ExpertDrain):
         m = len(sub)
         t = np.arange(m, dtype=np.int64)
         layer = np.full(m, sub.layer, dtype=np.int64)
-        E, R, K = max(geo.experts, 1), geo.rows, max(geo.top_k, 1)
+        R, K = geo.rows, max(geo.top_k, 1)
         e, n = sub.fields["EXPERT"], sub.fields["N_TILE"]
         n_hi = sub.fields.get("N_TILE_HI", n + 1)
         half = geo.moe_up_bn // 2
@@ -421,7 +421,7 @@ class MoeDownDrain(_ExpertDrain):
         m = len(sub)
         t = np.arange(m, dtype=np.int64)
         layer = np.full(m, sub.layer, dtype=np.int64)
-        E, R, K = max(geo.experts, 1), geo.rows, max(geo.top_k, 1)
+        R, K = geo.rows, max(geo.top_k, 1)
         e, n = sub.fields["EXPERT"], sub.fields["N_TILE"]
         n_hi = sub.fields.get("N_TILE_HI", n + 1)
         c0 = n * geo.moe_down_bn

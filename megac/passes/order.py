@@ -30,11 +30,11 @@ from megac.abi import H
 from megac.errors import MegacError
 from megac.ir import layer_kind, layer_node_kinds
 from megac.passes import Lowering, PassError
+from megac.resources import schedules_dir
 
 NAME = "order"
 
 #: schedules/ at the repository top level.
-SCHEDULES_DIR = Path(__file__).resolve().parents[2] / "schedules"
 ORDERS = ("tuned", "interleaved", "attention-first")
 LAYER_KINDS = ("dense", "moe", "sequential_dense", "sequential_moe")
 
@@ -47,7 +47,7 @@ def schedule_path(order: str) -> Path:
     p = Path(order)
     if p.suffix in (".yaml", ".yml"):
         return p
-    return SCHEDULES_DIR / f"{order}.yaml"
+    return schedules_dir() / f"{order}.yaml"
 
 
 def _wave_name(w) -> str:
@@ -87,7 +87,7 @@ def load_order(order: str) -> dict:
     """Parse and validate schedules/<order>.yaml (or a path to a YAML)."""
     path = schedule_path(order)
     if not path.exists():
-        known = ", ".join(sorted(p.stem for p in SCHEDULES_DIR.glob("*.yaml")))
+        known = ", ".join(sorted(p.stem for p in schedules_dir().glob("*.yaml")))
         raise OrderError(f"unknown wave order '{order}' (known: {known})")
     try:
         doc = yaml.safe_load(path.read_text())
@@ -228,5 +228,5 @@ def ensures(lw: Lowering) -> None:
                                       f"first claimer at {int(first)}")
 
 
-__all__ = ["NAME", "ORDERS", "OrderError", "SCHEDULES_DIR", "ensures", "load_order", "parse_waves",
+__all__ = ["NAME", "ORDERS", "OrderError", "ensures", "load_order", "parse_waves",
            "requires", "run", "schedule_path"]

@@ -37,6 +37,7 @@ import numpy as np
 from megac import abi
 from megac.abi import H, Queue
 from megac.access import access_boxes, group_access
+from megac.buffers import step_buffers
 from megac.passes import Lowering, PassError
 from megac.schedule import BufferPlan, BufferSpec, WeightLayout
 
@@ -78,7 +79,6 @@ def _shapes(lw: Lowering) -> dict[str, tuple[str, tuple, str, str]]:
     blocks = sum(min(max_blocks, math.ceil(geo.window[l] / bs) + 1) if geo.sliding[l] else max_blocks
                  for l in range(L)) * R
     max_tasks = int(lw.task_counts.max()) if lw.task_counts is not None else int(np.bincount(lw.sm).max())
-    RK = R * max(geo.top_k, 0)
     out = {
         "tasks": ("int32", (geo.num_sms, max_tasks, abi.TASK_WORDS), "schedule", ""),
         "task_counts": ("int32", (geo.num_sms,), "schedule", ""),
@@ -109,25 +109,8 @@ def _shapes(lw: Lowering) -> dict[str, tuple[str, tuple, str, str]]:
         "page_table": ("int32", (L, R, max_blocks), "kv", ""),
         "seq_pos": ("int32", (R,), "kv", ""),
         "row_active": ("int32", (R,), "kv", ""),
-        "x_resid": ("fp32", (R, D), "activation", "seeded before launch"),
-        "x_norm": ("bf16", (geo.norm_slots, R, D), "activation", "slot 0 seeded before launch"),
-        "q": ("bf16", (L, R, geo.q_width), "scratch", ""),
-        "attn_o_part": ("fp32", (L, R, geo.num_heads, geo.max_splits, geo.head_dim), "scratch", ""),
-        "attn_lse_part": ("fp32", (L, R, geo.num_heads, geo.max_splits), "scratch", ""),
-        "attn_out": ("bf16", (L, R, geo.q_width), "scratch", ""),
-        "o_part": ("fp32", (L, geo.kv_heads, R, D), "scratch", ""),
-        "ffn_act": ("bf16", (L, R, geo.dense_width), "scratch", ""),
-        "ffn_part": ("fp32", (L, geo.ffn_splits, R, D), "scratch", ""),
-        "router_part": ("fp32", (L, geo.router_splits if geo.experts else 0, R, geo.experts), "scratch", ""),
-        "topk_ids": ("int32", (L, R, geo.top_k), "scratch", ""),
-        "topk_w": ("fp32", (L, R, geo.top_k), "scratch", ""),
-        "route_slot": ("int32", (L, R, geo.top_k), "scratch", ""),
-        "moe_x": ("bf16", (L, RK, D), "scratch", "slot of (row, k) chosen by ROUTE_FINALIZE"),
-        "moe_act": ("bf16", (L, RK, geo.expert_width), "scratch", ""),
-        "moe_out": ("fp32", (L, RK, D), "scratch", ""),
-        "logits": ("fp32", (R, geo.vocab), "scratch", "read by the sampler"),
-        "argmax_part": ("argmax", (R, geo.lm_tiles), "scratch", "abi.ARGMAX_RECORD per LM tile"),
     }
+    out.update(step_buffers(geo))
     for f in abi.LAUNCH_DESC:
         if f.name not in out:
             if f.ctype == "ptr":

@@ -172,6 +172,11 @@ class Walker:
         self._woken: list[int] = []
         self._policy = "greedy"
         self._heap: list[tuple[float, int]] = []
+        # hooks that leave the waits alone (the verifier, the cost model) let a
+        # static task run START..SIGNAL in one call (_fast_task)
+        base = Hooks
+        self._plain = all(getattr(type(hooks), m) is getattr(base, m)
+                          for m in ("target", "start", "acquired", "after_wait0"))
 
     # ------------------------------------------------------------------ signals
     def signal(self, c: int, t: float) -> None:
@@ -258,6 +263,48 @@ class Walker:
         self.phase[s] = CLAIM
         return True
 
+    def _fast_task(self, s: int) -> bool:
+        """Run the static task at the head of SM ``s`` (phase START, plain
+        hooks) in one call: False when it blocks (left in WAIT0 / WAIT1)."""
+        k = self.head[s]
+        cnt = self.counters
+        a, b = self.w0[k], self.w1[k]
+        now = self.now[s]
+        if a >= 0:
+            if not cnt.ready(a, self.t0[k]):
+                self.phase[s], self.target[s] = WAIT0, self.t0[k]
+                return self._block(s, a)
+            r = cnt.release(a)
+            if r > now:
+                now = r
+        if b >= 0:
+            if not cnt.ready(b, self.t1[k]):
+                self.phase[s], self.target[s] = WAIT1, self.t1[k]
+                self.now[s] = now
+                return self._block(s, b)
+            r = cnt.release(b)
+            if r > now:
+                now = r
+        self.now[s] = self.hooks.run_task(s, k, now)
+        self._next(s, k)
+        return True
+
+    def _advance(self, s: int, one_turn: bool) -> bool:
+        """Run SM ``s`` until it blocks or finishes (or, with ``one_turn``,
+        finishes one piece of work); False when it stopped without moving."""
+        moved = False
+        before = self.turns[s]
+        while self.head[s] < self.end[s]:
+            if self._plain and self.phase[s] == START and not self.claimer[self.head[s]]:
+                if not self._fast_task(s):
+                    return moved
+            elif not self.step(s):
+                return moved
+            moved = True
+            if one_turn and self.turns[s] != before:
+                break
+        return moved
+
     def _next(self, s: int, k: int) -> None:
         """Task ``k`` is done: signal, move the head."""
         self.turns[s] += 1
@@ -280,13 +327,8 @@ class Walker:
                     continue
                 self.now[s] = max(self.now[s], t)
                 # one piece of work (a task, a claimed piece, a drained claimer) per turn
-                before = self.turns[s]
-                while self.step(s):
-                    if self.turns[s] != before:
-                        break
-                else:
-                    continue
-                if not self.done(s):
+                self._advance(s, one_turn=True)
+                if not self.done(s) and self.blocked_on[s] < 0:
                     heapq.heappush(self._heap, (self.now[s], s))
             return self.stuck()
         if policy not in ("greedy", "round_robin", "random"):
@@ -301,8 +343,7 @@ class Walker:
             keep = []
             for s in ready:
                 if policy == "greedy":
-                    while self.step(s):
-                        pass
+                    self._advance(s, one_turn=False)
                 else:
                     n = rng.randint(1, 3) if policy == "random" else 1
                     for _ in range(n):

@@ -25,7 +25,7 @@ import sys
 
 import click
 
-from megac.engine.backend import BACKEND_KINDS
+from megac.runtime.backend import BACKEND_KINDS
 from megac.errors import MegacError
 
 
@@ -40,6 +40,11 @@ def _setup_logging(level: str) -> None:
 @click.argument("model", required=False)
 @click.option("--backend", type=click.Choice(BACKEND_KINDS), default="auto", show_default=True,
               help="Decode backend: cpu = the CPU VM over the compiled task words; reference = plain PyTorch (debugging); cuda = the megakernel (not built yet).")
+@click.option("--artifact", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Serve this compiled artifact (megac compile -o DIR) instead of compiling or loading from the "
+                   "cache; it must be built for MODEL.")
+@click.option("--order", type=click.Choice(["tuned", "interleaved", "attention-first"]), default="tuned",
+              show_default=True, help="Wave order of the schedules compiled (or found in the cache).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--max-batch-size", type=click.IntRange(1, 256), default=16, show_default=True,
@@ -75,7 +80,7 @@ def _setup_logging(level: str) -> None:
               help="Seconds between stats lines while busy (0: off).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-def serve_cmd(model, backend, host, port, max_batch_size, max_model_len, served_model_name, api_key, dtype,
+def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_model_len, served_model_name, api_key, dtype,
               weights, random_weights, seed, tokenizer, num_kv_blocks, kv_cache_memory_gb, prefill_chunk,
               max_num_batched_tokens, no_prefix_caching, tool_call_parser, chat_template, threads,
               log_stats_interval, log_level):
@@ -93,7 +98,7 @@ def serve_cmd(model, backend, host, port, max_batch_size, max_model_len, served_
         raise MegacError("--random-weights needs MODEL (a bundled spec name or model.yaml)")
     if tool_call_parser:
         get_tool_parser(tool_call_parser)  # one-line error before anything loads
-    cfg = ServeConfig(model=model, backend=backend, host=host, port=port, max_batch_size=max_batch_size,
+    cfg = ServeConfig(model=model, backend=backend, order=order, artifact=artifact, host=host, port=port, max_batch_size=max_batch_size,
                       max_model_len=max_model_len, served_model_name=served_model_name, api_key=api_key,
                       dtype=dtype, weights=weights, random_weights=random_weights, seed=seed, tokenizer=tokenizer,
                       num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
@@ -101,10 +106,9 @@ def serve_cmd(model, backend, host, port, max_batch_size, max_model_len, served_
                       prefix_caching=not no_prefix_caching, tool_call_parser=tool_call_parser,
                       chat_template=chat_template, log_stats_interval=log_stats_interval, log_level=log_level,
                       threads=threads)
-    if backend == "cuda":
-        from megac.engine.backend import make_backend
+    from megac.runtime.backends import check_kind
 
-        make_backend("cuda", None, None, None)  # raises the one-line "no CUDA backend yet"
+    check_kind(backend)  # a one-line error before anything loads (e.g. no CUDA backend yet)
     state = ServerState(cfg)
     app = create_app(cfg, state)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,

@@ -11,6 +11,9 @@ class ServeConfig:
 
     model: str | None = None
     backend: str = "auto"
+    #: wave order of the compiled schedules, and an artifact directory to serve as it is
+    order: str = "tuned"
+    artifact: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 16

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from megac.errors import MegacError
 from megac.server.chat import Tokenizer
 from megac.server.config import ServeConfig
 
@@ -61,45 +60,18 @@ def load_served_model(cfg: ServeConfig) -> ServedModel:
 
 
 def build_engine(cfg: ServeConfig, loaded: ServedModel, observer=None):
-    """KV pool, backend and engine for ``loaded`` under ``cfg``."""
-    from megac.engine.backend import make_backend
-    from megac.engine.scheduler import Engine, EngineConfig
-    from megac.kv.paged import PagedKVCache, blocks_for_tokens
+    """KV pool, backend and engine for ``loaded`` under ``cfg``
+    (:func:`megac.engine.build.build_engine`: the artifact is compiled once
+    and cached, or ``--artifact`` is served as it is)."""
+    from megac.engine.build import EngineOptions
+    from megac.engine.build import build_engine as build
 
-    spec, weights = loaded.spec, loaded.weights
-    mml = cfg.max_model_len or spec.max_context
-    if mml < 2:
-        raise MegacError(f"--max-model-len {mml}: must be at least 2")
-    if mml > spec.max_context:
-        raise MegacError(f"--max-model-len {mml} exceeds the model's max_context {spec.max_context}")
-    if cfg.max_batch_size < 1:
-        raise MegacError("--max-batch-size must be >= 1")
-    bs = spec.target.kv_block_size
-    chunk = cfg.prefill_chunk or max(bs, (256 // bs) * bs)
-    if chunk < bs or chunk % bs:
-        raise MegacError(f"--prefill-chunk {chunk}: must be a positive multiple of the KV block size {bs}")
-    per_request = blocks_for_tokens(spec, mml, bs)
-    if cfg.num_kv_blocks:
-        num_blocks = cfg.num_kv_blocks
-    else:
-        elem = 2 if cfg.dtype == "bfloat16" else 4
-        block_bytes = 2 * bs * spec.num_kv_heads * spec.head_dim * elem
-        budget = int(cfg.kv_cache_memory_gb * 2 ** 30) // block_bytes
-        num_blocks = max(per_request, min(cfg.max_batch_size * per_request, budget))
-    kv = PagedKVCache(spec, max_rows=cfg.max_batch_size, num_blocks=num_blocks, max_context=mml,
-                      dtype=weights.dtype, block_size=bs)
-    backend = make_backend(cfg.backend, spec, weights, kv, max_batch_size=max(64, cfg.max_batch_size),
-                           progress=lambda msg: log.info("compile: %s", msg))
-    batch = min(cfg.max_batch_size, backend.max_batch_size)
-    if batch < cfg.max_batch_size:
-        log.info("max batch size %d -> %d (the most the %s backend runs)", cfg.max_batch_size, batch, backend.name)
-    econf = EngineConfig(max_batch_size=batch, max_model_len=mml, chunk_tokens=chunk,
-                         prefill_budget=cfg.max_num_batched_tokens or chunk, prefix_caching=cfg.prefix_caching)
-    engine = Engine(backend, econf, observer=observer)
-    log.info("KV cache: %d blocks of %d tokens (%s; %.1f full-length requests of %d tokens); prefill chunk %d; "
-             "prefix caching %s", num_blocks, bs, cfg.dtype, num_blocks / per_request, mml, chunk,
-             "on" if engine.prefix_cache.enabled else "off")
-    return engine
+    opts = EngineOptions(backend=cfg.backend, order=cfg.order, artifact=cfg.artifact,
+                         max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len,
+                         num_kv_blocks=cfg.num_kv_blocks, kv_cache_memory_gb=cfg.kv_cache_memory_gb,
+                         prefill_chunk=cfg.prefill_chunk, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                         prefix_caching=cfg.prefix_caching)
+    return build(loaded.spec, loaded.weights, opts, observer=observer, progress=lambda msg: log.info("%s", msg))
 
 
 __all__ = ["ServedModel", "build_engine", "load_served_model"]

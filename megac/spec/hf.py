@@ -56,6 +56,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from megac.errors import SpecError
+from megac.spec.messages import read_text_file, validation_error_line
 from megac.spec.model import ModelSpec
 
 SUPPORTED_MODEL_TYPES = ("cohere2_moe", "llama")
@@ -360,7 +361,6 @@ _FAMILIES = {"cohere2_moe": _cohere2_moe, "llama": _llama}
 
 
 def _read_json(path: Path, source: str) -> Any:
-    from megac.spec.loader import read_text_file  # loader imports this module
 
     text = read_text_file(path, source)
     try:
@@ -389,8 +389,6 @@ def spec_from_hf_config(config: dict, *, name: str, source: str = "config.json",
     try:
         return ModelSpec.model_validate(data)
     except ValidationError as err:
-        from megac.spec.loader import validation_error_line
-
         raise SpecError(validation_error_line(err, source)) from None
 
 

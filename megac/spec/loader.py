@@ -88,16 +88,18 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from megac.errors import SpecError
-from megac.spec.model import LayerSpec, ModelSpec, MoESpec, TargetSpec
+from megac.spec.compact import CompactLayers, expand_layers
+from megac.spec.hf import spec_from_hf
+from megac.spec.messages import FIELD_PREFIX, parse_path, read_text_file, short, validation_error_line, where
+from megac.spec.model import ModelSpec, TargetSpec
 
 BUNDLED_PACKAGE = "megac.spec"
 BUNDLED_DIR = "bundled"
@@ -150,185 +152,6 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
     return data, node
 
 
-def _node_line(root: yaml.Node | None, path: list[str | int]) -> int | None:
-    """1-based line of the deepest node along ``path`` (keys and list indices)."""
-    node, line = root, None
-    for part in path:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if isinstance(k, yaml.ScalarNode) and k.value == str(part):
-                    node, line = v, k.start_mark.line + 1
-                    break
-            else:
-                return line
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
-            if 0 <= part < len(node.value):
-                node = node.value[part]
-                line = node.start_mark.line + 1
-            else:
-                return line
-        else:
-            return line
-    return line
-
-
-# ----------------------------------------------------------- compact layer format
-
-
-class CompactLayers(BaseModel):
-    """The compact ``layers:`` mapping (see the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    attention_pattern: Union[Literal["full", "sliding"], list[Literal["full", "sliding"]]]
-    sliding_window: int | None = Field(default=None, ge=1)
-    rope: Union[Literal["all", "none", "sliding", "sliding_and_dense_prefix"], list[int]]
-    dense_prefix: int | None = Field(default=None, ge=0)
-
-
-def expand_layers(compact: dict, *, num_layers: int, has_moe: bool) -> list[dict]:
-    """Expand a compact ``layers:`` mapping into a list of LayerSpec dicts.
-
-    Raises ValueError naming the ``layers.*`` field, or ValidationError."""
-    c = CompactLayers.model_validate(compact)
-    pattern = [c.attention_pattern] if isinstance(c.attention_pattern, str) else list(c.attention_pattern)
-    if not pattern:
-        raise ValueError("layers.attention_pattern: must not be empty")
-    has_sliding = "sliding" in pattern[: max(1, min(len(pattern), num_layers))]
-    if has_sliding and c.sliding_window is None:
-        raise ValueError("layers.sliding_window: required (attention_pattern has sliding layers)")
-    if not has_sliding and c.sliding_window is not None:
-        raise ValueError("layers.sliding_window: given but no layer is sliding")
-
-    if has_moe:
-        dense_prefix = 0 if c.dense_prefix is None else c.dense_prefix
-        if dense_prefix > num_layers:
-            raise ValueError(f"layers.dense_prefix: {dense_prefix} > num_layers ({num_layers})")
-    else:
-        if c.dense_prefix is not None and c.dense_prefix != num_layers:
-            raise ValueError(
-                f"layers.dense_prefix: {c.dense_prefix} < num_layers ({num_layers}) needs a moe: block "
-                f"for the layers after it (omit dense_prefix for an all-dense model)"
-            )
-        dense_prefix = num_layers
-
-    attn = [pattern[i % len(pattern)] for i in range(num_layers)]
-    if isinstance(c.rope, list):
-        for idx in c.rope:
-            if not 0 <= idx < num_layers:
-                raise ValueError(f"layers.rope: layer index {idx} out of range (num_layers {num_layers})")
-        rope_set = set(c.rope)
-        rope = [i in rope_set for i in range(num_layers)]
-    elif c.rope == "all":
-        rope = [True] * num_layers
-    elif c.rope == "none":
-        rope = [False] * num_layers
-    elif c.rope == "sliding":
-        rope = [a == "sliding" for a in attn]
-    else:  # sliding_and_dense_prefix
-        rope = [a == "sliding" or i < dense_prefix for i, a in enumerate(attn)]
-
-    return [
-        {
-            "attention": attn[i],
-            "window": c.sliding_window if attn[i] == "sliding" else None,
-            "rope": rope[i],
-            "ffn": "dense" if i < dense_prefix else "moe",
-        }
-        for i in range(num_layers)
-    ]
-
-
-# ------------------------------------------------------------- error formatting
-
-_MODELS_BY_PATH: dict[tuple[str, ...], type[BaseModel]] = {
-    (): ModelSpec,
-    ("moe",): MoESpec,
-    ("target",): TargetSpec,
-    ("layers",): CompactLayers,
-    ("layers", "#"): LayerSpec,
-}
-_TYPE_TAGS = {"int", "float", "str", "bool", "none", "list", "dict"}
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w]*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*): ")
-
-
-def _clean_loc(loc: tuple) -> list[str | int]:
-    out: list[str | int] = []
-    for part in loc:
-        if isinstance(part, str) and ("[" in part or "(" in part or part in _TYPE_TAGS):
-            continue  # union branch tags such as 'list[int]' or "literal['all', ...]"
-        out.append(part)
-    return out
-
-
-def format_loc(loc: list[str | int]) -> str:
-    s = ""
-    for part in loc:
-        if isinstance(part, int):
-            s += f"[{part}]"
-        else:
-            s += ("." if s else "") + part
-    return s
-
-
-def _parse_path(text: str) -> list[str | int]:
-    out: list[str | int] = []
-    for piece in text.split("."):
-        m = re.match(r"^(\w+)((?:\[\d+\])*)$", piece)
-        if not m:
-            return out
-        out.append(m.group(1))
-        out.extend(int(x) for x in re.findall(r"\[(\d+)\]", m.group(2)))
-    return out
-
-
-def _short(value: Any) -> str:
-    r = repr(value)
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
-def _did_you_mean(parent: list[str | int], name: str) -> str:
-    key = tuple("#" if isinstance(p, int) else p for p in parent)
-    model = _MODELS_BY_PATH.get(key)
-    if model is None:
-        return ""
-    close = difflib.get_close_matches(name, list(model.model_fields), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _where(source: str, node: yaml.Node | None, path: list[str | int]) -> str:
-    line = _node_line(node, path) if node is not None and path else None
-    return f"{source}:{line}" if line is not None else source
-
-
-def validation_error_line(err: ValidationError, source: str, node: yaml.Node | None = None,
-                          prefix: list[str | int] | None = None) -> str:
-    """One line for the first error of a pydantic ValidationError."""
-    errors = err.errors()
-    # A misspelt key shows up as both 'missing' and 'extra_forbidden': name the typo.
-    e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
-    loc = list(prefix or []) + _clean_loc(tuple(e["loc"]))
-    etype, msg = e["type"], e["msg"]
-    if etype == "extra_forbidden":
-        name = loc[-1] if loc else "?"
-        return (f"{_where(source, node, loc)}: unknown field '{format_loc(loc)}'"
-                f"{_did_you_mean(loc[:-1], str(name))}")
-    if etype == "missing":
-        return f"{_where(source, node, loc[:-1])}: missing field '{format_loc(loc)}'"
-    if etype in ("value_error", "assertion_error"):
-        msg = re.sub(r"^(Value error|Assertion failed), ", "", msg)
-        m = _FIELD_PREFIX.match(msg)
-        if m:  # a model validator naming a sub-field: join it to the location
-            sub = _parse_path(m.group(1))
-            full = loc + sub
-            return f"{_where(source, node, full)}: {format_loc(full)}: {msg[m.end():]}"
-        path = format_loc(loc)
-        return f"{_where(source, node, loc)}: {path + ': ' if path else ''}{msg}"
-    path = format_loc(loc)
-    got = f" (got {_short(e.get('input'))})" if "input" in e and not isinstance(e.get("input"), (dict, list)) else ""
-    return f"{_where(source, node, loc)}: {path + ': ' if path else ''}{msg}{got}"
-
-
 # ------------------------------------------------------------------- from dicts
 
 
@@ -348,18 +171,18 @@ def spec_from_dict(data: Any, *, source: str = "<spec>", node: yaml.Node | None 
             raise SpecError(f"{source}: missing field 'num_layers'")
         n = data["num_layers"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise SpecError(f"{_where(source, node, ['num_layers'])}: num_layers: "
-                            f"must be a positive integer (got {_short(n)})")
+            raise SpecError(f"{where(source, node, ['num_layers'])}: num_layers: "
+                            f"must be a positive integer (got {short(n)})")
         try:
             data["layers"] = expand_layers(layers, num_layers=n, has_moe=data.get("moe") is not None)
         except ValidationError as err:
             raise SpecError(validation_error_line(err, source, node, prefix=["layers"])) from None
         except ValueError as err:
-            m = _FIELD_PREFIX.match(str(err))
-            where = _where(source, node, _parse_path(m.group(1)) if m else ["layers"])
-            raise SpecError(f"{where}: {err}") from None
+            m = FIELD_PREFIX.match(str(err))
+            at = where(source, node, parse_path(m.group(1)) if m else ["layers"])
+            raise SpecError(f"{at}: {err}") from None
     elif layers is not None and not isinstance(layers, list):
-        raise SpecError(f"{_where(source, node, ['layers'])}: layers: expected a list of layers "
+        raise SpecError(f"{where(source, node, ['layers'])}: layers: expected a list of layers "
                         f"or a compact layers mapping (got {type(layers).__name__})")
 
     try:
@@ -371,18 +194,6 @@ def spec_from_dict(data: Any, *, source: str = "<spec>", node: yaml.Node | None 
 def spec_from_yaml_text(text: str, *, source: str = "<yaml>", default_name: str | None = None) -> ModelSpec:
     data, node = _parse_yaml(text, source)
     return spec_from_dict(data, source=source, node=node, default_name=default_name)
-
-
-def read_text_file(path: Path, source: str) -> str:
-    """A spec file's text, or a one-line SpecError saying why not."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{source}: no such file") from None
-    except OSError as e:
-        raise SpecError(f"{source}: cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise SpecError(f"{source}: not a UTF-8 text file") from None
 
 
 def load_yaml_spec(path: str | os.PathLike, *, source: str | None = None) -> ModelSpec:
@@ -431,7 +242,7 @@ def apply_overrides(spec: ModelSpec, *, source: str, target_overrides: dict | No
         data["target"][key] = value
     if max_context is not None:
         if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
-            raise SpecError(f"{source}: max_context: must be a positive integer (got {_short(max_context)})")
+            raise SpecError(f"{source}: max_context: must be a positive integer (got {short(max_context)})")
         data["max_context"] = max_context
         for layer in data["layers"]:
             if layer["window"] is not None and layer["window"] > max_context:
@@ -487,8 +298,6 @@ def _load_base(model: str | os.PathLike) -> tuple[ModelSpec, str]:
         return load_bundled(s), s
     p = Path(s).expanduser()
     if p.is_dir():
-        from megac.spec.hf import spec_from_hf
-
         cfg = p / "config.json"
         if not cfg.is_file():
             raise SpecError(f"{s}: no config.json in this directory (expected a Hugging Face checkpoint)")
@@ -497,9 +306,7 @@ def _load_base(model: str | os.PathLike) -> tuple[ModelSpec, str]:
         if p.suffix.lower() in (".yaml", ".yml"):
             return load_yaml_spec(p, source=s), s
         if p.suffix.lower() == ".json":
-            from megac.spec.hf import spec_from_hf
-
-            return spec_from_hf(p), s
+                return spec_from_hf(p), s
         raise SpecError(f"{s}: not a model spec (expected a .yaml file, a config.json or a checkpoint directory)")
     if p.exists():
         raise SpecError(f"{s}: not a regular file or directory")

@@ -41,6 +41,7 @@ from megac.errors import BadTaskError, QueueOverflowError
 from megac.ops import claimer_for_queue, opdef
 from megac.ops.base import FIELD_INDEX, ClaimerOp, OpDef
 from megac.ops.cpu import group_rows, idx
+from megac.ops.norm import rms_norm
 
 
 class NullTracker:
@@ -201,11 +202,8 @@ class VM:
         return int(pt[layer, row, b]), pos % self.bs
 
     def rms_norm(self, x: torch.Tensor, gamma: int) -> torch.Tensor:
-        """``w * round(x * rsqrt(mean(x^2) + eps))`` (fp32 statistics, act dtype out)."""
-        act = self.st.act
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        g = self.st["w_norm"][gamma]
-        return (g * y.to(act)).to(act)
+        """RMSNorm of ``x`` with gamma ``w_norm[gamma]`` (``megac.ops.norm.rms_norm``)."""
+        return rms_norm(x, self.st["w_norm"][gamma], self.eps, self.st.act)
 
     # ------------------------------------------------------------------ claimers
     def drain(self, d: ClaimerOp, words: np.ndarray) -> None:

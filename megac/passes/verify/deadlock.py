@@ -143,9 +143,12 @@ class _GreedyHooks(Hooks):
         if self.g_done[gi] or k in self.claimed:
             return None
         self.claimed.add(k)
-        first = not self.g_taken[gi]
+        if self.g_taken[gi]:
+            # another claimer holds the group: this one may hold a record of
+            # it too, so it waits until the group has run (its done counter)
+            return Claim([(self.C + gi, 0)], [], (gi, False))
         self.g_taken[gi] = True
-        return Claim([(c, 0) for c in self.g_waits[gi]], self.g_sigs[gi] if first else [], (gi, first))
+        return Claim([(c, 0) for c in self.g_waits[gi]], self.g_sigs[gi] + [self.C + gi], (gi, True))
 
     def run_claimed(self, s, k, claim, t):
         gi, first = claim.payload
@@ -172,11 +175,18 @@ def simulate(p: Program) -> SimResult:
     for ss in hooks.g_sigs:
         for c in ss:
             units[c] += 1  # a group signals as one unit
-    walker = Walker(p.start, hooks.w0, p.t0, hooks.w1, p.t1, hooks.sig, p.claimer_group >= 0,
-                    UnitCounters(units), hooks)
+    # one more counter per group, complete once the group has run
+    units = np.concatenate([units, np.ones(len(p.groups), dtype=np.int64)])
+    counters = UnitCounters(units)
+    walker = Walker(p.start, hooks.w0, p.t0, hooks.w1, p.t1, hooks.sig, p.claimer_group >= 0, counters, hooks)
     blocked = walker.run("greedy")
     done = walker.done_mask()
-    stuck = [(b.sm, b.task, b.counter) for b in blocked]
+    stuck = []
+    for b in blocked:
+        c = b.counter
+        if c >= C:  # waiting for its group: report the group's first incomplete wait
+            c = next((w for w in hooks.g_waits[c - C] if counters.rem[w] > 0), (hooks.g_waits[c - C] or [c])[0])
+        stuck.append((b.sm, b.task, c))
     received = np.bincount(sig[(sig >= 0) & done], minlength=C)
     return SimResult(done, walker.rounds, hooks.depth_max, stuck, received)
 

@@ -36,8 +36,6 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from megac.errors import MegacError
-
 if TYPE_CHECKING:
     from megac.kv.paged import PagedKVCache
     from megac.spec.model import ModelSpec
@@ -91,30 +89,4 @@ class ReferenceBackend(TorchPrefillMixin):
         return decode_step(self.weights, self.spec, self.kv, list(token_ids), list(rows))
 
 
-def make_backend(kind: str, spec: "ModelSpec", weights: "ModelWeights", kv: "PagedKVCache", *,
-                 max_batch_size: int = 64, order: str = "tuned", progress=None) -> Backend:
-    """The backend for ``--backend KIND``.
-
-    * ``cpu``: the CPU VM over the compiled task words (:class:`megac.vm.engine.VMBackend`):
-      the schedules are compiled here (every batch size of the target), so the
-      server runs exactly what the megakernel will run.
-    * ``reference``: plain PyTorch (:class:`ReferenceBackend`), for debugging.
-    * ``cuda``: not built yet (one-line :class:`MegacError`).
-    * ``auto``: ``cuda`` when a GPU is visible and a CUDA backend exists,
-      otherwise ``cpu`` (today: always ``cpu``).
-    """
-    if kind not in BACKEND_KINDS:
-        raise MegacError(f"--backend {kind}: choose one of {', '.join(BACKEND_KINDS)}")
-    if kind == "cuda":
-        raise MegacError("--backend cuda: no CUDA backend yet (use --backend cpu)")
-    if kind == "reference":
-        return ReferenceBackend(spec, weights, kv, max_batch_size=max_batch_size)
-    from megac.passes.pipeline import compile_schedules
-    from megac.vm.engine import VMBackend
-
-    sizes = sorted(spec.target.batch_sizes)
-    compiled = compile_schedules(spec, order=order, batch_sizes=sizes, progress=progress)
-    return VMBackend(spec, weights, kv, compiled, dtype=weights.dtype)
-
-
-__all__ = ["BACKEND_KINDS", "Backend", "ReferenceBackend", "TorchPrefillMixin", "make_backend"]
+__all__ = ["BACKEND_KINDS", "Backend", "ReferenceBackend", "TorchPrefillMixin"]

@@ -1,0 +1,88 @@
+"""Build a serving engine for a loaded model: the artifact (compiled or
+loaded from the cache), the paged KV pool, the backend and the engine
+configuration. ``megac serve`` and ``megac generate`` both come here, so
+both run the same schedules through the same generation loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from megac.engine.scheduler import Engine, EngineConfig
+from megac.errors import MegacError
+from megac.kv.paged import PagedKVCache, blocks_for_tokens
+from megac.runtime.artifacts import load_or_compile
+from megac.runtime.backends import check_kind, make_backend, needs_schedules
+
+log = logging.getLogger("megac.engine")
+
+
+@dataclass
+class EngineOptions:
+    backend: str = "auto"
+    order: str = "tuned"
+    #: a compiled artifact directory to serve (default: compile or load from the cache)
+    artifact: str | None = None
+    max_batch_size: int = 16
+    max_model_len: int | None = None
+    #: KV pool size in blocks; default: every row at full length, within kv_cache_memory_gb
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 4.0
+    prefill_chunk: int | None = None
+    max_num_batched_tokens: int | None = None
+    prefix_caching: bool = True
+    #: VM only: fast | checked (interleaved SM queues, happens-before checked)
+    mode: str = "fast"
+    policy: str = "round_robin"
+    seed: int = 0
+
+
+def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer=None,
+                 progress: Callable[[str], None] | None = None) -> Engine:
+    """KV pool, backend and engine for ``spec`` with ``weights`` under ``opts``;
+    ``schedules`` (compiled here, e.g. a subset of batch sizes) bypass the
+    artifact cache."""
+    check_kind(opts.backend)
+    mml = opts.max_model_len or spec.max_context
+    if mml < 2:
+        raise MegacError(f"--max-model-len {mml}: must be at least 2")
+    if mml > spec.max_context:
+        raise MegacError(f"--max-model-len {mml} exceeds the model's max_context {spec.max_context}")
+    if opts.max_batch_size < 1:
+        raise MegacError("--max-batch-size must be >= 1")
+    bs = spec.target.kv_block_size
+    chunk = opts.prefill_chunk or max(bs, (256 // bs) * bs)
+    if chunk < bs or chunk % bs:
+        raise MegacError(f"--prefill-chunk {chunk}: must be a positive multiple of the KV block size {bs}")
+    if schedules is None and needs_schedules(opts.backend):
+        schedules = load_or_compile(spec, opts.order, artifact=opts.artifact, progress=progress).schedules
+    elif opts.artifact is not None and not needs_schedules(opts.backend):
+        raise MegacError(f"--artifact: the {opts.backend} backend runs no compiled schedules")
+    per_request = blocks_for_tokens(spec, mml, bs)
+    if opts.num_kv_blocks:
+        num_blocks = opts.num_kv_blocks
+    else:
+        elem = weights.dtype.itemsize
+        block_bytes = 2 * bs * spec.num_kv_heads * spec.head_dim * elem
+        budget = int(opts.kv_cache_memory_gb * 2 ** 30) // block_bytes
+        num_blocks = max(per_request, min(opts.max_batch_size * per_request, budget))
+    kv = PagedKVCache(spec, max_rows=opts.max_batch_size, num_blocks=num_blocks, max_context=mml,
+                      dtype=weights.dtype, block_size=bs)
+    backend = make_backend(opts.backend, spec, weights, kv, schedules=schedules,
+                           max_batch_size=max(64, opts.max_batch_size), mode=opts.mode, policy=opts.policy,
+                           seed=opts.seed)
+    batch = min(opts.max_batch_size, backend.max_batch_size)
+    if batch < opts.max_batch_size:
+        log.info("max batch size %d -> %d (the most the %s backend runs)", opts.max_batch_size, batch, backend.name)
+    econf = EngineConfig(max_batch_size=batch, max_model_len=mml, chunk_tokens=chunk,
+                         prefill_budget=opts.max_num_batched_tokens or chunk, prefix_caching=opts.prefix_caching)
+    engine = Engine(backend, econf, observer=observer)
+    log.info("KV cache: %d blocks of %d tokens (%s; %.1f full-length requests of %d tokens); prefill chunk %d; "
+             "prefix caching %s", num_blocks, bs, str(weights.dtype).replace("torch.", ""), num_blocks / per_request,
+             mml, chunk, "on" if engine.prefix_cache.enabled else "off")
+    return engine
+
+
+__all__ = ["EngineOptions", "build_engine"]

@@ -1,0 +1,123 @@
+"""The host side of one decode step, the same for every backend.
+
+Row ``i`` of a schedule runs the current token ``tokens[i]`` of KV-cache row
+``kv_rows[i]``; schedule rows past ``len(kv_rows)`` are inactive
+(``row_active = 0``: they compute on a zero residual and write nothing
+visible). Around the kernel, each step:
+
+1. :func:`load_rows`: reserve each row's slot in the paged cache
+   (``append_slot``: maps the block of the new position, releases
+   sliding-window blocks) and copy the page tables / positions into the
+   step's tables (``page_table``, ``seq_pos`` = position of the current
+   token, ``row_active``);
+2. :func:`seed_rows`: the embedding gather into ``x_resid`` (fp32) and the
+   first RMSNorm into ``x_norm[0]``;
+3. the per-step reset of every buffer in ``plan.reset`` (counters, queue
+   heads; the backend zeroes its own copies);
+4. :func:`host_words`: per row the full-attention split count
+   ``attn_splits(seq_len)`` and the sliding one ``attn_splits(min(seq_len,
+   max window))`` (each from the row's own span: batch invariance), one
+   record ``{row, kv_head, split, num_splits}`` per full-attention split,
+   shared by every full layer, and its length;
+5. the kernel;
+6. :func:`finish_rows`: the logits (times ``logit_scale``) go to the sampler,
+   each row's ``seq_pos`` advances.
+
+The functions fill numpy / torch arrays the backend owns (the VM's device
+state, the CUDA backend's host staging buffers), so no backend repeats them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from megac import abi
+from megac.errors import MegacError
+from megac.ops.norm import rms_norm
+
+
+def load_rows(kv, kv_rows: Sequence[int], geo, page_table: np.ndarray, seq_pos: np.ndarray,
+              row_active: np.ndarray) -> list[int]:
+    """Reserve the current slot of every row and fill the KV tables; returns
+    each row's position (the current token's)."""
+    n = len(kv_rows)
+    if n > geo.rows:
+        raise MegacError(f"step: {n} rows for a schedule of {geo.rows}")
+    positions = [int(kv.append_slot(int(r))) for r in kv_rows]
+    for r, p in zip(kv_rows, positions):
+        if p + 1 > geo.context:
+            raise MegacError(f"step: row {r} reaches {p + 1} tokens, beyond the schedule's context bucket "
+                             f"({geo.context})")
+    page_table[...] = -1
+    mb = min(page_table.shape[2], kv.max_blocks_per_seq)
+    if n:
+        page_table[:, :n, :mb] = kv.page_table[:, np.asarray(kv_rows, dtype=np.int64), :mb]
+    seq_pos[...] = 0
+    row_active[...] = 0
+    seq_pos[:n] = positions
+    row_active[:n] = 1
+    return positions
+
+
+def check_tokens(tokens: Sequence[int], vocab: int) -> torch.Tensor:
+    ids = torch.as_tensor([int(t) for t in tokens], dtype=torch.int64)
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise MegacError(f"step: token id outside the vocabulary (0..{vocab - 1})")
+    return ids
+
+
+def seed_rows(tokens: Sequence[int], geo, w_embed: torch.Tensor, w_norm0: torch.Tensor, eps: float,
+              act: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_resid [rows, hidden] fp32, x_norm0 [rows, hidden] act)``: the
+    embedding rows of ``tokens`` (zero for inactive rows) and their first
+    RMSNorm with gamma ``w_norm0``."""
+    ids = check_tokens(tokens, geo.vocab)
+    n = len(ids)
+    x = torch.zeros((geo.rows, geo.hidden), dtype=torch.float32, device=w_embed.device)
+    if n:
+        x[:n] = w_embed[ids.to(w_embed.device)].to(torch.float32)
+    return x, rms_norm(x, w_norm0, eps, act)
+
+
+def host_words(geo, positions: Sequence[int], targets: np.ndarray, attn_queue: np.ndarray) -> int:
+    """Per-row split counts and the attention queue into the host region of
+    ``targets`` and into ``attn_queue``; returns the queue length."""
+    tw = geo.target_words
+    targets[: tw.host_words] = 0
+    n = 0
+    R = abi.record_index
+    for i in range(geo.rows):
+        seq_len = int(positions[i]) + 1 if i < len(positions) else 1
+        full = geo.attn_splits(seq_len)
+        targets[tw.attn_splits_full(i)] = full
+        targets[tw.attn_splits_sliding(i)] = geo.attn_splits(min(seq_len, geo.max_window)) if geo.max_window else 0
+        if geo.full_layers:
+            for h in range(geo.kv_heads):
+                for s in range(full):
+                    if n >= attn_queue.shape[0]:
+                        raise MegacError("step: attention queue over capacity")
+                    rec = attn_queue[n]
+                    rec[R(abi.Queue.ATTN, "ROW")] = i
+                    rec[R(abi.Queue.ATTN, "KV_HEAD")] = h
+                    rec[R(abi.Queue.ATTN, "SPLIT")] = s
+                    rec[R(abi.Queue.ATTN, "NUM_SPLITS")] = full
+                    n += 1
+    targets[tw.attn_queue_len] = n
+    return n
+
+
+def finish_rows(kv, kv_rows: Sequence[int], logits: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    """The step wrote each row's token: advance the rows; the logits of the
+    live rows times ``logit_scale`` (what the sampler reads)."""
+    out = logits[: len(kv_rows)].clone()
+    if logit_scale != 1.0:
+        out = out * logit_scale
+    for r in kv_rows:
+        kv.advance(int(r), 1)
+    return out
+
+
+__all__ = ["check_tokens", "finish_rows", "host_words", "load_rows", "seed_rows"]
