@@ -1,7 +1,7 @@
 """megac: lower one LLM decode step into a persistent CUDA megakernel.
 
 Kept import-light on purpose: the GPU machine has no pydantic, and the GPU
-harness (megac.gpu) imports this package there.
+harness (tests/gpu) imports this package there.
 """
 
 __version__ = "0.1.0"

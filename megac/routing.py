@@ -2,7 +2,7 @@
 MOE_COMBINE.
 
 The CPU VM (``megac/vm/ops.py``) executes the opcodes through these functions
-and the GPU battery (``megac/gpu/blocks/moe_routing.py``) checks the device
+and the GPU battery (``tests/gpu/blocks/moe_routing.py``) checks the device
 block (``opcodes/moe_routing.cuh``) against them, so the device has exactly
 one reference to agree with.
 

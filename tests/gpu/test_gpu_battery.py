@@ -1,4 +1,4 @@
-"""Run every GPU battery block (megac/gpu/blocks/*.py) in a subprocess, quick
+"""Run every GPU battery block (tests/gpu/blocks/*.py) in a subprocess, quick
 sizes, and require all of its checks to pass. Skipped without a GPU."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megac.gpu import battery
+from gpu import battery
 
 BLOCKS = battery.discover()
 
@@ -18,7 +18,7 @@ BLOCKS = battery.discover()
 @pytest.mark.parametrize("block", BLOCKS)
 def test_block_checks_pass(block: str, tmp_path: Path) -> None:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(battery.REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = os.pathsep.join([str(battery.REPO), str(battery.REPO / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     res = battery.run_block(block, True, tmp_path, battery.TIMEOUT_QUICK_S, env)
     failed = [c for c in res["checks"] if not c["ok"]]
     assert res["checks"], f"{block} reported no checks"

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from megac.gpu.battery import bench, block_main, ceiling_tbps, check, time_cuda
+from gpu.battery import bench, block_main, ceiling_tbps, check, time_cuda
 from megac.gpu.build import REPO, build_cubin, resources
 
 SOURCE = REPO / "opcodes" / "tests" / "weight_stream_test.cu"
@@ -76,8 +76,8 @@ def tile_sums(words, words_per_tile: int) -> np.ndarray:
 def run(quick: bool) -> dict:
     import torch  # noqa: PLC0415
 
-    from megac.gpu.blocks.ceiling import measure as measure_ceiling  # noqa: PLC0415
-    from megac.gpu.blocks.ceiling import random_words  # noqa: PLC0415
+    from gpu.blocks.ceiling import measure as measure_ceiling  # noqa: PLC0415
+    from gpu.blocks.ceiling import random_words  # noqa: PLC0415
     from megac.gpu.launch import (  # noqa: PLC0415
         DeviceAbortError,
         check_status,
@@ -113,7 +113,7 @@ def run(quick: bool) -> dict:
     # The plain streaming read over this very buffer, in this process, before
     # and after the ring runs: a second ceiling that shares every condition
     # (clocks, data, allocation) with the ring.
-    from megac.gpu.blocks.ceiling import SOURCE as CEILING_SOURCE  # noqa: PLC0415
+    from gpu.blocks.ceiling import SOURCE as CEILING_SOURCE  # noqa: PLC0415
 
     cmod = load_module(build_cubin(CEILING_SOURCE))
     csum = torch.zeros(1, dtype=torch.int64, device="cuda")

@@ -23,7 +23,7 @@ Routings: uniform, skewed, every row to the same k experts, all experts hit,
 ties, all-equal logits, NaN logits; 1, 2, 4, 8 and 64 rows; sigmoid and
 softmax, renormalised or not. Then times one routing step at BS 1 and 8.
 
-    python -m megac.gpu.blocks.moe_routing --quick|--full [--json PATH]
+    python -m gpu.blocks.moe_routing --quick|--full [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from megac import routing
 from megac.abi import ErrorKind, Flag, Op
 from megac.gpu import build, launch
-from megac.gpu.battery import block_main, check, time_cuda
+from gpu.battery import block_main, check, time_cuda
 
 REPO = Path(__file__).resolve().parents[3]
 SOURCE = REPO / "opcodes" / "tests" / "moe_routing_test.cu"

@@ -20,7 +20,7 @@ The probe's own global stores perturb what it measures by a few hundred
 cycles per point: compare configurations with it, quote times from the
 battery.
 
-    python -m megac.gpu.attention_trace --bs 1 --ctx 8192 --splits 32 --merge spread
+    python -m gpu.attention_trace --bs 1 --ctx 8192 --splits 32 --merge spread
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import math
 import numpy as np
 
 from megac.gpu import build, launch
-from megac.gpu.blocks import attention as A
+from gpu.blocks import attention as A
 
 PROBE = A.REPO / "opcodes" / "tests" / "attention_probe.cu"
 TRACE_TASKS, TRACE_WORDS = 256, 16  # kTraceTasks and the record width in attention.cuh
@@ -92,7 +92,7 @@ def trace(bsz: int, ctx: int, splits: int, merge: str, steps: int, seed: int = 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="megac.gpu.attention_trace")
+    ap = argparse.ArgumentParser(prog="gpu.attention_trace")
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--splits", type=int, default=32)

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from megac.gpu.battery import block_main, check
+from gpu.battery import block_main, check
 from megac.gpu.build import REPO, build_cubin, resources
 
 SOURCE = REPO / "opcodes" / "tests" / "counters_test.cu"

@@ -4,7 +4,7 @@ Runs the persistent test kernels of opcodes/tests/attention_test.cu against
 an fp32 torch reference built from the same bf16 inputs, then measures KV
 bandwidth against the streaming-read ceiling.
 
-    python -m megac.gpu.blocks.attention --quick|--full [--json PATH]
+    python -m gpu.blocks.attention --quick|--full [--json PATH]
 
 Variants (``VARIANTS``): K/V through tensor-memory copies (``*_tma``, the
 production path; tensor maps over the pools from ``encode_pool_tmap``) or
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from megac.gpu import build, launch
-from megac.gpu.battery import bench, block_main, ceiling_tbps, check, time_cuda
+from gpu.battery import bench, block_main, ceiling_tbps, check, time_cuda
 
 REPO = Path(__file__).resolve().parents[3]
 SOURCE = REPO / "opcodes" / "tests" / "attention_test.cu"

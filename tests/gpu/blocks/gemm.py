@@ -20,7 +20,7 @@ the bandwidth target, see opcodes/gemm_tile.cuh):
     median of per-launch CUDA-event times, against the streaming-read ceiling
     (MEGAC_CEILING_TBPS from the battery, or measured here on the same buffer).
 
-    python3 -m megac.gpu.blocks.gemm --quick|--full [--json PATH]
+    python3 -m gpu.blocks.gemm --quick|--full [--json PATH]
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from megac import abi
-from megac.gpu import battery
-from megac.gpu.battery import bench, check
+from gpu import battery
+from gpu.battery import bench, check
 from megac.weights.layout import tile_gemm_weights
 
 REPO = Path(__file__).resolve().parents[3]

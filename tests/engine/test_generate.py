@@ -13,7 +13,7 @@ import torch
 
 from megac.spec import load_spec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def megac(*args, timeout=300):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megac.gpu.battery import bench, block_main, check, time_cuda
+from gpu.battery import bench, block_main, check, time_cuda
 from megac.gpu.build import REPO, build_cubin, resources
 
 SOURCE = REPO / "opcodes" / "tests" / "ceiling_test.cu"

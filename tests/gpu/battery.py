@@ -1,11 +1,11 @@
-"""GPU battery: run every block under megac/gpu/blocks/ and tabulate.
+"""GPU battery: run every block under tests/gpu/blocks/ and tabulate.
 
-    python3 -m megac.gpu.battery --smoke|--full --out DIR [--only BLOCK ...]
+    python3 -m gpu.battery --smoke|--full --out DIR [--only BLOCK ...]
 
 The ``ceiling`` block runs first; the streaming-read ceiling it measures is
 handed to the other blocks through MEGAC_CEILING_TBPS so that every
 "% ceiling" in one run refers to the same measurement. Each block runs in
-its own subprocess (``python3 -m megac.gpu.blocks.<name> --quick|--full
+its own subprocess (``python3 -m gpu.blocks.<name> --quick|--full
 --json PATH``) with a timeout: a block that crashes, hangs or faults the
 context is recorded as failed and the battery moves on.
 
@@ -124,7 +124,7 @@ def time_cuda(
 
 def block_main(name: str, run: Callable[[bool], dict], argv: list[str] | None = None) -> int:
     """``__main__`` of a block module: run it, write JSON, never raise."""
-    ap = argparse.ArgumentParser(prog=f"megac.gpu.blocks.{name}")
+    ap = argparse.ArgumentParser(prog=f"gpu.blocks.{name}")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true")
     g.add_argument("--full", action="store_true")
@@ -173,7 +173,7 @@ def run_block(name: str, quick: bool, out_dir: Path, timeout_s: float, env: dict
     if js.exists():
         js.unlink()
     log = out_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", f"megac.gpu.blocks.{name}", "--quick" if quick else "--full", "--json", str(js)]
+    cmd = [sys.executable, "-m", f"gpu.blocks.{name}", "--quick" if quick else "--full", "--json", str(js)]
     t0 = time.time()
     status = "ok"
     with open(log, "w") as lf:
@@ -236,7 +236,7 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="megac.gpu.battery")
+    ap = argparse.ArgumentParser(prog="gpu.battery")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--smoke", action="store_true", help="quick sizes (<= 3 min)")
     g.add_argument("--full", action="store_true", help="full sizes (<= 9 min)")
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     timeout_s = args.timeout or (TIMEOUT_QUICK_S if quick else TIMEOUT_FULL_S)
     budget = BUDGET_QUICK_S if quick else BUDGET_FULL_S
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("PYTHONUNBUFFERED", "1")
     t0 = time.time()
     results = []
