@@ -200,18 +200,6 @@ class Artifact:
                 task_node=np.zeros(len(ls.global_order), dtype=np.int32), node_names=[]))
         return out
 
-    def schedule_for(self, rows: int, context: int) -> LoadedSchedule:
-        """The schedule serving ``rows`` live rows at ``context`` tokens: the
-        smallest batch size >= rows, then the smallest bucket >= context."""
-        cands = [s for s in self.schedules.values() if s.meta["batch_size"] >= rows]
-        if not cands:
-            raise MegacError(f"no schedule for batch {rows} in {self.path}")
-        bs = min(s.meta["batch_size"] for s in cands)
-        fits = [s for s in cands if s.meta["batch_size"] == bs and max(s.meta["buckets"]) >= context]
-        if not fits:
-            raise MegacError(f"no schedule for context {context} at batch {bs} in {self.path}")
-        return min(fits, key=lambda s: max(s.meta["buckets"]))
-
 
 def load_artifact(path: Path) -> Artifact:
     path = Path(path)

@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (marked gpu)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the marker, not the tests/gpu/ directory name
             item.add_marker(skip)
 
 

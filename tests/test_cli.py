@@ -61,9 +61,12 @@ def test_compile_writes_a_loadable_artifact(tmp_path):
         words = s.tasks.reshape(-1, abi.TASK_WORDS)
         used = np.concatenate([words[:, abi.H.WAIT0], words[:, abi.H.WAIT1], words[:, abi.H.SIGNAL]])
         assert used.max() < meta["num_counters"]
-    assert art.schedule_for(3, 100).meta["batch_size"] == 4
-    with pytest.raises(MegacError, match="no schedule for batch 5"):
-        art.schedule_for(5, 100)
+    from megac.runtime.schedules import ScheduleSet
+
+    schedules = ScheduleSet(art.to_schedules())
+    assert schedules.pick(3, 100).rows == 4
+    with pytest.raises(MegacError, match="no compiled schedule for 5 rows"):
+        schedules.pick(5, 100)
 
 
 def test_artifact_tampering_is_refused(tmp_path):

@@ -41,6 +41,15 @@ def _queue_buffer(q: int) -> str:
         raise BadTaskError(f"unknown queue id {q}") from None
 
 
+def _routed_slots(vm, d: OpDef, layer: int, rows: np.ndarray, buffer: str) -> np.ndarray:
+    """The routed slots ``[rows, K]`` of ``rows`` (ROUTE_FINALIZE's
+    ``route_slot``), each inside ``buffer``'s slots."""
+    slots = vm.st.np["route_slot"][layer, rows].astype(np.int64)
+    if ((slots < 0) | (slots >= vm.st[buffer].shape[1])).any():
+        raise BadTaskError(f"{d.name}: routed slot out of range", layer=layer, buffer="route_slot")
+    return slots
+
+
 def expected_active_experts(geo, params) -> int:
     """Experts with at least one routed row per MoE layer: ``params.active_experts``
     or the expected value under uniform routing ``E * (1 - (1 - k/E) ** rows)``."""
@@ -217,9 +226,7 @@ class MoeGather(OpDef):
             for r in rows:
                 vm.tr.read("route_slot", (layer, int(r), slice(None)))
                 vm.tr.read("x_norm", (xs, int(r), slice(None)))
-            slots = st.np["route_slot"][layer, rows].astype(np.int64)  # [m, K]
-            if ((slots < 0) | (slots >= st["moe_x"].shape[1])).any():
-                raise BadTaskError("MOE_GATHER: routed slot out of range", layer=layer, buffer="route_slot")
+            slots = _routed_slots(vm, self, layer, rows, "moe_x")  # [m, K]
             for j in range(len(rows)):
                 vm.tr.write("moe_x", (layer, slots[j], slice(None)))
             x = st["x_norm"][xs, idx(rows)]  # [m, D]
@@ -259,9 +266,7 @@ class MoeCombine(OpDef):
             for r in rows:
                 vm.tr.read("route_slot", (layer, int(r), slice(None)))
                 vm.tr.read("topk_w", (layer, int(r), slice(None)))
-            slots = st.np["route_slot"][layer, rows].astype(np.int64)
-            if ((slots < 0) | (slots >= st["moe_out"].shape[1])).any():
-                raise BadTaskError("MOE_COMBINE: routed slot out of range", layer=layer, buffer="route_slot")
+            slots = _routed_slots(vm, self, layer, rows, "moe_out")
             for j in range(len(rows)):
                 vm.tr.read("moe_out", (layer, slots[j], slice(None)))
             wts = st["topk_w"][layer, idx(rows)]  # [m, K]

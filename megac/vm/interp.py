@@ -58,6 +58,7 @@ from megac.ops import opdef
 from megac.ops.base import claim_sync
 from megac.passes.hb import counter_closure, part_wait_sets
 from megac.passes.program import Program, build_groups
+from megac.passes.verify.targets import check_targets
 from megac.passes.violations import Sink
 from megac.passes.walk import HELD, PHASE_NAMES, WAIT0, WAIT1, Claim, Hooks, ValueCounters, Walker
 from megac.vm.machine import NULL_TRACKER, VM
@@ -325,6 +326,12 @@ class CheckedRun(Hooks):
                 self._check_counter(c, s, j, self.tasks[s, j])
         sink = Sink()
         build_groups(p, sink)
+        # happens-before is the counter closure, which holds when a satisfied
+        # wait implies every producer of its counter is done: exact targets
+        check_targets(p, sink)
+        low = [v for v in sink.items if v.kind in ("target_low", "target_dyn_mismatch")]
+        if low:
+            raise HazardError(f"checked mode needs exact targets: {low[0].message}")
         self.closure = counter_closure(p, part_wait_sets(p))[0]
         self.tracker = Tracker(self)
         self.ev_of: dict[int, int] = {}  # SM -> event of its head (or held record)

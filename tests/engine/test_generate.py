@@ -29,6 +29,26 @@ def one_line_error(res, needle):
     assert needle in lines[0], lines[0]
 
 
+def test_second_run_reuses_the_compiled_artifact(tmp_path):
+    """The first run compiles and caches the artifact, the second loads it
+    (and says so) and generates the same tokens; an artifact given with
+    --artifact runs as it is."""
+    env_cache = dict(os.environ, MEGAC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "megac.cli", "generate", "tiny-llama", "--random-weights", "--prompt-ids", "1,2,3",
+           "--max-tokens", "4", "--json"]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env_cache, timeout=300)
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env_cache, timeout=300)
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr, second.stderr)
+    assert "compiling tiny-llama" in first.stderr and "reusing the compiled artifact" not in first.stderr
+    assert "reusing the compiled artifact" in second.stderr and "compiling" not in second.stderr
+    assert json.loads(first.stdout) == json.loads(second.stdout)
+    art = tmp_path / "art"
+    assert megac("compile", "tiny-llama", "-o", art).returncode == 0
+    third = subprocess.run(cmd + ["--artifact", str(art)], capture_output=True, text=True, env=env_cache, timeout=300)
+    assert third.returncode == 0 and f"loaded artifact {art}" in third.stderr, third.stderr
+    assert json.loads(third.stdout) == json.loads(first.stdout)
+
+
 def test_random_weights_ragged_batch_equals_each_prompt_alone():
     common = ["generate", "tiny-moe", "--random-weights", "--seed", 3, "--max-tokens", 6, "--json"]
     a, b = "5,17,33,2,9,11,4,8,21,3,60", "7,7"

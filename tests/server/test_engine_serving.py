@@ -158,6 +158,15 @@ def test_load_error_exits_with_one_line(tmp_path):
                         "--backend", "cuda"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         "error: --backend cuda: no CUDA backend yet (use --backend cpu)")
+    # an artifact compiled for another model is refused, naming both
+    art = tmp_path / "moe-art"
+    r = subprocess.run([sys.executable, "-m", "megac.cli", "compile", "tiny-moe", "-o", str(art), "--batch-size", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "megac.cli", "serve", "tiny-llama", "--random-weights", "--port", "0",
+                        "--artifact", str(art)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: artifact {art}: built for tiny-moe, whose ")
 
 
 def test_hf_checkpoint_dir_serves_the_same_model(spec_path, tmp_path):

@@ -144,6 +144,19 @@ def test_raised_target_deadlocks():
     assert any(b["sm"] == s and b["counter"] == c for b in e.blocked)
 
 
+def test_lowered_target_is_refused():
+    """A target one below its counter's signal count would let a consumer run
+    before its last producer; happens-before through counters assumes exact
+    targets, so checked mode refuses the schedule before running it."""
+    _, sched, *_ = _broken()
+    t = sched.tasks.copy()
+    s, j = _first(t, sched.task_counts,
+                  lambda w: w[H.WAIT0] >= 0 and not abi.is_dyn(int(w[H.TARGET0])) and w[H.TARGET0] > 1)
+    t[s, j, H.TARGET0] -= 1
+    with pytest.raises(HazardError, match=r"needs exact targets: .* fires before all producers"):
+        _check(_edit(sched, t))
+
+
 @pytest.mark.parametrize("policy,seed", [("round_robin", 0), ("random", 1), ("random", 2), ("random", 3)])
 def test_removed_wait_reads_early(policy, seed):
     _, sched, *_ = _broken()
