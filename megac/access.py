@@ -150,7 +150,7 @@ def logical_shapes(geo: Geometry) -> dict[str, tuple[int, ...]]:
     empty dimensions clamped to 1, plus the logical views: ``kv_new``, the
     MoE buffers by (expert, row, k), the queues and the target words."""
     L, R = geo.num_layers, geo.rows
-    E, K = max(geo.experts, 1), max(geo.top_k, 1)
+    E, K = max(geo.num_experts, 1), max(geo.top_k, 1)
     out = {name: tuple(max(int(d), 1) for d in shape) for name, (_, shape, _, _) in step_buffers(geo).items()}
     out.update({
         "kv_new": (L, R, 2 * geo.kv_width),

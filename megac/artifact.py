@@ -129,9 +129,9 @@ def write_artifact(out_dir: Path, spec, schedules, *, order: str, pass_log=()) -
         for name, a in arrays.items():
             with zf.open(name + ".npy", "w", force_zip64=True) as fh:
                 np.lib.format.write_array(fh, a, allow_pickle=False)
-    from megac.codegen.layout_header import render as render_layout
+    from megac.codegen.layout_header import render_layout_header
 
-    (out_dir / LAYOUT_HEADER).write_text(render_layout(spec.name, schedules))
+    (out_dir / LAYOUT_HEADER).write_text(render_layout_header(spec.name, schedules))
     manifest = {
         "format": FORMAT_VERSION,
         "megac_version": megac.__version__,

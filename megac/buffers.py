@@ -29,7 +29,7 @@ def step_buffers(geo) -> dict[str, tuple[str, tuple[int, ...], str, str]]:
         "o_part": ("fp32", (L, geo.kv_heads, R, D), "scratch", ""),
         "ffn_act": ("bf16", (L, R, geo.dense_width), "scratch", ""),
         "ffn_part": ("fp32", (L, geo.ffn_splits, R, D), "scratch", ""),
-        "router_part": ("fp32", (L, geo.router_splits if geo.experts else 0, R, geo.experts), "scratch", ""),
+        "router_part": ("fp32", (L, geo.router_splits if geo.num_experts else 0, R, geo.num_experts), "scratch", ""),
         "topk_ids": ("int32", (L, R, geo.top_k), "scratch", ""),
         "topk_w": ("fp32", (L, R, geo.top_k), "scratch", ""),
         "route_slot": ("int32", (L, R, geo.top_k), "scratch", ""),

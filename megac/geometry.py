@@ -11,7 +11,7 @@ fields below (tests use it); values are clamped to the dimensions.
 Model dimensions
     spec_name, block ("parallel"|"sequential"), rows, context, num_sms,
     num_layers, hidden, num_heads, kv_heads, head_dim, heads_per_kv, q_width,
-    kv_width, qkv_width, vocab, dense_width (0: no dense layer), experts,
+    kv_width, qkv_width, vocab, dense_width (0: no dense layer), num_experts,
     top_k, expert_width (0: no MoE layer), norm_slots (= 2*num_layers + 1,
     the x_norm slots: GAMMA index).
 
@@ -41,7 +41,7 @@ Attention splits
 
 Queues
     attn_queue_cap = rows * kv_heads * attn_max_splits
-    moe_queue_cap  = min(experts, rows*top_k) * max(up_tiles, down_tiles)
+    moe_queue_cap  = min(num_experts, rows*top_k) * max(up_tiles, down_tiles)
     target_words   = abi.TargetWords(rows, num_layers)
     dyn_bound(word) the largest value target word ``word`` can hold this step
 
@@ -109,7 +109,7 @@ class Geometry:
     qkv_width: int
     vocab: int
     dense_width: int
-    experts: int
+    num_experts: int
     top_k: int
     expert_width: int
     # tiles
@@ -204,7 +204,7 @@ class Geometry:
             qkv_width=spec.q_width + 2 * spec.num_kv_heads * spec.head_dim,
             vocab=spec.vocab_size,
             dense_width=dense_width,
-            experts=experts,
+            num_experts=experts,
             top_k=moe.top_k if moe else 0,
             expert_width=expert_width,
             o_proj_bn=o_proj_bn,
@@ -274,17 +274,17 @@ class Geometry:
 
     @cached_property
     def up_tiles(self) -> int:
-        return _ceil_div(2 * self.expert_width, self.moe_up_bn) if self.experts else 0
+        return _ceil_div(2 * self.expert_width, self.moe_up_bn) if self.num_experts else 0
 
     @cached_property
     def down_tiles(self) -> int:
-        return _ceil_div(self.hidden, self.moe_down_bn) if self.experts else 0
+        return _ceil_div(self.hidden, self.moe_down_bn) if self.num_experts else 0
 
     @cached_property
     def moe_queue_cap(self) -> int:
-        if not self.experts:
+        if not self.num_experts:
             return 0
-        return min(self.experts, self.rows * self.top_k) * max(self.up_tiles, self.down_tiles)
+        return min(self.num_experts, self.rows * self.top_k) * max(self.up_tiles, self.down_tiles)
 
     @cached_property
     def lm_tiles(self) -> int:

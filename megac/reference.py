@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 # ------------------------------------------------------------------ ops
 
 
-def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    """``gamma * (x * rsqrt(mean(x^2) + eps))``, statistics in fp32."""
+def hf_rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """``gamma * (x * rsqrt(mean(x^2) + eps))``, statistics in fp32, rounded as
+    transformers' LlamaRMSNorm does (the yardstick; the kernels' own rounding
+    is ``megac.ops.norm.rms_norm``)."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return gamma * y.to(x.dtype)
@@ -134,7 +136,7 @@ def ffn(h: torch.Tensor, lw: LayerWeights, spec: "ModelSpec") -> torch.Tensor:
 
 def lm_logits(h: torch.Tensor, weights: ModelWeights, spec: "ModelSpec") -> torch.Tensor:
     """Final norm, LM head, ``* logit_scale`` (in the dtype); fp32 out."""
-    hn = rms_norm(h, weights.final_norm, spec.norm_eps)
+    hn = hf_rms_norm(h, weights.final_norm, spec.norm_eps)
     logits = F.linear(hn, weights.lm_head_weight)
     if spec.logit_scale != 1.0:
         logits = logits * spec.logit_scale
@@ -148,7 +150,7 @@ def layer_forward(x: torch.Tensor, lw: LayerWeights, spec: "ModelSpec", layer: i
     stores K/V and returns the attention output ``[n, q_width]``."""
     n = x.shape[0]
     H, KVH, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    h = rms_norm(x, lw.input_norm, spec.norm_eps)
+    h = hf_rms_norm(x, lw.input_norm, spec.norm_eps)
     q = F.linear(h, lw.q).view(n, H, hd)
     k = F.linear(h, lw.k).view(n, KVH, hd)
     v = F.linear(h, lw.v).view(n, KVH, hd)
@@ -156,7 +158,7 @@ def layer_forward(x: torch.Tensor, lw: LayerWeights, spec: "ModelSpec", layer: i
     if spec.block == "parallel":
         return x + a + ffn(h, lw, spec)
     x = x + a
-    return x + ffn(rms_norm(x, lw.post_attn_norm, spec.norm_eps), lw, spec)
+    return x + ffn(hf_rms_norm(x, lw.post_attn_norm, spec.norm_eps), lw, spec)
 
 
 # ------------------------------------------------------------------ decode
@@ -220,7 +222,7 @@ __all__ = [
     "layer_forward",
     "lm_logits",
     "moe_ffn",
-    "rms_norm",
+    "hf_rms_norm",
     "rope_cos_sin",
     "route",
 ]

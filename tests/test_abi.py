@@ -13,7 +13,7 @@ from megac.codegen import abi_header
 
 
 def test_header_on_disk_is_current():
-    assert abi_header.HEADER_PATH.read_text() == abi_header.render(), (
+    assert abi_header.HEADER_PATH.read_text() == abi_header.render_abi_header(), (
         "opcodes/generated/megac_abi.h is stale: run python -m megac.codegen.abi_header"
     )
 
@@ -40,7 +40,7 @@ def _parse(text: str) -> dict:
 
 
 def test_header_parses_back_to_the_python_abi():
-    parsed = _parse(abi_header.render())
+    parsed = _parse(abi_header.render_abi_header())
     assert parsed["ops"] == {op.name: int(op) for op in abi.Op}
     assert parsed["header"] == {name: i for i, (name, _) in enumerate(abi.HEADER_FIELDS)}
     assert parsed["flags"] == {f.name: int(f) for f in abi.Flag if f != abi.Flag.NONE}

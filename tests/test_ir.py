@@ -174,9 +174,9 @@ def test_access_moe_logical_indexing(nmc_geo):
 def test_subtasks_and_group_access(nmc_geo):
     g = nmc_geo
     up = queue_subtasks(Queue.MOE_UP, 7, g)
-    assert len(up) == g.experts * g.up_tiles
+    assert len(up) == g.num_experts * g.up_tiles
     merged = queue_subtasks(Queue.MOE_UP, 7, g, merged=True)
-    assert len(merged) == g.experts
+    assert len(merged) == g.num_experts
     # merging keeps the regions: the union of the tiles' writes
     w = [b for b in subtask_boxes(up, g) if b.write][0]
     wm = [b for b in subtask_boxes(merged, g) if b.write][0]
@@ -184,7 +184,7 @@ def test_subtasks_and_group_access(nmc_geo):
     claimer = _word(Op.MOE_DOWN_DRAIN, 7, QUEUE=int(Queue.MOE_DOWN), TASK_WAIT_BASE=100, TASK_WAIT_TARGET=12,
                     TASK_SIGNAL_BASE=900)
     ga = group_access(Queue.MOE_DOWN, 7, g, claimer)
-    assert ga.waits == [(100 + e, 12) for e in range(g.experts)]
+    assert ga.waits == [(100 + e, 12) for e in range(g.num_experts)]
     assert ga.signals == [(900, None)]
     assert ga.reads == [Region("moe_act", ((7, 8), (0, 128), (0, 4), (0, 8), (0, 768)))]
     att = queue_subtasks(Queue.ATTN, 4, g)

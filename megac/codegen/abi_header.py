@@ -21,7 +21,7 @@ HEADER_PATH = opcodes_dir() / "generated" / "megac_abi.h"
 CTYPES = {"ptr": "uint64_t", "i32": "int32_t", "f32": "float", "u64": "uint64_t"}
 
 
-def render() -> str:
+def render_abi_header() -> str:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(templates_dir()),
         undefined=jinja2.StrictUndefined,
@@ -39,7 +39,7 @@ def render() -> str:
 
 def write(path: Path = HEADER_PATH) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render())
+    path.write_text(render_abi_header())
     return path
 
 

@@ -16,7 +16,7 @@ from megac.resources import templates_dir
 from megac.schedule import schedule_key
 
 
-def render(spec_name: str, schedules) -> str:
+def render_layout_header(spec_name: str, schedules) -> str:
     keys = []
     for s in schedules:
         bufs = []
@@ -34,4 +34,4 @@ def render(spec_name: str, schedules) -> str:
                                                          abi_version=abi.ABI_VERSION)
 
 
-__all__ = ["render"]
+__all__ = ["render_layout_header"]

@@ -330,7 +330,7 @@ def spills(cubin: Path) -> dict[str, int]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="Build cubins (sm_90a) into the cache.")
@@ -361,4 +361,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(build_main())

@@ -332,10 +332,10 @@ class RouterGemm(GemmOp):
     device_fn = "router_gemm"
 
     def dims(self, geo):
-        return geo.experts, geo.hidden
+        return geo.num_experts, geo.hidden
 
     def field_rules(self, lim):
-        return super().field_rules(lim) if lim.geo.experts else None
+        return super().field_rules(lim) if lim.geo.num_experts else None
 
     def access(self, acc, w, ix, layer, geo):
         n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")

@@ -31,7 +31,7 @@ from megac.ops.cpu import idx
 
 
 def _ek(geo) -> tuple[int, int]:
-    return max(geo.experts, 1), max(geo.top_k, 1)
+    return max(geo.num_experts, 1), max(geo.top_k, 1)
 
 
 def _queue_buffer(q: int) -> str:
@@ -55,7 +55,7 @@ def expected_active_experts(geo, params) -> int:
     or the expected value under uniform routing ``E * (1 - (1 - k/E) ** rows)``."""
     if params.active_experts is not None:
         return int(params.active_experts)
-    E, k, R = geo.experts, geo.top_k, geo.rows
+    E, k, R = geo.num_experts, geo.top_k, geo.rows
     if not E:
         return 0
     return max(min(k, E), int(round(E * (1.0 - (1.0 - k / E) ** R))))
@@ -122,7 +122,7 @@ class RouteFinalize(OpDef):
 
     def field_rules(self, lim):
         g, tw = lim.geo, lim.tw
-        if not g.experts:
+        if not g.num_experts:
             return None
 
         def word_of(fn):
@@ -162,7 +162,7 @@ class RouteFinalize(OpDef):
     def run(self, vm, words):
         op, st, geo = self.op, vm.st, vm.geo
         vm.require_ffn(words, self)
-        E, K = geo.experts, geo.top_k
+        E, K = geo.num_experts, geo.top_k
         for i in range(len(words)):
             w = words[i: i + 1]
             layer = int(w[0, H.LAYER])
@@ -289,7 +289,7 @@ class _ExpertDrain(ClaimerOp):
 
     def subtasks(self, layer, geo, merged=False):
         tiles = self.tiles(geo)
-        e, t = np.meshgrid(np.arange(geo.experts), np.arange(1 if merged else tiles), indexing="ij")
+        e, t = np.meshgrid(np.arange(geo.num_experts), np.arange(1 if merged else tiles), indexing="ij")
         e, t = e.ravel(), t.ravel()
         fields = {"EXPERT": e, "N_TILE": t, "N_TILE_HI": np.full_like(t, tiles) if merged else t + 1}
         woff, soff = self._offsets_of(e)
@@ -307,7 +307,7 @@ class _ExpertDrain(ClaimerOp):
         e, t = r[:, abi.record_index(Q, "EXPERT")], r[:, abi.record_index(Q, "N_TILE")]
         s0, nr = r[:, abi.record_index(Q, "SLOT0")], r[:, abi.record_index(Q, "ROWS")]
         cap = vm.st["moe_x"].shape[1]
-        if ((e < 0) | (e >= vm.geo.experts) | (s0 < 0) | (nr < 0) | (s0 + nr > cap) | (t < 0)).any():
+        if ((e < 0) | (e >= vm.geo.num_experts) | (s0 < 0) | (nr < 0) | (s0 + nr > cap) | (t < 0)).any():
             raise BadTaskError(f"{Q.name} record out of range", layer=layer)
         return e, t, s0, nr
 
@@ -330,7 +330,7 @@ class MoeUpgateDrain(_ExpertDrain):
 
     def field_rules(self, lim):
         g, C = lim.geo, lim.num_counters
-        if not g.experts:
+        if not g.num_experts:
             return None
         return [
             ("QUEUE", int(Queue.MOE_UP), int(Queue.MOE_UP) + 1, False),
@@ -338,7 +338,7 @@ class MoeUpgateDrain(_ExpertDrain):
             ("TASK_WAIT_BASE", 0, C, False),
             ("TASK_WAIT_TARGET", 1, BIG, True),
             ("TASK_SIGNAL_BASE", 0, C, False),
-            (last_of(self.op, "TASK_SIGNAL_BASE", g.experts), 0, C, False),
+            (last_of(self.op, "TASK_SIGNAL_BASE", g.num_experts), 0, C, False),
             ("N_LEN", 1, 2 * g.expert_width + 1, False),
         ]
 
@@ -356,7 +356,7 @@ class MoeUpgateDrain(_ExpertDrain):
         acc.add("moe_act", True, t, at(layer), at(e), span(R), span(K), (c0, c1))
 
     def signal_span(self, geo):
-        return max(geo.experts, 1)
+        return max(geo.num_experts, 1)
 
     def signal_count(self, layer, offset, geo):
         return geo.up_tiles  # per active expert
@@ -410,13 +410,13 @@ class MoeDownDrain(_ExpertDrain):
 
     def field_rules(self, lim):
         g, C = lim.geo, lim.num_counters
-        if not g.experts:
+        if not g.num_experts:
             return None
         return [
             ("QUEUE", int(Queue.MOE_DOWN), int(Queue.MOE_DOWN) + 1, False),
             ("QUEUE_LEN", 0, BIG, True),
             ("TASK_WAIT_BASE", 0, C, False),
-            (last_of(self.op, "TASK_WAIT_BASE", g.experts), 0, C, False),
+            (last_of(self.op, "TASK_WAIT_BASE", g.num_experts), 0, C, False),
             ("TASK_WAIT_TARGET", 1, BIG, True),
             ("TASK_SIGNAL_BASE", 0, C, False),
             ("N_LEN", 1, g.hidden + 1, False),

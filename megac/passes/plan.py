@@ -99,9 +99,9 @@ def _shapes(lw: Lowering) -> dict[str, tuple[str, tuple, str, str]]:
         "w_o": ("bf16", (L, D, geo.q_width), "weight", ""),
         "w_upgate": ("bf16", (n_dense, 2 * geo.dense_width, D), "weight", ""),
         "w_down": ("bf16", (n_dense, D, geo.dense_width), "weight", ""),
-        "w_router": ("bf16", (n_moe, geo.experts, D), "weight", ""),
-        "w_moe_upgate": ("bf16", (n_moe, geo.experts, 2 * geo.expert_width, D), "weight", ""),
-        "w_moe_down": ("bf16", (n_moe, geo.experts, D, geo.expert_width), "weight", ""),
+        "w_router": ("bf16", (n_moe, geo.num_experts, D), "weight", ""),
+        "w_moe_upgate": ("bf16", (n_moe, geo.num_experts, 2 * geo.expert_width, D), "weight", ""),
+        "w_moe_down": ("bf16", (n_moe, geo.num_experts, D, geo.expert_width), "weight", ""),
         "layer_slot": ("int32", (L,), "weight", "index in the dense / MoE weight stack"),
         "rope_inv_freq": ("fp32", (geo.head_dim // 2,), "weight", ""),
         "k_pool": ("bf16", (blocks, bs, geo.kv_heads, geo.head_dim), "kv", "worst case for this key"),
@@ -212,14 +212,14 @@ def _weight_layouts(geo) -> dict[str, WeightLayout]:
             f"gate/up interleaved in chunks of {geo.upgate_bn // 2} rows (gate chunk, then up chunk)",
             [{"chunk_rows": geo.upgate_bn // 2, "order": ["gate", "up"], "stack": "dense layers (layer_slot)"}])
         out["w_down"] = WeightLayout("w_down", (n, D, geo.dense_width), "bf16", "[out, in], stacked by layer_slot")
-    if geo.experts:
+    if geo.num_experts:
         n = len(geo.moe_layers)
-        out["w_router"] = WeightLayout("w_router", (n, geo.experts, D), "bf16", "stacked by layer_slot")
+        out["w_router"] = WeightLayout("w_router", (n, geo.num_experts, D), "bf16", "stacked by layer_slot")
         out["w_moe_upgate"] = WeightLayout(
-            "w_moe_upgate", (n, geo.experts, 2 * geo.expert_width, D), "bf16",
+            "w_moe_upgate", (n, geo.num_experts, 2 * geo.expert_width, D), "bf16",
             f"experts stacked; gate/up interleaved in chunks of {geo.moe_up_bn // 2} rows",
             [{"chunk_rows": geo.moe_up_bn // 2, "order": ["gate", "up"], "stack": "moe layers (layer_slot), experts"}])
-        out["w_moe_down"] = WeightLayout("w_moe_down", (n, geo.experts, D, geo.expert_width), "bf16",
+        out["w_moe_down"] = WeightLayout("w_moe_down", (n, geo.num_experts, D, geo.expert_width), "bf16",
                                          "experts stacked, [out, in]")
     return out
 

@@ -130,11 +130,11 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         shape, box = (geo.ffn_splits, D), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
     elif k == "router":
         b = np.asarray(geo.router_split_bounds, dtype=np.int64)
-        nn0, nlen = _ranges(geo.experts, geo.router_bn)
+        nn0, nlen = _ranges(geo.num_experts, geo.router_bn)
         s, t = _grid(range(geo.router_splits), range(len(nn0)))
         F = dict(N0=nn0[t], N_LEN=nlen[t], K0=b[s], K_LEN=b[s + 1] - b[s], SPLIT=s,
                  X_SLOT=np.full_like(s, geo.norm_input_slot(l)))
-        shape, box = (geo.router_splits, geo.experts), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
+        shape, box = (geo.router_splits, geo.num_experts), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
     elif k == "topk":
         row = np.arange(R, dtype=np.int64)
         F = dict(ROW=row, NUM_SPLITS=np.full_like(row, geo.router_splits))

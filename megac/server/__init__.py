@@ -5,7 +5,7 @@
 * :mod:`megac.server.config` -- ``ServeConfig``, every ``megac serve`` option
 * :mod:`megac.server.errors` -- ``APIError`` (the OpenAI error envelope), ``bad``, ``ClientGone``
 * :mod:`megac.server.state` -- ``ServerState``: loaded model, tokenizer, engine; readiness checks
-* :mod:`megac.server.startup` -- model + tokenizer loading (``load_served_model``) and ``build_engine``
+* :mod:`megac.server.startup` -- model + tokenizer loading (``load_served_model``) and ``build_served_engine``
 * :mod:`megac.server.prepare` -- request validation: prompt ids and sampling parameters
 * :mod:`megac.server.responses` -- running a request: JSON answers, SSE streams, disconnects
 * :mod:`megac.server.protocol` -- pydantic request/response models

@@ -78,7 +78,7 @@ class _Metric:
         return [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} {self.kind}"]
 
 
-class Counter(_Metric):
+class CounterMetric(_Metric):
     kind = "counter"
 
     def __init__(self, name: str, doc: str, const: dict[str, str]) -> None:
@@ -164,13 +164,13 @@ class ServerMetrics(EngineObserver):
     def __init__(self, model_name: str) -> None:
         c = {"model_name": model_name}
         self.engine: "Engine | None" = None
-        self.preemptions = Counter("megac:num_preemptions_total", "Preemptions (recompute) so far.", c)
-        self.prefix_queries = Counter("megac:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", c)
-        self.prefix_hits = Counter("megac:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", c)
-        self.prompt_tokens = Counter("megac:prompt_tokens_total", "Prompt tokens of finished requests.", c)
-        self.generation_tokens = Counter("megac:generation_tokens_total", "Generated tokens.", c)
-        self.request_success = Counter("megac:request_success_total", "Finished requests by finish reason.", c)
-        self.http_requests = Counter("megac:http_requests_total", "HTTP requests by handler and status.", c)
+        self.preemptions = CounterMetric("megac:num_preemptions_total", "Preemptions (recompute) so far.", c)
+        self.prefix_queries = CounterMetric("megac:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", c)
+        self.prefix_hits = CounterMetric("megac:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", c)
+        self.prompt_tokens = CounterMetric("megac:prompt_tokens_total", "Prompt tokens of finished requests.", c)
+        self.generation_tokens = CounterMetric("megac:generation_tokens_total", "Generated tokens.", c)
+        self.request_success = CounterMetric("megac:request_success_total", "Finished requests by finish reason.", c)
+        self.http_requests = CounterMetric("megac:http_requests_total", "HTTP requests by handler and status.", c)
         self.ttft = Histogram("megac:time_to_first_token_seconds", "Time to first token.", c, LATENCY_BUCKETS)
         self.itl = Histogram("megac:inter_token_latency_seconds", "Inter-token latency.", c, LATENCY_BUCKETS)
         self.e2e = Histogram("megac:e2e_request_latency_seconds", "End-to-end request latency.", c, E2E_BUCKETS)
@@ -273,4 +273,4 @@ def metric_value(text_or_parsed, name: str, **labels: str) -> float:
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-__all__ = ["CONTENT_TYPE", "Counter", "Gauge", "Histogram", "ServerMetrics", "metric_value", "parse_metrics"]
+__all__ = ["CONTENT_TYPE", "CounterMetric", "Gauge", "Histogram", "ServerMetrics", "metric_value", "parse_metrics"]

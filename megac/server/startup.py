@@ -59,7 +59,7 @@ def load_served_model(cfg: ServeConfig) -> ServedModel:
     return loaded
 
 
-def build_engine(cfg: ServeConfig, loaded: ServedModel, observer=None):
+def build_served_engine(cfg: ServeConfig, loaded: ServedModel, observer=None):
     """KV pool, backend and engine for ``loaded`` under ``cfg``
     (:func:`megac.engine.build.build_engine`: the artifact is compiled once
     and cached, or ``--artifact`` is served as it is)."""
@@ -74,4 +74,4 @@ def build_engine(cfg: ServeConfig, loaded: ServedModel, observer=None):
     return build(loaded.spec, loaded.weights, opts, observer=observer, progress=lambda msg: log.info("%s", msg))
 
 
-__all__ = ["ServedModel", "build_engine", "load_served_model"]
+__all__ = ["ServedModel", "build_served_engine", "load_served_model"]

@@ -14,7 +14,7 @@ from megac.server.chat import Tokenizer
 from megac.server.config import ServeConfig
 from megac.server.errors import APIError
 from megac.server.metrics import ServerMetrics
-from megac.server.startup import build_engine, load_served_model
+from megac.server.startup import build_served_engine, load_served_model
 from megac.server.tools import ToolParser, get_tool_parser, parser_for_family
 
 log = logging.getLogger("megac.server")
@@ -52,7 +52,7 @@ class ServerState:
             self.spec, self.tokenizer = loaded.spec, loaded.tokenizer
             self.served_name = cfg.served_model_name or loaded.name
             self.metrics = ServerMetrics(self.served_name)
-            self.engine = build_engine(cfg, loaded, self.metrics)
+            self.engine = build_served_engine(cfg, loaded, self.metrics)
             self.metrics.engine = self.engine
             self.max_model_len = self.engine.config.max_model_len
             self.tool_parser = (get_tool_parser(cfg.tool_call_parser) if cfg.tool_call_parser

@@ -131,7 +131,7 @@ class VMWeights:
         if geo.dense_width and geo.upgate_bn // 2 != self.chunk:
             raise MegacError(f"vm: weights interleaved in chunks of {self.chunk}, schedule tiles "
                              f"upgate_bn/2 = {geo.upgate_bn // 2}")
-        if geo.experts and geo.moe_up_bn // 2 != self.moe_chunk:
+        if geo.num_experts and geo.moe_up_bn // 2 != self.moe_chunk:
             raise MegacError(f"vm: expert weights interleaved in chunks of {self.moe_chunk}, schedule tiles "
                              f"moe_up_bn/2 = {geo.moe_up_bn // 2}")
 
@@ -289,7 +289,7 @@ class DeviceState:
             "head_dim": geo.head_dim,
             "vocab": geo.vocab,
             "top_k": geo.top_k,
-            "num_experts": geo.experts,
+            "num_experts": geo.num_experts,
             "expert_width": geo.expert_width,
             "dense_width": geo.dense_width,
             "max_splits": geo.max_splits,

@@ -140,7 +140,7 @@ def test_postconditions(model, rows):
             assert names[w[0, H.WAIT0]] == f"route[{l}]" and w[0, H.TARGET0] == 1
         if nt.op == Op.MOE_DOWN_DRAIN:
             base = int(w[0, F(Op.MOE_DOWN_DRAIN, "TASK_WAIT_BASE")])
-            assert names[base] == f"moe_up[{l}][0]" and names[base + geo.experts - 1] == f"moe_up[{l}][{geo.experts - 1}]"
+            assert names[base] == f"moe_up[{l}][0]" and names[base + geo.num_experts - 1] == f"moe_up[{l}][{geo.num_experts - 1}]"
             assert w[0, F(Op.MOE_DOWN_DRAIN, "TASK_WAIT_TARGET")] == geo.up_tiles
         if nt.op == Op.FFN_DOWN:
             # split s waits only for the upgate tiles that produce its K range

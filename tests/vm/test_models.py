@@ -92,7 +92,7 @@ def test_north_mini_code_slice_matches_transformers():
     kv = PagedKVCache(spec, max_rows=2, num_blocks=64, dtype=torch.float32, max_context=4096)
     rows, lg = prefill(w, spec, kv, prompts)
     sched = compile_one(spec, "tuned", rows=2, context=16)
-    assert sched.geometry.experts == 128 and sched.geometry.hidden == 2048 and sched.num_sms == 132
+    assert sched.geometry.num_experts == 128 and sched.geometry.hidden == 2048 and sched.num_sms == 132
     vmw = VMWeights.from_weights(w, spec, sched.geometry, consume=True)  # frees the canonical layers
     gc.collect()
     step = DecodeStep(DeviceState(sched, vmw))

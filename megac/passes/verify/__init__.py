@@ -47,7 +47,7 @@ import numpy as np
 
 from megac.passes.hb import HappensBefore, counter_closure, part_wait_sets
 from megac.passes.program import Program, build_groups
-from megac.passes.verify.deadlock import check_claimer_rule, report_deadlock, simulate
+from megac.passes.verify.deadlock import check_claimer_rule, report_deadlock, greedy_walk
 from megac.passes.verify.dynamic import check_dynamic
 from megac.passes.verify.hazards import check_hazards
 from megac.passes.verify.structure import check_field_pairs, check_regions, check_structure
@@ -105,7 +105,7 @@ def check_program(p: Program, *, stop_early: bool = False) -> tuple[list[Violati
         return _finish(out, rep, t_all)
     t0 = time.perf_counter()
     check_claimer_rule(p, out)
-    sim = simulate(p)
+    sim = greedy_walk(p)
     rep.sim_rounds = sim.rounds
     rep.critical_path = sim.critical_path
     report_deadlock(p, sim, out)

@@ -163,7 +163,7 @@ class _GreedyHooks(Hooks):
         return t
 
 
-def simulate(p: Program) -> SimResult:
+def greedy_walk(p: Program) -> SimResult:
     """Greedy in-order execution (``megac.passes.walk``): a head runs once
     every signaller of each of its wait counters is done; a claimer runs its
     whole group once all the group's waits are complete; later claimers of a
