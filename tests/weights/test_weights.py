@@ -230,7 +230,7 @@ def test_random_deterministic(moe_spec):
 def test_random_scales_keep_activations_o1():
     """A deep NMC-shaped model: the residual stays O(1) through many layers,
     logits are finite, and router top-k is decided by clear gaps."""
-    from megac.reference import apply_rope, attention, layer_forward, lm_logits, rms_norm, route, rope_cos_sin
+    from megac.reference import apply_rope, attention, hf_rms_norm, layer_forward, lm_logits, route, rope_cos_sin
 
     base = load_spec("tiny-moe")
     spec = variant(base, layers=[l.model_dump() for l in base.layers * 4])  # 24 layers
@@ -246,7 +246,7 @@ def test_random_scales_keep_activations_o1():
                 q, k = apply_rope(q, cos, sin, spec.rope_style), apply_rope(k, cos, sin, spec.rope_style)
             return attention(q, k, v, pos, pos, ls.window, spec.head_dim ** -0.5)
         if lw.is_moe:
-            h = rms_norm(x, lw.input_norm, spec.norm_eps)
+            h = hf_rms_norm(x, lw.input_norm, spec.norm_eps)
             top = torch.nn.functional.linear(h, lw.router).sort(dim=-1, descending=True).values
             gaps.append(top[:, spec.moe.top_k - 1] - top[:, spec.moe.top_k])
             _, wts = route(h, lw.router, spec.moe)
