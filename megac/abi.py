@@ -20,7 +20,9 @@ import numpy as np
 
 # 2: X_SLOT on FFN_UPGATE_ACT, ROUTER_GEMM, MOE_GATHER
 # 3: argmax_part holds ARGMAX_RECORD {fp32 value, int32 index} (was fp32x2, the index as a float)
-ABI_VERSION = 3
+# 4: attention partials split-major per layer ([L, splits, rows, heads, hd]: the device's combine
+#    layout); buffer shapes are the plan's (megac/buffers.py), not the descriptor's doc strings
+ABI_VERSION = 4
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -497,8 +499,8 @@ LAUNCH_DESC: tuple[DescField, ...] = (
     _D("x_resid", "ptr", "fp32 [rows, hidden] residual stream"),
     _D("x_norm", "ptr", "bf16 [2*num_layers+1, rows, hidden] normed activations, slot = GAMMA index"),
     _D("q", "ptr", "bf16 [num_layers, rows, q_width]"),
-    _D("attn_o_part", "ptr", "fp32 [num_layers, rows, num_heads, max_splits, head_dim]"),
-    _D("attn_lse_part", "ptr", "fp32 [num_layers, rows, num_heads, max_splits]"),
+    _D("attn_o_part", "ptr", "fp32 [num_layers, max_splits, rows, num_heads, head_dim], split-major"),
+    _D("attn_lse_part", "ptr", "fp32 [num_layers, max_splits, rows, num_heads], split-major"),
     _D("attn_out", "ptr", "bf16 [num_layers, rows, q_width]"),
     _D("o_part", "ptr", "fp32 [num_layers, kv_heads, rows, hidden] O-proj split-K partials"),
     _D("ffn_act", "ptr", "bf16 [num_layers, rows, dense_width]"),

@@ -38,8 +38,8 @@ def _decode_access(acc, t, layer, row, kvh, split, geo, split_hi=None) -> None:
     acc.add("kv_new", False, t, at(layer), at(row), (geo.kv_width + kvh * hd, geo.kv_width + (kvh + 1) * hd))
     heads = (kvh * hpk, (kvh + 1) * hpk)
     sp = at(split) if split_hi is None else (split, split_hi)
-    acc.add("attn_o_part", True, t, at(layer), at(row), heads, sp, span(hd))
-    acc.add("attn_lse_part", True, t, at(layer), at(row), heads, sp)
+    acc.add("attn_o_part", True, t, at(layer), sp, at(row), heads, span(hd))
+    acc.add("attn_lse_part", True, t, at(layer), sp, at(row), heads)
 
 
 def split_bytes(geo, span_tokens: np.ndarray, splits: np.ndarray) -> np.ndarray:
@@ -62,8 +62,8 @@ def attend(vm, layer: int, rows: np.ndarray, kvhs: np.ndarray, splits: np.ndarra
     st, geo = vm.st, vm.geo
     hd, hpk = vm.hd, vm.hpk
     op_buf, lse_buf = st["attn_o_part"], st["attn_lse_part"]
-    if ((splits < 0) | (splits >= op_buf.shape[3])).any():
-        raise BadTaskError(f"attention SPLIT outside the {op_buf.shape[3]} partial slots", layer=layer)
+    if ((splits < 0) | (splits >= op_buf.shape[1])).any():
+        raise BadTaskError(f"attention SPLIT outside the {op_buf.shape[1]} partial slots", layer=layer)
     if ((rows < 0) | (rows >= vm.R) | (kvhs < 0) | (kvhs >= geo.kv_heads)).any():
         raise BadTaskError("attention ROW / KV_HEAD outside the batch / kv heads", layer=layer)
     active = st.np["row_active"]
@@ -113,12 +113,12 @@ def attend(vm, layer: int, rows: np.ndarray, kvhs: np.ndarray, splits: np.ndarra
             lse = mx[..., 0] + torch.log(den)
         for j in range(len(gi)):
             hs = slice(int(h[j]) * hpk, (int(h[j]) + 1) * hpk)
-            vm.tr.write("attn_o_part", (layer, int(r[j]), hs, int(s[j])))
-            vm.tr.write("attn_lse_part", (layer, int(r[j]), hs, int(s[j])))
+            vm.tr.write("attn_o_part", (layer, int(s[j]), int(r[j]), hs))
+            vm.tr.write("attn_lse_part", (layer, int(s[j]), int(r[j]), hs))
         heads = idx(h)[:, None] * hpk + torch.arange(hpk)[None, :]  # [g, hpk]
         rr, ss = idx(r)[:, None], idx(s)[:, None]
-        op_buf[layer, rr, heads, ss] = o
-        lse_buf[layer, rr, heads, ss] = lse
+        op_buf[layer, ss, rr, heads] = o
+        lse_buf[layer, ss, rr, heads] = lse
 
 
 class AttnDecode(OpDef):
@@ -257,8 +257,8 @@ class AttnCombine(OpDef):
         ns = bound(field(w, self.op, "NUM_SPLITS"), geo)
         hpk, hd = geo.heads_per_kv, geo.head_dim
         heads = (kvh * hpk, (kvh + 1) * hpk)
-        acc.add("attn_o_part", False, ix, at(layer), at(row), heads, (0, ns), span(hd))
-        acc.add("attn_lse_part", False, ix, at(layer), at(row), heads, (0, ns))
+        acc.add("attn_o_part", False, ix, at(layer), (0, ns), at(row), heads, span(hd))
+        acc.add("attn_lse_part", False, ix, at(layer), (0, ns), at(row), heads)
         acc.add("attn_out", True, ix, at(layer), at(row), (kvh * hpk * hd, (kvh + 1) * hpk * hd))
 
     def task_bytes(self, w, geo, params):
@@ -287,14 +287,14 @@ class AttnCombine(OpDef):
         for layer, rows, kvhs, nsw, rr, heads, cs in vm.plan(op.name, words, build):
             ns = vm.values(nsw)
             S = int(ns.max())
-            if S > st["attn_o_part"].shape[3] or (ns < 0).any():
+            if S > st["attn_o_part"].shape[1] or (ns < 0).any():
                 raise BadTaskError(f"ATTN_COMBINE: NUM_SPLITS {S} outside the partial slots", layer=layer)
             for r, h, n in zip(rows, kvhs, ns.tolist()):
                 hs = slice(h * hpk, (h + 1) * hpk)
-                vm.tr.read("attn_lse_part", (layer, r, hs, slice(0, n)))
-                vm.tr.read("attn_o_part", (layer, r, hs, slice(0, n)))
-            lse = st["attn_lse_part"][layer, rr, heads, :S]  # [m, hpk, S]
-            o = st["attn_o_part"][layer, rr, heads, :S]  # [m, hpk, S, hd]
+                vm.tr.read("attn_lse_part", (layer, slice(0, n), r, hs))
+                vm.tr.read("attn_o_part", (layer, slice(0, n), r, hs))
+            lse = st["attn_lse_part"][layer, :S][:, rr, heads].permute(1, 2, 0)  # [m, hpk, S]
+            o = st["attn_o_part"][layer, :S][:, rr, heads].permute(1, 2, 0, 3)  # [m, hpk, S, hd]
             # splits past a task's NUM_SPLITS are masked out (all-valid groups skip
             # the masks: where(True, a, b) == a, so the bits are the same)
             full = bool((ns == S).all())

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 3
+#define MEGAC_ABI_VERSION 4
 
 namespace megac {
 
@@ -271,8 +271,8 @@ struct LaunchDesc {
   uint64_t x_resid;  // fp32 [rows, hidden] residual stream
   uint64_t x_norm;  // bf16 [2*num_layers+1, rows, hidden] normed activations, slot = GAMMA index
   uint64_t q;  // bf16 [num_layers, rows, q_width]
-  uint64_t attn_o_part;  // fp32 [num_layers, rows, num_heads, max_splits, head_dim]
-  uint64_t attn_lse_part;  // fp32 [num_layers, rows, num_heads, max_splits]
+  uint64_t attn_o_part;  // fp32 [num_layers, max_splits, rows, num_heads, head_dim], split-major
+  uint64_t attn_lse_part;  // fp32 [num_layers, max_splits, rows, num_heads], split-major
   uint64_t attn_out;  // bf16 [num_layers, rows, q_width]
   uint64_t o_part;  // fp32 [num_layers, kv_heads, rows, hidden] O-proj split-K partials
   uint64_t ffn_act;  // bf16 [num_layers, rows, dense_width]

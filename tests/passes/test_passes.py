@@ -329,7 +329,7 @@ def test_plan_covers_the_descriptor_and_resets():
     assert sorted(p.reset) == ["counters", "queue_heads"]
     assert p.buffers["counters"].shape == (len(lw.counters),)
     assert p.buffers["tasks"].shape == lw.tasks.shape
-    assert p.buffers["attn_o_part"].shape == (49, 8, 32, lw.geo.max_splits, 128)
+    assert p.buffers["attn_o_part"].shape == (49, lw.geo.max_splits, 8, 32, 128)  # split-major (ABI 4)
     assert p.buffers["moe_x"].shape == (49, 64, 2048)
     assert p.buffers["x_norm"].lifetime == ("L0.norm", "lm_head")
     assert "norm[*]" in p.buffers["x_norm"].guards
