@@ -153,7 +153,7 @@ def test_access_qkv_and_attention(nmc_geo):
     kv = [r.box[2] for r in a.reads if r.buffer == "kv_new"]
     assert sorted(kv) == [(128, 256), (512 + 128, 512 + 256)]
     assert {r.buffer for r in a.writes} == {"attn_o_part", "attn_lse_part"}
-    assert all(r.box[3] == (5, 6) for r in a.writes)
+    assert all(r.box[1] == (5, 6) and r.box[2] == (2, 3) for r in a.writes)  # split-major: [L, split, row, ...]
 
 
 def test_access_moe_logical_indexing(nmc_geo):
