@@ -21,7 +21,8 @@ import numpy as np
 # 2: X_SLOT on FFN_UPGATE_ACT, ROUTER_GEMM, MOE_GATHER
 # 3: argmax_part holds ARGMAX_RECORD {fp32 value, int32 index} (was fp32x2, the index as a float)
 # 4: attention partials split-major per layer ([L, splits, rows, heads, hd]: the device's combine
-#    layout); buffer shapes are the plan's (megac/buffers.py), not the descriptor's doc strings
+#    layout); buffer shapes are the plan's (megac/buffers.py), not the descriptor's doc strings;
+#    `progress` (each CTA's current task, for the watchdog report)
 ABI_VERSION = 4
 
 TASK_WORDS = 32
@@ -473,6 +474,8 @@ LAUNCH_DESC: tuple[DescField, ...] = (
     _D("moe_down_queue", "ptr", "int32 [num_layers, moe_queue_cap, 4]"),
     _D("moe_queue_cap", "i32", "records per layer in each MoE queue (worst case)"),
     _D("status", "ptr", "int32 [STATUS_WORDS] watchdog status: abort word + error record"),
+    _D("progress", "ptr", "int32 [num_sms] the task index each CTA started last (the watchdog report's map of who "
+                          "got where)"),
     _D("watchdog_ns", "u64", "bound of every wait"),
     # weights (layouts from the plan pass)
     _D("w_embed", "ptr", "bf16 [vocab, hidden]; also the LM head when tied"),

@@ -7,7 +7,9 @@ table, task counts, waves, the buffer plan and the sha256 of every array.
 ``schedule.npz`` holds the arrays, named ``<key>/tasks`` and
 ``<key>/task_counts``, plus ``<key>/global_order`` (the topological list the
 cost model and tools use). ``megac_layout.h`` is every planned buffer's
-shape and strides per key, for the device code.
+shape and strides per key, ``megakernel.cu`` the model's generated
+megakernel (``megac.codegen.megakernel``; its cubin is built by nvcc where
+nvcc exists, cached by content).
 
 :func:`load_artifact` checks the ABI version and every hash, so a stale or
 edited artifact is refused with one line instead of running wrong.
@@ -130,8 +132,15 @@ def write_artifact(out_dir: Path, spec, schedules, *, order: str, pass_log=()) -
             with zf.open(name + ".npy", "w", force_zip64=True) as fh:
                 np.lib.format.write_array(fh, a, allow_pickle=False)
     from megac.codegen.layout_header import render_layout_header
+    from megac.codegen.megakernel import SOURCE as MEGAKERNEL, render_megakernel
 
     (out_dir / LAYOUT_HEADER).write_text(render_layout_header(spec.name, schedules))
+    try:
+        (out_dir / MEGAKERNEL).write_text(render_megakernel(spec, schedules))
+        megakernel = None
+    except MegacError as err:  # the VM still runs the artifact
+        (out_dir / MEGAKERNEL).unlink(missing_ok=True)
+        megakernel = err.message
     manifest = {
         "format": FORMAT_VERSION,
         "megac_version": megac.__version__,
@@ -144,8 +153,10 @@ def write_artifact(out_dir: Path, spec, schedules, *, order: str, pass_log=()) -
         "target": spec.target.model_dump(mode="json"),
         "passes": [dict(p) for p in pass_log],
         "schedules": entries,
-        "content_hashes": {ARRAYS: _sha256(npz_path.read_bytes()),
-                           LAYOUT_HEADER: _sha256((out_dir / LAYOUT_HEADER).read_bytes())},
+        "content_hashes": {name: _sha256((out_dir / name).read_bytes()) for name in (ARRAYS, LAYOUT_HEADER, MEGAKERNEL)
+                           if (out_dir / name).is_file()},
+        # why there is no megakernel.cu (a shape the device code does not take), or null
+        "megakernel_unsupported": megakernel,
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest

@@ -82,6 +82,27 @@ def compile_cmd(model, out_dir, order, batch_sizes, target, dump_passes):
         )
     click.echo(f"wrote {out_dir}/manifest.json and schedule.npz "
                f"({len(result.schedules)} schedules) in {elapsed:.2f} s")
+    _megakernel_line(out_dir)
+
+
+def _megakernel_line(out_dir: Path) -> None:
+    """Build the artifact's megakernel cubin where nvcc exists; one line either way."""
+    from megac.codegen.megakernel import CUBIN, SOURCE, build_megakernel
+    from megac.gpu.build import nvcc_path, report
+
+    if not (out_dir / SOURCE).is_file():
+        why = json.loads((out_dir / "manifest.json").read_text()).get("megakernel_unsupported")
+        click.echo(f"no megakernel for this model ({why}); the artifact runs on the CPU VM")
+        return
+    if nvcc_path() is None:
+        click.echo(f"wrote {out_dir / SOURCE}; nvcc not found, so no cubin here (build where the CUDA toolkit is)")
+        return
+    t0 = time.perf_counter()
+    cubin = build_megakernel(out_dir)
+    k = report(cubin)["kernels"].get("megakernel", {})
+    spills = k.get("spill_stores", 0) + k.get("spill_loads", 0)
+    click.echo(f"built {out_dir / CUBIN} (sm_90a, {k.get('registers', '?')} registers/thread, "
+               f"{'no spills' if not spills else f'{spills} bytes of spills'}) in {time.perf_counter() - t0:.1f} s")
 
 
 def _verify_report(sched):

@@ -47,6 +47,8 @@ def prefill_row(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", ro
         bad = next(int(t) for t in ids if not 0 <= int(t) < spec.vocab_size)
         raise MegacError(f"prefill: token id {bad} outside the vocabulary (0..{spec.vocab_size - 1})")
     dtype = weights.dtype
+    dev = weights.embed.device
+    ids = ids.to(dev)
     p0 = int(kv.seq_pos[row])
     # Cached keys the new tokens can see, read before the reservation (which
     # may release sliding blocks the first new token still needs).
@@ -57,7 +59,7 @@ def prefill_row(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", ro
         cached.append((start, k_old.to(dtype), v_old.to(dtype)))
     kv.reserve(row, n)
 
-    positions = torch.arange(p0, p0 + n, dtype=torch.int64)
+    positions = torch.arange(p0, p0 + n, dtype=torch.int64, device=dev)
     cos, sin = rope_cos_sin(spec, positions, dtype)
     scale = spec.head_dim ** -0.5
     x = weights.embed[ids]
@@ -70,7 +72,7 @@ def prefill_row(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", ro
             start, k_old, v_old = cached[i]
             keys = torch.cat([k_old, k], dim=0)
             vals = torch.cat([v_old, v], dim=0)
-            k_pos = torch.cat([torch.arange(start, p0), positions])
+            k_pos = torch.cat([torch.arange(start, p0, device=dev), positions])
             return attention(q, keys, vals, positions, k_pos, ls.window, scale)
 
         x = layer_forward(x, lw, spec, i, attend)

@@ -50,7 +50,7 @@ def hf_rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tenso
 def rope_cos_sin(spec: "ModelSpec", positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[n, head_dim]`` for ``positions`` (fp32 angles, rounded to
     ``dtype``), laid out for ``spec.rope_style``."""
-    freqs = positions.to(torch.float32)[:, None] * rope_inv_freq(spec)[None, :]
+    freqs = positions.to(torch.float32)[:, None] * rope_inv_freq(spec).to(positions.device)[None, :]
     if spec.rope_style == "interleaved":
         emb = torch.repeat_interleave(freqs, 2, dim=-1)
     else:

@@ -14,7 +14,7 @@ from megac.engine.scheduler import Engine, EngineConfig
 from megac.errors import MegacError
 from megac.kv.paged import PagedKVCache, blocks_for_tokens
 from megac.runtime.artifacts import load_or_compile
-from megac.runtime.backends import check_kind, make_backend, needs_schedules
+from megac.runtime.backends import make_backend, needs_schedules, resolve_kind
 
 log = logging.getLogger("megac.engine")
 
@@ -44,7 +44,7 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     """KV pool, backend and engine for ``spec`` with ``weights`` under ``opts``;
     ``schedules`` (compiled here, e.g. a subset of batch sizes) bypass the
     artifact cache."""
-    check_kind(opts.backend)
+    kind = resolve_kind(opts.backend)
     mml = opts.max_model_len or spec.max_context
     if mml < 2:
         raise MegacError(f"--max-model-len {mml}: must be at least 2")
@@ -56,10 +56,17 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     chunk = opts.prefill_chunk or max(bs, (256 // bs) * bs)
     if chunk < bs or chunk % bs:
         raise MegacError(f"--prefill-chunk {chunk}: must be a positive multiple of the KV block size {bs}")
-    if schedules is None and needs_schedules(opts.backend):
-        schedules = load_or_compile(spec, opts.order, artifact=opts.artifact, progress=progress).schedules
-    elif opts.artifact is not None and not needs_schedules(opts.backend):
-        raise MegacError(f"--artifact: the {opts.backend} backend runs no compiled schedules")
+    artifact_dir = opts.artifact
+    if schedules is None and needs_schedules(kind):
+        got = load_or_compile(spec, opts.order, artifact=opts.artifact, progress=progress)
+        schedules, artifact_dir = got.schedules, got.path
+    elif opts.artifact is not None and not needs_schedules(kind):
+        raise MegacError(f"--artifact: the {kind} backend runs no compiled schedules")
+    device = "cpu"
+    if kind == "cuda":  # the megakernel reads bf16 weights and a bf16 KV pool on the GPU
+        import torch
+
+        weights, device = weights.to(torch.bfloat16, "cuda"), "cuda"
     per_request = blocks_for_tokens(spec, mml, bs)
     if opts.num_kv_blocks:
         num_blocks = opts.num_kv_blocks
@@ -69,8 +76,8 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
         budget = int(opts.kv_cache_memory_gb * 2 ** 30) // block_bytes
         num_blocks = max(per_request, min(opts.max_batch_size * per_request, budget))
     kv = PagedKVCache(spec, max_rows=opts.max_batch_size, num_blocks=num_blocks, max_context=mml,
-                      dtype=weights.dtype, block_size=bs)
-    backend = make_backend(opts.backend, spec, weights, kv, schedules=schedules,
+                      dtype=weights.dtype, block_size=bs, device=device)
+    backend = make_backend(kind, spec, weights, kv, schedules=schedules, artifact_dir=artifact_dir,
                            max_batch_size=max(64, opts.max_batch_size), mode=opts.mode, policy=opts.policy,
                            seed=opts.seed)
     batch = min(opts.max_batch_size, backend.max_batch_size)

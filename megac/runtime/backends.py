@@ -4,9 +4,9 @@
   so the server runs exactly what the megakernel will run;
 * ``reference``: plain PyTorch (:class:`~megac.runtime.backend.ReferenceBackend`),
   for debugging;
-* ``cuda``: not built yet (one-line :class:`MegacError`);
-* ``auto``: ``cuda`` when a GPU is visible and a CUDA backend exists,
-  otherwise ``cpu`` (today: always ``cpu``).
+* ``cuda``: the generated megakernel on the GPU
+  (:class:`megac.gpu.backend.CudaBackend`), bf16 weights and KV;
+* ``auto``: ``cuda`` when a CUDA device is visible, otherwise ``cpu``.
 """
 
 from __future__ import annotations
@@ -21,24 +21,48 @@ def needs_schedules(kind: str) -> bool:
     return kind in ("cpu", "auto", "cuda")
 
 
+def cuda_visible() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 -- no usable torch: no GPU path
+        return False
+
+
+def resolve_kind(kind: str) -> str:
+    """``auto`` -> ``cuda`` or ``cpu``; every other kind checked and returned."""
+    check_kind(kind)
+    if kind == "auto":
+        return "cuda" if cuda_visible() else "cpu"
+    return kind
+
+
 def check_kind(kind: str) -> None:
     if kind not in BACKEND_KINDS:
         raise MegacError(f"--backend {kind}: choose one of {', '.join(BACKEND_KINDS)}")
-    if kind == "cuda":
-        raise MegacError("--backend cuda: no CUDA backend yet (use --backend cpu)")
+    if kind == "cuda" and not cuda_visible():
+        raise MegacError("--backend cuda: no CUDA device visible (use --backend cpu)")
 
 
-def make_backend(kind: str, spec, weights, kv, *, schedules=None, max_batch_size: int = 64, mode: str = "fast",
-                 policy: str = "round_robin", seed: int = 0) -> Backend:
+def make_backend(kind: str, spec, weights, kv, *, schedules=None, artifact_dir=None, max_batch_size: int = 64,
+                 mode: str = "fast", policy: str = "round_robin", seed: int = 0) -> Backend:
     """The backend ``kind`` over the engine's cache ``kv``; ``schedules``
     (``megac.runtime.artifacts.load_or_compile``) for those that run task
-    words."""
-    check_kind(kind)
+    words, and the artifact directory they came from (its megakernel) for
+    ``cuda``."""
+    kind = resolve_kind(kind)
     if kind == "reference":
         return ReferenceBackend(spec, weights, kv, max_batch_size=max_batch_size)
     if schedules is None:
         raise MegacError(f"--backend {kind}: needs compiled schedules")
+    if kind == "cuda":
+        from megac.gpu.backend import CudaBackend
+
+        if artifact_dir is None:
+            raise MegacError("--backend cuda: needs the artifact directory (its megakernel)")
+        return CudaBackend(spec, weights, kv, schedules, artifact_dir)
     return VMBackend(spec, weights, kv, schedules, dtype=weights.dtype, mode=mode, policy=policy, seed=seed)
 
 
-__all__ = ["check_kind", "make_backend", "needs_schedules"]
+__all__ = ["check_kind", "cuda_visible", "make_backend", "needs_schedules", "resolve_kind"]

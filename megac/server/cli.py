@@ -108,7 +108,7 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
                       threads=threads)
     from megac.runtime.backends import check_kind
 
-    check_kind(backend)  # a one-line error before anything loads (e.g. no CUDA backend yet)
+    check_kind(backend)  # a one-line error before anything loads (e.g. no CUDA device)
     state = ServerState(cfg)
     app = create_app(cfg, state)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,

@@ -31,7 +31,6 @@ negative, never near 2**32 within a step).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +38,7 @@ import torch
 
 from megac import abi
 from megac.errors import MegacError
+from megac.runtime.descriptor import scalar, scalar_values
 from megac.weights.canonical import ModelWeights
 from megac.weights.layout import (
     KERNEL_WEIGHT_FIELDS,
@@ -225,6 +225,7 @@ class DeviceState:
         self.np: dict[str, np.ndarray] = {}
         self.scratch: list[str] = []  # float/int buffers written inside the step
         self.tw = geo.target_words
+        self._scalars = scalar_values(schedule, self.spec)
         for f in abi.LAUNCH_DESC:
             spec = self.plan.buffers[f.name]
             if f.name in WEIGHT_FIELDS:
@@ -272,34 +273,7 @@ class DeviceState:
         return t
 
     def _scalar(self, name: str, ctype: str):
-        geo, spec = self.geo, self.spec
-        values = {
-            "max_tasks": self.schedule.max_tasks,
-            "num_sms": self.schedule.num_sms,
-            "num_counters": self.schedule.num_counters,
-            "moe_queue_cap": geo.moe_queue_cap,
-            "watchdog_ns": abi.DEFAULT_WATCHDOG_NS,
-            "kv_block_size": spec.target.kv_block_size,
-            "max_blocks_per_seq": math.ceil(geo.context / spec.target.kv_block_size),
-            "rows": geo.rows,
-            "num_layers": geo.num_layers,
-            "hidden": geo.hidden,
-            "num_heads": geo.num_heads,
-            "kv_heads": geo.kv_heads,
-            "head_dim": geo.head_dim,
-            "vocab": geo.vocab,
-            "top_k": geo.top_k,
-            "num_experts": geo.num_experts,
-            "expert_width": geo.expert_width,
-            "dense_width": geo.dense_width,
-            "max_splits": geo.max_splits,
-            "norm_eps": float(spec.norm_eps),
-            "attn_scale": 1.0 / math.sqrt(geo.head_dim),
-        }
-        if name not in values:
-            raise MegacError(f"vm: no value for descriptor scalar {name}")
-        v = values[name]
-        return float(v) if ctype == "f32" else int(v)
+        return scalar(self._scalars, name, ctype)
 
     def check_desc(self, allow_unbound=()) -> None:
         """Every descriptor field is assigned (fill by name; a gap is an error)."""

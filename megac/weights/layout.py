@@ -120,7 +120,7 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, chunk: int = DEFAUL
         raise MegacError(f"layout: gate {list(gate.shape)} and up {list(up.shape)} differ")
     width = gate.shape[-2]
     both = torch.cat([gate, up], dim=-2)
-    return both.index_select(-2, upgate_row_map(width, chunk)).contiguous()
+    return both.index_select(-2, upgate_row_map(width, chunk).to(both.device)).contiguous()
 
 
 def deinterleave_gate_up(fused: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,7 +157,7 @@ def test_load_error_exits_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megac.cli", "serve", "tiny-llama", "--random-weights",
                         "--backend", "cuda"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
-        "error: --backend cuda: no CUDA backend yet (use --backend cpu)")
+        "error: --backend cuda: no CUDA device visible (use --backend cpu)")
     # an artifact compiled for another model is refused, naming both
     art = tmp_path / "moe-art"
     r = subprocess.run([sys.executable, "-m", "megac.cli", "compile", "tiny-moe", "-o", str(art), "--batch-size", "1"],

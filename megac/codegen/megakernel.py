@@ -1,0 +1,227 @@
+"""Generate the model's megakernel: ``megakernel.cu`` from
+``templates/megakernel.cu.j2`` (constants, the opcode dispatch from the
+opcode registry, layout checks against the artifact's ``megac_layout.h``)
+and, where nvcc exists, its ``sm_90a`` cubin.
+
+::
+
+    src = write_megakernel(artifact_dir, spec, schedules)   # megakernel.cu
+    cubin = build_megakernel(artifact_dir)                  # nvcc, cached by content
+
+One kernel serves every schedule of the artifact (every batch size and
+context bucket): its buffers are planned for the largest key (the most rows
+and attention splits), the schedule's rows are a run-time value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+import numpy as np
+
+from megac import abi
+from megac.abi import H, Op
+from megac.errors import MegacError
+from megac.ops import REGISTRY
+from megac.resources import opcodes_dir, templates_dir
+from megac.schedule import schedule_key
+
+SOURCE = "megakernel.cu"
+#: threads per CTA of the first megakernel (every task runs on the whole CTA)
+THREADS = 256
+#: the launch's extern "C" names
+ENTRY = "megakernel"
+SMEM_SYMBOL = "megakernel_smem_bytes"
+
+_GEMM_SHAPES = {  # opcode -> (N_LEN field, K_LEN field) in its words
+    Op.QKV_PROJ: ("N_LEN", "K_LEN"), Op.O_PROJ: ("N_LEN", "K_LEN"), Op.FFN_UPGATE_ACT: ("N_LEN", "K_LEN"),
+    Op.FFN_DOWN: ("N_LEN", "K_LEN"), Op.ROUTER_GEMM: ("N_LEN", "K_LEN"), Op.LM_HEAD: ("N_LEN", "K_LEN"),
+}
+
+
+def largest(schedules):
+    """The schedule whose buffers every other schedule's fit in."""
+    return max(schedules, key=lambda s: (s.rows, s.geometry.max_splits, s.context))
+
+
+def _gemm_extents(schedules) -> tuple[int, int]:
+    """(largest K slice, largest N tile) of every GEMM-like task, expert tiles included."""
+    kmax, nmax = 8, 8
+    for s in schedules:
+        live = np.arange(s.tasks.shape[1])[None, :] < np.asarray(s.task_counts)[:, None]
+        w = s.tasks[live]
+        ops = w[:, H.OPCODE]
+        for op, (nf, kf) in _GEMM_SHAPES.items():
+            m = ops == op
+            if m.any():
+                nmax = max(nmax, int(w[m, abi.field_index(op, nf)].max()))
+                kmax = max(kmax, int(w[m, abi.field_index(op, kf)].max()))
+        g = s.geometry
+        for op, k in ((Op.MOE_UPGATE_DRAIN, g.hidden), (Op.MOE_DOWN_DRAIN, g.expert_width)):
+            m = ops == op
+            if m.any():
+                nmax = max(nmax, int(w[m, abi.field_index(op, "N_LEN")].max()))
+                kmax = max(kmax, k)
+    return kmax, nmax
+
+
+def check_envelope(spec, geo) -> None:
+    """One line when the first megakernel cannot run this model's shapes."""
+    why = []
+    if geo.hidden % 8 or geo.q_width % 8 or (geo.dense_width and geo.dense_width % 8) or \
+            (geo.expert_width and geo.expert_width % 8):
+        why.append("hidden, q width and FFN widths must be multiples of 8 (16-byte rows)")
+    if geo.head_dim % 2:
+        why.append("head_dim must be even (RoPE pairs)")
+    if geo.num_experts > 256 or geo.top_k > 32:
+        why.append("at most 256 experts and top_k <= 32 (device routing)")
+    if geo.heads_per_kv > 16 or geo.head_dim > 256:
+        why.append("GQA ratio <= 16 and head_dim <= 256")
+    if why:
+        raise MegacError(f"megakernel: {spec.name}: " + "; ".join(why))
+
+
+def model_constants(spec, schedules) -> list[tuple[str, int]]:
+    geo = largest(schedules).geometry
+    check_envelope(spec, geo)
+    kmax, nmax = _gemm_extents(schedules)
+    return [
+        ("NUM_LAYERS", geo.num_layers), ("HIDDEN", geo.hidden), ("NUM_HEADS", geo.num_heads),
+        ("KV_HEADS", geo.kv_heads), ("HEAD_DIM", geo.head_dim), ("GQA", geo.heads_per_kv),
+        ("Q_WIDTH", geo.q_width), ("KV_WIDTH", geo.kv_width), ("QKV_WIDTH", geo.qkv_width), ("VOCAB", geo.vocab),
+        ("DENSE_WIDTH", geo.dense_width), ("NUM_EXPERTS", geo.num_experts), ("TOP_K", geo.top_k),
+        ("EXPERT_WIDTH", geo.expert_width), ("MAX_ROWS", geo.rows), ("MAX_SPLITS", geo.max_splits),
+        ("NORM_SLOTS", geo.norm_slots), ("FFN_SPLITS", geo.ffn_splits), ("ROUTER_SPLITS", geo.router_splits),
+        ("LM_BN", geo.lm_bn), ("LM_TILES", geo.lm_tiles), ("MAX_KLEN", kmax), ("MAX_NLEN", nmax),
+        ("THREADS", THREADS),
+    ]
+
+
+# (buffer, Layout<Model> expression per dimension, condition on the model)
+_LAYOUT_CHECKS = (
+    ("x_resid", ("x_resid(1)",), None),
+    ("x_norm", ("x_norm(1, 0)", "x_norm(0, 1)"), None),
+    ("q", ("q(1, 0)", "q(0, 1)"), None),
+    ("attn_o_part", ("o_part_attn(1, 0, 0, 0)", "o_part_attn(0, 1, 0, 0)", "o_part_attn(0, 0, 1, 0)",
+                     "o_part_attn(0, 0, 0, 1)"), None),
+    ("attn_lse_part", ("lse_part(1, 0, 0, 0)", "lse_part(0, 1, 0, 0)", "lse_part(0, 0, 1, 0)"), None),
+    ("attn_out", ("attn_out(1, 0)", "attn_out(0, 1)"), None),
+    ("o_part", ("o_part(1, 0, 0)", "o_part(0, 1, 0)", "o_part(0, 0, 1)"), None),
+    ("ffn_act", ("ffn_act(1, 0)", "ffn_act(0, 1)"), "dense_width"),
+    ("ffn_part", ("ffn_part(1, 0, 0)", "ffn_part(0, 1, 0)", "ffn_part(0, 0, 1)"), None),
+    ("router_part", ("router_part(1, 0, 0)", "router_part(0, 1, 0)", "router_part(0, 0, 1)"), "num_experts"),
+    ("topk_ids", ("topk(1, 0)", "topk(0, 1)"), "num_experts"),
+    ("route_slot", ("topk(1, 0)", "topk(0, 1)"), "num_experts"),
+    ("moe_x", ("moe_x(1, 0)", "moe_x(0, 1)"), "num_experts"),
+    ("moe_act", ("moe_act(1, 0)", "moe_act(0, 1)"), "num_experts"),
+    ("moe_out", ("moe_x(1, 0)", "moe_x(0, 1)"), "num_experts"),
+    ("logits", ("logits(1)",), None),
+    ("argmax_part", ("argmax(1)",), None),
+)
+
+
+def layout_checks(schedules) -> list[str]:
+    big = largest(schedules)
+    geo = big.geometry
+    out = []
+    for buf, exprs, cond in _LAYOUT_CHECKS:
+        if cond and not getattr(geo, cond):
+            continue
+        shape = big.plan.buffers[buf].shape
+        if any(int(d) == 0 for d in shape):
+            continue
+        for i, e in enumerate(exprs):
+            out.append(f"L::{e} == lay::{buf}::STRIDE[{i}]")
+    return out
+
+
+def render_megakernel(spec, schedules) -> str:
+    big = largest(schedules)
+    dispatch, headers = [], []
+    for op, d in REGISTRY.items():
+        if op == Op.NOP:
+            continue
+        if d.device_fn is None:
+            raise MegacError(f"megakernel: opcode {op.name} has no device function")
+        dispatch.append((op.name, d.device_fn))
+    for h in ("ops_gemm.cuh", "ops_attention.cuh", "ops_moe.cuh", "ops_norm.cuh"):
+        headers.append(h)
+    dyn: dict[str, list[str]] = {}
+    for op, name in sorted(abi.DYN_CAPABLE):
+        dyn.setdefault(op.name, []).append(name)
+    scratch = ("megac::mk::cmax(megac::mk::GemmScratch<ModelDims>::kBytes, megac::mk::AttnScratch<ModelDims>::kBytes,"
+               " megac::mk::MoeScratch<ModelDims>::kBytes, 256)")
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True)
+    return env.get_template("megakernel.cu.j2").render(
+        spec_name=spec.name, constants=model_constants(spec, schedules), headers=headers, dispatch=dispatch,
+        dyn_fields=sorted(dyn.items()), layout_key=schedule_key(big.rows, big.context),
+        layout_checks=layout_checks(schedules), scratch_expr=scratch)
+
+
+def write_megakernel(out_dir: Path, spec, schedules) -> Path:
+    path = Path(out_dir) / SOURCE
+    path.write_text(render_megakernel(spec, schedules))
+    return path
+
+
+CUBIN = "megakernel.cubin"
+
+
+def _source_hash(src: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(src.read_bytes()).hexdigest()
+
+
+def prebuilt_cubin(artifact_dir: Path) -> Path | None:
+    """The artifact's own megakernel.cubin, when it was built from the
+    megakernel.cu that is there now."""
+    import json
+
+    d = Path(artifact_dir)
+    cubin, side = d / CUBIN, d / (CUBIN + ".json")
+    if not (cubin.is_file() and side.is_file() and (d / SOURCE).is_file()):
+        return None
+    meta = json.loads(side.read_text())
+    return cubin if meta.get("source_sha256") == _source_hash(d / SOURCE) else None
+
+
+def build_megakernel(artifact_dir: Path, *, force: bool = False) -> Path:
+    """The artifact's megakernel cubin: its own ``megakernel.cubin`` when it
+    matches the source, else nvcc (cached by a hash of the source, every
+    header and the flags), copied into the artifact with a sidecar (ptxas
+    registers, spills). A one-line MegacError without nvcc or when it fails."""
+    import json
+    import shutil
+
+    from megac.gpu.build import CudaBuildError, build_cubin, nvcc_path, report
+
+    d = Path(artifact_dir)
+    src = d / SOURCE
+    if not src.is_file():
+        raise MegacError(f"{artifact_dir}: no {SOURCE} (this artifact has no megakernel)")
+    if not force:
+        have = prebuilt_cubin(d)
+        if have is not None:
+            return have
+    if nvcc_path() is None:
+        raise MegacError("nvcc not found: the megakernel cubin cannot be built on this machine "
+                         "(install the CUDA toolkit, or build where it is and carry the artifact)")
+    try:
+        built = build_cubin(src, include_dirs=[opcodes_dir(), d], force=force)
+    except CudaBuildError as err:
+        lines = [ln for ln in str(err).splitlines() if "error" in ln] or str(err).splitlines()
+        raise MegacError(f"nvcc failed on {src}: {lines[0]}") from None
+    try:
+        shutil.copyfile(built, d / CUBIN)
+        meta = dict(report(built), source_sha256=_source_hash(src))
+        (d / (CUBIN + ".json")).write_text(json.dumps(meta, indent=1))
+        return d / CUBIN
+    except OSError:  # a read-only artifact: the cache copy serves
+        return built
+
+
+__all__ = ["CUBIN", "ENTRY", "SMEM_SYMBOL", "SOURCE", "THREADS", "build_megakernel", "largest", "model_constants",
+           "prebuilt_cubin", "render_megakernel", "write_megakernel"]

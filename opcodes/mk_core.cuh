@@ -1,0 +1,145 @@
+// The megakernel's task loop: one CTA per SM walks its list of 32-word tasks
+// (tasks[sm, :task_counts[sm]]), waits on the header's counters, runs the
+// opcode, and signals.
+//
+// This first assembly runs every task with the whole CTA in lock step
+// (wait -> run -> signal, separated by CTA barriers): the semantics of the
+// ABI (megac/abi.py) in their plainest device form, against which faster
+// forms are checked. Per task:
+//
+//   1. the 32 words land in shared memory;
+//   2. thread 0 reads TARGET0 (a dynamic target word is read before any
+//      wait: only host-written words may be), waits WAIT0, then reads
+//      TARGET1 and every dynamic field (device-written words are ordered by
+//      WAIT0), waits WAIT1; every wait is bounded by the watchdog;
+//   3. the opcode runs (generated dispatch, megakernel.cu). A claimer instead
+//      claims records one by one with an atomic cursor (thread 0 claims and
+//      publishes the record in shared memory, so every warp runs the same
+//      claimed task), waits the claimed task's counter, runs it, signals
+//      its counter, until the queue is drained;
+//   4. a CTA barrier orders every thread's stores before thread 0's
+//      gpu-scope fence and atomic add on SIGNAL.
+//
+// A wait that expires writes the error record and raises the abort word
+// (common.cuh); every CTA leaves its loop at its next wait.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "counters.cuh"
+#include "generated/megac_abi.h"
+
+namespace megac {
+namespace mk {
+
+// What thread 0 shares with the CTA about the current task.
+struct TaskShared {
+  int32_t w[TASK_WORDS];       // the task, dynamic fields resolved to values
+  int32_t rec[QUEUE_RECORD_WORDS];  // the claimed record (claimers)
+  int32_t ok;                  // 0 once a wait gave up (abort)
+  int32_t claimed;             // 1 while a claimed record is published
+  int32_t task;                // index in this CTA's list
+  int32_t claim_signal;        // counter the claimed record signals (-1: none)
+  int32_t pad[4];
+};
+static_assert(sizeof(TaskShared) % 16 == 0, "keeps the scratch that follows aligned");
+
+// Per-launch view the opcodes read: the descriptor and this CTA's shared
+// scratch (everything after TaskShared, kScratchBytes of it).
+struct Ctx {
+  const LaunchDesc* d;
+  TaskShared* ts;
+  uint8_t* scratch;
+  int scratch_bytes;
+  WaitSite site;
+};
+
+template <class T>
+__device__ __forceinline__ T* ptr(uint64_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+// A count or target: itself, or the target word it names. Device-written
+// words are read through L2 only (the acquire that orders them invalidated
+// this SM's L1, but a plain load could still hit a line fetched earlier).
+__device__ __forceinline__ int32_t resolve(const LaunchDesc* d, int32_t v) {
+  if (!is_dyn(v)) return v;
+  return __ldcg(ptr<const int32_t>(d->targets) + dyn_index(v));
+}
+
+__device__ __forceinline__ bool wait_on(const Ctx& c, int32_t counter, int32_t target) {
+  if (counter < 0) return true;
+  const uint32_t* ctr = ptr<const uint32_t>(c.d->counters) + counter;
+  return wait_counter(ctr, static_cast<uint32_t>(target), counter, c.site);
+}
+
+// Thread 0: the header waits of the task in c.ts->w; after WAIT0,
+// `resolve_fields(c)` turns the opcode's dynamic fields into values, then
+// TARGET1 is read and WAIT1 waited. False: the watchdog fired or another
+// CTA aborted.
+template <class ResolveFields>
+__device__ __forceinline__ bool header_waits(const Ctx& c, ResolveFields resolve_fields) {
+  int32_t* w = c.ts->w;
+  const int32_t t0 = resolve(c.d, w[H_TARGET0]);
+  if (!wait_on(c, w[H_WAIT0], t0)) return false;
+  resolve_fields(c);
+  if (w[H_WAIT1] >= 0) {
+    const int32_t t1 = resolve(c.d, w[H_TARGET1]);
+    if (!wait_on(c, w[H_WAIT1], t1)) return false;
+  }
+  return true;
+}
+
+__device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
+  if (counter >= 0) signal_counter(ptr<uint32_t>(c.d->counters) + counter);
+}
+
+// Claim loop of one claimer task (every thread calls it). `offsets(rec, &wo,
+// &so)` gives the claimed record's wait and signal offsets (the ABI's, per
+// queue); `run()` runs the record published in c.ts->rec with the whole CTA.
+template <class Offsets, class Run>
+__device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int len_field, int wait_base_field,
+                                           int wait_target_field, int signal_base_field, Offsets offsets,
+                                           Run run, int num_layers) {
+  TaskShared* ts = c.ts;
+  for (;;) {
+    if (threadIdx.x == 0) {
+      const int32_t* w = ts->w;
+      const int32_t layer = w[H_LAYER];
+      const int32_t queue = w[queue_field];
+      uint32_t* head = ptr<uint32_t>(c.d->queue_heads) + queue * num_layers + layer;
+      const uint32_t idx = atomicAdd(head, 1u);
+      const int32_t qlen = w[len_field];
+      int claimed = static_cast<int32_t>(idx) < qlen;
+      if (claimed) {
+        const int32_t* q;
+        if (queue == QUEUE_ATTN)
+          q = ptr<const int32_t>(c.d->attn_queue);
+        else if (queue == QUEUE_MOE_UP)
+          q = ptr<const int32_t>(c.d->moe_up_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
+        else
+          q = ptr<const int32_t>(c.d->moe_down_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
+        for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) ts->rec[i] = __ldcg(q + int64_t(idx) * QUEUE_RECORD_WORDS + i);
+        int32_t wo = 0, so = 0;
+        offsets(ts->rec, wo, so);
+        const int32_t wb = w[wait_base_field];
+        if (wb >= 0 && !wait_on(c, wb + wo, resolve(c.d, w[wait_target_field]))) {
+          ts->ok = 0;
+          claimed = 0;
+        }
+        const int32_t sb = w[signal_base_field];
+        ts->claim_signal = sb >= 0 ? sb + so : -1;
+      }
+      ts->claimed = claimed;
+    }
+    __syncthreads();
+    if (!ts->claimed || !ts->ok) return ts->ok != 0;
+    run();
+    __syncthreads();
+    if (threadIdx.x == 0) signal(c, ts->claim_signal);
+  }
+}
+
+}  // namespace mk
+}  // namespace megac

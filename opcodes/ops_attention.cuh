@@ -1,0 +1,100 @@
+// Device side of attention (megac/ops/attention.py): ATTN_DECODE (a static
+// split of a sliding layer), the splits the ATTN_DRAIN claimer pulls from
+// the host-written attention queue, and ATTN_COMBINE. Split rule:
+// attention.cuh split_range (the VM's abi.split_range) over the row's
+// visible keys; the row's key count is seq_pos + 1 (its current token
+// included). Partials are split-major per layer: o [L, S, R, H, hd], lse
+// [L, S, R, H] (ABI 4).
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "attention.cuh"
+#include "attn_rows.cuh"
+#include "mk_core.cuh"
+#include "mk_layout.cuh"
+
+namespace megac {
+namespace mk {
+
+template <class M>
+struct AttnScratch {
+  static constexpr int kDpl = (M::HEAD_DIM + 31) / 32;
+  static constexpr int kSplitBytes = attn_rows::smem_floats(M::THREADS / 32, M::GQA, M::HEAD_DIM) * 4;
+  static constexpr int kCombineBytes = attn::combine_min_bytes<M::HEAD_DIM, M::GQA>(M::MAX_SPLITS) + 4096;
+  static constexpr int kBytes = kSplitBytes > kCombineBytes ? kSplitBytes : kCombineBytes;
+};
+
+// The partial of split `split` (of `nsplits`) of (row, kvh) in `layer`.
+template <class M>
+__device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, int kvh, int split, int nsplits,
+                                             int window) {
+  using Lay = Layout<M>;
+  const LaunchDesc* d = c.d;
+  attn_rows::Split a;
+  a.q = ptr<const __nv_bfloat16>(d->q) + Lay::q(layer, row) + kvh * M::GQA * M::HEAD_DIM;
+  a.k_pool = ptr<const __nv_bfloat16>(d->k_pool);
+  a.v_pool = ptr<const __nv_bfloat16>(d->v_pool);
+  a.pt = ptr<const int32_t>(d->page_table) + (int64_t(layer) * M::MAX_ROWS + row) * d->max_blocks_per_seq;
+  a.kv_heads = M::KV_HEADS;
+  a.kvh = kvh;
+  a.hd = M::HEAD_DIM;
+  a.gqa = M::GQA;
+  a.block_size = d->kv_block_size;
+  a.scale = d->attn_scale;
+  if (ptr<const int32_t>(d->row_active)[row]) {
+    const int seq_len = ptr<const int32_t>(d->seq_pos)[row] + 1;
+    attn::split_range(seq_len, window, nsplits, split, d->kv_block_size, a.begin, a.end);
+  } else {
+    a.begin = a.end = 0;
+  }
+  a.o = ptr<float>(d->attn_o_part) + Lay::o_part_attn(layer, split, row, kvh * M::GQA);
+  a.lse = ptr<float>(d->attn_lse_part) + Lay::lse_part(layer, split, row, kvh * M::GQA);
+  attn_rows::split<AttnScratch<M>::kDpl, M::GQA>(a, reinterpret_cast<float*>(c.scratch));
+}
+
+template <class M>
+__device__ __forceinline__ void attn_decode(const Ctx& c) {
+  attend_split<M>(c, c.ts->w[H_LAYER], c.ts->w[f_attn_decode::ROW], c.ts->w[f_attn_decode::KV_HEAD],
+                  c.ts->w[f_attn_decode::SPLIT], c.ts->w[f_attn_decode::NUM_SPLITS], c.ts->w[f_attn_decode::WINDOW]);
+}
+
+// A claimed record {row, kv_head, split, num_splits}: waits TASK_WAIT_BASE +
+// kv_head, signals TASK_SIGNAL_BASE + row * kv_heads + kv_head.
+struct AttnOffsets {
+  __device__ void operator()(const int32_t* rec, int32_t& wo, int32_t& so) const {
+    wo = rec[rec_attn::KV_HEAD];
+    so = rec[rec_attn::ROW] * kv_heads + rec[rec_attn::KV_HEAD];
+  }
+  int kv_heads;
+};
+
+template <class M>
+__device__ __forceinline__ bool attn_drain(const Ctx& c) {
+  auto run = [&] {
+    const int32_t* r = c.ts->rec;
+    attend_split<M>(c, c.ts->w[H_LAYER], r[rec_attn::ROW], r[rec_attn::KV_HEAD], r[rec_attn::SPLIT],
+                    r[rec_attn::NUM_SPLITS], c.ts->w[f_attn_drain::WINDOW]);
+  };
+  return claim_loop(c, f_attn_drain::QUEUE, f_attn_drain::QUEUE_LEN, f_attn_drain::TASK_WAIT_BASE,
+                    f_attn_drain::TASK_WAIT_TARGET, f_attn_drain::TASK_SIGNAL_BASE, AttnOffsets{M::KV_HEADS}, run,
+                    M::NUM_LAYERS);
+}
+
+template <class M>
+__device__ __forceinline__ void attn_combine(const Ctx& c) {
+  using Lay = Layout<M>;
+  const LaunchDesc* d = c.d;
+  const int layer = c.ts->w[H_LAYER];
+  const int row = c.ts->w[f_attn_combine::ROW], kvh = c.ts->w[f_attn_combine::KV_HEAD];
+  const int n = c.ts->w[f_attn_combine::NUM_SPLITS];
+  attn::combine_core<M::HEAD_DIM, M::GQA, M::THREADS, 0>(
+      ptr<const float>(d->attn_o_part) + Lay::o_part_attn(layer, 0, 0, 0),
+      ptr<const float>(d->attn_lse_part) + Lay::lse_part(layer, 0, 0, 0),
+      ptr<__nv_bfloat16>(d->attn_out) + Lay::attn_out(layer, 0), M::MAX_ROWS, M::NUM_HEADS, row, kvh, n,
+      reinterpret_cast<char*>(c.scratch), c.scratch_bytes, threadIdx.x);
+}
+
+}  // namespace mk
+}  // namespace megac

@@ -1,0 +1,114 @@
+// Device side of the MoE family (megac/ops/moe.py) through moe_routing.cuh:
+// ROUTER_TOPK, ROUTE_FINALIZE, MOE_GATHER, MOE_COMBINE, and the expert
+// claimers MOE_UPGATE_DRAIN / MOE_DOWN_DRAIN (their tiles: ops_gemm.cuh).
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "moe_routing.cuh"
+#include "mk_core.cuh"
+#include "mk_layout.cuh"
+#include "ops_gemm.cuh"
+
+namespace megac {
+namespace mk {
+
+template <class M>
+struct MoeScratch {
+  // finalize_cta: 3 E + 1 + entries words; gather / combine: 64 words
+  static constexpr int kBytes = (3 * M::NUM_EXPERTS + 1 + M::MAX_ROWS * M::TOP_K + 64) * 4;
+};
+
+template <class M>
+__device__ __forceinline__ void router_topk(const Ctx& c) {
+  using Lay = Layout<M>;
+  if constexpr (M::NUM_EXPERTS > 0) {
+    const LaunchDesc* d = c.d;
+    const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_router_topk::ROW];
+    if (threadIdx.x < 32)
+      moe::topk_row_warp<M::NUM_EXPERTS>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, row),
+                                         size_t(M::MAX_ROWS) * M::NUM_EXPERTS, c.ts->w[f_router_topk::NUM_SPLITS],
+                                         M::NUM_EXPERTS, M::TOP_K, c.ts->w[H_FLAGS],
+                                         ptr<int32_t>(d->topk_ids) + Lay::topk(layer, row),
+                                         ptr<float>(d->topk_w) + Lay::topk(layer, row));
+  }
+}
+
+template <class M>
+__device__ __forceinline__ bool route_finalize(const Ctx& c) {
+  using Lay = Layout<M>;
+  const LaunchDesc* d = c.d;
+  const int layer = c.ts->w[H_LAYER];
+  moe::FinalizeArgs a;
+  a.topk_ids = ptr<const int32_t>(d->topk_ids) + Lay::topk(layer, 0);
+  a.rows = c.ts->w[f_route_finalize::NUM_ROWS];
+  a.k = M::TOP_K;
+  a.num_experts = M::NUM_EXPERTS;
+  a.up_tiles = c.ts->w[f_route_finalize::UP_TILES];
+  a.down_tiles = c.ts->w[f_route_finalize::DOWN_TILES];
+  a.queue_cap = d->moe_queue_cap;
+  a.route_slot = ptr<int32_t>(d->route_slot) + Lay::topk(layer, 0);
+  a.up_queue = ptr<int4>(d->moe_up_queue) + int64_t(layer) * d->moe_queue_cap;
+  a.down_queue = ptr<int4>(d->moe_down_queue) + int64_t(layer) * d->moe_queue_cap;
+  a.up_len = ptr<int32_t>(d->targets) + c.ts->w[f_route_finalize::UP_COUNT_WORD];
+  a.down_len = ptr<int32_t>(d->targets) + c.ts->w[f_route_finalize::DOWN_COUNT_WORD];
+  const bool ok = moe::finalize_cta(a, reinterpret_cast<int32_t*>(c.scratch), c.site);
+  __syncthreads();
+  return ok;
+}
+
+template <class M>
+__device__ __forceinline__ void moe_gather(const Ctx& c) {
+  using Lay = Layout<M>;
+  const LaunchDesc* d = c.d;
+  const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_moe_gather::ROW], xslot = c.ts->w[f_moe_gather::X_SLOT];
+  moe::gather_row(ptr<const __nv_bfloat16>(d->x_norm) + Lay::x_norm(xslot, 0),
+                  ptr<__nv_bfloat16>(d->moe_x) + Lay::moe_x(layer, 0), ptr<const int32_t>(d->route_slot) + Lay::topk(layer, 0),
+                  row, M::TOP_K, M::HIDDEN, reinterpret_cast<int32_t*>(c.scratch));
+}
+
+template <class M>
+__device__ __forceinline__ void moe_combine(const Ctx& c) {
+  using Lay = Layout<M>;
+  const LaunchDesc* d = c.d;
+  const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_moe_combine::ROW];
+  moe::combine_row(ptr<const float>(d->moe_out) + Lay::moe_x(layer, 0),
+                   ptr<const int32_t>(d->route_slot) + Lay::topk(layer, 0),
+                   ptr<const float>(d->topk_w) + Lay::topk(layer, 0),
+                   ptr<float>(d->ffn_part) + Lay::ffn_part(layer, 0, 0), row, M::TOP_K, M::HIDDEN,
+                   reinterpret_cast<int32_t*>(c.scratch));
+}
+
+// Expert records {expert, n_tile, slot0, rows}. Up: waits TASK_WAIT_BASE,
+// signals TASK_SIGNAL_BASE + expert. Down: waits TASK_WAIT_BASE + expert,
+// signals TASK_SIGNAL_BASE.
+struct MoeUpOffsets {
+  __device__ void operator()(const int32_t* rec, int32_t& wo, int32_t& so) const {
+    wo = 0;
+    so = rec[rec_moe_up::EXPERT];
+  }
+};
+struct MoeDownOffsets {
+  __device__ void operator()(const int32_t* rec, int32_t& wo, int32_t& so) const {
+    wo = rec[rec_moe_down::EXPERT];
+    so = 0;
+  }
+};
+
+template <class M>
+__device__ __forceinline__ bool moe_upgate_drain(const Ctx& c) {
+  return claim_loop(c, f_moe_upgate_drain::QUEUE, f_moe_upgate_drain::QUEUE_LEN, f_moe_upgate_drain::TASK_WAIT_BASE,
+                    f_moe_upgate_drain::TASK_WAIT_TARGET, f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{},
+                    [&] { moe_up_tile<M>(c); }, M::NUM_LAYERS);
+}
+
+template <class M>
+__device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
+  return claim_loop(c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, f_moe_down_drain::TASK_WAIT_BASE,
+                    f_moe_down_drain::TASK_WAIT_TARGET, f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{},
+                    [&] { moe_down_tile<M>(c); }, M::NUM_LAYERS);
+}
+
+}  // namespace mk
+}  // namespace megac

@@ -1,0 +1,39 @@
+// Device side of ADD_RMSNORM (megac/ops/norm.py) through norm.cuh: the row's
+// residual plus the O-proj partials (ADD_ATTN) and the FFN partials
+// (ADD_FFN), each set in index order, then RMSNorm with gamma GAMMA into
+// x_norm[GAMMA].
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "mk_core.cuh"
+#include "mk_layout.cuh"
+#include "norm.cuh"
+
+namespace megac {
+namespace mk {
+
+template <class M>
+__device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
+  using Lay = Layout<M>;
+  const LaunchDesc* d = c.d;
+  const int layer = c.ts->w[H_LAYER], flags = c.ts->w[H_FLAGS];
+  const int row = c.ts->w[f_add_rmsnorm::ROW], gamma = c.ts->w[f_add_rmsnorm::GAMMA];
+  norm::AddNorm a;
+  a.x = ptr<float>(d->x_resid) + Lay::x_resid(row);
+  a.parts0 = ptr<const float>(d->o_part) + Lay::o_part(layer, 0, row);
+  a.stride0 = Lay::o_part(0, 1, 0);
+  a.n0 = (flags & FLAG_ADD_ATTN) ? c.ts->w[f_add_rmsnorm::ATTN_SPLITS] : 0;
+  a.parts1 = ptr<const float>(d->ffn_part) + Lay::ffn_part(layer, 0, row);
+  a.stride1 = Lay::ffn_part(0, 1, 0);
+  a.n1 = (flags & FLAG_ADD_FFN) ? c.ts->w[f_add_rmsnorm::FFN_SPLITS] : 0;
+  a.gamma = ptr<const __nv_bfloat16>(d->w_norm) + Lay::w_norm(gamma);
+  a.out = ptr<__nv_bfloat16>(d->x_norm) + Lay::x_norm(gamma, row);
+  a.D = M::HIDDEN;
+  a.eps = d->norm_eps;
+  norm::add_rmsnorm(a, reinterpret_cast<float*>(c.scratch));
+}
+
+}  // namespace mk
+}  // namespace megac
