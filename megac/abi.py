@@ -474,8 +474,8 @@ LAUNCH_DESC: tuple[DescField, ...] = (
     _D("moe_down_queue", "ptr", "int32 [num_layers, moe_queue_cap, 4]"),
     _D("moe_queue_cap", "i32", "records per layer in each MoE queue (worst case)"),
     _D("status", "ptr", "int32 [STATUS_WORDS] watchdog status: abort word + error record"),
-    _D("progress", "ptr", "int32 [num_sms] the task index each CTA started last (the watchdog report's map of who "
-                          "got where)"),
+    _D("progress", "ptr", "int32 [num_sms] the task index each CTA started last, its task count once "
+                          "all signalled (the watchdog report's map of who got where)"),
     _D("watchdog_ns", "u64", "bound of every wait"),
     # weights (layouts from the plan pass)
     _D("w_embed", "ptr", "bf16 [vocab, hidden]; also the LM head when tied"),

@@ -176,9 +176,10 @@ def decode_row(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", row
     layer into the cache, attend over the cache (read back from the pages),
     advance. Returns fp32 logits ``[vocab]``."""
     dtype = weights.dtype
+    dev = weights.embed.device
     pos = kv.append_slot(row)
     x = weights.embed[_check_token(token, spec)].view(1, -1)
-    positions = torch.tensor([pos], dtype=torch.int64)
+    positions = torch.tensor([pos], dtype=torch.int64, device=dev)
     cos, sin = rope_cos_sin(spec, positions, dtype)
     scale = spec.head_dim ** -0.5
     for i, (ls, lw) in enumerate(zip(spec.layers, weights.layers)):
@@ -189,7 +190,7 @@ def decode_row(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", row
             kv.write(i, row, pos, k, v)
             start = kv.window_start(i, pos)
             kc, vc = kv.gather(i, row, start, pos + 1)
-            k_pos = torch.arange(start, pos + 1)
+            k_pos = torch.arange(start, pos + 1, device=dev)
             return attention(q, kc.to(dtype), vc.to(dtype), positions, k_pos, ls.window, scale)
 
         x = layer_forward(x, lw, spec, i, attend)

@@ -15,5 +15,7 @@ if [ ! -f "$gguf" ] && [ -f /tmp/gguf1.part ] && [ -f /tmp/gguf2.part ]; then
   cat /tmp/gguf1.part /tmp/gguf2.part > "$gguf"
 fi
 export PYTHONPATH="/tmp/site:$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export MEGAC_CACHE_DIR="${MEGAC_CACHE_DIR:-/tmp/megac-cache}"
+# inside the tree: the cubin cache key names include dirs relative to the
+# repository, so cubins prebuilt here (carried build/cubin) are found there
+export MEGAC_CACHE_DIR="${MEGAC_CACHE_DIR:-$PWD/.gpucache}"
 exec python3 -m gpu.megakernel_check "$@"

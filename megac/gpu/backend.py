@@ -28,8 +28,8 @@ from typing import Sequence
 import numpy as np
 
 from megac import abi
-from megac.abi import H, Op
 from megac.errors import MegacError
+from megac.gpu import hang
 from megac.runtime import step as host
 from megac.runtime.backend import TorchPrefillMixin
 from megac.runtime.descriptor import scalar, scalar_values
@@ -198,45 +198,9 @@ class CudaBackend(TorchPrefillMixin):
                        (int(x) for x in status[abi.STATUS_RECORD: abi.STATUS_RECORD + abi.ERROR_WORDS])))
         counters = self.buf["counters"].cpu().numpy().view(np.uint32)[: sched.num_counters].copy()
         progress = self.buf["progress"].cpu().numpy()
-        missing = producers_not_run(sched, rec["counter"], progress)
-        kind = abi.ErrorKind(rec["kind"]).name if rec["kind"] in abi.ErrorKind._value2member_map_ else rec["kind"]
-        try:
-            opname = Op(rec["opcode"]).name
-        except ValueError:
-            opname = f"opcode {rec['opcode']}"
-        c = rec["counter"]
-        cname = sched.counters[c].name if 0 <= c < len(sched.counters) else "?"
-        miss = ("; producers that never arrived: " + ", ".join(missing[:6]) +
-                (f" (+{len(missing) - 6} more)" if len(missing) > 6 else "")) if missing else ""
-        msg = (f"megakernel hang ({kind}): SM {rec['sm']} task {rec['task']} {opname} layer {rec['layer']} waited on "
-               f"counter {c} {cname}: {rec['value']} of {rec['target']} after the watchdog "
-               f"({self.watchdog_ns / 1e9:g} s){miss}")
+        msg, missing = hang.describe(sched, rec, counters.astype(np.int64), progress, self.host["targets"],
+                                     self.watchdog_ns / 1e9)
         return MegakernelHang(msg, rec, counters, missing)
 
 
-def producers_not_run(sched, counter: int, progress: np.ndarray) -> list[str]:
-    """Tasks (and claimer queues) of ``sched`` that signal ``counter`` and sit
-    at or after the task their CTA had reached (``progress``)."""
-    if counter < 0:
-        return []
-    out = []
-    tasks, counts = np.asarray(sched.tasks), np.asarray(sched.task_counts)
-    for s in range(tasks.shape[0]):
-        reached = int(progress[s]) if s < len(progress) else 0
-        for j in range(int(counts[s])):
-            w = tasks[s, j]
-            op = int(w[H.OPCODE])
-            hit = int(w[H.SIGNAL]) == counter
-            if op in abi.CLAIMERS:
-                from megac.ops import opdef
-
-                d = opdef(op)
-                base = int(w[abi.field_index(d.op, "TASK_SIGNAL_BASE")])
-                hit = hit or (base >= 0 and base <= counter < base + d.signal_span(sched.geometry))
-            if hit and j >= reached:
-                out.append(f"SM {s} slot {j} {Op(op).name} layer {int(w[H.LAYER])}"
-                           + (" (claimed tasks)" if op in abi.CLAIMERS else ""))
-    return out
-
-
-__all__ = ["CudaBackend", "MegakernelHang", "producers_not_run"]
+__all__ = ["CudaBackend", "MegakernelHang"]

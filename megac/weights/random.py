@@ -1,11 +1,16 @@
 """Deterministic random weights for any spec (tests, benchmarks, the North Mini
 Code shape without its checkpoint).
 
-Every tensor is drawn in fp32 from its **own** CPU ``torch.Generator``, seeded
-from ``(seed, canonical name)`` (``blake2b``), then cast to ``dtype``. So every
-backend and machine gets bit-identical weights, a tensor does not depend on
-the shapes or order of the others, and a subset (``layers=``) reproduces the
-same tensors as the whole model.
+Every tensor comes from a **counter-based** generator: element ``i`` of the
+tensor named ``name`` is a 32-bit hash (lowbias32) of ``i * golden +
+key(seed, name)`` (a bijection of ``i``: no two elements of a tensor share
+a counter below 2^32 elements), turned into a uniform value in ``[-sqrt 3, sqrt 3)`` (variance 1)
+with fp32 operations that round the same way everywhere (a 24-bit integer
+scaled by 2^-24, one multiply, one subtract, then the scale and offset), then
+cast to ``dtype``. So the weights are bit-identical on the CPU and on a GPU
+(``device=``): the 61 GB of North Mini Code are drawn on the GPU, and the CPU
+can regenerate any slice (``layers=``) bit for bit. A tensor does not depend
+on the shapes or order of the others.
 
 Scales keep activations O(1) through many layers:
 
@@ -32,26 +37,73 @@ if TYPE_CHECKING:
     from megac.spec.model import ModelSpec
 
 
-def _seed_of(seed: int, name: str) -> int:
-    h = hashlib.blake2b(f"{int(seed)}:{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+def _key(seed: int, name: str) -> int:
+    h = hashlib.blake2b(f"{int(seed)}:{name}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little")
+
+
+def _i32(u: int) -> int:
+    """A uint32 constant as the int32 with the same bits."""
+    return u - (1 << 32) if u >= 1 << 31 else u
+
+
+_GOLDEN = _i32(0x9E3779B9)
+_MIX = (_i32(0x7FEB352D), _i32(0x846CA68B))
+_SQRT3 = 3.0 ** 0.5
+#: elements hashed per pass (bounds the temporaries)
+_CHUNK = 1 << 24
+
+
+def _hash24(start: int, n: int, key: int, device) -> torch.Tensor:
+    """int32 [n]: the top 24 bits of lowbias32(i * golden + key) for
+    counters i = start .. start+n-1, in place on int32 tensors (32-bit
+    arithmetic wraps the same on every device; arithmetic shifts are masked
+    to logical ones)."""
+    z = torch.arange(start, start + n, dtype=torch.int32, device=device)
+    z.mul_(_GOLDEN).add_(_i32(key))
+    t = torch.empty_like(z)
+    for k, m in ((16, _MIX[0]), (15, _MIX[1]), (16, None)):
+        torch.bitwise_right_shift(z, k, out=t)
+        t.bitwise_and_((1 << (32 - k)) - 1)
+        z.bitwise_xor_(t)
+        if m is not None:
+            z.mul_(m)
+    return z.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
+
+
+def _uniform_unit(start: int, n: int, key: int, device) -> torch.Tensor:
+    """fp32 uniform in [-sqrt 3, sqrt 3) for counters start .. start+n-1."""
+    f32 = dict(dtype=torch.float32, device=device)
+    u = _hash24(start, n, key, device).to(torch.float32)
+    return u.mul_(torch.tensor(2.0 ** -24, **f32)).mul_(torch.tensor(2 * _SQRT3, **f32)).sub_(torch.tensor(_SQRT3, **f32))
 
 
 def draw(seed: int, name: str, shape: tuple[int, ...], std: float = 1.0, mean: float = 0.0,
-         dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``mean + std * N(0, 1)`` of ``shape``, from the generator of ``(seed, name)``."""
-    g = torch.Generator(device="cpu")
-    g.manual_seed(_seed_of(seed, name))
-    t = torch.randn(shape, generator=g, dtype=torch.float32)
-    if std != 1.0:
-        t.mul_(std)
-    if mean != 0.0:
-        t.add_(mean)
-    return t.to(dtype) if dtype != torch.float32 else t
+         dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+    """``mean + std * U`` of ``shape`` (U: variance 1) from the counters of
+    ``(seed, name)``, the same bits on every device."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    if n >= 1 << 31:
+        raise ValueError(f"random weights: {name} has {n} elements; the generator counts below 2^31")
+    key = _key(seed, name)
+    out = torch.empty(n, dtype=dtype, device=device)
+    s = torch.tensor(std, dtype=torch.float32, device=device)
+    m = torch.tensor(mean, dtype=torch.float32, device=device)
+    for a in range(0, n, _CHUNK):
+        b = min(n, a + _CHUNK)
+        v = _uniform_unit(a, b - a, key, device)
+        if std != 1.0:
+            v.mul_(s)
+        if mean != 0.0:
+            v.add_(m)
+        out[a:b] = v.to(dtype)
+    return out.view(tuple(int(d) for d in shape))
 
 
 def random_weights(spec: "ModelSpec", seed: int = 0, dtype: torch.dtype = torch.float32, *,
-                   layers: Iterable[int] | None = None) -> ModelWeights:
+                   layers: Iterable[int] | None = None, device="cpu") -> ModelWeights:
     """Random :class:`ModelWeights` for ``spec`` (see the module docstring).
 
     ``layers``: draw only these layer indices (the others get empty
@@ -62,7 +114,7 @@ def random_weights(spec: "ModelSpec", seed: int = 0, dtype: torch.dtype = torch.
     resid = (2.0 * L) ** -0.5
 
     def w(name: str, shape: tuple[int, ...], std: float, mean: float = 0.0) -> torch.Tensor:
-        return draw(seed, name, shape, std=std, mean=mean, dtype=dtype)
+        return draw(seed, name, shape, std=std, mean=mean, dtype=dtype, device=device)
 
     def norm(name: str) -> torch.Tensor:
         return w(name, (d,), 0.1, 1.0)
@@ -72,7 +124,7 @@ def random_weights(spec: "ModelSpec", seed: int = 0, dtype: torch.dtype = torch.
     for i, ls in enumerate(spec.layers):
         p = f"layers.{i}."
         if i not in wanted:
-            empty = torch.empty(0, dtype=dtype)
+            empty = torch.empty(0, dtype=dtype, device=device)
             out_layers.append(LayerWeights(input_norm=empty, q=empty, k=empty, v=empty, o=empty))
             continue
         lw = LayerWeights(

@@ -2,7 +2,7 @@
 entry per check, JSON out (tests/gpu/test_megakernel.py runs them; a GPU
 session runs them all at once).
 
-    PYTHONPATH=.:tests python3 -m gpu.megakernel_check --prebuild          # here: artifacts + cubins (nvcc)
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests python3 -m gpu.megakernel_check --prebuild   # here: cubins (carry build/cubin)
     PYTHONPATH=.:tests python3 -m gpu.megakernel_check --run tiny hang smollm2 --out DIR
 
 Checks:
@@ -13,6 +13,11 @@ Checks:
   hang     a schedule with one target raised by 1 raises MegakernelHang
            within 3 s naming the task, the counter and the producer; the
            next step runs correctly.
+  rng      the counter-based random weights: the same bits on CPU and GPU.
+  orders   tiny-moe under the three wave orders: bit-identical tokens and logits.
+  nmc_slice  North Mini Code layers 0, 1, 4 at real widths against fp32.
+  (and the larger checks of gpu.megakernel_scale: batch, configs, contexts,
+  nmc_full, speed)
   smollm2  SmolLM2-135M-Instruct (real weights, bf16): greedy text of 20
            chat prompts against transformers' bf16 greedy on the GPU; where
            they part, the reference's top-2 logit margin there.
@@ -27,6 +32,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from gpu import megakernel_scale as scale
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
@@ -126,6 +133,8 @@ def check_hang() -> dict:
     except MegakernelHang as err:
         res.update(raised=True, message=str(err), seconds=round(time.perf_counter() - t0, 2), record=err.record,
                    missing=err.missing[:4])
+        root = str(err).split("Root cause:", 1)[-1].split(". Chain:")[0] if "Root cause:" in str(err) else ""
+        res["root_names_broken_task"] = f"counter {res['counter']} " in root and "no task left" in root
     be.schedules.schedules = good
     be._desc_cache.clear()
     be.watchdog_ns = 2_000_000_000
@@ -176,7 +185,78 @@ def check_smollm2() -> dict:
             "kernel_ms_median": sorted(eng.backend.kernel_ms)[len(eng.backend.kernel_ms) // 2]}
 
 
-CHECKS = {"tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2}
+def check_orders() -> dict:
+    """The three wave orders run the same tiles: identical tokens and logits."""
+    import torch
+
+    from megac.engine.build import EngineOptions, build_engine
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("tiny-moe")
+    w = random_weights(spec, seed=11, dtype=torch.bfloat16)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6] * 7]
+    got = {}
+    for order in ("tuned", "interleaved", "attention-first"):
+        eng = build_engine(spec, w, EngineOptions(backend="cuda", order=order, max_batch_size=2, max_model_len=128))
+        got[order] = _gen(eng, prompts, 8)
+    ref = got["tuned"]
+    return {order: all(a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+                       for a, b in zip(ref, outs)) for order, outs in got.items()}
+
+
+def check_rng() -> dict:
+    """The counter-based weights are the same bits on the CPU and the GPU."""
+    import torch
+
+    from megac.weights.random import draw
+
+    out = {}
+    for name, shape, std, mean, dtype in (("a", (3, 1000), 1.0, 0.0, torch.float32),
+                                          ("layers.7.experts_up", (5, 768, 64), 0.02, 0.0, torch.bfloat16),
+                                          ("norm", (2048,), 0.1, 1.0, torch.bfloat16)):
+        c = draw(5, name, shape, std, mean, dtype)
+        g = draw(5, name, shape, std, mean, dtype, device="cuda").cpu()
+        out[name] = bool(torch.equal(c, g))
+    return out
+
+
+def check_nmc_slice() -> dict:
+    """North Mini Code layers [0, 1, 4] at real widths (1.82B parameters),
+    random weights drawn on the GPU: the megakernel's logits (bf16 weights)
+    against the fp32 reference (megac.reference, plain PyTorch) on the same
+    weights, teacher-forced on the megakernel's greedy tokens."""
+    import torch
+
+    from megac.kv.paged import PagedKVCache
+    from megac.prefill import prefill_row
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+    from models import variant
+
+    full = load_spec("north-mini-code")
+    spec = variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)])
+    w32 = random_weights(spec, seed=0, dtype=torch.float32, device="cuda")
+    prompts = [[5, 17, 1234, 99, 255000], [7, 8000, 42]]
+    steps = 6
+    eng = _engine(spec, w32.to(torch.bfloat16), "cuda", max_batch=2, max_len=64)
+    outs = _gen(eng, prompts, steps)
+    cos, top1 = [], []
+    for p, o in zip(prompts, outs):
+        seq = list(p)
+        for t in range(steps):
+            kv = PagedKVCache(spec, max_rows=1, num_blocks=16, dtype=torch.float32, max_context=64, device="cuda")
+            ref = prefill_row(w32, spec, kv, kv.allocate_row(), seq).float().cpu()
+            got = o.logits[t].float()
+            cos.append(float(torch.nn.functional.cosine_similarity(got, ref, dim=0)))
+            top1.append(int(ref.argmax()) == o.tokens[t])
+            seq.append(o.tokens[t])
+    return {"min_cos": min(cos), "cos": cos, "top1_agreement": sum(top1) / len(top1),
+            "kernel_ms_median": sorted(eng.backend.kernel_ms)[len(eng.backend.kernel_ms) // 2]}
+
+
+CHECKS = {"tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2, "orders": check_orders,
+          "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 
 
 def prebuild() -> None:
@@ -186,10 +266,16 @@ def prebuild() -> None:
     from megac.codegen.megakernel import build_megakernel
     from megac.runtime.artifacts import load_or_compile
     from megac.spec import load_spec
+    from models import variant
 
-    for name in ("tiny-llama", "tiny-moe", "smollm2-135m"):
-        got = load_or_compile(load_spec(name), "tuned")
-        print(name, build_megakernel(got.path), flush=True)
+    full = load_spec("north-mini-code")
+    specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
+        full, variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)]),
+        *scale.config_specs(), scale.context_spec()]
+    for spec in specs:
+        t0 = time.perf_counter()
+        got = load_or_compile(spec, "tuned")
+        print(f"{spec.name}: {build_megakernel(got.path)} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
 def main() -> int:

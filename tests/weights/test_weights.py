@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -368,3 +369,36 @@ def test_gemm_stage_tiling_round_trips_and_makes_stages_contiguous():
                 assert torch.equal(stage[off:off + 8], ref[8 * h + gg, 32 * kk + 8 * tt:32 * kk + 8 * tt + 8])
     with pytest.raises(MegacError, match="BK % 32"):
         tile_gemm_weights(w, 48)
+
+
+def _lowbias32_uniform(i: int, key: int) -> float:
+    """The generator's element i, in plain Python integers and numpy fp32."""
+    x = (i * 0x9E3779B9 + key) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x ^= x >> 16
+    f = np.float32
+    u = f(x >> 8) * f(2.0 ** -24)
+    return float(u * f(2 * 3.0 ** 0.5) - f(3.0 ** 0.5))
+
+
+def test_random_draw_is_the_documented_hash():
+    """Every element is the counter hash of its index (an independent
+    integer implementation), across chunk boundaries; moments are those of
+    U[-sqrt 3, sqrt 3)."""
+    import hashlib
+
+    from megac.weights import random as rnd
+
+    n = rnd._CHUNK + 1000
+    got = rnd.draw(3, "layers.0.q", (n,))
+    key = int.from_bytes(hashlib.blake2b(b"3:layers.0.q", digest_size=4).digest(), "little")
+    rng = np.random.default_rng()
+    for i in [0, 1, 2, rnd._CHUNK - 1, rnd._CHUNK, n - 1, *rng.integers(0, n, 50).tolist()]:
+        assert float(got[i]) == _lowbias32_uniform(int(i), key), i
+    assert abs(float(got.mean())) < 3e-3 and abs(float(got.std()) - 1.0) < 3e-3
+    assert float(got.min()) >= -(3.0 ** 0.5) and float(got.max()) < 3.0 ** 0.5
+    scaled = rnd.draw(3, "layers.0.q", (n,), std=0.02, mean=1.0)
+    assert torch.equal(scaled, (got * torch.tensor(0.02)) + torch.tensor(1.0))

@@ -1,0 +1,374 @@
+"""The megakernel's larger GPU checks (run through gpu.megakernel_check):
+
+  batch     tiny-moe, 8 ragged prompts: for every batch size 1..8 each row's
+            tokens and logits are the bits it gets alone.
+  configs   four further small models in the envelope (two cohere2_moe, two
+            llama: head dims 32/64/128, GQA 1..4 and MQA, 16/32 experts,
+            top-4/8, softmax and sigmoid routers, windows 16/32, tied and
+            untied): megakernel (bf16 weights) against transformers (fp32, the
+            same bf16-rounded weights) on the GPU, teacher-forced.
+  contexts  a tiny MoE with a 128K context (window 1000, 64-token pages):
+            rows of 1, 1021, 4093 and 32765
+            tokens decoded together (the last three cross a context bucket
+            mid-generation, sliding layers evict), then one 131000-token row;
+            against the fp32 reference (megac.reference.decode_row on the
+            GPU, bf16-rounded weights), teacher-forced.
+  nmc_full  North Mini Code, 49 layers, random weights drawn on the GPU:
+            64 greedy steps of 2 rows, then a layer-by-layer fp32 reference
+            of the whole sequence (each layer upcast in turn), per-step
+            logits cosine and top-1 agreement.
+  speed     decode step time, KV filled with noise (prefill skipped): NMC
+            batch 1 and 8 at 8K, SmolLM2 batch 1 at 1K and 8K; the per-task
+            fixed cost (chains of NOP tasks on one SM and across SMs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+def _engine(spec, weights, **kw):
+    from megac.engine.build import EngineOptions, build_engine
+
+    return build_engine(spec, weights, EngineOptions(backend="cuda", **kw))
+
+
+def _gen(eng, prompts, n):
+    from megac.engine.generate import generate
+
+    return generate(eng, prompts, max_tokens=n, eos_token_ids=[], return_logits=True)
+
+
+def _cos(a, b) -> float:
+    import torch
+
+    return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+# ---------------------------------------------------------------- batch
+def check_batch() -> dict:
+    import torch
+
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("tiny-moe")
+    w = random_weights(spec, seed=21, dtype=torch.bfloat16)
+    lens = (1, 3, 17, 33, 64, 5, 40, 100)
+    prompts = [[(31 * i + 7 * j + 1) % spec.vocab_size for j in range(n)] for i, n in enumerate(lens)]
+    eng = _engine(spec, w, max_batch_size=8, max_model_len=512)
+    alone = [_gen(eng, [p], 8)[0] for p in prompts]
+    out = {}
+    for b in range(1, 9):
+        got = _gen(eng, prompts[:b], 8)
+        out[b] = all(g.tokens == a.tokens and all(torch.equal(x, y) for x, y in zip(g.logits, a.logits))
+                     for g, a in zip(got, alone))
+    return {"batch_equals_alone": out, "all": all(out.values())}
+
+
+# ---------------------------------------------------------------- configs
+def config_specs():
+    from models import variant
+
+    moe = "tiny-moe"
+    sl = lambda w, ffn="moe", rope=True: {"attention": "sliding", "window": w, "rope": rope, "ffn": ffn}  # noqa: E731
+    full = lambda ffn="moe", rope=True: {"attention": "full", "window": None, "rope": rope, "ffn": ffn}  # noqa: E731
+    return [
+        variant(moe, "cfg-moe-a", hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=32, q_width=256,
+                dense_intermediate_size=384, tie_embeddings=False, logit_scale=1.0,
+                moe={"num_experts": 16, "top_k": 4, "expert_intermediate_size": 64, "router": "softmax",
+                     "renormalize": False},
+                layers=[full("dense"), sl(16), sl(16), full(rope=False), sl(16)]),
+        variant(moe, "cfg-moe-b", hidden_size=128, num_heads=4, num_kv_heads=4, head_dim=64, q_width=256,
+                dense_intermediate_size=256, logit_scale=0.25,
+                moe={"num_experts": 32, "top_k": 8, "expert_intermediate_size": 48, "router": "sigmoid",
+                     "renormalize": True},
+                layers=[sl(32, "dense"), sl(32), full(rope=False)]),
+        variant("tiny-llama", "cfg-llama-a", hidden_size=192, num_heads=6, num_kv_heads=2, head_dim=32, q_width=192,
+                dense_intermediate_size=320, tie_embeddings=False, num_layers=3, layers=[full("dense")] * 3),
+        variant("tiny-llama", "cfg-llama-b", hidden_size=256, num_heads=4, num_kv_heads=1, head_dim=128,
+                q_width=512, dense_intermediate_size=512, num_layers=2, layers=[full("dense")] * 2),
+    ]
+
+
+def check_configs() -> dict:
+    import torch
+
+    from megac.weights import random_weights
+    from models import hf_model
+
+    out = {}
+    for spec in config_specs():
+        w = random_weights(spec, seed=5, dtype=torch.bfloat16)
+        prompts = [[(13 * i + 5 * j + 2) % spec.vocab_size for j in range(n)] for i, n in enumerate((5, 40, 77))]
+        steps = 10
+        eng = _engine(spec, w, max_batch_size=4, max_model_len=256)
+        outs = _gen(eng, prompts, steps)
+        del eng
+        model = hf_model(spec, w.to(torch.float32)).cuda().eval()
+        cos, top1, free_equal = [], [], []
+        with torch.no_grad():
+            for p, o in zip(prompts, outs):
+                seq = torch.tensor([p + o.tokens[:-1]], device="cuda")
+                ref = model(input_ids=seq, use_cache=False).logits[0].float().cpu()
+                for t in range(steps):
+                    r = ref[len(p) - 1 + t]
+                    cos.append(_cos(o.logits[t], r))
+                    top1.append(int(r.argmax()) == o.tokens[t])
+                g = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=steps, do_sample=False,
+                                   min_new_tokens=steps)
+                free_equal.append(g[0, len(p):].tolist() == o.tokens)
+        out[spec.name] = {"min_cos": min(cos), "top1_agreement": sum(top1) / len(top1),
+                          "greedy_equal_transformers": free_equal}
+        del model
+        torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------- contexts
+def context_spec():
+    from models import variant
+
+    lay = [{"attention": "full", "window": None, "rope": True, "ffn": "dense"},
+           {"attention": "sliding", "window": 1000, "rope": True, "ffn": "moe"},
+           {"attention": "full", "window": None, "rope": False, "ffn": "moe"},
+           {"attention": "sliding", "window": 1000, "rope": True, "ffn": "moe"}]
+    base = __import__("megac.spec", fromlist=["load_spec"]).load_spec("tiny-moe")
+    return variant(base, "ctx-moe", layers=lay, max_context=131072,
+                   target={**base.target.model_dump(), "kv_block_size": 64, "attn_split_tokens": 1024})
+
+
+def _reference_run(w32, spec, prompt, tokens, chunk=4096):
+    """fp32 reference logits of ``prompt`` then each of ``tokens[:-1]``."""
+    import torch
+
+    from megac.kv.paged import PagedKVCache
+    from megac.prefill import prefill_row
+    from megac.reference import decode_row
+
+    n = len(prompt) + len(tokens)
+    bs = spec.target.kv_block_size
+    kv = PagedKVCache(spec, max_rows=1, num_blocks=(n + bs - 1) // bs * spec.num_layers + 8 * spec.num_layers,
+                      dtype=torch.float32, max_context=spec.max_context, block_size=bs, device="cuda")
+    row = kv.allocate_row()
+    for a in range(0, len(prompt), chunk):
+        lg = prefill_row(w32, spec, kv, row, prompt[a:a + chunk])
+    out = [lg.cpu()]
+    for t in tokens[:-1]:
+        out.append(decode_row(w32, spec, kv, row, t).cpu())
+    return out
+
+
+def check_contexts() -> dict:
+    import torch
+
+    from megac.weights import random_weights
+
+    spec = context_spec()
+    w = random_weights(spec, seed=9, dtype=torch.bfloat16, device="cuda")
+    w32 = w.to(torch.float32)
+    g = torch.Generator().manual_seed(3)
+    res = {}
+    for label, lens, steps in (("mixed", (1, 1021, 4093, 32765), 8), ("128k", (131000,), 4)):
+        prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in lens]
+        eng = _engine(spec, w, max_batch_size=len(lens), max_model_len=spec.max_context, prefill_chunk=4096,
+                      kv_cache_memory_gb=8.0, prefix_caching=False)
+        t0 = time.perf_counter()
+        outs = _gen(eng, prompts, steps)
+        buckets = sorted({s.context for s in eng.backend.schedules.schedules})
+        del eng
+        torch.cuda.empty_cache()
+        rows = []
+        for p, o in zip(prompts, outs):
+            ref = _reference_run(w32, spec, p, o.tokens)
+            cos = [_cos(a, b) for a, b in zip(o.logits, ref)]
+            rows.append({"len": len(p), "min_cos": min(cos),
+                         "top1": sum(int(r.argmax()) == t for r, t in zip(ref, o.tokens)) / len(ref)})
+        res[label] = {"rows": rows, "seconds": round(time.perf_counter() - t0, 1), "buckets": buckets}
+    return res
+
+
+# ---------------------------------------------------------------- NMC, 49 layers
+def _layer32(lw):
+    import torch
+
+    return lw.map(lambda t: t.to(torch.float32))
+
+
+def nmc_reference(w, spec, seq):
+    """fp32 logits [len(seq), vocab] of ``seq`` through every layer of the
+    bf16 weights ``w`` (on the GPU), one layer upcast at a time."""
+    import torch
+
+    from megac.reference import apply_rope, attention, hf_rms_norm, layer_forward, rope_cos_sin
+
+    pos = torch.arange(len(seq), device="cuda")
+    cos, sin = rope_cos_sin(spec, pos, torch.float32)
+    x = w.embed[torch.tensor(seq, device="cuda")].float()
+    for i, (ls, lw) in enumerate(zip(spec.layers, w.layers)):
+        def attend(q, k, v, ls=ls):
+            if ls.rope:
+                q, k = apply_rope(q, cos, sin, spec.rope_style), apply_rope(k, cos, sin, spec.rope_style)
+            return attention(q, k, v, pos, pos, ls.window, spec.head_dim ** -0.5)
+        x = layer_forward(x, _layer32(lw), spec, i, attend)
+    hn = hf_rms_norm(x, w.final_norm.float(), spec.norm_eps)
+    head = w.lm_head_weight
+    out = torch.cat([torch.nn.functional.linear(hn[a:a + 16], head.float()) for a in range(0, len(seq), 16)])
+    return (out * spec.logit_scale).float()
+
+
+def check_nmc_full() -> dict:
+    import torch
+
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("north-mini-code")
+    t0 = time.perf_counter()
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    drawn = time.perf_counter() - t0
+    prompts = [[5, 17, 1234, 99, 255000, 7, 7], [(97 * j + 11) % spec.vocab_size for j in range(30)]]
+    steps = 64
+    eng = _engine(spec, w, max_batch_size=2, max_model_len=1024, kv_cache_memory_gb=2.0)
+    built = time.perf_counter() - t0 - drawn
+    outs = _gen(eng, prompts, steps)
+    kms = _median(eng.backend.kernel_ms)
+    del eng
+    torch.cuda.empty_cache()
+    rows = []
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            ref = nmc_reference(w, spec, p + o.tokens[:-1]).cpu()
+            cos = [_cos(o.logits[t], ref[len(p) - 1 + t]) for t in range(steps)]
+            top1 = [int(ref[len(p) - 1 + t].argmax()) == o.tokens[t] for t in range(steps)]
+            rows.append({"len": len(p), "min_cos": min(cos), "median_cos": _median(cos),
+                         "top1_agreement": sum(top1) / steps, "first_tokens": o.tokens[:8]})
+    return {"rows": rows, "min_cos": min(r["min_cos"] for r in rows), "kernel_ms_median": kms,
+            "draw_s": round(drawn, 1), "engine_build_s": round(built, 1),
+            "gpu_mem_peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)}
+
+
+# ---------------------------------------------------------------- speed
+def _step_times(eng, batch: int, context: int, steps: int = 30) -> dict:
+    import torch
+
+    be, kv = eng.backend, eng.kv
+    rows = [kv.allocate_row() for _ in range(batch)]
+    for r in rows:
+        kv.reserve(r, context - 1)
+        kv.advance(r, context - 1)
+    be.kernel_ms.clear()
+    wall = []
+    for i in range(steps + 5):
+        for r in rows:
+            kv.append_slot(r)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        be.decode(rows, [(11 * i + r) % 1000 for r in rows])  # advances the rows
+        wall.append((time.perf_counter() - t0) * 1e3)
+    for r in rows:
+        kv.free_row(r)
+    k = _median(be.kernel_ms[5:])
+    s = _median(wall[5:])
+    return {"batch": batch, "context": context, "kernel_ms": round(k, 4), "step_ms": round(s, 4),
+            "tok_s_kernel": round(batch * 1e3 / k, 1), "tok_s_step": round(batch * 1e3 / s, 1)}
+
+
+def _noise_kv(eng):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for pool in (eng.kv.k_pool, eng.kv.v_pool):
+        pool.normal_(0.0, 0.01, generator=g)
+
+
+def fixed_cost(eng, n: int = 4096) -> dict:
+    """Per-task fixed cost: ``n`` NOP tasks on one SM (dispatch only), and a
+    chain of ``n`` NOP tasks dealt k mod S over the SMs, each waiting on the
+    one before (dispatch + a cross-SM counter hand-off); against the same
+    launch with no tasks."""
+    import numpy as np
+    import torch
+
+    from megac import abi
+    from megac.abi import H, Op
+
+    be = eng.backend
+    sched = be.schedules.pick(1, be.schedules.schedules[0].context)
+    S = sched.num_sms
+
+    def make(kind):
+        per = {"empty": 0, "one_sm": n, "chain": (n + S - 1) // S}[kind]
+        t = np.full((S, max(per, 1), abi.TASK_WORDS), 0, dtype=np.int32)
+        t[:, :, H.WAIT0] = -1
+        t[:, :, H.WAIT1] = -1
+        t[:, :, H.SIGNAL] = -1
+        t[:, :, H.OPCODE] = int(Op.NOP)
+        counts = np.zeros(S, dtype=np.int32)
+        if kind == "one_sm":
+            counts[0] = n
+        elif kind == "chain":
+            for k in range(n):
+                s, j = k % S, k // S
+                t[s, j, H.SIGNAL] = k
+                if k:
+                    t[s, j, H.WAIT0], t[s, j, H.TARGET0] = k - 1, 1
+                counts[s] = j + 1
+        return dataclasses.replace(sched, tasks=t, task_counts=counts, num_counters=max(n, 1))
+
+    if be.buf["counters"].numel() < n:
+        be.buf["counters"] = torch.zeros(n, dtype=be.buf["counters"].dtype, device=be.dev)
+        be._desc_cache.clear()
+    row = eng.kv.allocate_row()
+    res = {}
+    good = be.schedules.schedules
+    for kind in ("empty", "one_sm", "chain"):
+        fake = make(kind)
+        be.tasks[id(fake)] = (torch.from_numpy(np.ascontiguousarray(fake.tasks)).cuda(),
+                              torch.from_numpy(fake.task_counts).cuda())
+        be.schedules.schedules = [fake if x is sched else x for x in good]
+        be._desc_cache.clear()
+        be.kernel_ms.clear()
+        for _ in range(25):
+            eng.kv.append_slot(row)
+            be.decode([row], [1])
+        res[kind + "_ms"] = _median(be.kernel_ms[5:])
+        be.schedules.schedules = good
+    be._desc_cache.clear()
+    eng.kv.free_row(row)
+    return {"tasks": n, "dispatch_us_per_task": round((res["one_sm_ms"] - res["empty_ms"]) * 1e3 / n, 4),
+            "chained_us_per_task": round((res["chain_ms"] - res["empty_ms"]) * 1e3 / n, 4), **res}
+
+
+def check_speed() -> dict:
+    import torch
+
+    from megac.loading import load_model
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    out = {}
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device="cuda")
+    eng = _engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, kv_cache_memory_gb=8.0)
+    _noise_kv(eng)
+    out["nmc"] = [_step_times(eng, b, 8192) for b in (1, 8)]
+    out["fixed_cost"] = fixed_cost(eng)
+    del eng, w
+    torch.cuda.empty_cache()
+    loaded = load_model(None, dtype=torch.bfloat16)
+    eng = _engine(loaded.spec, loaded.weights, max_batch_size=1, max_model_len=8192)
+    _noise_kv(eng)
+    out["smollm2"] = [_step_times(eng, 1, c) for c in (1024, 8192 - 64)]
+    return out
+
+
+CHECKS = {"batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
+          "speed": check_speed}
