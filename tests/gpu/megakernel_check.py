@@ -170,16 +170,18 @@ def check_smollm2() -> dict:
     for p, o, text in zip(prompts, outs, PROMPTS):
         with torch.no_grad():
             seq = torch.tensor([p], device="cuda")
-            ref, margins = [], []
+            ref, margins, tops = [], [], []
             for _ in range(n):
                 lg = model(seq).logits[0, -1].float()
                 top = torch.topk(lg, 2)
                 ref.append(int(top.indices[0]))
                 margins.append(float(top.values[0] - top.values[1]))
+                tops.append(float(top.values[0]))
                 seq = torch.cat([seq, top.indices[:1].view(1, 1)], dim=1)
         first = next((i for i, (a, b) in enumerate(zip(o.tokens, ref)) if a != b), None)
         rows.append({"prompt": text, "equal": first is None, "first_divergence": first,
                      "ref_margin_there": margins[first] if first is not None else None,
+                     "ref_top_logit_there": tops[first] if first is not None else None,
                      "megakernel": tok.decode(o.tokens), "transformers": tok.decode(ref)})
     return {"prompts": len(rows), "identical": sum(r["equal"] for r in rows), "rows": rows,
             "kernel_ms_median": sorted(eng.backend.kernel_ms)[len(eng.backend.kernel_ms) // 2]}

@@ -25,13 +25,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+
+#: a CPU dry run of the check code: MEGAC_CHECK_DEVICE=cpu (VM backend)
+DEV = os.environ.get("MEGAC_CHECK_DEVICE", "cuda")
 
 
 def _engine(spec, weights, **kw):
     from megac.engine.build import EngineOptions, build_engine
 
-    return build_engine(spec, weights, EngineOptions(backend="cuda", **kw))
+    return build_engine(spec, weights, EngineOptions(backend="cuda" if DEV == "cuda" else "cpu", **kw))
 
 
 def _gen(eng, prompts, n):
@@ -111,17 +115,17 @@ def check_configs() -> dict:
         eng = _engine(spec, w, max_batch_size=4, max_model_len=256)
         outs = _gen(eng, prompts, steps)
         del eng
-        model = hf_model(spec, w.to(torch.float32)).cuda().eval()
+        model = hf_model(spec, w.to(torch.float32)).to(DEV).eval()
         cos, top1, free_equal = [], [], []
         with torch.no_grad():
             for p, o in zip(prompts, outs):
-                seq = torch.tensor([p + o.tokens[:-1]], device="cuda")
+                seq = torch.tensor([p + o.tokens[:-1]], device=DEV)
                 ref = model(input_ids=seq, use_cache=False).logits[0].float().cpu()
                 for t in range(steps):
                     r = ref[len(p) - 1 + t]
                     cos.append(_cos(o.logits[t], r))
                     top1.append(int(r.argmax()) == o.tokens[t])
-                g = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=steps, do_sample=False,
+                g = model.generate(torch.tensor([p], device=DEV), max_new_tokens=steps, do_sample=False,
                                    min_new_tokens=steps)
                 free_equal.append(g[0, len(p):].tolist() == o.tokens)
         out[spec.name] = {"min_cos": min(cos), "top1_agreement": sum(top1) / len(top1),
@@ -155,7 +159,7 @@ def _reference_run(w32, spec, prompt, tokens, chunk=4096):
     n = len(prompt) + len(tokens)
     bs = spec.target.kv_block_size
     kv = PagedKVCache(spec, max_rows=1, num_blocks=(n + bs - 1) // bs * spec.num_layers + 8 * spec.num_layers,
-                      dtype=torch.float32, max_context=spec.max_context, block_size=bs, device="cuda")
+                      dtype=torch.float32, max_context=spec.max_context, block_size=bs, device=DEV)
     row = kv.allocate_row()
     for a in range(0, len(prompt), chunk):
         lg = prefill_row(w32, spec, kv, row, prompt[a:a + chunk])
@@ -171,7 +175,7 @@ def check_contexts() -> dict:
     from megac.weights import random_weights
 
     spec = context_spec()
-    w = random_weights(spec, seed=9, dtype=torch.bfloat16, device="cuda")
+    w = random_weights(spec, seed=9, dtype=torch.bfloat16, device=DEV)
     w32 = w.to(torch.float32)
     g = torch.Generator().manual_seed(3)
     res = {}
@@ -208,9 +212,9 @@ def nmc_reference(w, spec, seq):
 
     from megac.reference import apply_rope, attention, hf_rms_norm, layer_forward, rope_cos_sin
 
-    pos = torch.arange(len(seq), device="cuda")
+    pos = torch.arange(len(seq), device=DEV)
     cos, sin = rope_cos_sin(spec, pos, torch.float32)
-    x = w.embed[torch.tensor(seq, device="cuda")].float()
+    x = w.embed[torch.tensor(seq, device=DEV)].float()
     for i, (ls, lw) in enumerate(zip(spec.layers, w.layers)):
         def attend(q, k, v, ls=ls):
             if ls.rope:
@@ -231,7 +235,7 @@ def check_nmc_full() -> dict:
 
     spec = load_spec("north-mini-code")
     t0 = time.perf_counter()
-    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device="cuda")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
     torch.cuda.synchronize()
     drawn = time.perf_counter() - t0
     prompts = [[5, 17, 1234, 99, 255000, 7, 7], [(97 * j + 11) % spec.vocab_size for j in range(30)]]
@@ -284,7 +288,7 @@ def _step_times(eng, batch: int, context: int, steps: int = 30) -> dict:
 def _noise_kv(eng):
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEV).manual_seed(0)
     for pool in (eng.kv.k_pool, eng.kv.v_pool):
         pool.normal_(0.0, 0.01, generator=g)
 
@@ -331,8 +335,8 @@ def fixed_cost(eng, n: int = 4096) -> dict:
     good = be.schedules.schedules
     for kind in ("empty", "one_sm", "chain"):
         fake = make(kind)
-        be.tasks[id(fake)] = (torch.from_numpy(np.ascontiguousarray(fake.tasks)).cuda(),
-                              torch.from_numpy(fake.task_counts).cuda())
+        be.tasks[id(fake)] = (torch.from_numpy(np.ascontiguousarray(fake.tasks)).to(DEV),
+                              torch.from_numpy(fake.task_counts).to(DEV))
         be.schedules.schedules = [fake if x is sched else x for x in good]
         be._desc_cache.clear()
         be.kernel_ms.clear()
@@ -356,7 +360,7 @@ def check_speed() -> dict:
 
     out = {}
     spec = load_spec("north-mini-code")
-    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device="cuda")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
     eng = _engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, kv_cache_memory_gb=8.0)
     _noise_kv(eng)
     out["nmc"] = [_step_times(eng, b, 8192) for b in (1, 8)]
