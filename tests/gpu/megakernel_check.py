@@ -166,7 +166,7 @@ def check_smollm2() -> dict:
     path = smollm2_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=torch.bfloat16).cuda().eval()
-    rows = []
+    rows, div = [], []
     for p, o, text in zip(prompts, outs, PROMPTS):
         with torch.no_grad():
             seq = torch.tensor([p], device="cuda")
@@ -179,10 +179,23 @@ def check_smollm2() -> dict:
                 tops.append(float(top.values[0]))
                 seq = torch.cat([seq, top.indices[:1].view(1, 1)], dim=1)
         first = next((i for i, (a, b) in enumerate(zip(o.tokens, ref)) if a != b), None)
+        div.append((p, ref, o.tokens, first))
         rows.append({"prompt": text, "equal": first is None, "first_divergence": first,
                      "ref_margin_there": margins[first] if first is not None else None,
                      "ref_top_logit_there": tops[first] if first is not None else None,
                      "megakernel": tok.decode(o.tokens), "transformers": tok.decode(ref)})
+    # at each divergence: the fp32 model's view of the two candidates (same prefix)
+    del model
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).cuda().eval()
+    for r, (p, ref, mine, first) in zip(rows, div):
+        if first is None:
+            continue
+        with torch.no_grad():
+            lg = model(torch.tensor([p + ref[:first]], device="cuda")).logits[0, -1].float()
+        r["fp32_margin_ref_over_megakernel"] = float(lg[ref[first]] - lg[mine[first]])
+        r["fp32_argmax_is"] = ("megakernel" if int(lg.argmax()) == mine[first] else
+                               "transformers_bf16" if int(lg.argmax()) == ref[first] else "neither")
     return {"prompts": len(rows), "identical": sum(r["equal"] for r in rows), "rows": rows,
             "kernel_ms_median": sorted(eng.backend.kernel_ms)[len(eng.backend.kernel_ms) // 2]}
 

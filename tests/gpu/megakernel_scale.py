@@ -116,7 +116,7 @@ def check_configs() -> dict:
         outs = _gen(eng, prompts, steps)
         del eng
         model = hf_model(spec, w.to(torch.float32)).to(DEV).eval()
-        cos, top1, free_equal = [], [], []
+        cos, top1, free_equal, disagree = [], [], [], []
         with torch.no_grad():
             for p, o in zip(prompts, outs):
                 seq = torch.tensor([p + o.tokens[:-1]], device=DEV)
@@ -125,11 +125,13 @@ def check_configs() -> dict:
                     r = ref[len(p) - 1 + t]
                     cos.append(_cos(o.logits[t], r))
                     top1.append(int(r.argmax()) == o.tokens[t])
+                    if not top1[-1]:  # the reference's margin of its choice over the megakernel's
+                        disagree.append(round(float(r.max() - r[o.tokens[t]]), 5))
                 g = model.generate(torch.tensor([p], device=DEV), max_new_tokens=steps, do_sample=False,
                                    min_new_tokens=steps)
                 free_equal.append(g[0, len(p):].tolist() == o.tokens)
         out[spec.name] = {"min_cos": min(cos), "top1_agreement": sum(top1) / len(top1),
-                          "greedy_equal_transformers": free_equal}
+                          "greedy_equal_transformers": free_equal, "disagreement_margins": disagree}
         del model
         torch.cuda.empty_cache()
     return out
@@ -199,31 +201,35 @@ def check_contexts() -> dict:
 
 
 # ---------------------------------------------------------------- NMC, 49 layers
-def _layer32(lw):
-    import torch
-
-    return lw.map(lambda t: t.to(torch.float32))
-
-
-def nmc_reference(w, spec, seq):
+def nmc_reference(w, spec, seq, dtype=None, routes=None):
     """fp32 logits [len(seq), vocab] of ``seq`` through every layer of the
-    bf16 weights ``w`` (on the GPU), one layer upcast at a time."""
+    bf16 weights ``w`` (on the GPU), one layer upcast to ``dtype`` (fp32) at a
+    time; ``routes`` (a list) receives each MoE layer's top-k sets and the
+    router gap between the k-th and (k+1)-th logit."""
     import torch
 
     from megac.reference import apply_rope, attention, hf_rms_norm, layer_forward, rope_cos_sin
 
+    dtype = dtype or torch.float32
     pos = torch.arange(len(seq), device=DEV)
-    cos, sin = rope_cos_sin(spec, pos, torch.float32)
-    x = w.embed[torch.tensor(seq, device=DEV)].float()
+    cos, sin = rope_cos_sin(spec, pos, dtype)
+    x = w.embed[torch.tensor(seq, device=DEV)].to(dtype)
     for i, (ls, lw) in enumerate(zip(spec.layers, w.layers)):
         def attend(q, k, v, ls=ls):
             if ls.rope:
                 q, k = apply_rope(q, cos, sin, spec.rope_style), apply_rope(k, cos, sin, spec.rope_style)
             return attention(q, k, v, pos, pos, ls.window, spec.head_dim ** -0.5)
-        x = layer_forward(x, _layer32(lw), spec, i, attend)
-    hn = hf_rms_norm(x, w.final_norm.float(), spec.norm_eps)
+        lw = lw.map(lambda t: t.to(dtype))
+        if routes is not None and lw.router is not None:
+            h = hf_rms_norm(x, lw.input_norm, spec.norm_eps)
+            lg = torch.nn.functional.linear(h, lw.router).float()
+            top = lg.topk(spec.moe.top_k + 1, dim=-1)
+            routes.append((top.indices[:, :-1].sort(dim=-1).values.cpu(),
+                           (top.values[:, -2] - top.values[:, -1]).cpu()))
+        x = layer_forward(x, lw, spec, i, attend)
+    hn = hf_rms_norm(x, w.final_norm.to(dtype), spec.norm_eps)
     head = w.lm_head_weight
-    out = torch.cat([torch.nn.functional.linear(hn[a:a + 16], head.float()) for a in range(0, len(seq), 16)])
+    out = torch.cat([torch.nn.functional.linear(hn[a:a + 16], head.to(dtype)) for a in range(0, len(seq), 16)])
     return (out * spec.logit_scale).float()
 
 
@@ -249,10 +255,22 @@ def check_nmc_full() -> dict:
     rows = []
     with torch.no_grad():
         for p, o in zip(prompts, outs):
-            ref = nmc_reference(w, spec, p + o.tokens[:-1]).cpu()
-            cos = [_cos(o.logits[t], ref[len(p) - 1 + t]) for t in range(steps)]
-            top1 = [int(ref[len(p) - 1 + t].argmax()) == o.tokens[t] for t in range(steps)]
-            rows.append({"len": len(p), "min_cos": min(cos), "median_cos": _median(cos),
+            r32, r16 = [], []
+            ref = nmc_reference(w, spec, p + o.tokens[:-1], routes=r32).cpu()
+            b16 = nmc_reference(w, spec, p + o.tokens[:-1], dtype=torch.bfloat16, routes=r16).cpu()
+            at = [len(p) - 1 + t for t in range(steps)]
+            cos = [_cos(o.logits[t], ref[a]) for t, a in enumerate(at)]
+            cos16 = [_cos(b16[a], ref[a]) for a in at]
+            mk16 = [_cos(o.logits[t], b16[a]) for t, a in enumerate(at)]
+            top1 = [int(ref[a].argmax()) == o.tokens[t] for t, a in enumerate(at)]
+            flips = [int((a[0] != b[0]).any(dim=-1).sum()) for a, b in zip(r32, r16)]
+            gaps = torch.cat([g for _, g in r32])
+            rows.append({"len": len(p), "min_cos": min(cos), "median_cos": _median(cos), "cos": [round(c, 5) for c in cos],
+                         "bf16_reference_vs_fp32_cos": [round(c, 5) for c in cos16],
+                         "megakernel_vs_bf16_reference_cos": [round(c, 5) for c in mk16],
+                         "routing_flips_bf16_vs_fp32_per_layer": flips, "positions": len(p) + steps - 1,
+                         "router_gap_quantiles": [round(float(q), 5) for q in
+                                                  gaps.quantile(torch.tensor([0.001, 0.01, 0.1, 0.5]))],
                          "top1_agreement": sum(top1) / steps, "first_tokens": o.tokens[:8]})
     return {"rows": rows, "min_cos": min(r["min_cos"] for r in rows), "kernel_ms_median": kms,
             "draw_s": round(drawn, 1), "engine_build_s": round(built, 1),
@@ -264,10 +282,7 @@ def _step_times(eng, batch: int, context: int, steps: int = 30) -> dict:
     import torch
 
     be, kv = eng.backend, eng.kv
-    rows = [kv.allocate_row() for _ in range(batch)]
-    for r in rows:
-        kv.reserve(r, context - 1)
-        kv.advance(r, context - 1)
+    rows = _rows_at(kv, batch, context)
     be.kernel_ms.clear()
     wall = []
     for i in range(steps + 5):
@@ -293,13 +308,58 @@ def _noise_kv(eng):
         pool.normal_(0.0, 0.01, generator=g)
 
 
+def _rows_at(kv, batch: int, context: int) -> list[int]:
+    rows = [kv.allocate_row() for _ in range(batch)]
+    for r in rows:
+        if context > 1:
+            kv.reserve(r, context - 1)
+            kv.advance(r, context - 1)
+    return rows
+
+
+def _run_fake(eng, sched, tasks, counts, num_counters, batch, context, steps=12, watchdog_s=1.0):
+    """Median kernel ms of ``batch`` fresh rows at ``context`` decoded with
+    ``sched``'s task list replaced by ``tasks``/``counts`` (the other
+    schedules untouched); None when it hangs."""
+    import numpy as np
+    import torch
+
+    from megac.gpu.backend import MegakernelHang
+
+    be, kv = eng.backend, eng.kv
+    fake = dataclasses.replace(sched, tasks=np.ascontiguousarray(tasks, dtype=np.int32),
+                               task_counts=np.asarray(counts, dtype=np.int32), num_counters=int(num_counters))
+    if be.buf["counters"].numel() < num_counters:
+        be.buf["counters"] = torch.zeros(int(num_counters), dtype=be.buf["counters"].dtype, device=be.dev)
+    be.tasks[id(fake)] = (torch.from_numpy(fake.tasks).to(be.dev), torch.from_numpy(fake.task_counts).to(be.dev))
+    good, wd = be.schedules.schedules, be.watchdog_ns
+    be.schedules.schedules = [fake if x is sched else x for x in good]
+    be.watchdog_ns = int(watchdog_s * 1e9)
+    be._desc_cache.clear()
+    be.kernel_ms.clear()
+    rows = _rows_at(kv, batch, context)
+    try:
+        for _ in range(steps):
+            for r in rows:
+                kv.append_slot(r)
+            be.decode(rows, [1] * len(rows))
+        return _median(be.kernel_ms[3:])
+    except MegakernelHang:
+        return None
+    finally:
+        for r in rows:
+            kv.free_row(r)
+        be.schedules.schedules, be.watchdog_ns = good, wd
+        be._desc_cache.clear()
+        del be.tasks[id(fake)]
+
+
 def fixed_cost(eng, n: int = 4096) -> dict:
     """Per-task fixed cost: ``n`` NOP tasks on one SM (dispatch only), and a
     chain of ``n`` NOP tasks dealt k mod S over the SMs, each waiting on the
     one before (dispatch + a cross-SM counter hand-off); against the same
     launch with no tasks."""
     import numpy as np
-    import torch
 
     from megac import abi
     from megac.abi import H, Op
@@ -307,13 +367,11 @@ def fixed_cost(eng, n: int = 4096) -> dict:
     be = eng.backend
     sched = be.schedules.pick(1, be.schedules.schedules[0].context)
     S = sched.num_sms
-
-    def make(kind):
+    res = {}
+    for kind in ("empty", "one_sm", "chain"):
         per = {"empty": 0, "one_sm": n, "chain": (n + S - 1) // S}[kind]
-        t = np.full((S, max(per, 1), abi.TASK_WORDS), 0, dtype=np.int32)
-        t[:, :, H.WAIT0] = -1
-        t[:, :, H.WAIT1] = -1
-        t[:, :, H.SIGNAL] = -1
+        t = np.zeros((S, max(per, 1), abi.TASK_WORDS), dtype=np.int32)
+        t[:, :, [H.WAIT0, H.WAIT1, H.SIGNAL]] = -1
         t[:, :, H.OPCODE] = int(Op.NOP)
         counts = np.zeros(S, dtype=np.int32)
         if kind == "one_sm":
@@ -325,30 +383,45 @@ def fixed_cost(eng, n: int = 4096) -> dict:
                 if k:
                     t[s, j, H.WAIT0], t[s, j, H.TARGET0] = k - 1, 1
                 counts[s] = j + 1
-        return dataclasses.replace(sched, tasks=t, task_counts=counts, num_counters=max(n, 1))
-
-    if be.buf["counters"].numel() < n:
-        be.buf["counters"] = torch.zeros(n, dtype=be.buf["counters"].dtype, device=be.dev)
-        be._desc_cache.clear()
-    row = eng.kv.allocate_row()
-    res = {}
-    good = be.schedules.schedules
-    for kind in ("empty", "one_sm", "chain"):
-        fake = make(kind)
-        be.tasks[id(fake)] = (torch.from_numpy(np.ascontiguousarray(fake.tasks)).to(DEV),
-                              torch.from_numpy(fake.task_counts).to(DEV))
-        be.schedules.schedules = [fake if x is sched else x for x in good]
-        be._desc_cache.clear()
-        be.kernel_ms.clear()
-        for _ in range(25):
-            eng.kv.append_slot(row)
-            be.decode([row], [1])
-        res[kind + "_ms"] = _median(be.kernel_ms[5:])
-        be.schedules.schedules = good
-    be._desc_cache.clear()
-    eng.kv.free_row(row)
+        res[kind + "_ms"] = _run_fake(eng, sched, t, counts, max(n, 1), 1, 1, steps=25)
     return {"tasks": n, "dispatch_us_per_task": round((res["one_sm_ms"] - res["empty_ms"]) * 1e3 / n, 4),
             "chained_us_per_task": round((res["chain_ms"] - res["empty_ms"]) * 1e3 / n, 4), **res}
+
+
+def op_profile(eng, batch: int, context: int) -> dict:
+    """Where a step's time goes: the whole step; every task with its waits
+    cleared (no dependencies: the pure work at full parallelism); and, per
+    opcode that claims nothing, only that opcode's tasks (the rest NOPs, no
+    waits), with their task count."""
+    import numpy as np
+
+    from megac import abi
+    from megac.abi import H, Op
+
+    be, kv = eng.backend, eng.kv
+    rows = _rows_at(kv, batch, context)
+    sched = be.schedules.for_rows(kv, rows)
+    for r in rows:
+        kv.free_row(r)
+    run = lambda t, c: _run_fake(eng, sched, t, c, sched.num_counters, batch, context)  # noqa: E731
+    t0, counts = np.asarray(sched.tasks), np.asarray(sched.task_counts)
+    live = np.arange(t0.shape[1])[None, :] < counts[:, None]
+    out = {"batch": batch, "context": context, "tasks": int(counts.sum()),
+           "full_ms": run(t0, counts)}
+    free = t0.copy()
+    free[:, :, H.WAIT0] = -1
+    free[:, :, H.WAIT1] = -1
+    out["no_waits_ms"] = run(free, counts)
+    ops = sorted({int(o) for o in t0[live][:, H.OPCODE]})
+    for op in ops:
+        if op in abi.CLAIMERS or op == int(Op.NOP):
+            continue
+        only = free.copy()
+        other = live & (t0[:, :, H.OPCODE] != op)
+        only[other, H.OPCODE] = int(Op.NOP)
+        out[Op(op).name] = {"tasks": int((live & ~other).sum()),
+                            "ms": run(only, counts)}
+    return out
 
 
 def check_speed() -> dict:
@@ -365,12 +438,14 @@ def check_speed() -> dict:
     _noise_kv(eng)
     out["nmc"] = [_step_times(eng, b, 8192) for b in (1, 8)]
     out["fixed_cost"] = fixed_cost(eng)
+    out["nmc_profile_bs1"] = op_profile(eng, 1, 8192)
     del eng, w
     torch.cuda.empty_cache()
     loaded = load_model(None, dtype=torch.bfloat16)
     eng = _engine(loaded.spec, loaded.weights, max_batch_size=1, max_model_len=8192)
     _noise_kv(eng)
     out["smollm2"] = [_step_times(eng, 1, c) for c in (1024, 8192 - 64)]
+    out["smollm2_profile_bs1"] = op_profile(eng, 1, 1024)
     return out
 
 
