@@ -238,36 +238,19 @@ def check_rng() -> dict:
 
 def check_nmc_slice() -> dict:
     """North Mini Code layers [0, 1, 4] at real widths (1.82B parameters),
-    random weights drawn on the GPU: the megakernel's logits (bf16 weights)
-    against the fp32 reference (megac.reference, plain PyTorch) on the same
-    weights, teacher-forced on the megakernel's greedy tokens."""
+    random weights drawn on the GPU (bf16): the megakernel's logits against
+    the fp32 reference (megac.reference, plain PyTorch) on the same weights,
+    teacher-forced, expert choices compared (gpu.megakernel_scale)."""
     import torch
 
-    from megac.kv.paged import PagedKVCache
-    from megac.prefill import prefill_row
     from megac.spec import load_spec
     from megac.weights import random_weights
     from models import variant
 
     full = load_spec("north-mini-code")
     spec = variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)])
-    w32 = random_weights(spec, seed=0, dtype=torch.float32, device="cuda")
-    prompts = [[5, 17, 1234, 99, 255000], [7, 8000, 42]]
-    steps = 6
-    eng = _engine(spec, w32.to(torch.bfloat16), "cuda", max_batch=2, max_len=64)
-    outs = _gen(eng, prompts, steps)
-    cos, top1 = [], []
-    for p, o in zip(prompts, outs):
-        seq = list(p)
-        for t in range(steps):
-            kv = PagedKVCache(spec, max_rows=1, num_blocks=16, dtype=torch.float32, max_context=64, device="cuda")
-            ref = prefill_row(w32, spec, kv, kv.allocate_row(), seq).float().cpu()
-            got = o.logits[t].float()
-            cos.append(float(torch.nn.functional.cosine_similarity(got, ref, dim=0)))
-            top1.append(int(ref.argmax()) == o.tokens[t])
-            seq.append(o.tokens[t])
-    return {"min_cos": min(cos), "cos": cos, "top1_agreement": sum(top1) / len(top1),
-            "kernel_ms_median": sorted(eng.backend.kernel_ms)[len(eng.backend.kernel_ms) // 2]}
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device="cuda")
+    return scale.routed_comparison(spec, w, [[5, 17, 1234, 99, 255000], [7, 8000, 42]], 8)
 
 
 CHECKS = {"tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2, "orders": check_orders,

@@ -233,6 +233,106 @@ def nmc_reference(w, spec, seq, dtype=None, routes=None):
     return (out * spec.logit_scale).float()
 
 
+class _Routes:
+    """Patches megac.reference.route: ``record`` keeps each call's expert ids;
+    ``force`` makes each call (MoE layers in order) take the given ids and
+    notes where its own top-k set differs and by how much (the logit of its
+    own k-th choice minus the lowest of the forced ones: a near-tie when
+    small)."""
+
+    def __init__(self):
+        import megac.reference as R
+
+        self.R, self.orig = R, R.route
+        self.recorded, self.forced, self.diffs = [], None, []
+
+    def __enter__(self):
+        self.R.route = self._route
+        return self
+
+    def __exit__(self, *exc):
+        self.R.route = self.orig
+
+    def _route(self, h, router, moe):
+        import torch
+
+        if self.forced is None:
+            ids, w = self.orig(h, router, moe)
+            self.recorded.append(ids.cpu())
+            return ids, w
+        ids = self.forced.pop(0).to(h.device)
+        lg = torch.nn.functional.linear(h, router).float()
+        own = lg.topk(moe.top_k, dim=-1)
+        differ = (own.indices.sort(-1).values != ids.sort(-1).values).any(-1)
+        if bool(differ.any()):
+            margin = own.values[:, -1] - lg.gather(1, ids).min(-1).values
+            self.diffs.append((int(differ.sum()), float(margin[differ].max())))
+        else:
+            self.diffs.append((0, 0.0))
+        sel = lg.gather(1, ids)
+        if moe.router == "softmax":
+            w = torch.softmax(sel, dim=-1)
+        else:
+            w = torch.sigmoid(sel)
+            if moe.renormalize:
+                w = w / w.sum(-1, keepdim=True)
+        return ids, w.to(h.dtype)
+
+
+def routed_comparison(spec, w, prompts, steps: int) -> dict:
+    """Greedy decode of ``prompts`` (one batch) on the megakernel, capturing
+    its expert choices (prefill: the PyTorch prefill's; steps: the kernel's
+    ``topk_ids``); then per row an fp32 reference of the whole sequence that
+    takes those expert choices (listing every MoE layer where its own top-k
+    differs, with the logit margin: near-ties), and the logits cosine per step.
+    Random weights make routing flips cascade (bf16 PyTorch against fp32
+    differs as much as the kernel does); with the choices shared, what is
+    left is the arithmetic."""
+    import torch
+
+    eng = _engine(spec, w, max_batch_size=len(prompts), max_model_len=1024, kv_cache_memory_gb=2.0)
+    be, kv = eng.backend, eng.kv
+    moe_layers = [i for i, ls in enumerate(spec.layers) if ls.ffn == "moe"]
+    rows = [kv.allocate_row() for _ in prompts]
+    routes = {r: [[] for _ in moe_layers] for r in rows}
+    logits = {r: [] for r in rows}
+    for r, p in zip(rows, prompts):
+        with _Routes() as rec:
+            logits[r].append(be.prefill(r, p).float().cpu())
+        for j, ids in enumerate(rec.recorded):
+            routes[r][j].append(ids)
+    toks = {r: [int(logits[r][0].argmax())] for r in rows}
+    for _ in range(steps - 1):
+        for r in rows:
+            kv.append_slot(r)
+        out = be.decode(rows, [toks[r][-1] for r in rows])
+        ids = be.buf["topk_ids"].cpu()
+        for i, r in enumerate(rows):
+            logits[r].append(out[i].float())
+            toks[r].append(int(out[i].argmax()))
+            for j, layer in enumerate(moe_layers):
+                routes[r][j].append(ids[layer, i:i + 1].long())
+    kms = _median(be.kernel_ms)
+    del eng, be, kv
+    torch.cuda.empty_cache()
+    res = []
+    with torch.no_grad():
+        for r, p in zip(rows, prompts):
+            seq = p + toks[r][:-1]
+            with _Routes() as f:
+                f.forced = [torch.cat(x) for x in routes[r]]
+                ref = nmc_reference(w, spec, seq).cpu()
+            at = [len(p) - 1 + t for t in range(steps)]
+            cos = [_cos(logits[r][t], ref[a]) for t, a in enumerate(at)]
+            ties = [(moe_layers[j], n, round(m, 5)) for j, (n, m) in enumerate(f.diffs) if n]
+            res.append({"len": len(p), "min_cos": min(cos), "median_cos": _median(cos),
+                        "top1_agreement": sum(int(ref[a].argmax()) == toks[r][t] for t, a in enumerate(at)) / steps,
+                        "positions": len(seq), "expert_choice_differences": sum(n for _, n, _ in ties),
+                        "max_near_tie_margin": max((m for _, _, m in ties), default=0.0),
+                        "differences_layer_count_margin": ties[:40]})
+    return {"rows": res, "min_cos": min(x["min_cos"] for x in res), "kernel_ms_median": kms}
+
+
 def check_nmc_full() -> dict:
     import torch
 
@@ -242,39 +342,11 @@ def check_nmc_full() -> dict:
     spec = load_spec("north-mini-code")
     t0 = time.perf_counter()
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-    torch.cuda.synchronize()
     drawn = time.perf_counter() - t0
     prompts = [[5, 17, 1234, 99, 255000, 7, 7], [(97 * j + 11) % spec.vocab_size for j in range(30)]]
-    steps = 64
-    eng = _engine(spec, w, max_batch_size=2, max_model_len=1024, kv_cache_memory_gb=2.0)
-    built = time.perf_counter() - t0 - drawn
-    outs = _gen(eng, prompts, steps)
-    kms = _median(eng.backend.kernel_ms)
-    del eng
-    torch.cuda.empty_cache()
-    rows = []
-    with torch.no_grad():
-        for p, o in zip(prompts, outs):
-            r32, r16 = [], []
-            ref = nmc_reference(w, spec, p + o.tokens[:-1], routes=r32).cpu()
-            b16 = nmc_reference(w, spec, p + o.tokens[:-1], dtype=torch.bfloat16, routes=r16).cpu()
-            at = [len(p) - 1 + t for t in range(steps)]
-            cos = [_cos(o.logits[t], ref[a]) for t, a in enumerate(at)]
-            cos16 = [_cos(b16[a], ref[a]) for a in at]
-            mk16 = [_cos(o.logits[t], b16[a]) for t, a in enumerate(at)]
-            top1 = [int(ref[a].argmax()) == o.tokens[t] for t, a in enumerate(at)]
-            flips = [int((a[0] != b[0]).any(dim=-1).sum()) for a, b in zip(r32, r16)]
-            gaps = torch.cat([g for _, g in r32])
-            rows.append({"len": len(p), "min_cos": min(cos), "median_cos": _median(cos), "cos": [round(c, 5) for c in cos],
-                         "bf16_reference_vs_fp32_cos": [round(c, 5) for c in cos16],
-                         "megakernel_vs_bf16_reference_cos": [round(c, 5) for c in mk16],
-                         "routing_flips_bf16_vs_fp32_per_layer": flips, "positions": len(p) + steps - 1,
-                         "router_gap_quantiles": [round(float(q), 5) for q in
-                                                  gaps.quantile(torch.tensor([0.001, 0.01, 0.1, 0.5]))],
-                         "top1_agreement": sum(top1) / steps, "first_tokens": o.tokens[:8]})
-    return {"rows": rows, "min_cos": min(r["min_cos"] for r in rows), "kernel_ms_median": kms,
-            "draw_s": round(drawn, 1), "engine_build_s": round(built, 1),
-            "gpu_mem_peak_gb": round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)}
+    out = routed_comparison(spec, w, prompts, 64)
+    out.update(draw_s=round(drawn, 1), gpu_mem_peak_gb=round(torch.cuda.max_memory_allocated() / 2 ** 30, 1))
+    return out
 
 
 # ---------------------------------------------------------------- speed
@@ -310,10 +382,11 @@ def _noise_kv(eng):
 
 def _rows_at(kv, batch: int, context: int) -> list[int]:
     rows = [kv.allocate_row() for _ in range(batch)]
-    for r in rows:
-        if context > 1:
-            kv.reserve(r, context - 1)
-            kv.advance(r, context - 1)
+    for r in rows:  # in prefill-sized pieces: sliding layers release as they go
+        for a in range(0, context - 1, 512):
+            n = min(512, context - 1 - a)
+            kv.reserve(r, n)
+            kv.advance(r, n)
     return rows
 
 
@@ -434,7 +507,7 @@ def check_speed() -> dict:
     out = {}
     spec = load_spec("north-mini-code")
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-    eng = _engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, kv_cache_memory_gb=8.0)
+    eng = _engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
     _noise_kv(eng)
     out["nmc"] = [_step_times(eng, b, 8192) for b in (1, 8)]
     out["fixed_cost"] = fixed_cost(eng)
