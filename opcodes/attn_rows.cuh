@@ -8,7 +8,8 @@
 // tensor-core stream (attention.cuh DecodeStream) takes the shapes it is
 // built for.
 //
-// Warp w takes keys begin + w, begin + w + nwarps, ... (a fixed assignment)
+// Warp w takes keys begin + w, begin + w + nwarps, ... (a fixed assignment,
+// loaded kKeys at a time)
 // and keeps, per query head, an online softmax (max, sum, weighted V) in
 // fp32; lanes hold head dims lane, lane + 32, ...; dot products reduce over
 // a fixed xor tree. The warps' states are merged in warp order. An empty
@@ -63,37 +64,50 @@ __device__ __forceinline__ void split(const Split& a, float* sm) {
 #pragma unroll
     for (int j = 0; j < MAX_DPL; ++j) acc[h][j] = 0.f;
   }
-  for (int key = a.begin + warp; key < a.end; key += nwarps) {
-    const int64_t block = a.pt[key / a.block_size];
-    const int64_t tok = (block * a.block_size + key % a.block_size) * a.kv_heads + a.kvh;
-    const bf16* kr = a.k_pool + tok * hd;
-    const bf16* vr = a.v_pool + tok * hd;
-    float kf[MAX_DPL], vf[MAX_DPL];
+  // kKeys keys of the warp's sequence are loaded before any is used (one key
+  // at a time left a warp with 512 bytes in flight: latency bound); they are
+  // then folded in in key order, as one at a time would.
+  constexpr int kKeys = 4;
+  for (int key0 = a.begin + warp; key0 < a.end; key0 += kKeys * nwarps) {
+    float kf[kKeys][MAX_DPL], vf[kKeys][MAX_DPL];
 #pragma unroll
-    for (int j = 0; j < MAX_DPL; ++j) {
-      const int d = lane + 32 * j;
-      kf[j] = d < hd ? __bfloat162float(kr[d]) : 0.f;
-      vf[j] = d < hd ? __bfloat162float(vr[d]) : 0.f;
+    for (int u = 0; u < kKeys; ++u) {
+      const int key = key0 + u * nwarps;
+      const bool live = key < a.end;
+      const int64_t block = live ? a.pt[key / a.block_size] : 0;
+      const int64_t tok = (block * a.block_size + key % a.block_size) * a.kv_heads + a.kvh;
+      const bf16* kr = a.k_pool + tok * hd;
+      const bf16* vr = a.v_pool + tok * hd;
+#pragma unroll
+      for (int j = 0; j < MAX_DPL; ++j) {
+        const int d = lane + 32 * j;
+        kf[u][j] = (live && d < hd) ? __bfloat162float(kr[d]) : 0.f;
+        vf[u][j] = (live && d < hd) ? __bfloat162float(vr[d]) : 0.f;
+      }
     }
 #pragma unroll
-    for (int h = 0; h < MAX_GQA; ++h) {
-      if (h < G) {
-        float s = 0.f;
+    for (int u = 0; u < kKeys; ++u) {
+      if (key0 + u * nwarps >= a.end) break;
 #pragma unroll
-        for (int j = 0; j < MAX_DPL; ++j) {
-          const int d = lane + 32 * j;
-          if (d < hd) s = fmaf(qs[h * hd + d], kf[j], s);
+      for (int h = 0; h < MAX_GQA; ++h) {
+        if (h < G) {
+          float s = 0.f;
+#pragma unroll
+          for (int j = 0; j < MAX_DPL; ++j) {
+            const int d = lane + 32 * j;
+            if (d < hd) s = fmaf(qs[h * hd + d], kf[u][j], s);
+          }
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+          s *= a.scale;
+          const float mn = fmaxf(m[h], s);
+          const float corr = expf(m[h] - mn);  // exp(-inf) = 0 on the first key
+          const float p = expf(s - mn);
+          l[h] = l[h] * corr + p;
+#pragma unroll
+          for (int j = 0; j < MAX_DPL; ++j) acc[h][j] = acc[h][j] * corr + p * vf[u][j];
+          m[h] = mn;
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        s *= a.scale;
-        const float mn = fmaxf(m[h], s);
-        const float corr = expf(m[h] - mn);  // exp(-inf) = 0 on the first key
-        const float p = expf(s - mn);
-        l[h] = l[h] * corr + p;
-#pragma unroll
-        for (int j = 0; j < MAX_DPL; ++j) acc[h][j] = acc[h][j] * corr + p * vf[j];
-        m[h] = mn;
       }
     }
   }

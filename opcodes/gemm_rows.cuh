@@ -9,9 +9,10 @@
 // replaces it where the shapes allow.
 //
 // The activations are staged in shared memory once per tile (read through
-// L2 only: other CTAs of the launch wrote them); one warp computes one
-// output feature at a time, each lane a strided slice of K, reduced over a
-// fixed xor tree, so results do not depend on timing. Results land in a
+// L2 only: other CTAs of the launch wrote them); one warp computes kFeat
+// output features at a time, each lane a strided slice of K with kFeat *
+// kUnroll weight loads in flight, reduced over a fixed xor tree, so results
+// do not depend on timing. Results land in a
 // shared staging tile ys[nlen][8] (row = output feature, column = token)
 // that the epilogues below read, as those of gemm_epilogues.cuh do.
 #pragma once
@@ -50,39 +51,67 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
   }
 }
 
+// Weight chunks (16 bytes per lane) each lane has in flight per feature, and
+// features a warp computes at once: F * U loads in flight per lane keep
+// enough bytes moving per SM (Little's law: ~25 KB at ~700 ns latency for
+// an SM's share of HBM bandwidth); one load at a time reached 16-18 %.
+constexpr int kFeat = 2;
+constexpr int kUnroll = 4;
+
 // ys[c * 8 + m] for c < nlen, m < 8 (rows >= `rows` are 0). Whole CTA; ends
-// with a barrier so the epilogue may read ys.
+// with a barrier so the epilogue may read ys. Each lane sums its K chunks in
+// increasing k (the order does not depend on the unrolling).
 __device__ __forceinline__ void tile(const bf16* __restrict__ w, int64_t ldw, const bf16* xs, int rows,
                                      int nlen, int klen, float* ys) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int c = warp; c < nlen; c += nwarps) {
-    float acc[kMaxRows];
+  for (int c0 = warp * kFeat; c0 < nlen; c0 += nwarps * kFeat) {
+    float acc[kFeat][kMaxRows];
 #pragma unroll
-    for (int m = 0; m < kMaxRows; ++m) acc[m] = 0.f;
-    const bf16* wr = w + c * ldw;
-    for (int k = lane * 8; k < klen; k += 32 * 8) {
-      float wf[8];
-      unpack8(ld_stream_u4(wr + k), wf);
+    for (int f = 0; f < kFeat; ++f)
 #pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) {
-        if (m < rows) {
-          float xf[8];
-          unpack8(*reinterpret_cast<const uint4*>(xs + m * klen + k), xf);
-          float s = acc[m];
+      for (int m = 0; m < kMaxRows; ++m) acc[f][m] = 0.f;
+    for (int kb = lane * 8; kb < klen; kb += 32 * 8 * kUnroll) {
+      uint4 wv[kFeat][kUnroll];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) s = fmaf(wf[e], xf[e], s);
-          acc[m] = s;
+      for (int f = 0; f < kFeat; ++f)
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int k = kb + u * 32 * 8;
+          wv[f][u] = (c0 + f < nlen && k < klen) ? ld_stream_u4(w + (c0 + f) * ldw + k) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int k = kb + u * 32 * 8;
+        if (k >= klen) break;
+#pragma unroll
+        for (int f = 0; f < kFeat; ++f) {
+          float wf[8];
+          unpack8(wv[f][u], wf);
+#pragma unroll
+          for (int m = 0; m < kMaxRows; ++m) {
+            if (m < rows) {
+              float xf[8];
+              unpack8(*reinterpret_cast<const uint4*>(xs + m * klen + k), xf);
+              float s = acc[f][m];
+#pragma unroll
+              for (int e = 0; e < 8; ++e) s = fmaf(wf[e], xf[e], s);
+              acc[f][m] = s;
+            }
+          }
         }
       }
     }
 #pragma unroll
-    for (int m = 0; m < kMaxRows; ++m) {
+    for (int f = 0; f < kFeat; ++f) {
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
-    }
-    if (lane == 0) {
+      for (int m = 0; m < kMaxRows; ++m) {
 #pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) ys[c * 8 + m] = m < rows ? acc[m] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) acc[f][m] += __shfl_xor_sync(0xffffffffu, acc[f][m], o);
+      }
+      if (lane == 0 && c0 + f < nlen) {
+#pragma unroll
+        for (int m = 0; m < kMaxRows; ++m) ys[(c0 + f) * 8 + m] = m < rows ? acc[f][m] : 0.f;
+      }
     }
   }
   __syncthreads();

@@ -169,15 +169,18 @@ def write_megakernel(out_dir: Path, spec, schedules) -> Path:
 CUBIN = "megakernel.cubin"
 
 
-def _source_hash(src: Path) -> str:
-    import hashlib
+def _build_key(artifact_dir: Path) -> str:
+    """The nvcc cache key of the artifact's megakernel: its source, every
+    header it can include (opcodes/ and the artifact's own), the flags."""
+    from megac.gpu.build import cache_key
 
-    return hashlib.sha256(src.read_bytes()).hexdigest()
+    d = Path(artifact_dir)
+    return cache_key(d / SOURCE, include_dirs=[opcodes_dir(), d])
 
 
 def prebuilt_cubin(artifact_dir: Path) -> Path | None:
     """The artifact's own megakernel.cubin, when it was built from the
-    megakernel.cu that is there now."""
+    megakernel.cu and headers that are there now."""
     import json
 
     d = Path(artifact_dir)
@@ -185,7 +188,7 @@ def prebuilt_cubin(artifact_dir: Path) -> Path | None:
     if not (cubin.is_file() and side.is_file() and (d / SOURCE).is_file()):
         return None
     meta = json.loads(side.read_text())
-    return cubin if meta.get("source_sha256") == _source_hash(d / SOURCE) else None
+    return cubin if meta.get("build_key") == _build_key(d) else None
 
 
 def build_megakernel(artifact_dir: Path, *, force: bool = False) -> Path:
@@ -216,7 +219,7 @@ def build_megakernel(artifact_dir: Path, *, force: bool = False) -> Path:
         raise MegacError(f"nvcc failed on {src}: {lines[0]}") from None
     try:
         shutil.copyfile(built, d / CUBIN)
-        meta = dict(report(built), source_sha256=_source_hash(src))
+        meta = dict(report(built), build_key=_build_key(d))
         (d / (CUBIN + ".json")).write_text(json.dumps(meta, indent=1))
         return d / CUBIN
     except OSError:  # a read-only artifact: the cache copy serves

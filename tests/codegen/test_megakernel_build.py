@@ -12,7 +12,7 @@ import pytest
 
 from megac import abi
 from megac.artifact import write_artifact
-from megac.codegen.megakernel import CUBIN, SOURCE, build_megakernel, render_megakernel
+from megac.codegen.megakernel import CUBIN, SOURCE, build_megakernel, prebuilt_cubin, render_megakernel
 from megac.gpu.build import report
 from megac.ops import REGISTRY
 from megac.passes.pipeline import compile_schedules
@@ -32,8 +32,11 @@ def test_megakernel_compiles_without_spills(name, tmp_path):
     k = report(cubin)["kernels"]["megakernel"]
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0, k
     assert 0 < k["registers"] <= 255
-    side = json.loads((tmp_path / (CUBIN + ".json")).read_text())
-    assert side["source_sha256"]  # a later run reuses it only for the same source
+    # a later run reuses it only while the source and every header are unchanged
+    assert prebuilt_cubin(tmp_path) == cubin
+    layout = tmp_path / "megac_layout.h"
+    layout.write_text(layout.read_text() + "\n// edited\n")
+    assert prebuilt_cubin(tmp_path) is None
 
 
 def test_dispatch_covers_the_registry_and_layout_is_checked():

@@ -276,6 +276,20 @@ def prebuild() -> None:
         print(f"{spec.name}: {build_megakernel(got.path)} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
+def _release_gpu_memory() -> None:
+    """What one check left behind (engines, weights) before the next."""
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="gpu.megakernel_check")
     ap.add_argument("--prebuild", action="store_true")
@@ -292,6 +306,7 @@ def main() -> int:
         except Exception as err:  # noqa: BLE001 -- report every check
             results[name] = {"ok": False, "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}
         results[name]["seconds"] = round(time.perf_counter() - t0, 2)
+        _release_gpu_memory()
         print(json.dumps({name: results[name]}, indent=1, default=str)[:6000], flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -14,11 +14,14 @@
             against the fp32 reference (megac.reference.decode_row on the
             GPU, bf16-rounded weights), teacher-forced.
   nmc_full  North Mini Code, 49 layers, random weights drawn on the GPU:
-            64 greedy steps of 2 rows, then a layer-by-layer fp32 reference
-            of the whole sequence (each layer upcast in turn), per-step
-            logits cosine and top-1 agreement.
+            64 greedy steps of 4 rows (7, 30, 1020 and 2040 tokens: the last
+            two cross context buckets mid-generation), then a layer-by-layer
+            fp32 reference of each whole sequence (each layer upcast in turn)
+            taking the kernel's expert choices (differences listed with their
+            router-logit margins), per-step logits cosine, top-1 agreement.
   speed     decode step time, KV filled with noise (prefill skipped): NMC
-            batch 1 and 8 at 8K, SmolLM2 batch 1 at 1K and 8K; the per-task
+            batch 1 and 8 at 8K, SmolLM2's shape (random weights: the same
+            bytes) batch 1 at 1K and 8K, a per-opcode profile; the per-task
             fixed cost (chains of NOP tasks on one SM and across SMs).
 """
 
@@ -279,7 +282,7 @@ class _Routes:
         return ids, w.to(h.dtype)
 
 
-def routed_comparison(spec, w, prompts, steps: int) -> dict:
+def routed_comparison(spec, w, prompts, steps: int, max_len: int = 1024) -> dict:
     """Greedy decode of ``prompts`` (one batch) on the megakernel, capturing
     its expert choices (prefill: the PyTorch prefill's; steps: the kernel's
     ``topk_ids``); then per row an fp32 reference of the whole sequence that
@@ -290,7 +293,7 @@ def routed_comparison(spec, w, prompts, steps: int) -> dict:
     left is the arithmetic."""
     import torch
 
-    eng = _engine(spec, w, max_batch_size=len(prompts), max_model_len=1024, kv_cache_memory_gb=2.0)
+    eng = _engine(spec, w, max_batch_size=len(prompts), max_model_len=max_len, kv_cache_memory_gb=4.0)
     be, kv = eng.backend, eng.kv
     moe_layers = [i for i, ls in enumerate(spec.layers) if ls.ffn == "moe"]
     rows = [kv.allocate_row() for _ in prompts]
@@ -302,9 +305,13 @@ def routed_comparison(spec, w, prompts, steps: int) -> dict:
         for j, ids in enumerate(rec.recorded):
             routes[r][j].append(ids)
     toks = {r: [int(logits[r][0].argmax())] for r in rows}
+    seen = []  # (rows, context) of the schedule each step ran: buckets crossed mid-generation
     for _ in range(steps - 1):
         for r in rows:
             kv.append_slot(r)
+        sched = be.schedules.for_rows(kv, rows)
+        if not seen or seen[-1] != (sched.rows, sched.context):
+            seen.append((sched.rows, sched.context))
         out = be.decode(rows, [toks[r][-1] for r in rows])
         ids = be.buf["topk_ids"].cpu()
         for i, r in enumerate(rows):
@@ -330,7 +337,8 @@ def routed_comparison(spec, w, prompts, steps: int) -> dict:
                         "positions": len(seq), "expert_choice_differences": sum(n for _, n, _ in ties),
                         "max_near_tie_margin": max((m for _, _, m in ties), default=0.0),
                         "differences_layer_count_margin": ties[:40]})
-    return {"rows": res, "min_cos": min(x["min_cos"] for x in res), "kernel_ms_median": kms}
+    return {"rows": res, "min_cos": min(x["min_cos"] for x in res), "kernel_ms_median": kms,
+            "schedules_in_order": seen}
 
 
 def check_nmc_full() -> dict:
@@ -343,8 +351,13 @@ def check_nmc_full() -> dict:
     t0 = time.perf_counter()
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
     drawn = time.perf_counter() - t0
-    prompts = [[5, 17, 1234, 99, 255000, 7, 7], [(97 * j + 11) % spec.vocab_size for j in range(30)]]
-    out = routed_comparison(spec, w, prompts, 64)
+    # the last two rows cross the 1024 and 2048 context buckets mid-generation
+    # (NMC's schedules differ there: (rows, 1024) -> (rows, 2048) -> (rows, 262144))
+    g = torch.Generator().manual_seed(1)
+    prompts = [[5, 17, 1234, 99, 255000, 7, 7], [(97 * j + 11) % spec.vocab_size for j in range(30)],
+               torch.randint(0, spec.vocab_size, (1020,), generator=g).tolist(),
+               torch.randint(0, spec.vocab_size, (2040,), generator=g).tolist()]
+    out = routed_comparison(spec, w, prompts, 64, max_len=4096)
     out.update(draw_s=round(drawn, 1), gpu_mem_peak_gb=round(torch.cuda.max_memory_allocated() / 2 ** 30, 1))
     return out
 
@@ -500,7 +513,6 @@ def op_profile(eng, batch: int, context: int) -> dict:
 def check_speed() -> dict:
     import torch
 
-    from megac.loading import load_model
     from megac.spec import load_spec
     from megac.weights import random_weights
 
@@ -514,8 +526,10 @@ def check_speed() -> dict:
     out["nmc_profile_bs1"] = op_profile(eng, 1, 8192)
     del eng, w
     torch.cuda.empty_cache()
-    loaded = load_model(None, dtype=torch.bfloat16)
-    eng = _engine(loaded.spec, loaded.weights, max_batch_size=1, max_model_len=8192)
+    # SmolLM2's shape with random weights: the same bytes move as with the real ones
+    spec = load_spec("smollm2-135m")
+    eng = _engine(spec, random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV), max_batch_size=1,
+                  max_model_len=8192)
     _noise_kv(eng)
     out["smollm2"] = [_step_times(eng, 1, c) for c in (1024, 8192 - 64)]
     out["smollm2_profile_bs1"] = op_profile(eng, 1, 1024)
