@@ -108,3 +108,9 @@ def test_smollm2_greedy_text_matches_transformers(tmp_path):
     for x in r["rows"]:
         if not x["equal"]:
             assert abs(x["fp32_margin_ref_over_megakernel"]) < 0.1, x
+
+
+def test_serve_with_the_cuda_backend(tmp_path):
+    r = _run("serve", tmp_path)
+    assert r["mentions_paris"], r
+    assert r["streamed_equals_plain"], r
