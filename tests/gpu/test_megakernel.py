@@ -31,8 +31,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(name: str, tmp_path: Path, timeout: int = 600) -> dict:
+    # artifacts in the tree's .gpucache (ignored by git): the cubin cache key
+    # names include dirs relative to the repository, so cubins built once
+    # (or carried in build/cubin) serve every later run
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
-                                                          os.environ.get("PYTHONPATH", "")]))
+                                                          os.environ.get("PYTHONPATH", "")]),
+               MEGAC_CACHE_DIR=str(ROOT / ".gpucache"))
     proc = subprocess.run([sys.executable, "-m", "gpu.megakernel_check", "--run", name, "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = tmp_path / "megakernel_check.json"
