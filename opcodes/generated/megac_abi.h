@@ -248,7 +248,7 @@ struct LaunchDesc {
   uint64_t moe_down_queue;  // int32 [num_layers, moe_queue_cap, 4]
   int32_t moe_queue_cap;  // records per layer in each MoE queue (worst case)
   uint64_t status;  // int32 [STATUS_WORDS] watchdog status: abort word + error record
-  uint64_t progress;  // int32 [num_sms] the task index each CTA started last (the watchdog report's map of who got where)
+  uint64_t progress;  // int32 [num_sms] the task index each CTA started last, its task count once all signalled (the watchdog report's map of who got where)
   uint64_t watchdog_ns;  // bound of every wait
   uint64_t w_embed;  // bf16 [vocab, hidden]; also the LM head when tied
   uint64_t w_lm_head;  // bf16 [vocab, hidden]
