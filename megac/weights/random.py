@@ -75,7 +75,8 @@ def _uniform_unit(start: int, n: int, key: int, device) -> torch.Tensor:
     """fp32 uniform in [-sqrt 3, sqrt 3) for counters start .. start+n-1."""
     f32 = dict(dtype=torch.float32, device=device)
     u = _hash24(start, n, key, device).to(torch.float32)
-    return u.mul_(torch.tensor(2.0 ** -24, **f32)).mul_(torch.tensor(2 * _SQRT3, **f32)).sub_(torch.tensor(_SQRT3, **f32))
+    u.mul_(torch.tensor(2.0 ** -24, **f32)).mul_(torch.tensor(2 * _SQRT3, **f32))
+    return u.sub_(torch.tensor(_SQRT3, **f32))
 
 
 def draw(seed: int, name: str, shape: tuple[int, ...], std: float = 1.0, mean: float = 0.0,

@@ -49,7 +49,9 @@ async def _concurrent(server, n: int, max_tokens: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(spec_path):
-    s = ServerProc(str(spec_path), "--random-weights", "--max-model-len", "4096", "--prefill-chunk", "32",
+    # seed 1: random weights whose greedy outputs differ across the prompts
+    s = ServerProc(str(spec_path), "--random-weights", "--seed", "1", "--max-model-len", "4096",
+                   "--prefill-chunk", "32",
                    "--max-batch-size", "12", "--served-model-name", "tiny")
     yield s
     s.stop()
@@ -57,9 +59,7 @@ def server(spec_path):
 
 def test_32_concurrent_streams_equal_alone(server):
     alone = _alone(server, 32, 24)
-    # the prompts really give different outputs (greedy on random weights
-    # falls into a few attractors; 11 distinct of 32 with seed 0)
-    assert len(set(alone)) > 8
+    assert len(set(alone)) > 12  # the prompts really give different outputs
     together = asyncio.run(_concurrent(server, 32, 24))
     assert together == alone, [i for i in range(32) if together[i] != alone[i]]
     assert server.metric("megac:num_requests_running") == 0
