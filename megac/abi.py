@@ -347,6 +347,10 @@ class TargetWords:
 
 
 # --------------------------------------------------------------------------
+#: integer sentinel a checking run writes into int scratch before a step
+#: (float scratch gets NaN): an element read before it is written shows
+INT_POISON = -7
+
 # Watchdog status buffer: int32[STATUS_WORDS] per launch, zeroed by the host.
 # Every bounded wait polls the abort word; the first wait to time out claims
 # the record, writes and fences it, then raises the abort word to its kind.

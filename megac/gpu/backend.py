@@ -113,6 +113,12 @@ class CudaBackend(TorchPrefillMixin):
         self._desc_cache: dict = {}
         self.steps = 0
         self.kernel_ms: list[float] = []
+        #: before each step, NaN into every float buffer the step writes and
+        #: abi.INT_POISON into the int ones (as the VM's checked mode does)
+        self.poison = False
+        self._written = [n for n, t in self.buf.items()
+                         if self.big.plan.buffers[n].kind in ("activation", "scratch")
+                         or n in ("moe_up_queue", "moe_down_queue")]
 
     def _read_symbol(self, name: str) -> int:
         cp = __import__("cupy")
@@ -166,6 +172,10 @@ class CudaBackend(TorchPrefillMixin):
         positions = host.load_rows(self.kv, rows, geo, h["page_table"], h["seq_pos"], h["row_active"])
         n_attn = host.host_words(geo, positions, h["targets"], h["attn_queue"])
         b = self.buf
+        if self.poison:
+            for name in self._written:
+                b[name].fill_(float("nan") if b[name].is_floating_point() else abi.INT_POISON)
+            h["targets"][geo.target_words.host_words:] = abi.INT_POISON
         for name in ("page_table", "seq_pos", "row_active", "targets"):
             b[name].copy_(torch.from_numpy(h[name]), non_blocking=False)
         if n_attn:

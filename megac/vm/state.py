@@ -58,7 +58,7 @@ KV_POOL_FIELDS = ("k_pool", "v_pool")
 #: int32 host tables of the KV layout, allocated here, filled by the host each step
 KV_TABLE_FIELDS = ("page_table", "seq_pos", "row_active")
 #: integer sentinel written into int scratch when poisoning (checked mode)
-INT_POISON = -7
+INT_POISON = abi.INT_POISON
 
 _VALID_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -362,6 +362,106 @@ def check_nmc_full() -> dict:
     return out
 
 
+# ---------------------------------------------------------------- every opcode's output
+#: buffers compared exactly (ids, slots, queue records); the rest are floats
+EXACT = ("topk_ids", "route_slot", "moe_up_queue", "moe_down_queue")
+
+
+def compare_step(spec, prompts, tokens, batch: int) -> dict:
+    """One decode step of ``prompts`` (then ``tokens``) on the megakernel and
+    on the CPU VM in checked mode, from the same KV bits (the GPU prefill's,
+    copied), every step-written buffer poisoned first on both (NaN, or
+    abi.INT_POISON): per buffer, the same elements written (NaN where
+    neither wrote), exact equality for ids, slots and queue records, the
+    worst difference relative to the buffer's largest value for floats; the
+    final counters equal; the same step again on fresh rows bit-identical."""
+    import numpy as np
+    import torch
+
+    from megac import abi
+    from megac.engine.build import EngineOptions, build_engine
+    from megac.runtime.artifacts import load_or_compile
+    from megac.weights import random_weights
+
+    art = load_or_compile(spec, "tuned", batch_sizes=[batch])
+    w = random_weights(spec, seed=17, dtype=torch.bfloat16)
+    opts = dict(max_batch_size=batch, max_model_len=512, artifact=str(art.path), prefix_caching=False)
+    gpu = build_engine(spec, w, EngineOptions(backend="cuda", **opts))
+    vm = build_engine(spec, w, EngineOptions(backend="cpu", mode="checked", **opts))
+    gb, vb = gpu.backend, vm.backend
+
+    def rows_of(eng):
+        rows = [eng.kv.allocate_row() for _ in prompts]
+        for r, p in zip(rows, prompts):
+            eng.backend.prefill(r, p)
+        return rows
+
+    g_rows, v_rows = rows_of(gpu), rows_of(vm)
+    assert g_rows == v_rows and np.array_equal(gpu.kv.page_table, vm.kv.page_table)
+    vm.kv.k_pool.copy_(gpu.kv.k_pool.cpu())
+    vm.kv.v_pool.copy_(gpu.kv.v_pool.cpu())
+    sched = gb.schedules.for_rows(gpu.kv, g_rows)
+    for eng, rows in ((gpu, g_rows), (vm, v_rows)):
+        for r in rows:
+            eng.kv.append_slot(r)
+    gb.poison = True
+    g_logits = gb.decode(g_rows, tokens)
+    v_logits = vb.decode(v_rows, tokens)
+    st = vb.decode_step(vb.schedules.for_rows(vm.kv, v_rows)).st
+    snap = {n: t.detach().cpu().clone() for n, t in gb.buf.items()}
+    out = {"schedule": [sched.rows, sched.context], "buffers": {}}
+    for name in gb._written:
+        g, v = snap[name], st[name]
+        if g.shape != v.shape:
+            out["buffers"][name] = {"error": f"shape {list(g.shape)} vs {list(v.shape)}"}
+            continue
+        if name == "argmax_part":  # (value bits, index): the index exact, the value a logit
+            gv, vv = g[..., 0].view(torch.float32), v[..., 0].to(torch.int32).view(torch.float32)
+            out["buffers"][name] = {"index_exact": bool(torch.equal(g[..., 1], v[..., 1].to(g.dtype))),
+                                    "value_max_rel_diff": float((gv - vv).abs().max() / vv.abs().max())}
+            continue
+        if not g.is_floating_point():
+            out["buffers"][name] = {"exact": bool(torch.equal(g, v.to(g.dtype)))}
+            continue
+        gf, vf = g.float(), v.float()
+        same_nan = bool(torch.equal(torch.isnan(gf), torch.isnan(vf)))
+        ok = ~torch.isnan(vf) & ~torch.isnan(gf)
+        scale = float(vf[ok].abs().max()) if bool(ok.any()) else 0.0
+        worst = float((gf[ok] - vf[ok]).abs().max()) if bool(ok.any()) else 0.0
+        out["buffers"][name] = {"same_elements_written": same_nan, "written": int(ok.sum()),
+                                "max_rel_diff": worst / scale if scale else worst}
+    gc_ = gb.buf["counters"].cpu().numpy().view(np.uint32)[: sched.num_counters].astype(np.int64)
+    out["counters_equal"] = bool(np.array_equal(gc_, st.counters[: sched.num_counters]))
+    out["logits_max_rel_diff"] = float((g_logits - v_logits).abs().max() / v_logits.abs().max())
+    out["int_poison_left_in_exact_buffers"] = {n: int((snap[n] == abi.INT_POISON).sum()) for n in EXACT if n in snap}
+    # the same step on fresh rows: bit-identical buffers
+    rows2 = rows_of(gpu)
+    for r in rows2:
+        gpu.kv.append_slot(r)
+    g2 = gb.decode(rows2, tokens)
+    same = {n: bool(torch.equal(torch.nan_to_num(snap[n].float(), nan=7.0),
+                                torch.nan_to_num(gb.buf[n].detach().cpu().float(), nan=7.0)))
+            for n in gb._written}
+    out["repeat_bit_identical"] = all(same.values()) and bool(torch.equal(g2, g_logits))
+    out["repeat_differs_in"] = [n for n, v in same.items() if not v]
+    return out
+
+
+def check_opcodes() -> dict:
+    from megac.spec import load_spec
+    from models import variant
+
+    moe = load_spec("tiny-moe")
+    lay = [{"attention": "full", "window": None, "rope": True, "ffn": "dense"},
+           {"attention": "sliding", "window": 8, "rope": True, "ffn": "moe"}]
+    spec = variant(moe, "replay-moe", layers=lay, tie_embeddings=False)
+    llama = variant("tiny-llama", "replay-llama", num_layers=1,
+                    layers=[{"attention": "full", "window": None, "rope": True, "ffn": "dense"}])
+    prompts = [[(7 * i + 3 * j) % 256 for j in range(n)] for i, n in enumerate((5, 40, 19))]
+    return {"replay-moe": compare_step(spec, prompts, [11, 12, 13], 4),
+            "replay-llama": compare_step(llama, prompts[:1], [9], 1)}
+
+
 # ---------------------------------------------------------------- speed
 def _step_times(eng, batch: int, context: int, steps: int = 30) -> dict:
     import torch
@@ -536,5 +636,5 @@ def check_speed() -> dict:
     return out
 
 
-CHECKS = {"batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
+CHECKS = {"opcodes": check_opcodes, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
           "speed": check_speed}
