@@ -424,8 +424,11 @@ def compare_step(spec, prompts, tokens, batch: int) -> dict:
             out["buffers"][name] = {"exact": bool(torch.equal(g, v.to(g.dtype)))}
             continue
         gf, vf = g.float(), v.float()
-        same_nan = bool(torch.equal(torch.isnan(gf), torch.isnan(vf)))
-        ok = ~torch.isnan(vf) & ~torch.isnan(gf)
+        # NaN: written by neither; +-inf (an empty split's lse) must coincide too
+        same_nan = bool(torch.equal(torch.isnan(gf), torch.isnan(vf))) and bool(
+            torch.equal(torch.isinf(gf) & ~torch.isnan(gf), torch.isinf(vf) & ~torch.isnan(vf))) and bool(
+            torch.equal(gf[torch.isinf(gf)], vf[torch.isinf(gf)]))
+        ok = torch.isfinite(vf) & torch.isfinite(gf)
         scale = float(vf[ok].abs().max()) if bool(ok.any()) else 0.0
         worst = float((gf[ok] - vf[ok]).abs().max()) if bool(ok.any()) else 0.0
         out["buffers"][name] = {"same_elements_written": same_nan, "written": int(ok.sum()),
@@ -435,6 +438,8 @@ def compare_step(spec, prompts, tokens, batch: int) -> dict:
     out["logits_max_rel_diff"] = float((g_logits - v_logits).abs().max() / v_logits.abs().max())
     out["int_poison_left_in_exact_buffers"] = {n: int((snap[n] == abi.INT_POISON).sum()) for n in EXACT if n in snap}
     # the same step on fresh rows: bit-identical buffers
+    for r in g_rows:
+        gpu.kv.free_row(r)
     rows2 = rows_of(gpu)
     for r in rows2:
         gpu.kv.append_slot(r)
