@@ -115,6 +115,25 @@ __device__ __forceinline__ void sincos_reduced(float a, float* s, float* c) {
   sincosf(float(fma(-k, 6.283185307179586, ad)), s, c);
 }
 
+// RoPE of one pair (x0, x1) at position pos, angle pos * inv_freq.
+__device__ __forceinline__ void rope_pair(float& x0, float& x1, int pos, float inv_freq) {
+  float sn, cs;
+  sincos_reduced(float(pos) * inv_freq, &sn, &cs);
+  const float r0 = x0 * cs - x1 * sn;
+  const float r1 = x1 * cs + x0 * sn;
+  x0 = r0;
+  x1 = r1;
+}
+
+// Head kvh's hd values of the token at `pos` in a paged K or V pool
+// ([blocks][block_size][kv_heads][hd]), through the row's page-table row.
+__device__ __forceinline__ __nv_bfloat16* kv_slot(__nv_bfloat16* pool, const int32_t* pt_row, int pos,
+                                                  int block_size, int kv_heads, int kvh, int hd) {
+  const int64_t block = pt_row[pos / block_size];
+  const int64_t slot = block * block_size + pos % block_size;
+  return pool + (slot * kv_heads + kvh) * hd;
+}
+
 // The fused projection's columns are [Q heads | K heads | V heads], hd each;
 // n0 (the tile's first column) and NT are multiples of HD, so every head of
 // the tile is whole and its RoPE partners are inside the tile. One thread
@@ -139,22 +158,14 @@ __device__ __forceinline__ void epi_qkv(const float* ys, int n0, const QkvArgs& 
     const int pos = a.positions[m];
     float x0 = ys[(hl * HD + d0) * 8 + m];
     float x1 = ys[(hl * HD + d1) * 8 + m];
-    if (a.rope_style != kRopeNone && !is_v) {
-      float sn, cs;
-      sincos_reduced(float(pos) * a.inv_freq[fi], &sn, &cs);
-      const float r0 = x0 * cs - x1 * sn;
-      const float r1 = x1 * cs + x0 * sn;
-      x0 = r0;
-      x1 = r1;
-    }
+    if (a.rope_style != kRopeNone && !is_v) rope_pair(x0, x1, pos, a.inv_freq[fi]);
     __nv_bfloat16* dst;
     if (is_q) {
       dst = a.q_out + (int64_t(m) * a.q_heads + head) * HD;
     } else {
       const int kvh = is_v ? head - a.q_heads - a.kv_heads : head - a.q_heads;
-      const int64_t block = a.page_table[int64_t(m) * a.max_pages + pos / a.block_size];
-      const int64_t slot = block * a.block_size + pos % a.block_size;
-      dst = (is_v ? a.v_pool : a.k_pool) + (slot * a.kv_heads + kvh) * HD;
+      dst = kv_slot(is_v ? a.v_pool : a.k_pool, a.page_table + int64_t(m) * a.max_pages, pos, a.block_size,
+                    a.kv_heads, kvh, HD);
     }
     dst[d0] = __float2bfloat16_rn(x0);
     dst[d1] = __float2bfloat16_rn(x1);

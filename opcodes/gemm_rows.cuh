@@ -170,23 +170,15 @@ __device__ __forceinline__ void qkv(const float* ys, int n0, int nlen, int rows,
     float x0 = ys[(hl * hd + d0) * 8 + m];
     float x1 = ys[(hl * hd + d1) * 8 + m];
     const int pos = a.seq_pos[m];
-    if (a.rope && !is_v) {
-      float sn, cs;
-      gemm::sincos_reduced(float(pos) * a.inv_freq[fi], &sn, &cs);
-      const float r0 = x0 * cs - x1 * sn;
-      const float r1 = x1 * cs + x0 * sn;
-      x0 = r0;
-      x1 = r1;
-    }
+    if (a.rope && !is_v) gemm::rope_pair(x0, x1, pos, a.inv_freq[fi]);
     bf16* dst;
     if (is_q) {
       dst = a.q + m * a.q_ld + head * hd;
     } else {
       if (!a.row_active[m]) continue;  // an inactive row's page table holds no block
       const int kvh = is_v ? head - a.q_heads - a.kv_heads : head - a.q_heads;
-      const int64_t block = a.page_table[int64_t(m) * a.max_pages + pos / a.block_size];
-      const int64_t slot = block * a.block_size + pos % a.block_size;
-      dst = (is_v ? a.v_pool : a.k_pool) + (slot * a.kv_heads + kvh) * hd;
+      dst = gemm::kv_slot(is_v ? a.v_pool : a.k_pool, a.page_table + int64_t(m) * a.max_pages, pos, a.block_size,
+                          a.kv_heads, kvh, hd);
     }
     dst[d0] = __float2bfloat16_rn(x0);
     dst[d1] = __float2bfloat16_rn(x1);
