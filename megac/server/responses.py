@@ -67,7 +67,8 @@ class _Submitted:
             yield out
 
     async def collect(self, http: HTTPRequest) -> list[EngineOutput]:
-        """All events of a non-streaming request (polls for a disconnect)."""
+        """All events of a non-streaming request (polls for a disconnect); an
+        engine failure raises its 500."""
         outs: list[EngineOutput] = []
         last_check = time.monotonic()
         while True:
@@ -85,6 +86,8 @@ class _Submitted:
             outs.append(out)
             if out.finished:
                 self.finished = True
+                if out.finish_reason == "error":
+                    raise _engine_error(out)
                 return outs
 
 
@@ -117,8 +120,6 @@ async def chat_full(state: ServerState, prep: Prepared, http: HTTPRequest) -> di
     sub = _Submitted(state, prep)
     outs = await sub.collect(http)
     last = outs[-1]
-    if last.finish_reason == "error":
-        raise _engine_error(last)
     text = "".join(o.text for o in outs)
     content: str | None = text
     calls = []
@@ -196,8 +197,6 @@ async def completion_full(state: ServerState, prep: Prepared, http: HTTPRequest)
     sub = _Submitted(state, prep)
     outs = await sub.collect(http)
     last = outs[-1]
-    if last.finish_reason == "error":
-        raise _engine_error(last)
     return {
         "id": prep.request_id, "object": "text_completion", "created": prep.created, "model": state.served_name,
         "choices": [{"index": 0, "text": "".join(o.text for o in outs), "logprobs": None,
