@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import traceback
@@ -48,19 +47,6 @@ PROMPTS = [
 ]
 
 
-def _engine(spec, weights, backend, *, max_batch=8, max_len=256, mode="fast"):
-    from megac.engine.build import EngineOptions, build_engine
-
-    return build_engine(spec, weights, EngineOptions(backend=backend, max_batch_size=max_batch, max_model_len=max_len,
-                                                     mode=mode))
-
-
-def _gen(eng, prompts, n):
-    from megac.engine.generate import generate
-
-    return generate(eng, prompts, max_tokens=n, eos_token_ids=[], return_logits=True)
-
-
 def check_tiny() -> dict:
     import torch
 
@@ -73,16 +59,16 @@ def check_tiny() -> dict:
         w = random_weights(spec, seed=7, dtype=torch.bfloat16)
         prompts = [[(17 * i + 3 * j) % spec.vocab_size for j in range(n)] for i, n in enumerate((5, 37, 12))]
         t0 = time.perf_counter()
-        gpu = _engine(spec, w, "cuda")
-        a = _gen(gpu, prompts, 8)
-        b = _gen(gpu, prompts, 8)
-        alone = [_gen(gpu, [p], 8)[0] for p in prompts]
-        vm = _gen(_engine(spec, w, "cpu"), prompts, 8)
+        gpu = scale.engine(spec, w, "cuda", max_batch_size=8, max_model_len=256)
+        a = scale.generate_all(gpu, prompts, 8)
+        b = scale.generate_all(gpu, prompts, 8)
+        alone = [scale.generate_all(gpu, [p], 8)[0] for p in prompts]
+        vm = scale.generate_all(scale.engine(spec, w, "cpu", max_batch_size=8, max_model_len=256), prompts, 8)
         cos, same_tok = [], []
         for g, v in zip(a, vm):
             same_tok.append(g.tokens == v.tokens)
             for x, y in zip(g.logits, v.logits):
-                cos.append(float(torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=0)))
+                cos.append(scale.cosine(x, y))
         out[name] = {
             "tokens_equal_vm": same_tok,
             "min_cos_vs_vm": min(cos),
@@ -90,7 +76,7 @@ def check_tiny() -> dict:
             "alone_equals_batch": all(torch.equal(x, y) for g, h in zip(a, alone) for x, y in zip(g.logits, h.logits)),
             "gpu_tokens": [g.tokens for g in a],
             "vm_tokens": [v.tokens for v in vm],
-            "kernel_ms_median": sorted(gpu.backend.kernel_ms)[len(gpu.backend.kernel_ms) // 2],
+            "kernel_ms_median": scale.median(gpu.backend.kernel_ms),
             "seconds": round(time.perf_counter() - t0, 2),
         }
     return out
@@ -109,7 +95,7 @@ def check_hang() -> dict:
 
     spec = load_spec("tiny-llama")
     w = random_weights(spec, seed=7, dtype=torch.bfloat16)
-    eng = _engine(spec, w, "cuda", max_batch=1)
+    eng = scale.engine(spec, w, "cuda", max_batch_size=1, max_model_len=256)
     be = eng.backend
     sched = be.schedules.pick(1, 64)
     t = sched.tasks.copy()
@@ -141,8 +127,8 @@ def check_hang() -> dict:
     be.watchdog_ns = 2_000_000_000
     eng.kv.free_row(row)
     prompts = [[5, 6, 7, 8]]
-    after = _gen(eng, prompts, 4)
-    vm = _gen(_engine(spec, w, "cpu", max_batch=1), prompts, 4)
+    after = scale.generate_all(eng, prompts, 4)
+    vm = scale.generate_all(scale.engine(spec, w, "cpu", max_batch_size=1, max_model_len=256), prompts, 4)
     res["next_launch_tokens"] = after[0].tokens
     res["next_launch_matches_vm"] = after[0].tokens == vm[0].tokens
     return res
@@ -162,8 +148,8 @@ def check_smollm2() -> dict:
         ids = tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
     n = 24
-    eng = _engine(spec, loaded.weights, "cuda", max_batch=8, max_len=512)
-    outs = _gen(eng, prompts, n)
+    eng = scale.engine(spec, loaded.weights, "cuda", max_batch_size=8, max_model_len=512)
+    outs = scale.generate_all(eng, prompts, n)
     path = smollm2_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=torch.bfloat16).cuda().eval()
@@ -198,14 +184,13 @@ def check_smollm2() -> dict:
         r["fp32_argmax_is"] = ("megakernel" if int(lg.argmax()) == mine[first] else
                                "transformers_bf16" if int(lg.argmax()) == ref[first] else "neither")
     return {"prompts": len(rows), "identical": sum(r["equal"] for r in rows), "rows": rows,
-            "kernel_ms_median": sorted(eng.backend.kernel_ms)[len(eng.backend.kernel_ms) // 2]}
+            "kernel_ms_median": scale.median(eng.backend.kernel_ms)}
 
 
 def check_orders() -> dict:
     """The three wave orders run the same tiles: identical tokens and logits."""
     import torch
 
-    from megac.engine.build import EngineOptions, build_engine
     from megac.spec import load_spec
     from megac.weights import random_weights
 
@@ -214,8 +199,8 @@ def check_orders() -> dict:
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6] * 7]
     got = {}
     for order in ("tuned", "interleaved", "attention-first"):
-        eng = build_engine(spec, w, EngineOptions(backend="cuda", order=order, max_batch_size=2, max_model_len=128))
-        got[order] = _gen(eng, prompts, 8)
+        eng = scale.engine(spec, w, "cuda", order=order, max_batch_size=2, max_model_len=128)
+        got[order] = scale.generate_all(eng, prompts, 8)
     ref = got["tuned"]
     return {order: all(a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
                        for a, b in zip(ref, outs)) for order, outs in got.items()}

@@ -35,27 +35,33 @@ import time
 DEV = os.environ.get("MEGAC_CHECK_DEVICE", "cuda")
 
 
-def _engine(spec, weights, **kw):
+def engine(spec, weights, backend=None, **kw):
+    """An engine on ``backend`` (default: the megakernel, or the VM in a CPU
+    dry run) with EngineOptions ``kw``."""
     from megac.engine.build import EngineOptions, build_engine
 
-    return build_engine(spec, weights, EngineOptions(backend="cuda" if DEV == "cuda" else "cpu", **kw))
+    backend = backend or ("cuda" if DEV == "cuda" else "cpu")
+    return build_engine(spec, weights, EngineOptions(backend=backend, **kw))
 
 
-def _gen(eng, prompts, n):
+def generate_all(eng, prompts, n):
+    """Greedy, ``n`` tokens per prompt, no EOS, logits kept."""
     from megac.engine.generate import generate
 
     return generate(eng, prompts, max_tokens=n, eos_token_ids=[], return_logits=True)
 
 
-def _cos(a, b) -> float:
+
+def cosine(a, b) -> float:
     import torch
 
     return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
 
 
-def _median(xs):
+def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else None
+
 
 
 # ---------------------------------------------------------------- batch
@@ -69,11 +75,11 @@ def check_batch() -> dict:
     w = random_weights(spec, seed=21, dtype=torch.bfloat16)
     lens = (1, 3, 17, 33, 64, 5, 40, 100)
     prompts = [[(31 * i + 7 * j + 1) % spec.vocab_size for j in range(n)] for i, n in enumerate(lens)]
-    eng = _engine(spec, w, max_batch_size=8, max_model_len=512)
-    alone = [_gen(eng, [p], 8)[0] for p in prompts]
+    eng = engine(spec, w, max_batch_size=8, max_model_len=512)
+    alone = [generate_all(eng, [p], 8)[0] for p in prompts]
     out = {}
     for b in range(1, 9):
-        got = _gen(eng, prompts[:b], 8)
+        got = generate_all(eng, prompts[:b], 8)
         out[b] = all(g.tokens == a.tokens and all(torch.equal(x, y) for x, y in zip(g.logits, a.logits))
                      for g, a in zip(got, alone))
     return {"batch_equals_alone": out, "all": all(out.values())}
@@ -115,8 +121,8 @@ def check_configs() -> dict:
         w = random_weights(spec, seed=5, dtype=torch.bfloat16)
         prompts = [[(13 * i + 5 * j + 2) % spec.vocab_size for j in range(n)] for i, n in enumerate((5, 40, 77))]
         steps = 10
-        eng = _engine(spec, w, max_batch_size=4, max_model_len=256)
-        outs = _gen(eng, prompts, steps)
+        eng = engine(spec, w, max_batch_size=4, max_model_len=256)
+        outs = generate_all(eng, prompts, steps)
         del eng
         model = hf_model(spec, w.to(torch.float32)).to(DEV).eval()
         cos, top1, free_equal, disagree = [], [], [], []
@@ -126,7 +132,7 @@ def check_configs() -> dict:
                 ref = model(input_ids=seq, use_cache=False).logits[0].float().cpu()
                 for t in range(steps):
                     r = ref[len(p) - 1 + t]
-                    cos.append(_cos(o.logits[t], r))
+                    cos.append(cosine(o.logits[t], r))
                     top1.append(int(r.argmax()) == o.tokens[t])
                     if not top1[-1]:  # the reference's margin of its choice over the megakernel's
                         disagree.append(round(float(r.max() - r[o.tokens[t]]), 5))
@@ -186,17 +192,17 @@ def check_contexts() -> dict:
     res = {}
     for label, lens, steps in (("mixed", (1, 1021, 4093, 32765), 8), ("128k", (131000,), 4)):
         prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in lens]
-        eng = _engine(spec, w, max_batch_size=len(lens), max_model_len=spec.max_context, prefill_chunk=4096,
+        eng = engine(spec, w, max_batch_size=len(lens), max_model_len=spec.max_context, prefill_chunk=4096,
                       kv_cache_memory_gb=8.0, prefix_caching=False)
         t0 = time.perf_counter()
-        outs = _gen(eng, prompts, steps)
+        outs = generate_all(eng, prompts, steps)
         buckets = sorted({s.context for s in eng.backend.schedules.schedules})
         del eng
         torch.cuda.empty_cache()
         rows = []
         for p, o in zip(prompts, outs):
             ref = _reference_run(w32, spec, p, o.tokens)
-            cos = [_cos(a, b) for a, b in zip(o.logits, ref)]
+            cos = [cosine(a, b) for a, b in zip(o.logits, ref)]
             rows.append({"len": len(p), "min_cos": min(cos),
                          "top1": sum(int(r.argmax()) == t for r, t in zip(ref, o.tokens)) / len(ref)})
         res[label] = {"rows": rows, "seconds": round(time.perf_counter() - t0, 1), "buckets": buckets}
@@ -293,7 +299,7 @@ def routed_comparison(spec, w, prompts, steps: int, max_len: int = 1024) -> dict
     left is the arithmetic."""
     import torch
 
-    eng = _engine(spec, w, max_batch_size=len(prompts), max_model_len=max_len, kv_cache_memory_gb=4.0)
+    eng = engine(spec, w, max_batch_size=len(prompts), max_model_len=max_len, kv_cache_memory_gb=4.0)
     be, kv = eng.backend, eng.kv
     moe_layers = [i for i, ls in enumerate(spec.layers) if ls.ffn == "moe"]
     rows = [kv.allocate_row() for _ in prompts]
@@ -319,7 +325,7 @@ def routed_comparison(spec, w, prompts, steps: int, max_len: int = 1024) -> dict
             toks[r].append(int(out[i].argmax()))
             for j, layer in enumerate(moe_layers):
                 routes[r][j].append(ids[layer, i:i + 1].long())
-    kms = _median(be.kernel_ms)
+    kms = median(be.kernel_ms)
     del eng, be, kv
     torch.cuda.empty_cache()
     res = []
@@ -330,9 +336,9 @@ def routed_comparison(spec, w, prompts, steps: int, max_len: int = 1024) -> dict
                 f.forced = [torch.cat(x) for x in routes[r]]
                 ref = nmc_reference(w, spec, seq).cpu()
             at = [len(p) - 1 + t for t in range(steps)]
-            cos = [_cos(logits[r][t], ref[a]) for t, a in enumerate(at)]
+            cos = [cosine(logits[r][t], ref[a]) for t, a in enumerate(at)]
             ties = [(moe_layers[j], n, round(m, 5)) for j, (n, m) in enumerate(f.diffs) if n]
-            res.append({"len": len(p), "min_cos": min(cos), "median_cos": _median(cos),
+            res.append({"len": len(p), "min_cos": min(cos), "median_cos": median(cos),
                         "top1_agreement": sum(int(ref[a].argmax()) == toks[r][t] for t, a in enumerate(at)) / steps,
                         "positions": len(seq), "expert_choice_differences": sum(n for _, n, _ in ties),
                         "max_near_tie_margin": max((m for _, _, m in ties), default=0.0),
@@ -484,8 +490,8 @@ def _step_times(eng, batch: int, context: int, steps: int = 30) -> dict:
         wall.append((time.perf_counter() - t0) * 1e3)
     for r in rows:
         kv.free_row(r)
-    k = _median(be.kernel_ms[5:])
-    s = _median(wall[5:])
+    k = median(be.kernel_ms[5:])
+    s = median(wall[5:])
     return {"batch": batch, "context": context, "kernel_ms": round(k, 4), "step_ms": round(s, 4),
             "tok_s_kernel": round(batch * 1e3 / k, 1), "tok_s_step": round(batch * 1e3 / s, 1)}
 
@@ -534,7 +540,7 @@ def _run_fake(eng, sched, tasks, counts, num_counters, batch, context, steps=12,
             for r in rows:
                 kv.append_slot(r)
             be.decode(rows, [1] * len(rows))
-        return _median(be.kernel_ms[3:])
+        return median(be.kernel_ms[3:])
     except MegakernelHang:
         return None
     finally:
@@ -624,7 +630,7 @@ def check_speed() -> dict:
     out = {}
     spec = load_spec("north-mini-code")
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-    eng = _engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
+    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
     _noise_kv(eng)
     out["nmc"] = [_step_times(eng, b, 8192) for b in (1, 8)]
     out["fixed_cost"] = fixed_cost(eng)
@@ -633,7 +639,7 @@ def check_speed() -> dict:
     torch.cuda.empty_cache()
     # SmolLM2's shape with random weights: the same bytes move as with the real ones
     spec = load_spec("smollm2-135m")
-    eng = _engine(spec, random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV), max_batch_size=1,
+    eng = engine(spec, random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV), max_batch_size=1,
                   max_model_len=8192)
     _noise_kv(eng)
     out["smollm2"] = [_step_times(eng, 1, c) for c in (1024, 8192 - 64)]
