@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from megac.sampling import SamplingParams, make_generator
+from megac.sampling import NoiseStream, SamplingParams, make_stream
 
 _ids = itertools.count()
 
@@ -106,7 +106,7 @@ class Request:
         self.output_ids: list[int] = []
         self.row: int | None = None
         self.num_computed = 0  # tokens of prompt+output whose K/V the row holds
-        self.generator: torch.Generator = make_generator(params.seed)
+        self.stream: NoiseStream = make_stream(params.seed)
         self.admit_seq = -1  # admission order (preemption victims: the latest)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache (first admission)
         self.num_preemptions = 0

@@ -28,7 +28,7 @@ aligned chunks, and the prefix cache only hands out whole chunks computed the
 same way, so the cache contents never change a row's numbers; a preempted
 request is recomputed exactly as it was computed the first time (prompt
 chunks, then its generated tokens one decode step at a time) and keeps its
-sampler generator. Greedy or seeded output is therefore identical alone,
+sampler noise stream. Greedy or seeded output is therefore identical alone,
 batched, after a preemption and with or without prefix hits.
 """
 
@@ -45,7 +45,8 @@ from megac.engine.prefix_cache import PrefixCache
 from megac.engine.request import Phase, Request, Status
 from megac.errors import MegacError
 from megac.kv.paged import KVOutOfBlocks, blocks_for_tokens
-from megac.sampling import sample_row
+from megac.runtime.backend import decode_and_sample
+from megac.sampling import RowSampling, sample_row
 
 if TYPE_CHECKING:
     from megac.runtime.backend import Backend
@@ -346,12 +347,15 @@ class Engine:
         batch = [r for r in batch if r.status is Status.RUNNING]
         if not batch:
             return 0
-        logits = self.backend.decode([r.row for r in batch], [r.next_input() for r in batch])
+        samples = [RowSampling(r.params, r.stream, r.output_ids, r.eos_ids) if r.phase is Phase.DECODE else None
+                   for r in batch]
+        keep = any(r.keep_logits and s is not None for r, s in zip(batch, samples))
+        tokens, logits = decode_and_sample(self.backend, [r.row for r in batch], [r.next_input() for r in batch],
+                                           samples, keep_logits=keep)
         for i, req in enumerate(batch):
-            sample = req.phase is Phase.DECODE
             req.num_computed += 1
-            if sample:
-                self._emit(req, logits[i])
+            if samples[i] is not None:
+                self._accept(req, tokens[i], logits[i] if keep else None)
         return len(batch)
 
     # ------------------------------------------------------------------ prefill
@@ -391,9 +395,13 @@ class Engine:
     # ------------------------------------------------------------------ output
 
     def _emit(self, req: Request, logits) -> None:
+        """Sample the first token from a prompt's last logits (where they live)."""
+        tok = sample_row(logits, req.params, req.stream, req.output_ids, req.eos_ids)
+        self._accept(req, tok, logits)
+
+    def _accept(self, req: Request, tok: int, logits=None) -> None:
         if req.keep_logits:
-            req.logits.append(logits)
-        tok = sample_row(logits, req.params, req.generator, req.output_ids, req.eos_ids)
+            req.logits.append(logits.float().cpu())
         now = time.monotonic()
         out = req.append_token(tok, self.config.max_model_len)
         if req.first_token_time is None:

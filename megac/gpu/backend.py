@@ -4,6 +4,7 @@
 
     be = CudaBackend(spec, weights, kv, schedules, artifact_dir)   # weights bf16, kv on the GPU
     logits = be.decode(rows, tokens)                                # one launch per step
+    tokens, _ = be.decode_sample(rows, tokens, samples)             # sampled on the GPU
 
 At construction: the artifact's megakernel cubin (built here with nvcc when
 it is not cached), the kernel-layout weights on the GPU (bf16), every
@@ -13,7 +14,8 @@ bucket). Each step: the host side of the step (:mod:`megac.runtime.step`:
 rows and page tables, split counts and the attention queue) into pinned
 staging and up, the seed (embedding gather + first RMSNorm, on the GPU),
 the reset of counters, claim cursors and the status word, one cooperative
-launch, then the logits. A watchdog abort raises :class:`MegakernelHang`
+launch, then the logits, or (``decode_sample``) the tokens sampled on the
+GPU: greedy rows from the LM head's argmax records, only token ids cross. A watchdog abort raises :class:`MegakernelHang`
 naming the waiting task, its counter and the producers that never arrived;
 the next step launches normally.
 
@@ -159,11 +161,11 @@ class CudaBackend(TorchPrefillMixin):
         return packed
 
     # ------------------------------------------------------------------ one step
-    def decode(self, rows: Sequence[int], token_ids: Sequence[int]):
+    def _step(self, rows: list[int], token_ids: Sequence[int]) -> None:
+        """One launch over ``rows``; raises MegakernelHang on a watchdog abort."""
         torch = _torch()
         from megac.gpu import launch
 
-        rows = [int(r) for r in rows]
         if len(token_ids) != len(rows):
             raise MegacError(f"cuda: {len(token_ids)} tokens for {len(rows)} rows")
         sched = self.schedules.for_rows(self.kv, rows)
@@ -196,11 +198,32 @@ class CudaBackend(TorchPrefillMixin):
         status = b["status"].cpu().numpy()
         if status[abi.STATUS_ABORT]:
             raise self._hang(sched, status)
-        logits = host.finish_rows(self.kv, rows, b["logits"], float(self.spec.logit_scale))
-        return logits.cpu()
+
+    def decode(self, rows: Sequence[int], token_ids: Sequence[int]):
+        rows = [int(r) for r in rows]
+        self._step(rows, token_ids)
+        return host.finish_rows(self.kv, rows, self.buf["logits"], float(self.spec.logit_scale)).cpu()
+
+    def decode_sample(self, rows: Sequence[int], token_ids: Sequence[int], samples, *, keep_logits: bool = False):
+        """One step, sampled on the GPU: plain greedy rows from the argmax
+        records (valid while ``logit_scale > 0`` keeps the order), the others
+        through :func:`megac.sampling.sample_rows` on the GPU logits; one
+        copy of the token ids to the host."""
+        from megac.sampling import sample_rows
+
+        rows = [int(r) for r in rows]
+        self._step(rows, token_ids)
+        scale = float(self.spec.logit_scale)
+        n = len(rows)
+        greedy = host.greedy_from_records(self.buf["argmax_part"][:n]) if scale > 0 else None
+        logits = host.finish_rows(self.kv, rows, self.buf["logits"], scale)
+        tokens = sample_rows(logits, samples, greedy=greedy)
+        return tokens, (logits.float().cpu() if keep_logits else None)
+
 
     def prefill(self, row: int, token_ids: Sequence[int]):
-        return super().prefill(row, token_ids).float().cpu()
+        """The last token's fp32 logits, left on the GPU (the engine samples there)."""
+        return super().prefill(row, token_ids).float()
 
     # ------------------------------------------------------------------ the watchdog report
     def _hang(self, sched, status: np.ndarray) -> MegakernelHang:

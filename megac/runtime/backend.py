@@ -13,6 +13,8 @@ Protocol (:class:`Backend`)::
     spec, weights, kv         # what it was built over
     decode(rows, token_ids) -> torch.Tensor   # fp32 [len(rows), vocab]
     prefill(row, token_ids) -> torch.Tensor   # fp32 [vocab], last token
+    # optional: sample where the logits live, hand back token ids only
+    decode_sample(rows, token_ids, samples, keep_logits=False) -> (tokens, logits | None)
 
 ``decode``: ``token_ids[i]`` is the current token of KV row ``rows[i]``; its
 K/V is appended at the row's ``seq_pos``, which advances by one. The engine
@@ -24,6 +26,13 @@ chunked prefill, prefix-cache hits); may raise
 :class:`~megac.kv.paged.KVOutOfBlocks` *before changing anything* (the engine
 evicts or preempts and retries). The default is :func:`megac.prefill.prefill_row`
 (plain PyTorch), which every backend shares.
+
+``decode_sample``: a backend on a device samples there (the CUDA backend:
+greedy rows from the LM head's argmax records, the others through
+:func:`megac.sampling.sample_rows` on the GPU), so only token ids cross to
+the host; :func:`decode_and_sample` falls back to ``decode`` + ``sample_rows``
+for the others. ``samples[i]`` is None for a row whose logits are dropped
+(a replayed token after a preemption).
 
 Determinism contract: a row's logits depend only on that row's tokens and on
 the shapes of the calls that produced its cache (the engine keeps those
@@ -55,6 +64,20 @@ class Backend(Protocol):
     def decode(self, rows: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor: ...
 
     def prefill(self, row: int, token_ids: Sequence[int]) -> torch.Tensor: ...
+
+
+def decode_and_sample(backend, rows: Sequence[int], token_ids: Sequence[int], samples, *,
+                      keep_logits: bool = False):
+    """One decode step and the next token of each row whose ``samples`` entry
+    is not None: ``(tokens, logits)``, logits fp32 on the CPU when
+    ``keep_logits`` else None."""
+    fn = getattr(backend, "decode_sample", None)
+    if fn is not None:
+        return fn(rows, token_ids, samples, keep_logits=keep_logits)
+    from megac.sampling import sample_rows
+
+    logits = backend.decode(rows, token_ids)
+    return sample_rows(logits, samples), (logits.float().cpu() if keep_logits else None)
 
 
 class TorchPrefillMixin:
@@ -89,4 +112,4 @@ class ReferenceBackend(TorchPrefillMixin):
         return decode_step(self.weights, self.spec, self.kv, list(token_ids), list(rows))
 
 
-__all__ = ["BACKEND_KINDS", "Backend", "ReferenceBackend", "TorchPrefillMixin"]
+__all__ = ["BACKEND_KINDS", "Backend", "ReferenceBackend", "TorchPrefillMixin", "decode_and_sample"]

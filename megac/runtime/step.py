@@ -120,4 +120,19 @@ def finish_rows(kv, kv_rows: Sequence[int], logits: torch.Tensor, logit_scale: f
     return out
 
 
-__all__ = ["check_tokens", "finish_rows", "host_words", "load_rows", "seed_rows"]
+def greedy_from_records(records: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: each row's greedy token from its LM-head argmax records
+    (int32 ``[n, lm_tiles, ARGMAX_RECORD_WORDS]``), by the ABI's greedy rule
+    (:func:`megac.abi.argmax_select`: largest value, lowest index among equal
+    values, a NaN above everything), on the records' device: only the token
+    ids need to leave it."""
+    vals = records[..., 0].contiguous().view(torch.float32)
+    idx = records[..., 1].to(torch.int64)
+    nan = torch.isnan(vals)
+    top = torch.where(nan, torch.full_like(vals, float("-inf")), vals).amax(dim=-1, keepdim=True)
+    cand = torch.where(nan.any(dim=-1, keepdim=True), nan, vals == top)
+    big = torch.iinfo(torch.int64).max
+    return torch.where(cand, idx, torch.full_like(idx, big)).amin(dim=-1)
+
+
+__all__ = ["check_tokens", "finish_rows", "greedy_from_records", "host_words", "load_rows", "seed_rows"]

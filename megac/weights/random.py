@@ -26,11 +26,11 @@ Scales keep activations O(1) through many layers:
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING, Iterable
 
 import torch
 
+from megac.rng import hash24, stream_key
 from megac.weights.canonical import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
@@ -38,43 +38,18 @@ if TYPE_CHECKING:
 
 
 def _key(seed: int, name: str) -> int:
-    h = hashlib.blake2b(f"{int(seed)}:{name}".encode(), digest_size=4).digest()
-    return int.from_bytes(h, "little")
+    return stream_key(int(seed), name)
 
 
-def _i32(u: int) -> int:
-    """A uint32 constant as the int32 with the same bits."""
-    return u - (1 << 32) if u >= 1 << 31 else u
-
-
-_GOLDEN = _i32(0x9E3779B9)
-_MIX = (_i32(0x7FEB352D), _i32(0x846CA68B))
 _SQRT3 = 3.0 ** 0.5
 #: elements hashed per pass (bounds the temporaries)
 _CHUNK = 1 << 24
 
 
-def _hash24(start: int, n: int, key: int, device) -> torch.Tensor:
-    """int32 [n]: the top 24 bits of lowbias32(i * golden + key) for
-    counters i = start .. start+n-1, in place on int32 tensors (32-bit
-    arithmetic wraps the same on every device; arithmetic shifts are masked
-    to logical ones)."""
-    z = torch.arange(start, start + n, dtype=torch.int32, device=device)
-    z.mul_(_GOLDEN).add_(_i32(key))
-    t = torch.empty_like(z)
-    for k, m in ((16, _MIX[0]), (15, _MIX[1]), (16, None)):
-        torch.bitwise_right_shift(z, k, out=t)
-        t.bitwise_and_((1 << (32 - k)) - 1)
-        z.bitwise_xor_(t)
-        if m is not None:
-            z.mul_(m)
-    return z.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
-
-
 def _uniform_unit(start: int, n: int, key: int, device) -> torch.Tensor:
     """fp32 uniform in [-sqrt 3, sqrt 3) for counters start .. start+n-1."""
     f32 = dict(dtype=torch.float32, device=device)
-    u = _hash24(start, n, key, device).to(torch.float32)
+    u = hash24(start, n, key, device).to(torch.float32)
     u.mul_(torch.tensor(2.0 ** -24, **f32)).mul_(torch.tensor(2 * _SQRT3, **f32))
     return u.sub_(torch.tensor(_SQRT3, **f32))
 

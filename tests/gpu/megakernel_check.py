@@ -16,6 +16,11 @@ Checks:
            next step runs correctly.
   rng      the counter-based random weights: the same bits on CPU and GPU.
   orders   tiny-moe under the three wave orders: bit-identical tokens and logits.
+  sampling sampling on the GPU (tiny-moe): greedy tokens from the argmax
+           records equal the argmax of the step's logits; seeded
+           temperature/top-p/top-k tokens drawn on the GPU equal the CPU
+           sampler's on the same logits and noise stream; seeded generation
+           is the same batched as alone, and seed-dependent.
   nmc_slice  North Mini Code layers 0, 1, 4 at real widths against fp32.
   (and the larger checks of gpu.megakernel_scale: batch, configs, contexts,
   nmc_full, speed)
@@ -80,6 +85,90 @@ def check_tiny() -> dict:
             "seconds": round(time.perf_counter() - t0, 2),
         }
     return out
+
+
+def check_sampling() -> dict:
+    import torch
+
+    from megac import abi
+    from megac.runtime.backend import decode_and_sample
+    from megac.runtime.step import greedy_from_records
+    from megac.sampling import RowSampling, SamplingParams, make_stream, sample_row
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("tiny-moe")
+    w = random_weights(spec, seed=7, dtype=torch.bfloat16)
+    eng = scale.engine(spec, w, max_batch_size=8, max_model_len=256)
+    be = eng.backend
+    on_gpu = hasattr(be, "buf")  # a CPU dry run (MEGAC_CHECK_DEVICE=cpu) has no argmax records to read
+    prompts = [[(13 * i + 5 * j) % spec.vocab_size for j in range(n)] for i, n in enumerate((3, 9, 30, 17, 5, 22))]
+    rows = [eng.kv.allocate_row() for _ in prompts]
+    toks = []
+    for r, p in zip(rows, prompts):
+        toks.append(int(torch.argmax(be.prefill(r, p))))
+    # tiny-moe's tied random embeddings put the current token ~15 logits
+    # above the rest: temperatures 6-8 make the draws spread over many tokens
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=8.0, top_p=0.9, seed=11),
+             SamplingParams(temperature=6.0, top_k=20, seed=12), SamplingParams(temperature=0.0, logit_bias={3: 40.0}),
+             SamplingParams(temperature=7.0, min_p=0.05, presence_penalty=5.0, seed=13),
+             SamplingParams(temperature=8.0, seed=14)]
+    streams = [make_stream(p.seed) if not p.greedy else None for p in kinds]
+    outs: list[list[int]] = [[] for _ in kinds]
+    greedy_ok = records_ok = sampled_ok = 0
+    greedy_n = sampled_n = 0
+    mismatches = []
+    distinct: set = set()
+    for step in range(24):
+        for r in rows:
+            eng.kv.append_slot(r)
+        samples = [RowSampling(p, s, outs[i]) for i, (p, s) in enumerate(zip(kinds, streams))]
+        got, logits = decode_and_sample(be, rows, toks, samples, keep_logits=True)
+        if on_gpu:
+            rec = be.buf["argmax_part"][: len(rows)]
+            records_ok += greedy_from_records(rec).cpu().tolist() == abi.argmax_reduce(rec.cpu().numpy())[0].tolist()
+        for i, p in enumerate(kinds):
+            if p.greedy:
+                greedy_n += 1
+                x = logits[i].clone()
+                for t, bias in (p.logit_bias or {}).items():
+                    x[t] += bias
+                greedy_ok += got[i] == int(torch.argmax(x))
+            else:
+                cpu_stream = make_stream(p.seed)
+                cpu_stream.step = streams[i].step - 1
+                want = sample_row(logits[i], p, cpu_stream, outs[i])
+                sampled_n += 1
+                distinct.add(want)
+                sampled_ok += got[i] == want
+                if got[i] != want:
+                    mismatches.append([step, i, got[i], want])
+        toks = got
+        for i, t in enumerate(got):
+            outs[i].append(t)
+    for r in rows:
+        eng.kv.free_row(r)
+    from megac.engine.generate import generate
+
+    gp = [[(7 * i + j) % spec.vocab_size for j in range(6 + 5 * i)] for i in range(5)]
+    seeds = [100 + i for i in range(5)]
+    batched = generate(eng, gp, max_tokens=12, temperature=8.0, top_p=0.95, seed=seeds, eos_token_ids=[])
+    alone = [generate(eng, [p], max_tokens=12, temperature=8.0, top_p=0.95, seed=[s], eos_token_ids=[])[0]
+             for p, s in zip(gp, seeds)]
+    other = generate(eng, gp, max_tokens=12, temperature=8.0, top_p=0.95, seed=[s + 50 for s in seeds],
+                     eos_token_ids=[])
+    return {
+        "steps": 24,
+        "on_gpu": on_gpu,
+        "records_equal_host_reduction_steps": records_ok,
+        "greedy_equal_logits_argmax": [greedy_ok, greedy_n],
+        "sampled_equal_cpu_sampler": [sampled_ok, sampled_n],
+        "mismatches": mismatches[:10],
+        "distinct_sampled_tokens": len(distinct),
+        "seeded_batched_equals_alone": [b.tokens == a.tokens for b, a in zip(batched, alone)],
+        "other_seeds_differ": sum(b.tokens != o.tokens for b, o in zip(batched, other)),
+        "tokens": [b.tokens for b in batched],
+    }
 
 
 def check_hang() -> dict:
@@ -293,6 +382,7 @@ def check_serve() -> dict:
 
 
 CHECKS = {"serve": check_serve, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
+          "sampling": check_sampling,
           "orders": check_orders, "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 
 

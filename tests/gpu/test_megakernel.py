@@ -64,6 +64,21 @@ def test_broken_schedule_raises_a_hang_naming_the_root_cause(tmp_path):
     assert r["next_launch_matches_vm"]
 
 
+def test_sampling_on_the_gpu(tmp_path):
+    """Greedy from the argmax records = argmax of the logits (every step);
+    seeded draws on the GPU = the CPU sampler on the same logits and stream
+    (a mismatch could only come from a last-ulp difference of log deciding a
+    race, ~1e-7 per draw: none expected in 96); batched = alone; the seed
+    matters; the draws spread (not one token repeated)."""
+    r = _run("sampling", tmp_path)
+    assert r["on_gpu"]
+    assert r["records_equal_host_reduction_steps"] == r["steps"]
+    assert r["greedy_equal_logits_argmax"][0] == r["greedy_equal_logits_argmax"][1]
+    assert r["sampled_equal_cpu_sampler"][0] == r["sampled_equal_cpu_sampler"][1], r["mismatches"]
+    assert all(r["seeded_batched_equals_alone"])
+    assert r["other_seeds_differ"] >= 3 and r["distinct_sampled_tokens"] >= 20
+
+
 def test_wave_orders_give_identical_bits(tmp_path):
     assert all(_run("orders", tmp_path).values())
 
