@@ -1,7 +1,11 @@
 """The OpenAI-compatible server (``megac serve``) and its load client
 (``megac bench-serve``).
 
-* :mod:`megac.server.app` -- FastAPI app: routes, API-key and HTTP-counter middleware, stats log
+* :mod:`megac.server.app` -- FastAPI app: routes, stats log
+* :mod:`megac.server.guard` -- middleware: API key, request body limit, HTTP counter
+* :mod:`megac.server.offload` -- request work (parse, template, tokenize) on worker threads
+* :mod:`megac.server.prompt_length` -- the context-length error; too-long prompts refused before tokenizing
+* :mod:`megac.server.shutdown` -- graceful SIGTERM: in-flight requests end with an error event
 * :mod:`megac.server.config` -- ``ServeConfig``, every ``megac serve`` option
 * :mod:`megac.server.errors` -- ``APIError`` (the OpenAI error envelope), ``bad``, ``ClientGone``
 * :mod:`megac.server.state` -- ``ServerState``: loaded model, tokenizer, engine; readiness checks

@@ -2,17 +2,22 @@
 
 Routes
     ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming or
-    not), ``GET /v1/models``, ``GET /health`` (503 until the model is loaded
+    not), ``GET /v1/models`` + ``/v1/models/{id}``, ``GET /health`` (503 until the model is loaded
     and one warm-up request went through the engine; 503 again if the engine
     died), ``GET /metrics`` (Prometheus, :mod:`megac.server.metrics`),
     ``POST /tokenize`` + ``/v1/tokenize``, ``POST /detokenize`` +
     ``/v1/detokenize``, ``GET /version``.
 
 Configuration in :mod:`megac.server.config`, the error envelope in
-:mod:`megac.server.errors`, the loaded model and engine in
+:mod:`megac.server.errors`, the API key, body limit and HTTP counter in
+:mod:`megac.server.guard`, the loaded model and engine in
 :mod:`megac.server.state` (built by :mod:`megac.server.startup`), request
 validation in :mod:`megac.server.prepare`, answers and SSE streams in
 :mod:`megac.server.responses`.
+
+Handlers parse, template, tokenize and detokenize on worker threads
+(:mod:`megac.server.offload`): the event loop only moves bytes, so
+``/health`` and running streams never wait for a large request.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from megac.server import protocol as P
 from megac.server.chat import ChatTemplateError, render_chat
 from megac.server.config import ServeConfig
-from megac.server.errors import APIError, ClientGone, bad
+from megac.server.errors import APIError, ClientGone, bad, clip
+from megac.server.guard import GuardAndCount
 from megac.server.metrics import CONTENT_TYPE
+from megac.server.offload import off_loop
 from megac.server.prepare import _message_dicts, prepare_chat, prepare_completion
 from megac.server.responses import (_sse_response, _Submitted, chat_full, chat_stream, completion_full,
                                     completion_stream)
@@ -59,7 +66,7 @@ def _parse(cls, body: bytes):
         raise bad(msg, param, "invalid_json" if param is None and "JSON" in msg else "invalid_value")
     extra = P.unknown_fields(model)
     if extra:
-        log.info("ignored unknown request fields: %s", ", ".join(extra))
+        log.info("ignored unknown request fields: %s", clip(", ".join(extra), 500))
     return model
 
 
@@ -70,6 +77,7 @@ def create_app(cfg: ServeConfig, state: ServerState | None = None, *, load: bool
     stats_task: list[asyncio.Task] = []
 
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()  # the shutdown signal hands work to it
         if load:
             threading.Thread(target=state.load, name="megac-loader", daemon=True).start()
         if cfg.log_stats_interval > 0:
@@ -104,7 +112,8 @@ def create_app(cfg: ServeConfig, state: ServerState | None = None, *, load: bool
         log.exception("internal error")
         return APIError(500, f"internal server error: {type(err).__name__}: {err}").response()
 
-    app.add_middleware(_AuthAndCount, state=state, api_key=cfg.api_key)
+    app.add_middleware(GuardAndCount, state=state, api_key=cfg.api_key, max_request_bytes=cfg.max_request_bytes,
+                       metrics_without_key=cfg.metrics_without_key)
 
     @app.get("/health")
     async def health():
@@ -129,16 +138,22 @@ def create_app(cfg: ServeConfig, state: ServerState | None = None, *, load: bool
     @app.get("/v1/models")
     async def models():
         state.require_ready()
-        return {"object": "list", "data": [{
-            "id": state.served_name, "object": "model", "created": state.created, "owned_by": "megac",
-            "root": state.cfg.model or state.spec.name, "parent": None, "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [state.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        state.require_ready()
+        if model_id != state.served_name:
+            raise APIError(404, f"The model `{clip(model_id)}` does not exist.", param="model",
+                           code="model_not_found")
+        return state.model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
         arrival = time.monotonic()
         state.require_ready()
-        r = _parse(P.ChatCompletionRequest, await _body(http))
-        prep = prepare_chat(state, r, arrival)
+        r = await off_loop(_parse, P.ChatCompletionRequest, await _body(http))
+        prep = await off_loop(prepare_chat, state, r, arrival)
         if prep.stream:
             return _sse_response(chat_stream(state, prep, _Submitted(state, prep)))
         return JSONResponse(await chat_full(state, prep, http))
@@ -147,44 +162,21 @@ def create_app(cfg: ServeConfig, state: ServerState | None = None, *, load: bool
     async def completions(http: HTTPRequest):
         arrival = time.monotonic()
         state.require_ready()
-        r = _parse(P.CompletionRequest, await _body(http))
-        prep = prepare_completion(state, r, arrival)
+        r = await off_loop(_parse, P.CompletionRequest, await _body(http))
+        prep = await off_loop(prepare_completion, state, r, arrival)
         if prep.stream:
             return _sse_response(completion_stream(state, prep, _Submitted(state, prep)))
         return JSONResponse(await completion_full(state, prep, http))
 
     async def tokenize(http: HTTPRequest):
         state.require_ready()
-        r = _parse(P.TokenizeRequest, await _body(http))
-        state.check_model(r.model)
-        if (r.prompt is None) == (r.messages is None):
-            raise bad("give exactly one of 'prompt' or 'messages'", "prompt")
-        if r.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in r.tools] if r.tools else None
-            try:
-                rendered = render_chat(state.tokenizer, _message_dicts(r.messages), tools=tools,
-                                       tool_choice="auto" if tools else "none",
-                                       add_generation_prompt=r.add_generation_prompt is not False,
-                                       chat_template=state.chat_template)
-            except ChatTemplateError as err:
-                raise bad(err.message, "messages")
-            ids = state.tokenizer.encode(rendered.text, add_special_tokens=False)
-        else:
-            ids = state.tokenizer.encode(r.prompt, add_special_tokens=r.add_special_tokens is not False)
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
-        if r.return_token_strs:
-            out["token_strs"] = state.tokenizer.token_strs(ids)
-        return out
+        r = await off_loop(_parse, P.TokenizeRequest, await _body(http))
+        return await off_loop(_json, _tokenize, state, r)
 
     async def detokenize(http: HTTPRequest):
         state.require_ready()
-        r = _parse(P.DetokenizeRequest, await _body(http))
-        state.check_model(r.model)
-        vocab = state.spec.vocab_size
-        for t in r.tokens:
-            if not 0 <= t < vocab:
-                raise bad(f"tokens: token id {t} outside the vocabulary (0..{vocab - 1})", "tokens")
-        return {"prompt": state.tokenizer.decode(r.tokens, skip_special_tokens=False)}
+        r = await off_loop(_parse, P.DetokenizeRequest, await _body(http))
+        return await off_loop(_json, _detokenize, state, r)
 
     for path in ("/tokenize", "/v1/tokenize"):
         app.add_api_route(path, tokenize, methods=["POST"])
@@ -194,47 +186,42 @@ def create_app(cfg: ServeConfig, state: ServerState | None = None, *, load: bool
     return app
 
 
-class _AuthAndCount:
-    """Pure ASGI middleware (Starlette's ``BaseHTTPMiddleware`` would wrap
-    ``receive`` and hide client disconnects): the API key on ``/v1/*``, and
-    the per-route HTTP counter."""
+def _json(fn, *args) -> JSONResponse:
+    """``fn(*args)`` as a rendered JSON response: a list of millions of token
+    ids takes a while to write, which must not happen on the event loop."""
+    return JSONResponse(fn(*args))
 
-    def __init__(self, app, state: ServerState, api_key: str | None) -> None:
-        self.app, self.state, self.api_key = app, state, api_key
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        if self.api_key and path.startswith("/v1"):
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-            if auth != f"Bearer {self.api_key}":
-                resp = APIError(401, "Unauthorized: invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                code="invalid_api_key").response()
-                await resp(scope, receive, send)
-                _count(self.state, path, 401)
-                return
-        status = [500]
-
-        async def send_status(message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
+def _tokenize(state: ServerState, r: P.TokenizeRequest) -> dict[str, Any]:
+    state.check_model(r.model)
+    if (r.prompt is None) == (r.messages is None):
+        raise bad("give exactly one of 'prompt' or 'messages'", "prompt")
+    tok = state.request_tokenizer
+    if r.messages is not None:
+        tools = [t.model_dump(exclude_none=True) for t in r.tools] if r.tools else None
         try:
-            await self.app(scope, receive, send_status)
-        finally:
-            _count(self.state, path, status[0])
+            rendered = render_chat(tok, _message_dicts(r.messages), tools=tools,
+                                   tool_choice="auto" if tools else "none",
+                                   add_generation_prompt=r.add_generation_prompt is not False,
+                                   chat_template=state.chat_template)
+        except ChatTemplateError as err:
+            raise bad(err.message, "messages")
+        ids = tok.encode(rendered.text, add_special_tokens=False)
+    else:
+        ids = tok.encode(r.prompt, add_special_tokens=r.add_special_tokens is not False)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+    if r.return_token_strs:
+        out["token_strs"] = tok.token_strs(ids)
+    return out
 
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/v1/tokenize", "/detokenize",
-           "/v1/detokenize", "/health", "/metrics", "/version")
-
-
-def _count(state: ServerState, path: str, status: int) -> None:
-    if state.metrics is not None and path not in ("/metrics", "/health"):
-        state.metrics.http_requests.inc(handler=path if path in _ROUTES else "other", status=str(status))
+def _detokenize(state: ServerState, r: P.DetokenizeRequest) -> dict[str, str]:
+    state.check_model(r.model)
+    vocab = state.spec.vocab_size
+    for t in r.tokens:
+        if not 0 <= t < vocab:
+            raise bad(f"tokens: token id {t} outside the vocabulary (0..{vocab - 1})", "tokens")
+    return {"prompt": state.request_tokenizer.decode(r.tokens, skip_special_tokens=False)}
 
 
 async def _log_stats(state: ServerState, interval: float) -> None:

@@ -38,7 +38,9 @@ Chat templates
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -47,6 +49,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from megac.errors import MegacError
+
+log = logging.getLogger("megac.server")
 
 # ---------------------------------------------------------------------------- tokenizers
 
@@ -129,6 +133,48 @@ class Tokenizer:
             if self.kind == "byte":
                 return self.impl.token_strs(ids)
             return [str(t) for t in self.impl.convert_ids_to_tokens(list(ids))]
+
+    def copy(self) -> "Tokenizer":
+        """An independent copy with its own lock. The server tokenizes
+        requests on a copy so that a 10 MB prompt being tokenized never makes
+        the engine thread, which detokenizes the running streams on the
+        original, wait for the lock."""
+        impl = self.impl
+        if self.kind != "byte":  # the byte tokenizer holds no mutable state
+            try:
+                impl = copy.deepcopy(self.impl)
+            except Exception as err:  # noqa: BLE001 -- sharing one tokenizer is slower, not wrong
+                log.warning("could not copy the tokenizer (%s: %s); requests share the engine's", type(err).__name__,
+                            err)
+                return self
+        twin = Tokenizer(impl, eos_token_ids=self.eos_token_ids, kind=self.kind)
+        twin.chat_template = self.chat_template
+        return twin
+
+    @property
+    def max_token_bytes(self) -> int | None:
+        """Most bytes of input text one token can stand for; ``None`` where
+        that bounds nothing (see :mod:`megac.server.prompt_length`).
+
+        Byte tokenizer: 1. A transformers tokenizer: only a byte-level one
+        without a normalizer (SmolLM2's, GPT-2's, Llama 3's): every input byte
+        is one character of a vocabulary string, so a token's string is at
+        least as many UTF-8 bytes as the text it stands for. A normalizer may
+        drop or merge characters, and a tokenizer with an unknown token may
+        fold any run of unknown text into one, so neither gets a bound."""
+        if self.kind == "byte":
+            return 1
+        if not hasattr(self, "_max_token_bytes"):
+            self._max_token_bytes = self._byte_level_longest_token()
+        return self._max_token_bytes
+
+    def _byte_level_longest_token(self) -> int | None:
+        backend = getattr(self.impl, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None or "ByteLevel" not in repr(backend.pre_tokenizer):
+            return None
+        with self._lock:
+            vocab = self.impl.get_vocab()
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=None)
 
     @property
     def template_mentions_tools(self) -> bool:

@@ -27,6 +27,7 @@ import click
 
 from megac.runtime.backend import BACKEND_KINDS
 from megac.errors import MegacError
+from megac.server.config import DEFAULT_MAX_REQUEST_BYTES
 
 
 
@@ -53,7 +54,11 @@ def _setup_logging(level: str) -> None:
               help="Context limit per request (default: the model's).")
 @click.option("--served-model-name", default=None, help="Model id in the API (default: from MODEL).")
 @click.option("--api-key", envvar="MEGAC_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' on /v1/* (env MEGAC_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on every route but /health (env MEGAC_API_KEY).")
+@click.option("--metrics-without-key", is_flag=True,
+              help="Leave /metrics open without --api-key's key (for Prometheus scrapers).")
+@click.option("--max-request-bytes", type=click.IntRange(1), default=DEFAULT_MAX_REQUEST_BYTES, show_default=True,
+              help="Largest request body accepted; a larger one is answered 413 before it is read.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Weights and KV cache precision.")
 @click.option("--weights", type=str, default=None, help="Checkpoint directory or GGUF file for a spec MODEL.")
@@ -80,8 +85,8 @@ def _setup_logging(level: str) -> None:
               help="Seconds between stats lines while busy (0: off).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_model_len, served_model_name, api_key, dtype,
-              weights, random_weights, seed, tokenizer, num_kv_blocks, kv_cache_memory_gb, prefill_chunk,
+def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_model_len, served_model_name, api_key,
+              metrics_without_key, max_request_bytes, dtype, weights, random_weights, seed, tokenizer, num_kv_blocks, kv_cache_memory_gb, prefill_chunk,
               max_num_batched_tokens, no_prefix_caching, tool_call_parser, chat_template, threads,
               log_stats_interval, log_level):
     """Serve MODEL behind an OpenAI-compatible API (default: SmolLM2-135M-Instruct on the CPU)."""
@@ -89,6 +94,7 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
 
     from megac.server.app import create_app
     from megac.server.config import ServeConfig
+    from megac.server.shutdown import GracefulServer, exit_like_ctrl_c
     from megac.server.state import ServerState
     from megac.server.tools import get_tool_parser
 
@@ -100,6 +106,7 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
         get_tool_parser(tool_call_parser)  # one-line error before anything loads
     cfg = ServeConfig(model=model, backend=backend, order=order, artifact=artifact, host=host, port=port, max_batch_size=max_batch_size,
                       max_model_len=max_model_len, served_model_name=served_model_name, api_key=api_key,
+                      metrics_without_key=metrics_without_key, max_request_bytes=max_request_bytes,
                       dtype=dtype, weights=weights, random_weights=random_weights, seed=seed, tokenizer=tokenizer,
                       num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
                       prefill_chunk=prefill_chunk, max_num_batched_tokens=max_num_batched_tokens,
@@ -111,8 +118,8 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
     check_kind(backend)  # a one-line error before anything loads (e.g. no CUDA device)
     state = ServerState(cfg)
     app = create_app(cfg, state)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=3, lifespan="on"))
+    server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=3, lifespan="on"), state)
 
     orig_load = state.load
 
@@ -124,6 +131,7 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
     state.load = load_then_check  # type: ignore[method-assign]
     log.info("megac serve: listening on http://%s:%d (GET /health answers 503 until the model is loaded)", host,
              port)
+    exit_like_ctrl_c()
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it handled after a clean shutdown

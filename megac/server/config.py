@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: default ``--max-request-bytes``: far above any prompt a model here can take
+#: (North Mini Code's 262144 tokens are about 1 MB of text), small enough that
+#: a stray upload is refused before it is read into memory
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
 
 @dataclass
 class ServeConfig:
@@ -20,6 +25,10 @@ class ServeConfig:
     max_model_len: int | None = None
     served_model_name: str | None = None
     api_key: str | None = None
+    #: /metrics without the API key (for Prometheus scrapers)
+    metrics_without_key: bool = False
+    #: largest request body accepted (413 above it)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     dtype: str = "float32"
     weights: str | None = None
     random_weights: bool = False
@@ -40,4 +49,4 @@ class ServeConfig:
     threads: int = 1
 
 
-__all__ = ["ServeConfig"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ServeConfig"]

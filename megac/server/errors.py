@@ -5,8 +5,13 @@ Errors use the OpenAI envelope ``{"error": {"message", "type", "param",
 (malformed JSON, wrong types, out-of-range values, context overflow,
 unsupported options such as ``n > 1``), 404 ``not_found_error`` for an
 unknown model (``code: model_not_found``) or route, 401
-``authentication_error`` with ``--api-key`` (checked on ``/v1/*``), 503
-while loading, 500 only for server faults.
+``authentication_error`` with ``--api-key`` (checked on every route but
+``/health``), 413 for a body over ``--max-request-bytes``, 503 while loading
+and while the server shuts down, 500 only for server faults.
+
+Text the client sent is echoed in a message at most :data:`ECHO_LIMIT`
+characters long (:func:`clip`): a 100k-character model name must not come
+back whole, nor fill the log.
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+ECHO_LIMIT = 100
+
+
+def clip(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters, an ellipsis marking the cut."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -45,4 +58,14 @@ class ClientGone(Exception):
     which nobody reads)."""
 
 
-__all__ = ["APIError", "ClientGone", "bad"]
+class ServerStopping(Exception):
+    """The server is shutting down (SIGTERM / SIGINT): a request in flight
+    ends with this error (a streamed one as its last SSE event)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down")
+        self.error = APIError(503, "the server is shutting down; retry on another replica or after the restart",
+                              code="server_shutdown")
+
+
+__all__ = ["APIError", "ClientGone", "ECHO_LIMIT", "ServerStopping", "bad", "clip"]

@@ -1,7 +1,11 @@
 """Request validation and preparation: a parsed chat or completion request
 becomes prompt token ids and :class:`~megac.sampling.SamplingParams`
 (:class:`Prepared`). A bad request never harms the engine: everything is
-validated before a request is queued."""
+validated before a request is queued.
+
+These functions render templates and tokenize, which can take seconds for a
+large prompt: the server calls them on a worker thread
+(:mod:`megac.server.offload`), never on the event loop."""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from typing import Any
 from megac.sampling import SamplingParams
 from megac.server import protocol as P
 from megac.server.chat import ChatTemplateError, render_chat
-from megac.server.errors import bad
+from megac.server.errors import bad, clip
+from megac.server.prompt_length import context_length_error, refuse_obviously_too_long
 from megac.server.state import ServerState
 from megac.server.tools import ToolParser
 
@@ -42,9 +47,12 @@ def _message_dicts(messages: list[P.ChatMessage]) -> list[dict]:
         content = m.content
         if isinstance(content, list):
             texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad(f"messages[{i}].content: only text parts are supported (got type {part.type!r})",
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise bad(f"messages[{i}].content[{j}]: only text parts are supported "
+                              f"(got type {clip(part.type)!r})", "messages")
+                if part.text is None:
+                    raise bad(f"messages[{i}].content[{j}]: content part of type 'text' has no 'text' field",
                               "messages")
                 texts.append(part.text)
             content = "\n".join(texts)
@@ -71,9 +79,7 @@ def _sampling_params(state: ServerState, r: P._SamplingRequest, prompt_len: int,
     vocab = state.spec.vocab_size
     mml = state.max_model_len
     if prompt_len >= mml:
-        raise bad(f"This model's maximum context length is {mml} tokens. However, your request has "
-                  f"{prompt_len} input tokens. Please reduce the length of the input.",
-                  "messages" if isinstance(r, P.ChatCompletionRequest) else "prompt", "context_length_exceeded")
+        raise context_length_error(mml, prompt_len, "messages" if isinstance(r, P.ChatCompletionRequest) else "prompt")
     if max_tokens is None:
         max_tokens = min(default_max, mml - prompt_len, max(1, state.engine.max_tokens_fitting(prompt_len)))
     if prompt_len + max_tokens > mml:
@@ -137,7 +143,7 @@ def prepare_chat(state: ServerState, r: P.ChatCompletionRequest, arrival: float)
         raise bad("logprobs are not supported yet", "logprobs", "unsupported_value")
     fmt = (r.response_format or {}).get("type", "text")
     if fmt != "text":
-        raise bad(f"response_format type {fmt!r} is not supported (only 'text'; no constrained decoding yet)",
+        raise bad(f"response_format type {clip(str(fmt))!r} is not supported (only 'text'; no constrained decoding yet)",
                   "response_format", "unsupported_value")
     tools = [t.model_dump(exclude_none=True) for t in r.tools] if r.tools is not None else None
     choice: Any = r.tool_choice
@@ -148,8 +154,8 @@ def prepare_chat(state: ServerState, r: P.ChatCompletionRequest, arrival: float)
             raise bad("tool_choice names a function but no tools were given", "tool_choice")
         names = [t["function"]["name"] for t in tools]
         if choice.function.name not in names:
-            raise bad(f"tool_choice: function {choice.function.name!r} is not in tools ({', '.join(names)})",
-                      "tool_choice")
+            raise bad(f"tool_choice: function {clip(choice.function.name)!r} is not in tools "
+                      f"({clip(', '.join(names))})", "tool_choice")
         choice = {"type": "function", "function": {"name": choice.function.name}}
     elif choice in ("auto", "required") and not tools:
         raise bad(f"tool_choice {choice!r} needs tools", "tool_choice")
@@ -157,12 +163,13 @@ def prepare_chat(state: ServerState, r: P.ChatCompletionRequest, arrival: float)
         choice = "auto" if tools else "none"
     messages = _message_dicts(r.messages)
     try:
-        rendered = render_chat(state.tokenizer, messages, tools=tools, tool_choice=choice,
+        rendered = render_chat(state.request_tokenizer, messages, tools=tools, tool_choice=choice,
                                add_generation_prompt=r.add_generation_prompt is not False,
                                chat_template=state.chat_template, template_kwargs=r.chat_template_kwargs)
     except ChatTemplateError as err:
         raise bad(err.message, "messages")
-    prompt_ids = state.tokenizer.encode(rendered.text, add_special_tokens=False)
+    refuse_obviously_too_long(state.request_tokenizer, rendered.text, state.max_model_len, "messages")
+    prompt_ids = state.request_tokenizer.encode(rendered.text, add_special_tokens=False)
     if not prompt_ids:
         raise bad("the rendered prompt is empty", "messages")
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
@@ -190,7 +197,8 @@ def prepare_completion(state: ServerState, r: P.CompletionRequest, arrival: floa
             raise bad(f"one prompt per request is supported (got {len(prompt)})", "prompt", "unsupported_value")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = state.tokenizer.encode(prompt, add_special_tokens=True)
+        refuse_obviously_too_long(state.request_tokenizer, prompt, state.max_model_len, "prompt")
+        ids = state.request_tokenizer.encode(prompt, add_special_tokens=True)
     else:
         ids = list(prompt)
         vocab = state.spec.vocab_size

@@ -7,7 +7,8 @@ coercion. Unknown fields are **accepted** (``extra="allow"``) and logged by
 the server (clients such as LangChain send fields we do not know); see
 :func:`unknown_fields`. Value ranges follow OpenAI / vLLM: ``temperature``
 in [0, 2], ``top_p`` in (0, 1], ``top_k`` -1/0 (off) or >= 1, penalties in
-[-2, 2], ``max_tokens`` >= 1, ``seed`` in the int64 range.
+[-2, 2], ``max_tokens`` >= 1, ``seed`` in the int64 range; every number
+finite (``NaN`` and ``Infinity`` are refused).
 
 Responses are models too (``model_dump(exclude_none=True)`` keeps optional
 fields out of the JSON the way the OpenAI API omits them).
@@ -24,7 +25,10 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # allow_inf_nan=False: NaN and Infinity (which Python's json writes) are
+    # refused as "should be a finite number", before a range check would call
+    # NaN merely too large
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------- requests

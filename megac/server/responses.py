@@ -6,7 +6,9 @@ a role chunk ``{"role": "assistant", "content": ""}`` with the first
 output, then content (or tool-call) deltas, then a chunk with
 ``finish_reason``, then, with ``stream_options.include_usage``, a chunk
 with ``choices: []`` and ``usage``. An error after the stream started is
-sent as ``data: {"error": {...}}`` before ``[DONE]``.
+sent as ``data: {"error": {...}}`` before ``[DONE]``; so is the shutdown
+(SIGTERM): every request in flight ends with a 503 ``server_shutdown``
+error, as its last stream event or as its answer.
 
 A client that disconnects (streaming or not) aborts its request; the engine
 frees its KV blocks at the next iteration.
@@ -25,15 +27,20 @@ from fastapi.responses import StreamingResponse
 
 from megac.engine.request import EngineOutput, Request
 from megac.errors import MegacError
-from megac.server.errors import APIError, ClientGone
+from megac.server.errors import APIError, ClientGone, ServerStopping
 from megac.server.prepare import Prepared
 from megac.server.state import ServerState
 
 log = logging.getLogger("megac.server")
 
+#: queued in place of an engine output when the server shuts down
+_STOP = object()
+
 
 class _Submitted:
     def __init__(self, state: ServerState, prep: Prepared) -> None:
+        if state.stopping:
+            raise ServerStopping().error
         self.state = state
         self.prep = prep
         self.queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
@@ -52,18 +59,41 @@ class _Submitted:
             state.engine.submit(self.req)
         except MegacError as err:
             raise APIError(500, err.message, code="engine_dead")
+        state.in_flight.add(self)
 
-    def abort(self) -> None:
+    def _done(self) -> None:
+        self.finished = True
+        self.state.in_flight.discard(self)
+
+    def abort(self, why: str = "client went away") -> None:
         if not self.finished:
-            self.finished = True
+            self._done()
             self.state.engine.abort(self.req.id)
-            log.info("request %s aborted (client went away)", self.req.id)
+            log.info("request %s aborted (%s)", self.req.id, why)
 
-    async def events(self) -> AsyncIterator[EngineOutput]:
+    def stop(self) -> None:
+        """The server shuts down: the request's reader gets the shutdown
+        error next (called on the event loop)."""
+        self.queue.put_nowait(_STOP)  # type: ignore[arg-type]
+
+    async def _next(self) -> EngineOutput:
+        out = await self.queue.get()
+        if out is _STOP:
+            self.abort("the server is shutting down")
+            raise ServerStopping()
+        return out
+
+    async def events(self) -> AsyncIterator[EngineOutput | ServerStopping]:
+        """Engine outputs up to the finished one; on shutdown the
+        ServerStopping (its error is the stream's last event) instead."""
         while not self.finished:
-            out = await self.queue.get()
+            try:
+                out = await self._next()
+            except ServerStopping as stop:
+                yield stop
+                return
             if out.finished:
-                self.finished = True
+                self._done()
             yield out
 
     async def collect(self, http: HTTPRequest) -> list[EngineOutput]:
@@ -73,9 +103,11 @@ class _Submitted:
         last_check = time.monotonic()
         while True:
             try:
-                out = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+                out = await asyncio.wait_for(self._next(), timeout=0.5)
             except asyncio.TimeoutError:
                 out = None
+            except ServerStopping as stop:
+                raise stop.error
             if time.monotonic() - last_check >= 0.5:
                 last_check = time.monotonic()
                 if await http.is_disconnected():
@@ -85,7 +117,7 @@ class _Submitted:
                 continue
             outs.append(out)
             if out.finished:
-                self.finished = True
+                self._done()
                 if out.finish_reason == "error":
                     raise _engine_error(out)
                 return outs
@@ -158,6 +190,9 @@ async def chat_stream(state: ServerState, prep: Prepared, sub: _Submitted) -> As
     first = True
     try:
         async for out in sub.events():
+            if isinstance(out, ServerStopping):
+                yield _sse(out.error.body())
+                break
             if first:
                 first = False
                 yield chunk({"role": "assistant", "content": ""})
@@ -209,6 +244,9 @@ async def completion_stream(state: ServerState, prep: Prepared, sub: _Submitted)
     base = {"id": prep.request_id, "object": "text_completion", "created": prep.created, "model": state.served_name}
     try:
         async for out in sub.events():
+            if isinstance(out, ServerStopping):
+                yield _sse(out.error.body())
+                break
             if out.finish_reason == "error":
                 yield _sse(_engine_error(out).body())
                 break

@@ -12,7 +12,7 @@ from megac.errors import MegacError
 from megac.sampling import SamplingParams
 from megac.server.chat import Tokenizer
 from megac.server.config import ServeConfig
-from megac.server.errors import APIError
+from megac.server.errors import APIError, ServerStopping, clip
 from megac.server.metrics import ServerMetrics
 from megac.server.startup import build_served_engine, load_served_model
 from megac.server.tools import ToolParser, get_tool_parser, parser_for_family
@@ -28,7 +28,8 @@ class ServerState:
         self.ready = False
         self.load_error: str | None = None
         self.engine = None
-        self.tokenizer: Tokenizer | None = None
+        self.tokenizer: Tokenizer | None = None  # the engine's (detokenizes the streams)
+        self.request_tokenizer: Tokenizer | None = None  # a copy for the request handlers (Tokenizer.copy)
         self.spec = None
         self.served_name = cfg.served_model_name or "megac"
         self.max_model_len = 0
@@ -36,6 +37,10 @@ class ServerState:
         self.tool_parser: ToolParser | None = None
         self.chat_template: str | None = None
         self.created = int(time.time())
+        #: requests in flight (``responses._Submitted``), told to stop on shutdown
+        self.in_flight: set = set()
+        self.stopping = False
+        self.loop = None  # the server's event loop (set by the app's lifespan)
 
     # -------------------------------------------------------------- loading
 
@@ -50,6 +55,7 @@ class ServerState:
                 torch.set_num_threads(cfg.threads)
             loaded = load_served_model(cfg)
             self.spec, self.tokenizer = loaded.spec, loaded.tokenizer
+            self.request_tokenizer = loaded.tokenizer.copy()
             self.served_name = cfg.served_model_name or loaded.name
             self.metrics = ServerMetrics(self.served_name)
             self.engine = build_served_engine(cfg, loaded, self.metrics)
@@ -101,6 +107,8 @@ class ServerState:
     # -------------------------------------------------------------- checks
 
     def require_ready(self) -> None:
+        if self.stopping:
+            raise ServerStopping().error
         if self.load_error:
             raise APIError(503, f"the model failed to load: {self.load_error}")
         if not self.ready:
@@ -110,7 +118,22 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_name:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            raise APIError(404, f"The model `{clip(name)}` does not exist.", param="model", code="model_not_found")
+
+    def model_card(self) -> dict:
+        """The ``/v1/models`` entry of the served model."""
+        return {"id": self.served_name, "object": "model", "created": self.created, "owned_by": "megac",
+                "root": self.cfg.model or self.spec.name, "parent": None, "max_model_len": self.max_model_len}
+
+    # -------------------------------------------------------------- shutdown
+
+    def stop_requests(self) -> None:
+        """Shutdown began: every request in flight ends with the shutdown
+        error (a stream as its last event), new ones are refused. Runs on
+        the event loop."""
+        self.stopping = True
+        for sub in list(self.in_flight):
+            sub.stop()
 
 
 __all__ = ["ServerState"]

@@ -11,6 +11,7 @@ with each other, never with expected text."""
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import openai
@@ -59,6 +60,17 @@ def test_health_models_version(server):
     assert [m.id for m in models.data] == ["tiny"]
     assert models.data[0].model_extra["max_model_len"] == MAX_LEN
     assert server.get("/version").json()["version"]
+
+
+def test_models_retrieve(server, client):
+    m = client.models.retrieve("tiny")
+    assert (m.id, m.object, m.owned_by) == ("tiny", "model", "megac")
+    assert m.model_extra["max_model_len"] == MAX_LEN
+    assert m.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    e = _err(server.get("/v1/models/" + "m" * 5000), 404, "model", "model_not_found")
+    assert "m" * 99 + "…" in e["message"] and len(e["message"]) < 200
 
 
 def test_chat_non_stream(client):
@@ -361,6 +373,62 @@ def test_unknown_model_is_404(server, client):
     _err(server.post("/v1/completions", {"model": "gpt-17", "prompt": "a"}), 404, "model", "model_not_found")
     with pytest.raises(openai.NotFoundError):
         chat(client, model="gpt-17")
+
+
+def test_non_finite_numbers_are_refused_as_such(server):
+    for value in ("NaN", "Infinity", "-Infinity"):
+        raw = f'{{"messages": [{{"role": "user", "content": "x"}}], "temperature": {value}}}'.encode()
+        e = _err(server.post(CHAT, raw=raw), 400, "temperature")
+        assert "finite number" in e["message"], e
+    raw = json.dumps({**GOOD, "temperature": 0.5, "logit_bias": {"5": float("nan")}}).encode()  # Python writes NaN
+    e = _err(server.post(CHAT, raw=raw), 400, "logit_bias")
+    assert "finite number" in e["message"]
+
+
+def test_content_part_messages(server):
+    e = _err(server.post(CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                          {"type": "text"}]}]}), 400, "messages")
+    assert e["message"] == "messages[0].content[1]: content part of type 'text' has no 'text' field"
+    e = _err(server.post(CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400, "messages")
+    assert "only text parts are supported (got type 'image_url')" in e["message"]
+    # text parts join with newlines: the prompt equals the same text sent as one string
+    parts = server.post("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                 {"type": "text", "text": "b"}]}]})
+    whole = server.post("/tokenize", {"messages": [{"role": "user", "content": "a\nb"}]})
+    assert parts.json()["tokens"] == whole.json()["tokens"]
+
+
+def test_unknown_model_name_is_echoed_truncated(server):
+    name = "n" * 100_000
+    for path, body in ((CHAT, {**GOOD, "model": name}), ("/v1/completions", {"model": name, "prompt": "a"}),
+                       ("/tokenize", {"model": name, "prompt": "a"})):
+        e = _err(server.post(path, body), 404, "model", "model_not_found")
+        assert "n" * 99 + "…" in e["message"] and "n" * 100 not in e["message"], path
+    assert "n" * 1000 not in server.log()
+
+
+def _raw_http(server, request: bytes) -> tuple[int, dict]:
+    """Send ``request`` (with ``Connection: close``) on a socket; read to EOF."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+def test_oversized_body_is_413_before_it_is_read(server):
+    """The default limit is 8 MiB: a body declared 1 byte larger is refused
+    although not one byte of it was sent."""
+    status, body = _raw_http(server, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                      f"Content-Type: application/json\r\nConnection: close\r\n"
+                                      f"Content-Length: {8 * 2 ** 20 + 1}\r\n\r\n"
+                                      ).encode())
+    assert status == 413
+    assert (body["error"]["type"], body["error"]["code"]) == ("invalid_request_error", "request_too_large")
+    assert str(8 * 2 ** 20) in body["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_openai_client_sees_bad_request(client):

@@ -1,7 +1,7 @@
 """Engine behaviour through the real server: 32 concurrent greedy streams
 equal to the same requests run alone, a client disconnect mid-stream frees
 its KV blocks, a pool too small for the load preempts and still returns the
-same outputs, the API key."""
+same outputs, the API key on every route but /health."""
 
 from __future__ import annotations
 
@@ -126,18 +126,27 @@ def test_small_pool_preempts_and_outputs_match(spec_path):
 
 def test_api_key(spec_path):
     s = ServerProc(str(spec_path), "--random-weights", "--max-model-len", "256", "--served-model-name", "tiny",
-                   api_key="s3cret")
+                   "--metrics-without-key", api_key="s3cret")
     try:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Bearer s3cre"}):
             r = httpx.post(f"{s.url}/v1/chat/completions", json=body, headers=headers)
             assert r.status_code == 401
             assert r.json()["error"]["type"] == "authentication_error"
-        assert httpx.get(f"{s.url}/v1/models").status_code == 401
+        for path in ("/v1/models", "/v1/models/tiny", "/openapi.json", "/version"):
+            assert httpx.get(f"{s.url}{path}").status_code == 401, path
+        for path, req in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [97]})):
+            assert httpx.post(f"{s.url}{path}", json=req).status_code == 401, path
+            assert httpx.post(f"{s.url}{path}", json=req, headers=s.headers()).status_code == 200, path
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{s.url}/v1", api_key="bad", max_retries=0).models.list()
         assert s.client().chat.completions.create(model="tiny", **body).usage.completion_tokens >= 1
-        # health and metrics stay open (probes and scrapers carry no key)
+        assert s.client().models.retrieve("tiny").id == "tiny"
+        # the scheme in any case (RFC 9110)
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, headers={"Authorization": "bearer s3cret"})
+        assert r.status_code == 200, r.text
+        # health stays open (probes carry no key), and metrics with --metrics-without-key
         assert httpx.get(f"{s.url}/health").status_code == 200
         assert httpx.get(f"{s.url}/metrics").status_code == 200
     finally:
