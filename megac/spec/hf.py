@@ -56,6 +56,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from megac.errors import SpecError
+from megac.spec.limits import num_layers_problem
 from megac.spec.messages import read_text_file, validation_error_line
 from megac.spec.model import ModelSpec
 
@@ -94,6 +95,14 @@ class _Cfg:
         if minimum is not None and v < minimum:
             raise self.fail(key, f"must be >= {minimum} (got {v})")
         return v
+
+    def layer_count(self, default: int) -> int:
+        """``num_hidden_layers``, refused over the limit before anything loops over the layers."""
+        n = self.int("num_hidden_layers", default)
+        too_many = num_layers_problem(n)
+        if too_many:
+            raise self.fail("num_hidden_layers", too_many)
+        return n
 
     def float(self, key: str, default: Any = _MISSING, *, nullable: bool = False):
         v = self.d.get(key, _MISSING)
@@ -207,7 +216,7 @@ def _bos(c: _Cfg, default: Any, vocab: int) -> int | None:
 def _cohere2_moe(c: _Cfg, name: str, generation_eos: list[int]) -> dict:
     _check_common(c)
     hidden = c.int("hidden_size", 8192)
-    n_layers = c.int("num_hidden_layers", 40)
+    n_layers = c.layer_count(40)
     heads = c.int("num_attention_heads", 64)
     kv_heads = c.int("num_key_value_heads", heads)
     head_dim = c.int("head_dim", 128)
@@ -315,7 +324,7 @@ def _cohere2_moe(c: _Cfg, name: str, generation_eos: list[int]) -> dict:
 def _llama(c: _Cfg, name: str, generation_eos: list[int]) -> dict:
     _check_common(c)
     hidden = c.int("hidden_size", 4096)
-    n_layers = c.int("num_hidden_layers", 32)
+    n_layers = c.layer_count(32)
     heads = c.int("num_attention_heads", 32)
     kv_heads = c.int("num_key_value_heads", heads)
     head_dim = c.int("head_dim", None, nullable=True)

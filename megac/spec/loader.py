@@ -98,6 +98,7 @@ from pydantic import ValidationError
 from megac.errors import SpecError
 from megac.spec.compact import CompactLayers, expand_layers
 from megac.spec.hf import spec_from_hf
+from megac.spec.limits import num_layers_problem
 from megac.spec.messages import FIELD_PREFIX, parse_path, read_text_file, short, validation_error_line, where
 from megac.spec.model import ModelSpec, TargetSpec
 
@@ -173,6 +174,9 @@ def spec_from_dict(data: Any, *, source: str = "<spec>", node: yaml.Node | None 
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise SpecError(f"{where(source, node, ['num_layers'])}: num_layers: "
                             f"must be a positive integer (got {short(n)})")
+        too_many = num_layers_problem(n)
+        if too_many:  # before the expansion makes one entry per layer
+            raise SpecError(f"{where(source, node, ['num_layers'])}: num_layers: {too_many}")
         try:
             data["layers"] = expand_layers(layers, num_layers=n, has_moe=data.get("moe") is not None)
         except ValidationError as err:

@@ -40,6 +40,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from megac.errors import MegacError
+from megac.spec.limits import dimension_problems, product_problems
 
 #: bf16 elements per 16-byte vector: widths a kernel streams must be multiples.
 VEC_ELEMS = 8
@@ -392,7 +393,10 @@ def _ranges(idx: list[int]) -> str:
 
 def _problems(s: ModelSpec):
     """Yield consistency problems, each naming its field. The first one found is
-    reported."""
+    reported. Sizes (:mod:`megac.spec.limits`) come first, since an absurd size
+    is the likeliest cause of any other complaint; the limits on products of
+    sizes come last, as they need a consistent spec."""
+    yield from dimension_problems(s)
     # Geometry.
     if s.num_heads * s.head_dim != s.q_width:
         yield f"q_width: num_heads*head_dim ({s.num_heads * s.head_dim}) != q_width ({s.q_width})"
@@ -444,6 +448,9 @@ def _problems(s: ModelSpec):
 
     # Family: what the reference implementation (transformers) can express.
     yield from _family_problems(s)
+
+    # What one GPU could hold: weights, expert instances, page table.
+    yield from product_problems(s)
 
 
 def _family_problems(s: ModelSpec):
