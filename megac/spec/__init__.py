@@ -2,7 +2,8 @@
 
 ``load_spec(MODEL)`` accepts a bundled name (``list_bundled()``), a model.yaml
 path or a Hugging Face checkpoint directory; see :mod:`megac.spec.loader` for
-the YAML format and :mod:`megac.spec.model` for the semantics of each field.
+the YAML format and :mod:`megac.spec.model` for the semantics of each field;
+:mod:`megac.spec.limits` bounds the sizes a spec may ask for.
 """
 
 from megac.errors import SpecError
