@@ -24,10 +24,10 @@ are noted beside each) and far below what would exhaust a host:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator
 
-if TYPE_CHECKING:
-    from megac.spec.model import ModelSpec
+#: a megac.spec.model.ModelSpec (not imported: model.py imports this module)
+ModelSpec = Any
 
 #: field -> largest value accepted (the largest real value we know in the comment)
 DIMENSION_LIMITS: dict[str, int] = {
@@ -61,7 +61,7 @@ MAX_PAGE_TABLE_ENTRIES = 2**28
 _WHY = "megac's limit for one GPU"
 
 
-def _value(spec: "ModelSpec", field: str) -> int | None:
+def _value(spec: ModelSpec, field: str) -> int | None:
     obj = spec
     for part in field.split("."):
         obj = getattr(obj, part, None)
@@ -80,7 +80,7 @@ def num_layers_problem(num_layers: int) -> str | None:
     return None
 
 
-def _weight_shares(spec: "ModelSpec") -> dict[str, int]:
+def _weight_shares(spec: ModelSpec) -> dict[str, int]:
     """Parameters by the field that scales them, to name the culprit."""
     d = spec.hidden_size
     shares = {"vocab_size": spec.vocab_size * d * (1 if spec.tie_embeddings else 2),
@@ -92,7 +92,7 @@ def _weight_shares(spec: "ModelSpec") -> dict[str, int]:
     return shares
 
 
-def dimension_problems(spec: "ModelSpec") -> Iterator[str]:
+def dimension_problems(spec: ModelSpec) -> Iterator[str]:
     """Yield each dimension over its limit, naming the field."""
     for field, limit in DIMENSION_LIMITS.items():
         v = _value(spec, field)
@@ -100,7 +100,7 @@ def dimension_problems(spec: "ModelSpec") -> Iterator[str]:
             yield f"{field}: {v} is over {_WHY} ({limit})"
 
 
-def product_problems(spec: "ModelSpec") -> Iterator[str]:
+def product_problems(spec: ModelSpec) -> Iterator[str]:
     """Yield each product limit the spec passes (expert instances, weight
     bytes, page table), naming the field that weighs most. Only for a spec
     whose dimensions are within limits and consistent (it reads
