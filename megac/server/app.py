@@ -143,9 +143,7 @@ def create_app(cfg: ServeConfig, state: ServerState | None = None, *, load: bool
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         state.require_ready()
-        if model_id != state.served_name:
-            raise APIError(404, f"The model `{clip(model_id)}` does not exist.", param="model",
-                           code="model_not_found")
+        state.check_model(model_id)
         return state.model_card()
 
     @app.post("/v1/chat/completions")
