@@ -26,6 +26,14 @@ __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
   return v;
 }
 
+// The TMA unit pulls [p, p + bytes) into L2 on its own: no registers, no
+// shared memory, no warp waits for it. p 16-byte aligned, bytes a multiple
+// of 16. Used to keep HBM busy ahead of the loads (and ahead of a task's
+// waits): weights are read-only during a launch, so any time is safe.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // Same, asking L2 to fetch the whole 256-byte sector group: fewer DRAM
 // requests when a warp streams a contiguous range.
 __device__ __forceinline__ uint4 ld_stream_u4_l2_256(const void* p) {

@@ -51,12 +51,73 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
   }
 }
 
+// A tile's weights: `rows` output features of `cols` bf16 each, pitch `ld`
+// elements (cols == ld: one contiguous block). The one description of where
+// a task's weights lie, used by the opcode and by the prefetch ahead of it.
+struct WeightSpan {
+  const bf16* p;
+  int rows, cols;
+  int64_t ld;
+};
+
+// L2 prefetch window: the TMA unit keeps about this many bytes of weight
+// rows requested ahead of the warps' own loads (a sliding window inside a
+// tile, and the head of a task's tile before its waits resolve). Little's
+// law: an SM's share of HBM (~34 GB/s) at ~1.5 us loaded latency needs
+// ~50 KB in flight; 132 windows must also fit L2 (50 MB) with room for the
+// activations. 0 turns the prefetch off.
+#ifndef MEGAC_L2_WINDOW
+#define MEGAC_L2_WINDOW 0
+#endif
+constexpr int kWindowBytes = MEGAC_L2_WINDOW;
+
 // Weight chunks (16 bytes per lane) each lane has in flight per feature, and
 // features a warp computes at once: F * U loads in flight per lane keep
 // enough bytes moving per SM (Little's law: ~25 KB at ~700 ns latency for
 // an SM's share of HBM bandwidth); one load at a time reached 16-18 %.
-constexpr int kFeat = 2;
-constexpr int kUnroll = 4;
+#ifndef MEGAC_GEMM_FEAT
+#define MEGAC_GEMM_FEAT 2
+#endif
+#ifndef MEGAC_GEMM_UNROLL
+#define MEGAC_GEMM_UNROLL 4
+#endif
+// 1: weight loads ask L2 for whole 256-byte sector groups (fewer, larger
+// DRAM requests for the rows every lane walks in 16-byte steps)
+#ifndef MEGAC_GEMM_L2_256
+#define MEGAC_GEMM_L2_256 0
+#endif
+constexpr int kFeat = MEGAC_GEMM_FEAT;
+constexpr int kUnroll = MEGAC_GEMM_UNROLL;
+
+// Features the window runs ahead of the feature loop: whole loop iterations
+// (nwarps * kFeat features each), at least one.
+__device__ __forceinline__ int ahead_features(int cols, int nwarps) {
+  const int per_iter = nwarps * kFeat * cols * 2;
+  return max(1, (kWindowBytes + per_iter - 1) / per_iter) * nwarps * kFeat;
+}
+
+// Prefetch features [r0, r1) of s into L2, spread over `nlanes` lanes
+// (`lane` is this thread's): a contiguous span in 16 KB pieces, else row by row.
+__device__ __forceinline__ void prefetch_rows(const WeightSpan& s, int r0, int r1, int lane, int nlanes) {
+  r1 = min(r1, s.rows);
+  if (kWindowBytes == 0 || r0 >= r1) return;
+  const uint32_t rb = uint32_t(s.cols) * 2u;
+  if (s.cols == s.ld) {
+    constexpr uint32_t kPiece = 16384;
+    const char* base = reinterpret_cast<const char*>(s.p + int64_t(r0) * s.ld);
+    const int64_t total = int64_t(r1 - r0) * rb;
+    for (int64_t off = int64_t(lane) * kPiece; off < total; off += int64_t(nlanes) * kPiece)
+      prefetch_l2(base + off, total - off < kPiece ? uint32_t(total - off) : kPiece);
+  } else {
+    for (int r = r0 + lane; r < r1; r += nlanes) prefetch_l2(s.p + int64_t(r) * s.ld, rb);
+  }
+}
+
+// The head of a tile's window (what the feature loop reads first): issued
+// before the task's waits, so HBM works while the inputs are not ready.
+__device__ __forceinline__ void prefetch_head(const WeightSpan& s, int lane, int nlanes) {
+  prefetch_rows(s, 0, ahead_features(s.cols, blockDim.x >> 5), lane, nlanes);
+}
 
 // ys[c * 8 + m] for c < nlen, m < 8 (rows >= `rows` are 0). Whole CTA; ends
 // with a barrier so the epilogue may read ys. Each lane sums its K chunks in
@@ -64,7 +125,12 @@ constexpr int kUnroll = 4;
 __device__ __forceinline__ void tile(const bf16* __restrict__ w, int64_t ldw, const bf16* xs, int rows,
                                      int nlen, int klen, float* ys) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int ahead = ahead_features(klen, nwarps);
   for (int c0 = warp * kFeat; c0 < nlen; c0 += nwarps * kFeat) {
+    // slide the window: this warp's features one window ahead (the head,
+    // features [0, ahead), was prefetched before the task's waits)
+    if (kWindowBytes > 0 && lane < kFeat && c0 + ahead + lane < nlen)
+      prefetch_l2(w + int64_t(c0 + ahead + lane) * ldw, uint32_t(klen) * 2u);
     float acc[kFeat][kMaxRows];
 #pragma unroll
     for (int f = 0; f < kFeat; ++f)
@@ -77,7 +143,9 @@ __device__ __forceinline__ void tile(const bf16* __restrict__ w, int64_t ldw, co
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int k = kb + u * 32 * 8;
-          wv[f][u] = (c0 + f < nlen && k < klen) ? ld_stream_u4(w + (c0 + f) * ldw + k) : make_uint4(0, 0, 0, 0);
+          const bf16* src = w + (c0 + f) * ldw + k;
+          wv[f][u] = (c0 + f < nlen && k < klen) ? (MEGAC_GEMM_L2_256 ? ld_stream_u4_l2_256(src) : ld_stream_u4(src))
+                                                 : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {

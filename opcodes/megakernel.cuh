@@ -35,6 +35,30 @@ __device__ __forceinline__ bool call(F f, const Ctx& c) {
   }
 }
 
+// Weight prefetch into L2 ahead of the task loop (rows::prefetch_head;
+// weights are read-only during a launch, so any moment is safe):
+//   0: none (the warps' own loads only);
+//   1: the head of each task's tile, just before its waits;
+//   2: the head of the NEXT task's tile as each task starts, so HBM streams
+//      across the task boundary and through the next task's waits.
+#ifndef MEGAC_PREFETCH
+#define MEGAC_PREFETCH 0
+#endif
+
+// Per-task timeline (compiled in with -DMEGAC_PROFILE=1; megac/gpu/profile.py
+// points `megakernel_profile` at a [num_sms][max_tasks][4] uint64 buffer):
+// thread 0 records, per task, the global timer (ns) when its words landed,
+// when its header waits were done, when the CTA finished it, and a word
+// opcode | claims << 8 | claim_wait_ns << 32 (claimers: records run and the
+// time their record waits took).
+#ifndef MEGAC_PROFILE
+#define MEGAC_PROFILE 0
+#endif
+#if MEGAC_PROFILE
+// defined here: the header belongs to the one translation unit of the kernel
+extern "C" __device__ unsigned long long* megakernel_profile = nullptr;
+#endif
+
 template <class M, class Dispatch>
 __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ desc) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -49,31 +73,61 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
   }
   const int sm = blockIdx.x;
   const int n = ptr<const int32_t>(desc->task_counts)[sm];
+  if (threadIdx.x == 0) rows::ring_init(&ts->ring);  // visible after the loop's first barrier
   const int32_t* list = ptr<const int32_t>(desc->tasks) + int64_t(sm) * desc->max_tasks * TASK_WORDS;
   // The next task's words are loaded while this one runs (a load per task
   // on the critical path cost ~0.6 us of dispatch).
+  // Words two tasks ahead are in flight for the prefetch of the next task's weights.
   int32_t next = (threadIdx.x < TASK_WORDS && n > 0) ? __ldg(list + threadIdx.x) : 0;
+  int32_t next2 = (threadIdx.x < TASK_WORDS && n > 1) ? __ldg(list + TASK_WORDS + threadIdx.x) : 0;
   int k = 0;
   for (; k < n; ++k) {
     if (threadIdx.x < TASK_WORDS) {
       ts->w[threadIdx.x] = next;
-      if (k + 1 < n) next = __ldg(list + int64_t(k + 1) * TASK_WORDS + threadIdx.x);
+      ts->nw[threadIdx.x] = next2;
+      next = next2;
+      if (k + 2 < n) next2 = __ldg(list + int64_t(k + 2) * TASK_WORDS + threadIdx.x);
     }
     __syncthreads();
+    if (MEGAC_PREFETCH > 0 && threadIdx.x < 32) {
+      if (MEGAC_PREFETCH == 1 || k == 0) Dispatch::prefetch(c, ts->w, threadIdx.x);
+      if (MEGAC_PREFETCH == 2 && k + 1 < n) Dispatch::prefetch(c, ts->nw, threadIdx.x);
+    }
     const int op = ts->w[H_OPCODE];
     const int32_t sig = ts->w[H_SIGNAL];  // read now: the next task's words overwrite ts->w
     c.site.task = k;
     c.site.opcode = op;
     c.site.layer = ts->w[H_LAYER];
+#if MEGAC_PROFILE
+    uint64_t t_start = 0, t_waited = 0;
+    if (threadIdx.x == 0) {
+      t_start = globaltimer_ns();
+      ts->claims = 0;
+      ts->claim_wait_ns = 0;
+    }
+#endif
     if (threadIdx.x == 0) {
       ts->task = k;
       ptr<int32_t>(desc->progress)[sm] = k;  // where this CTA is, for the watchdog report
       ts->ok = header_waits(c, [](const Ctx& cc) { Dispatch::resolve_fields(cc); }) ? 1 : 0;
     }
+#if MEGAC_PROFILE
+    if (threadIdx.x == 0) t_waited = globaltimer_ns();
+#endif
     __syncthreads();
     if (!ts->ok) break;
     const bool ok = Dispatch::run(c, op);
     __syncthreads();
+#if MEGAC_PROFILE
+    if (threadIdx.x == 0 && megakernel_profile != nullptr) {
+      unsigned long long* p = megakernel_profile + (int64_t(sm) * desc->max_tasks + k) * 4;
+      p[0] = t_start;
+      p[1] = t_waited;
+      p[2] = globaltimer_ns();
+      p[3] = uint64_t(uint32_t(op) & 0xffu) | (uint64_t(ts->claims & 0xffffffu) << 8) |
+             (uint64_t(ts->claim_wait_ns) << 32);
+    }
+#endif
     if (!ok || !ts->ok) break;
     if (threadIdx.x == 0) signal(c, sig);
   }

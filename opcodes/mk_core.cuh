@@ -28,6 +28,7 @@
 
 #include "common.cuh"
 #include "counters.cuh"
+#include "gemm_ring.cuh"
 #include "generated/megac_abi.h"
 
 namespace megac {
@@ -36,12 +37,16 @@ namespace mk {
 // What thread 0 shares with the CTA about the current task.
 struct TaskShared {
   int32_t w[TASK_WORDS];       // the task, dynamic fields resolved to values
+  int32_t nw[TASK_WORDS];      // the next task's words as compiled (prefetch of its weights)
   int32_t rec[QUEUE_RECORD_WORDS];  // the claimed record (claimers)
   int32_t ok;                  // 0 once a wait gave up (abort)
   int32_t claimed;             // 1 while a claimed record is published
   int32_t task;                // index in this CTA's list
   int32_t claim_signal;        // counter the claimed record signals (-1: none)
-  int32_t pad[4];
+  rows::RingState ring;        // the GEMM weight ring's barriers (gemm_ring.cuh), per launch
+  uint32_t claims;             // records this claimer task ran (profile)
+  uint32_t claim_wait_ns;      // time its record waits took (profile)
+  int32_t pad[2];
 };
 static_assert(sizeof(TaskShared) % 16 == 0, "keeps the scratch that follows aligned");
 
@@ -97,11 +102,13 @@ __device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
 
 // Claim loop of one claimer task (every thread calls it). `offsets(rec, &wo,
 // &so)` gives the claimed record's wait and signal offsets (the ABI's, per
-// queue); `run()` runs the record published in c.ts->rec with the whole CTA.
-template <class Offsets, class Run>
+// queue); `prefetch(rec)` (thread 0) starts the claimed record's weights
+// toward L2 before its wait; `run()` runs the record published in c.ts->rec
+// with the whole CTA.
+template <class Offsets, class Prefetch, class Run>
 __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int len_field, int wait_base_field,
                                            int wait_target_field, int signal_base_field, Offsets offsets,
-                                           Run run, int num_layers) {
+                                           Prefetch prefetch, Run run, int num_layers) {
   TaskShared* ts = c.ts;
   for (;;) {
     if (threadIdx.x == 0) {
@@ -121,13 +128,17 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int le
         else
           q = ptr<const int32_t>(c.d->moe_down_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
         for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) ts->rec[i] = __ldcg(q + int64_t(idx) * QUEUE_RECORD_WORDS + i);
+        prefetch(ts->rec);
         int32_t wo = 0, so = 0;
         offsets(ts->rec, wo, so);
         const int32_t wb = w[wait_base_field];
+        const uint64_t t0 = globaltimer_ns();
         if (wb >= 0 && !wait_on(c, wb + wo, resolve(c.d, w[wait_target_field]))) {
           ts->ok = 0;
           claimed = 0;
         }
+        ts->claims += 1;
+        ts->claim_wait_ns += uint32_t(globaltimer_ns() - t0);
         const int32_t sb = w[signal_base_field];
         ts->claim_signal = sb >= 0 ? sb + so : -1;
       }

@@ -30,16 +30,52 @@ struct AddNorm {
   float eps;
 };
 
+// Elements a thread sums at once: their loads of one partial are all in
+// flight together (one element at a time left the norm, on every layer's
+// critical path, at ~10 us of load latency per task).
+constexpr int kNormBatch = 8;
+
 // `red` is 33 floats of shared memory (one per warp, up to 32 warps, and the scale).
 __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   float ss = 0.f;
-  for (int i = threadIdx.x; i < a.D; i += blockDim.x) {
-    float v = __ldcg(a.x + i);
-    for (int s = 0; s < a.n0; ++s) v = __fadd_rn(v, __ldcg(a.parts0 + s * a.stride0 + i));
-    for (int s = 0; s < a.n1; ++s) v = __fadd_rn(v, __ldcg(a.parts1 + s * a.stride1 + i));
-    a.x[i] = v;
-    ss = fmaf(v, v, ss);
+  // per element the same adds in the same order as one at a time:
+  // x, then parts0[0..n0), then parts1[0..n1); ss over elements in index order
+  for (int i0 = threadIdx.x; i0 < a.D; i0 += kNormBatch * blockDim.x) {
+    float v[kNormBatch];
+#pragma unroll
+    for (int j = 0; j < kNormBatch; ++j) {
+      const int i = i0 + j * blockDim.x;
+      v[j] = i < a.D ? __ldcg(a.x + i) : 0.f;
+    }
+    for (int s = 0; s < a.n0; ++s) {
+      float p[kNormBatch];
+#pragma unroll
+      for (int j = 0; j < kNormBatch; ++j) {
+        const int i = i0 + j * blockDim.x;
+        p[j] = i < a.D ? __ldcg(a.parts0 + s * a.stride0 + i) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < kNormBatch; ++j) v[j] = __fadd_rn(v[j], p[j]);
+    }
+    for (int s = 0; s < a.n1; ++s) {
+      float p[kNormBatch];
+#pragma unroll
+      for (int j = 0; j < kNormBatch; ++j) {
+        const int i = i0 + j * blockDim.x;
+        p[j] = i < a.D ? __ldcg(a.parts1 + s * a.stride1 + i) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < kNormBatch; ++j) v[j] = __fadd_rn(v[j], p[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kNormBatch; ++j) {
+      const int i = i0 + j * blockDim.x;
+      if (i < a.D) {
+        a.x[i] = v[j];
+        ss = fmaf(v[j], v[j], ss);
+      }
+    }
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);

@@ -78,7 +78,8 @@ __device__ __forceinline__ bool attn_drain(const Ctx& c) {
                     r[rec_attn::NUM_SPLITS], c.ts->w[f_attn_drain::WINDOW]);
   };
   return claim_loop(c, f_attn_drain::QUEUE, f_attn_drain::QUEUE_LEN, f_attn_drain::TASK_WAIT_BASE,
-                    f_attn_drain::TASK_WAIT_TARGET, f_attn_drain::TASK_SIGNAL_BASE, AttnOffsets{M::KV_HEADS}, run,
+                    f_attn_drain::TASK_WAIT_TARGET, f_attn_drain::TASK_SIGNAL_BASE, AttnOffsets{M::KV_HEADS},
+                    [](const int32_t*) {}, run,
                     M::NUM_LAYERS);
 }
 

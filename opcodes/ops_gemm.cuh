@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "gemm_ring.cuh"
 #include "gemm_rows.cuh"
 #include "mk_core.cuh"
 #include "mk_layout.cuh"
@@ -18,13 +19,27 @@ namespace mk {
 
 using bf16 = __nv_bfloat16;
 
-// Scratch of a GEMM tile: X staging [8][MAX_KLEN] bf16, then ys [MAX_NLEN][8] fp32.
+// 1: GEMM tiles read their weights through the bulk-copy ring
+// (gemm_ring.cuh) wherever a K row fits a stage; 0: the register-fed loop
+// of gemm_rows.cuh everywhere. Off: on the H200 the ring ran North Mini
+// Code at 10.28 ms (16 x 8 KB stages), 9.14 (8 x 16 KB), 14.0 (32 x 4 KB)
+// against 7.86 ms register-fed (batch 1, 8K; docs/perf-notes.md), though
+// bit-identical.
+#ifndef MEGAC_GEMM_RING
+#define MEGAC_GEMM_RING 0
+#endif
+
+// Scratch of a GEMM tile: X staging [8][MAX_KLEN] bf16, ys [MAX_NLEN][8]
+// fp32, then the weight ring's stages when the model uses it.
 template <class M>
 struct GemmScratch {
+  static constexpr bool kRing = MEGAC_GEMM_RING && M::MAX_KLEN * 2 <= rows::kRingStageBytes;
   static constexpr int kXBytes = (8 * M::MAX_KLEN * 2 + 127) / 128 * 128;
-  static constexpr int kBytes = kXBytes + M::MAX_NLEN * 8 * 4;
+  static constexpr int kYBytes = (M::MAX_NLEN * 8 * 4 + 127) / 128 * 128;
+  static constexpr int kBytes = kXBytes + kYBytes + (kRing ? rows::kRingBytes : 0);
   __device__ static bf16* xs(const Ctx& c) { return reinterpret_cast<bf16*>(c.scratch); }
   __device__ static float* ys(const Ctx& c) { return reinterpret_cast<float*>(c.scratch + kXBytes); }
+  __device__ static uint8_t* ring(const Ctx& c) { return c.scratch + kXBytes + kYBytes; }
 };
 
 // One tile: stage X [rows, k0:k0+klen] from x (row pitch ldx), multiply
@@ -41,6 +56,94 @@ __device__ __forceinline__ float* gemm(const Ctx& c, const bf16* w, int64_t ldw,
 }
 
 #define MK_F(op, name) (c.ts->w[f_##op::name])
+#define MK_W(op, name) (w[f_##op::name])
+
+using rows::WeightSpan;
+
+// Where each opcode's tile of weights lies, from its task words `w` (only
+// static words: callable before the task's waits, on the next task's words).
+template <class M>
+__device__ __forceinline__ WeightSpan qkv_proj_weights(const Ctx& c, const int32_t* w) {
+  return {ptr<const bf16>(c.d->w_qkv) + Layout<M>::w_qkv(w[H_LAYER]) + int64_t(MK_W(qkv_proj, N0)) * M::HIDDEN +
+              MK_W(qkv_proj, K0),
+          MK_W(qkv_proj, N_LEN), MK_W(qkv_proj, K_LEN), M::HIDDEN};
+}
+
+template <class M>
+__device__ __forceinline__ WeightSpan o_proj_weights(const Ctx& c, const int32_t* w) {
+  return {ptr<const bf16>(c.d->w_o) + Layout<M>::w_o(w[H_LAYER]) + int64_t(MK_W(o_proj, N0)) * M::Q_WIDTH +
+              MK_W(o_proj, K0),
+          MK_W(o_proj, N_LEN), MK_W(o_proj, K_LEN), M::Q_WIDTH};
+}
+
+template <class M>
+__device__ __forceinline__ WeightSpan ffn_upgate_act_weights(const Ctx& c, const int32_t* w) {
+  const int slot = ptr<const int32_t>(c.d->layer_slot)[w[H_LAYER]];
+  return {ptr<const bf16>(c.d->w_upgate) + Layout<M>::w_upgate(slot) +
+              int64_t(MK_W(ffn_upgate_act, N0)) * M::HIDDEN + MK_W(ffn_upgate_act, K0),
+          MK_W(ffn_upgate_act, N_LEN), MK_W(ffn_upgate_act, K_LEN), M::HIDDEN};
+}
+
+template <class M>
+__device__ __forceinline__ WeightSpan ffn_down_weights(const Ctx& c, const int32_t* w) {
+  const int slot = ptr<const int32_t>(c.d->layer_slot)[w[H_LAYER]];
+  return {ptr<const bf16>(c.d->w_down) + Layout<M>::w_down(slot) + int64_t(MK_W(ffn_down, N0)) * M::DENSE_WIDTH +
+              MK_W(ffn_down, K0),
+          MK_W(ffn_down, N_LEN), MK_W(ffn_down, K_LEN), M::DENSE_WIDTH};
+}
+
+template <class M>
+__device__ __forceinline__ WeightSpan router_gemm_weights(const Ctx& c, const int32_t* w) {
+  const int slot = ptr<const int32_t>(c.d->layer_slot)[w[H_LAYER]];
+  return {ptr<const bf16>(c.d->w_router) + Layout<M>::w_router(slot) + int64_t(MK_W(router_gemm, N0)) * M::HIDDEN +
+              MK_W(router_gemm, K0),
+          MK_W(router_gemm, N_LEN), MK_W(router_gemm, K_LEN), M::HIDDEN};
+}
+
+template <class M>
+__device__ __forceinline__ WeightSpan lm_head_weights(const Ctx& c, const int32_t* w) {
+  return {ptr<const bf16>(c.d->w_lm_head) + int64_t(MK_W(lm_head, N0)) * M::HIDDEN + MK_W(lm_head, K0),
+          MK_W(lm_head, N_LEN), MK_W(lm_head, K_LEN), M::HIDDEN};
+}
+
+// A claimed expert tile's weights (record {expert, n_tile, slot0, rows}).
+template <class M>
+__device__ __forceinline__ WeightSpan moe_up_weights(const Ctx& c, const int32_t* rec) {
+  const int slot = ptr<const int32_t>(c.d->layer_slot)[c.ts->w[H_LAYER]];
+  const int nlen_full = MK_F(moe_upgate_drain, N_LEN);
+  const int n0 = rec[rec_moe_up::N_TILE] * nlen_full;
+  return {ptr<const bf16>(c.d->w_moe_upgate) + Layout<M>::w_moe_upgate(slot, rec[rec_moe_up::EXPERT]) +
+              int64_t(n0) * M::HIDDEN,
+          min(nlen_full, 2 * M::EXPERT_WIDTH - n0), M::HIDDEN, M::HIDDEN};
+}
+
+template <class M>
+__device__ __forceinline__ WeightSpan moe_down_weights(const Ctx& c, const int32_t* rec) {
+  const int slot = ptr<const int32_t>(c.d->layer_slot)[c.ts->w[H_LAYER]];
+  const int nlen_full = MK_F(moe_down_drain, N_LEN);
+  const int n0 = rec[rec_moe_down::N_TILE] * nlen_full;
+  return {ptr<const bf16>(c.d->w_moe_down) + Layout<M>::w_moe_down(slot, rec[rec_moe_down::EXPERT]) +
+              int64_t(n0) * M::EXPERT_WIDTH,
+          min(nlen_full, M::HIDDEN - n0), M::EXPERT_WIDTH, M::EXPERT_WIDTH};
+}
+
+// gemm() over a WeightSpan: its rows are the tile's features, its columns
+// K; through the weight ring where the model's K rows fit a stage.
+template <class M>
+__device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const bf16* x, int64_t ldx, int rows) {
+  if constexpr (GemmScratch<M>::kRing) {
+    bf16* xs = GemmScratch<M>::xs(c);
+    float* ys = GemmScratch<M>::ys(c);
+    // this thread's earlier generic writes to the scratch (another opcode's)
+    // before the copy engine writes the ring there; stage_x's barrier follows
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    rows::stage_x(x, ldx, rows, s.cols, xs);
+    rows::tile_ring(s, xs, rows, ys, GemmScratch<M>::ring(c), &c.ts->ring, &c.ts->ok, c.site);
+    return ys;
+  } else {
+    return gemm<M>(c, s.p, s.ld, x, ldx, rows, s.rows, s.cols);
+  }
+}
 
 template <class M>
 __device__ __forceinline__ void qkv_proj(const Ctx& c) {
@@ -48,10 +151,8 @@ __device__ __forceinline__ void qkv_proj(const Ctx& c) {
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER], flags = c.ts->w[H_FLAGS];
   const int n0 = MK_F(qkv_proj, N0), nlen = MK_F(qkv_proj, N_LEN);
-  const int k0 = MK_F(qkv_proj, K0), klen = MK_F(qkv_proj, K_LEN);
-  const bf16* w = ptr<const bf16>(d->w_qkv) + Lay::w_qkv(layer) + int64_t(n0) * M::HIDDEN + k0;
-  const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(layer, 0) + k0;
-  const float* ys = gemm<M>(c, w, M::HIDDEN, x, M::HIDDEN, d->rows, nlen, klen);
+  const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(layer, 0) + MK_F(qkv_proj, K0);
+  const float* ys = gemm<M>(c, qkv_proj_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows);
   rows::QkvOut a;
   a.seq_pos = ptr<const int32_t>(d->seq_pos);
   a.row_active = ptr<const int32_t>(d->row_active);
@@ -76,11 +177,9 @@ __device__ __forceinline__ void o_proj(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
-  const int n0 = MK_F(o_proj, N0), nlen = MK_F(o_proj, N_LEN);
-  const int k0 = MK_F(o_proj, K0), klen = MK_F(o_proj, K_LEN), split = MK_F(o_proj, SPLIT);
-  const bf16* w = ptr<const bf16>(d->w_o) + Lay::w_o(layer) + int64_t(n0) * M::Q_WIDTH + k0;
-  const bf16* x = ptr<const bf16>(d->attn_out) + Lay::attn_out(layer, 0) + k0;
-  const float* ys = gemm<M>(c, w, M::Q_WIDTH, x, M::Q_WIDTH, d->rows, nlen, klen);
+  const int n0 = MK_F(o_proj, N0), nlen = MK_F(o_proj, N_LEN), split = MK_F(o_proj, SPLIT);
+  const bf16* x = ptr<const bf16>(d->attn_out) + Lay::attn_out(layer, 0) + MK_F(o_proj, K0);
+  const float* ys = gemm<M>(c, o_proj_weights<M>(c, c.ts->w), x, M::Q_WIDTH, d->rows);
   rows::store<float>(ys, ptr<float>(d->o_part) + Lay::o_part(layer, split, 0) + n0, M::HIDDEN, d->rows, nlen);
 }
 
@@ -89,13 +188,10 @@ __device__ __forceinline__ void ffn_upgate_act(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
-  const int slot = ptr<const int32_t>(d->layer_slot)[layer];
-  const int n0 = MK_F(ffn_upgate_act, N0), nlen = MK_F(ffn_upgate_act, N_LEN);
-  const int k0 = MK_F(ffn_upgate_act, K0), klen = MK_F(ffn_upgate_act, K_LEN);
+  const int nlen = MK_F(ffn_upgate_act, N_LEN);
   const int out0 = MK_F(ffn_upgate_act, OUT0), xslot = MK_F(ffn_upgate_act, X_SLOT);
-  const bf16* w = ptr<const bf16>(d->w_upgate) + Lay::w_upgate(slot) + int64_t(n0) * M::HIDDEN + k0;
-  const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0) + k0;
-  const float* ys = gemm<M>(c, w, M::HIDDEN, x, M::HIDDEN, d->rows, nlen, klen);
+  const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0) + MK_F(ffn_upgate_act, K0);
+  const float* ys = gemm<M>(c, ffn_upgate_act_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows);
   rows::silu_mul(ys, ptr<bf16>(d->ffn_act) + Lay::ffn_act(layer, 0) + out0, M::DENSE_WIDTH, d->rows, nlen);
 }
 
@@ -104,12 +200,9 @@ __device__ __forceinline__ void ffn_down(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
-  const int slot = ptr<const int32_t>(d->layer_slot)[layer];
-  const int n0 = MK_F(ffn_down, N0), nlen = MK_F(ffn_down, N_LEN);
-  const int k0 = MK_F(ffn_down, K0), klen = MK_F(ffn_down, K_LEN), split = MK_F(ffn_down, SPLIT);
-  const bf16* w = ptr<const bf16>(d->w_down) + Lay::w_down(slot) + int64_t(n0) * M::DENSE_WIDTH + k0;
-  const bf16* x = ptr<const bf16>(d->ffn_act) + Lay::ffn_act(layer, 0) + k0;
-  const float* ys = gemm<M>(c, w, M::DENSE_WIDTH, x, M::DENSE_WIDTH, d->rows, nlen, klen);
+  const int n0 = MK_F(ffn_down, N0), nlen = MK_F(ffn_down, N_LEN), split = MK_F(ffn_down, SPLIT);
+  const bf16* x = ptr<const bf16>(d->ffn_act) + Lay::ffn_act(layer, 0) + MK_F(ffn_down, K0);
+  const float* ys = gemm<M>(c, ffn_down_weights<M>(c, c.ts->w), x, M::DENSE_WIDTH, d->rows);
   rows::store<float>(ys, ptr<float>(d->ffn_part) + Lay::ffn_part(layer, split, 0) + n0, M::HIDDEN, d->rows, nlen);
 }
 
@@ -118,13 +211,10 @@ __device__ __forceinline__ void router_gemm(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
-  const int slot = ptr<const int32_t>(d->layer_slot)[layer];
-  const int n0 = MK_F(router_gemm, N0), nlen = MK_F(router_gemm, N_LEN);
-  const int k0 = MK_F(router_gemm, K0), klen = MK_F(router_gemm, K_LEN), split = MK_F(router_gemm, SPLIT);
+  const int n0 = MK_F(router_gemm, N0), nlen = MK_F(router_gemm, N_LEN), split = MK_F(router_gemm, SPLIT);
   const int xslot = MK_F(router_gemm, X_SLOT);
-  const bf16* w = ptr<const bf16>(d->w_router) + Lay::w_router(slot) + int64_t(n0) * M::HIDDEN + k0;
-  const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0) + k0;
-  const float* ys = gemm<M>(c, w, M::HIDDEN, x, M::HIDDEN, d->rows, nlen, klen);
+  const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0) + MK_F(router_gemm, K0);
+  const float* ys = gemm<M>(c, router_gemm_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows);
   rows::store<float>(ys, ptr<float>(d->router_part) + Lay::router_part(layer, split, 0) + n0, M::NUM_EXPERTS,
                      d->rows, nlen);
 }
@@ -134,10 +224,8 @@ __device__ __forceinline__ void lm_head(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int n0 = MK_F(lm_head, N0), nlen = MK_F(lm_head, N_LEN);
-  const int k0 = MK_F(lm_head, K0), klen = MK_F(lm_head, K_LEN);
-  const bf16* w = ptr<const bf16>(d->w_lm_head) + int64_t(n0) * M::HIDDEN + k0;
-  const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(M::NORM_SLOTS - 1, 0) + k0;
-  const float* ys = gemm<M>(c, w, M::HIDDEN, x, M::HIDDEN, d->rows, nlen, klen);
+  const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(M::NORM_SLOTS - 1, 0) + MK_F(lm_head, K0);
+  const float* ys = gemm<M>(c, lm_head_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows);
   rows::lm_head(ys, ptr<float>(d->logits), M::VOCAB, n0, nlen, d->rows, M::LM_BN,
                 ptr<ArgmaxRecord>(d->argmax_part), M::LM_TILES);
 }
@@ -149,16 +237,12 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
-  const int slot = ptr<const int32_t>(d->layer_slot)[layer];
-  const int nlen_full = MK_F(moe_upgate_drain, N_LEN);
-  const int e = c.ts->rec[rec_moe_up::EXPERT], t = c.ts->rec[rec_moe_up::N_TILE];
   const int s0 = c.ts->rec[rec_moe_up::SLOT0], nr = c.ts->rec[rec_moe_up::ROWS];
-  const int n0 = t * nlen_full;
-  const int nlen = min(nlen_full, 2 * M::EXPERT_WIDTH - n0);
-  const bf16* w = ptr<const bf16>(d->w_moe_upgate) + Lay::w_moe_upgate(slot, e) + int64_t(n0) * M::HIDDEN;
+  const int n0 = c.ts->rec[rec_moe_up::N_TILE] * MK_F(moe_upgate_drain, N_LEN);
+  const WeightSpan ws = moe_up_weights<M>(c, c.ts->rec);
   const bf16* x = ptr<const bf16>(d->moe_x) + Lay::moe_x(layer, s0);
-  const float* ys = gemm<M>(c, w, M::HIDDEN, x, M::HIDDEN, nr, nlen, M::HIDDEN);
-  rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, nlen);
+  const float* ys = gemm<M>(c, ws, x, M::HIDDEN, nr);
+  rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, ws.rows);
 }
 
 template <class M>
@@ -166,16 +250,12 @@ __device__ __forceinline__ void moe_down_tile(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
-  const int slot = ptr<const int32_t>(d->layer_slot)[layer];
-  const int nlen_full = MK_F(moe_down_drain, N_LEN);
-  const int e = c.ts->rec[rec_moe_down::EXPERT], t = c.ts->rec[rec_moe_down::N_TILE];
   const int s0 = c.ts->rec[rec_moe_down::SLOT0], nr = c.ts->rec[rec_moe_down::ROWS];
-  const int n0 = t * nlen_full;
-  const int nlen = min(nlen_full, M::HIDDEN - n0);
-  const bf16* w = ptr<const bf16>(d->w_moe_down) + Lay::w_moe_down(slot, e) + int64_t(n0) * M::EXPERT_WIDTH;
+  const int n0 = c.ts->rec[rec_moe_down::N_TILE] * MK_F(moe_down_drain, N_LEN);
+  const WeightSpan ws = moe_down_weights<M>(c, c.ts->rec);
   const bf16* x = ptr<const bf16>(d->moe_act) + Lay::moe_act(layer, s0);
-  const float* ys = gemm<M>(c, w, M::EXPERT_WIDTH, x, M::EXPERT_WIDTH, nr, nlen, M::EXPERT_WIDTH);
-  rows::store<float>(ys, ptr<float>(d->moe_out) + Lay::moe_x(layer, s0) + n0, M::HIDDEN, nr, nlen);
+  const float* ys = gemm<M>(c, ws, x, M::EXPERT_WIDTH, nr);
+  rows::store<float>(ys, ptr<float>(d->moe_out) + Lay::moe_x(layer, s0) + n0, M::HIDDEN, nr, ws.rows);
 }
 
 }  // namespace mk

@@ -100,6 +100,7 @@ template <class M>
 __device__ __forceinline__ bool moe_upgate_drain(const Ctx& c) {
   return claim_loop(c, f_moe_upgate_drain::QUEUE, f_moe_upgate_drain::QUEUE_LEN, f_moe_upgate_drain::TASK_WAIT_BASE,
                     f_moe_upgate_drain::TASK_WAIT_TARGET, f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{},
+                    [&](const int32_t* rec) { rows::prefetch_head(moe_up_weights<M>(c, rec), 0, 1); },
                     [&] { moe_up_tile<M>(c); }, M::NUM_LAYERS);
 }
 
@@ -107,6 +108,7 @@ template <class M>
 __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
   return claim_loop(c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, f_moe_down_drain::TASK_WAIT_BASE,
                     f_moe_down_drain::TASK_WAIT_TARGET, f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{},
+                    [&](const int32_t* rec) { rows::prefetch_head(moe_down_weights<M>(c, rec), 0, 1); },
                     [&] { moe_down_tile<M>(c); }, M::NUM_LAYERS);
 }
 

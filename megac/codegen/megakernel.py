@@ -138,13 +138,15 @@ def layout_checks(schedules) -> list[str]:
 
 def render_megakernel(spec, schedules) -> str:
     big = largest(schedules)
-    dispatch, headers = [], []
+    dispatch, headers, prefetch = [], [], []
     for op, d in REGISTRY.items():
         if op == Op.NOP:
             continue
         if d.device_fn is None:
             raise MegacError(f"megakernel: opcode {op.name} has no device function")
         dispatch.append((op.name, d.device_fn))
+        if d.weights_fn is not None:
+            prefetch.append((op.name, d.weights_fn))
     for h in ("ops_gemm.cuh", "ops_attention.cuh", "ops_moe.cuh", "ops_norm.cuh"):
         headers.append(h)
     dyn: dict[str, list[str]] = {}
@@ -155,7 +157,7 @@ def render_megakernel(spec, schedules) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     return env.get_template("megakernel.cu.j2").render(
-        spec_name=spec.name, constants=model_constants(spec, schedules), headers=headers, dispatch=dispatch,
+        spec_name=spec.name, constants=model_constants(spec, schedules), headers=headers, dispatch=dispatch, prefetch=prefetch,
         dyn_fields=sorted(dyn.items()), layout_key=schedule_key(big.rows, big.context),
         layout_checks=layout_checks(schedules), scratch_expr=scratch)
 

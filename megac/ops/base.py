@@ -195,6 +195,10 @@ class OpDef:
     #: device header in opcodes/ implementing the opcode, and its entry point
     header: ClassVar[str | None] = None
     device_fn: ClassVar[str | None] = None
+    #: device function giving the task's weight tile from its static words
+    #: (``rows::WeightSpan``): the megakernel prefetches it into L2 ahead of
+    #: the task's waits. None: the opcode streams no weights of its own.
+    weights_fn: ClassVar[str | None] = None
 
     # -- fields (abi) ------------------------------------------------------
     @property

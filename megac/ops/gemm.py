@@ -110,6 +110,7 @@ class QkvProj(GemmOp):
     op = Op.QKV_PROJ
     node_kinds = ("qkv",)
     device_fn = "qkv_proj"
+    weights_fn = "qkv_proj_weights"
 
     def dims(self, geo):
         return geo.qkv_width, geo.hidden
@@ -221,6 +222,7 @@ class OProj(GemmOp):
     op = Op.O_PROJ
     node_kinds = ("o_proj",)
     device_fn = "o_proj"
+    weights_fn = "o_proj_weights"
 
     def dims(self, geo):
         return geo.hidden, geo.q_width
@@ -246,6 +248,7 @@ class FfnUpgateAct(GemmOp):
     node_kinds = ("ffn_upgate",)
     ffn_kind = "dense"
     device_fn = "ffn_upgate_act"
+    weights_fn = "ffn_upgate_act_weights"
 
     def dims(self, geo):
         return 2 * geo.dense_width, geo.hidden
@@ -304,6 +307,7 @@ class FfnDown(GemmOp):
     node_kinds = ("ffn_down",)
     ffn_kind = "dense"
     device_fn = "ffn_down"
+    weights_fn = "ffn_down_weights"
 
     def dims(self, geo):
         return geo.hidden, geo.dense_width
@@ -330,6 +334,7 @@ class RouterGemm(GemmOp):
     node_kinds = ("router",)
     ffn_kind = "moe"
     device_fn = "router_gemm"
+    weights_fn = "router_gemm_weights"
 
     def dims(self, geo):
         return geo.num_experts, geo.hidden
@@ -356,6 +361,7 @@ class LmHead(GemmOp):
     op = Op.LM_HEAD
     node_kinds = ("lm_head",)
     device_fn = "lm_head"
+    weights_fn = "lm_head_weights"
 
     def dims(self, geo):
         return geo.vocab, geo.hidden

@@ -402,6 +402,10 @@ def prebuild() -> None:
         full, variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)]),
         *scale.config_specs(), scale.context_spec()]
     for spec in specs:
+        if spec.name in scale.VARIANT_MODELS:
+            for v, defines in {**scale.VARIANTS, "profile": scale.PROFILE}.items():
+                if defines:
+                    print(f"{spec.name} [{v}]: {scale.variant_cubin(spec, defines)}", flush=True)
         t0 = time.perf_counter()
         got = load_or_compile(spec, "tuned")
         # into the build/cubin cache (what travels), even where the artifact has its own

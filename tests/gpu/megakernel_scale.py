@@ -28,8 +28,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
+from pathlib import Path
 
 #: a CPU dry run of the check code: MEGAC_CHECK_DEVICE=cpu (VM backend)
 DEV = os.environ.get("MEGAC_CHECK_DEVICE", "cuda")
@@ -647,5 +649,110 @@ def check_speed() -> dict:
     return out
 
 
-CHECKS = {"opcodes": check_opcodes, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
+#: device-code variants the speed push compares (compile-time switches of
+#: opcodes/: MEGAC_PREFETCH = where the L2 prefetch of a task's weights is
+#: issued, MEGAC_L2_WINDOW = bytes of the sliding prefetch window; see
+#: megakernel.cuh and gemm_rows.cuh); "default" is the headers' own setting
+VARIANTS = {
+    "default": {},
+    "ring_16x8k": {"MEGAC_GEMM_RING": 1},
+    "ring_8x16k": {"MEGAC_GEMM_RING": 1, "MEGAC_RING_STAGES": 8, "MEGAC_RING_STAGE_BYTES": 16384},
+}
+#: the per-task timeline build (megac/gpu/profile.py)
+PROFILE = {"MEGAC_PROFILE": 1}
+VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
+
+
+def variant_cubin(spec, defines):
+    """The megakernel cubin of ``spec`` built with ``defines`` (cached in
+    build/cubin; built here where nvcc exists)."""
+    from megac.codegen.megakernel import SOURCE
+    from megac.gpu.build import build_cubin
+    from megac.resources import opcodes_dir
+    from megac.runtime.artifacts import load_or_compile
+
+    got = load_or_compile(spec, "tuned")
+    return build_cubin(got.path / SOURCE, include_dirs=[opcodes_dir(), got.path], defines=defines or None)
+
+
+def use_cubin(be, cubin) -> None:
+    """Swap the backend's megakernel for another build of the same source."""
+    from megac.codegen.megakernel import SMEM_SYMBOL
+    from megac.gpu import launch
+
+    be.module = launch.load_module(cubin)
+    be.smem = int(be._read_symbol(SMEM_SYMBOL))
+
+
+def check_variants() -> dict:
+    """Median kernel ms of every VARIANTS build, interleaved (round-robin
+    over the variants, 3 rounds) so drift of the machine hits all alike:
+    North Mini Code batch 1 and 8 at 8K, SmolLM2 batch 1 at 1K."""
+    import torch
+
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    out = {}
+    for model, cases in (("north-mini-code", ((1, 8192), (8, 8192))), ("smollm2-135m", ((1, 1024),))):
+        spec = load_spec(model)
+        cubins = {v: variant_cubin(spec, d) for v, d in VARIANTS.items()}
+        w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+        eng = engine(spec, w, max_batch_size=8, max_model_len=min(8192 + 64, spec.max_context), num_kv_blocks=40000)
+        _noise_kv(eng)
+        times: dict = {v: {f"bs{b}_ctx{ctx}": [] for b, ctx in cases} for v in VARIANTS}
+        for _ in range(2):
+            for v, cubin in cubins.items():
+                use_cubin(eng.backend, cubin)
+                for b, ctx in cases:
+                    times[v][f"bs{b}_ctx{ctx}"].append(_step_times(eng, b, ctx, steps=12)["kernel_ms"])
+        out[model] = {v: {k: median(x) for k, x in t.items()} for v, t in times.items()}
+        print(json.dumps({model: out[model]}), flush=True)
+        del eng, w
+        torch.cuda.empty_cache()
+    return out
+
+
+def check_profile() -> dict:
+    """One profiled step (the MEGAC_PROFILE build) of North Mini Code at
+    batch 1, 8K, and SmolLM2 at batch 1, 1K: the per-opcode summary; the raw
+    records and a Perfetto trace go to $OUT when it is set."""
+    import torch
+
+    from megac.gpu import profile
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    out = {}
+    for model, b, ctx in (("north-mini-code", 1, 8192), ("smollm2-135m", 1, 1024)):
+        spec = load_spec(model)
+        w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+        eng = engine(spec, w, max_batch_size=8, max_model_len=min(8192 + 64, spec.max_context), num_kv_blocks=40000)
+        _noise_kv(eng)
+        be, kv = eng.backend, eng.kv
+        plain = _step_times(eng, b, ctx, steps=10)["kernel_ms"]
+        use_cubin(be, variant_cubin(spec, PROFILE))
+        buf = profile.attach(be)
+        timed = _step_times(eng, b, ctx, steps=10)["kernel_ms"]
+        rows = _rows_at(kv, b, ctx)
+        for r in rows:
+            kv.append_slot(r)
+        sched = be.schedules.for_rows(kv, rows)
+        buf.zero_()
+        be.decode(rows, [7] * len(rows))
+        recs = profile.read(buf, sched)
+        for r in rows:
+            kv.free_row(r)
+        out[model] = {"kernel_ms": plain, "kernel_ms_profiled": timed, **profile.summary(recs)}
+        if os.environ.get("OUT"):
+            name = f"profile-{model}-bs{b}-ctx{ctx}"
+            (Path(os.environ["OUT"]) / f"{name}.json").write_text(json.dumps(recs))
+            (Path(os.environ["OUT"]) / f"{name}.trace.json").write_text(json.dumps(profile.chrome_trace(recs)))
+        print(json.dumps({model: out[model]})[:3000], flush=True)
+        del eng, w, be
+        torch.cuda.empty_cache()
+    return out
+
+
+CHECKS = {"opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
           "speed": check_speed}

@@ -1,0 +1,108 @@
+"""Per-task timeline of one megakernel step (a cubin built with
+``-DMEGAC_PROFILE=1``; compiled out otherwise).
+
+::
+
+    buf = attach(backend)              # points the kernel's `megakernel_profile` at a buffer
+    backend.decode(rows, tokens)       # the step to look at
+    recs = read(buf, sched)            # one record per task that ran
+    summary(recs); chrome_trace(recs)  # per-opcode totals; a Perfetto / chrome://tracing file
+
+Thread 0 of each CTA stamps the global timer (ns) when a task's words
+landed, when its header waits were done and when the CTA finished it; a
+claimer also counts the records it ran and the time their own waits took.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from megac.abi import H, Op
+from megac.errors import MegacError
+
+SYMBOL = "megakernel_profile"
+
+
+def attach(backend):
+    """A zeroed int64 [num_sms, max_tasks, 4] buffer on the GPU, sized for
+    the backend's largest task list, and the kernel's pointer set to it."""
+    import cupy as cp  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    sched = max(backend.schedules.schedules, key=lambda s: s.tasks.shape[1])
+    buf = torch.zeros((sched.num_sms, sched.tasks.shape[1], 4), dtype=torch.int64, device=backend.dev)
+    try:
+        sym = backend.module.get_global(SYMBOL)
+    except Exception as err:  # noqa: BLE001 -- cupy raises its own driver error types
+        raise MegacError(f"this megakernel was built without -DMEGAC_PROFILE=1 (no {SYMBOL}: {err})") from None
+    ptr = np.array([buf.data_ptr()], dtype=np.uint64)
+    cp.cuda.runtime.memcpy(sym.ptr, ptr.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice)
+    backend.profile_buf = buf
+    return buf
+
+
+def read(buf, sched) -> list[dict]:
+    """The records of the tasks ``sched`` ran (times in µs from the first
+    task's start)."""
+    # the kernel indexes by the launched schedule's own max_tasks
+    n_sms, max_tasks = int(sched.num_sms), int(sched.max_tasks)
+    a = buf.cpu().numpy().reshape(-1)[: n_sms * max_tasks * 4].reshape(n_sms, max_tasks, 4)
+    counts = np.asarray(sched.task_counts)
+    # the launch's own tasks only: a row the step did not reach keeps zeros
+    rows = [(s, k) for s in range(sched.num_sms) for k in range(int(counts[s])) if a[s, k, 2] != 0]
+    if not rows:
+        return []
+    t0 = min(int(a[s, k, 0]) for s, k in rows)
+    out = []
+    for s, k in rows:
+        start, waited, end, word = (int(x) for x in a[s, k])
+        word &= (1 << 64) - 1
+        op = word & 0xFF
+        out.append({"sm": s, "task": k, "op": Op(op).name, "layer": int(sched.tasks[s, k, H.LAYER]),
+                    "start_us": (start - t0) / 1e3, "waited_us": (waited - t0) / 1e3, "end_us": (end - t0) / 1e3,
+                    "claims": (word >> 8) & 0xFFFFFF, "claim_wait_us": ((word >> 32) & 0xFFFFFFFF) / 1e3})
+    return out
+
+
+def summary(recs: Iterable[dict]) -> dict:
+    """Per opcode: tasks, header-wait µs, run µs (claimers: of which record
+    waits), summed over SMs; and the step's span and busy fraction."""
+    recs = list(recs)
+    per: dict = {}
+    for r in recs:
+        d = per.setdefault(r["op"], {"tasks": 0, "wait_us": 0.0, "run_us": 0.0, "claim_wait_us": 0.0, "claims": 0})
+        d["tasks"] += 1
+        d["wait_us"] += r["waited_us"] - r["start_us"]
+        d["run_us"] += r["end_us"] - r["waited_us"]
+        d["claim_wait_us"] += r["claim_wait_us"]
+        d["claims"] += r["claims"]
+    span = max((r["end_us"] for r in recs), default=0.0)
+    sms = len({r["sm"] for r in recs}) or 1
+    for d in per.values():
+        for k in ("wait_us", "run_us", "claim_wait_us"):
+            d[k] = round(d[k], 1)
+    work = sum(d["run_us"] - d["claim_wait_us"] for d in per.values())
+    return {"span_us": round(span, 1), "sms": sms, "work_fraction": round(work / (span * sms), 4) if span else 0.0,
+            "per_op": dict(sorted(per.items(), key=lambda kv: -kv[1]["run_us"]))}
+
+
+def chrome_trace(recs: Iterable[dict]) -> dict:
+    """Chrome / Perfetto trace events: one track per SM, each task's header
+    wait ("wait") and its run (the opcode's name) as separate slices."""
+    ev = []
+    for r in recs:
+        base = {"pid": 0, "tid": r["sm"], "ph": "X"}
+        if r["waited_us"] > r["start_us"]:
+            ev.append({**base, "name": "wait", "ts": r["start_us"], "dur": r["waited_us"] - r["start_us"],
+                       "args": {"task": r["task"], "layer": r["layer"], "for": r["op"]}})
+        ev.append({**base, "name": r["op"], "ts": r["waited_us"], "dur": max(r["end_us"] - r["waited_us"], 0.0),
+                   "args": {"task": r["task"], "layer": r["layer"], "claims": r["claims"],
+                            "claim_wait_us": r["claim_wait_us"]}})
+    ev += [{"pid": 0, "tid": s, "ph": "M", "name": "thread_name", "args": {"name": f"SM {s}"}}
+           for s in sorted({r["sm"] for r in recs})]
+    return {"traceEvents": ev, "displayTimeUnit": "ns"}
+
+
+__all__ = ["SYMBOL", "attach", "chrome_trace", "read", "summary"]
