@@ -6,7 +6,9 @@ applied; the engine hands them here, one row at a time, with that row's
 
 1. ``logit_bias`` (added), ``presence_penalty`` / ``frequency_penalty``
    (subtracted for tokens already generated), EOS / stop tokens masked while
-   fewer than ``min_tokens`` were generated;
+   fewer than ``min_tokens`` were generated; then, for a row held to a
+   grammar (structured output, :mod:`megac.grammar`), every token the
+   grammar forbids at ``-inf``;
 2. greedy (``temperature < 1e-5``): ``argmax``, the lowest id among ties;
 3. otherwise ``logits / temperature``, ``top_k`` (keep the k largest; ties at
    the k-th value are kept), ``top_p`` (the smallest set of most probable
@@ -27,18 +29,25 @@ difference of ``log`` between devices deciding a race, ~1e-7 per step).
 batched argmax, the others row by row, and only the token ids come back to
 the host (one synchronisation per step). The CUDA backend reads its greedy
 rows from the LM head's argmax records instead (:func:`needs_logits` says
-which rows may).
+which rows may; never a row held to a grammar).
+
+A grammar row's matcher is advanced here too, right after its token is
+drawn (:func:`sample_row`, :func:`sample_rows`): computing the next mask and
+accepting the token stay a pair, whoever calls the sampler.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from megac.rng import hash24, stream_key
+
+if TYPE_CHECKING:
+    from megac.grammar import GrammarMatcher
 
 GREEDY_EPS = 1e-5
 
@@ -140,16 +149,19 @@ def has_processing(p: SamplingParams, output_ids: Sequence[int]) -> bool:
                 or len(output_ids) < p.min_tokens)
 
 
-def needs_logits(p: SamplingParams, output_ids: Sequence[int]) -> bool:
+def needs_logits(p: SamplingParams, output_ids: Sequence[int], grammar: "GrammarMatcher | None" = None) -> bool:
     """False when the token is the plain greedy argmax of the logits (what
     the LM head's argmax records give without reading the logits)."""
-    return not p.greedy or has_processing(p, output_ids)
+    return grammar is not None or not p.greedy or has_processing(p, output_ids)
 
 
 def _sample_tensor(logits: torch.Tensor, p: SamplingParams, stream: NoiseStream | None,
-                   output_ids: Sequence[int], eos_ids) -> torch.Tensor:
-    """The next token of one row as a 0-d int64 tensor on the logits' device."""
+                   output_ids: Sequence[int], eos_ids, grammar: "GrammarMatcher | None" = None) -> torch.Tensor:
+    """The next token of one row as a 0-d int64 tensor on the logits' device
+    (the grammar, if any, is not advanced here)."""
     x = process_logits(logits, p, list(output_ids), set(eos_ids)) if has_processing(p, output_ids) else logits
+    if grammar is not None:
+        x = grammar.constrain(x, logits)
     if p.greedy:
         return torch.argmax(x)
     probs = filtered_probs(x.float(), p)
@@ -159,9 +171,14 @@ def _sample_tensor(logits: torch.Tensor, p: SamplingParams, stream: NoiseStream 
 
 
 def sample_row(logits: torch.Tensor, p: SamplingParams, stream: NoiseStream | None,
-               output_ids: Sequence[int] | None = None, eos_ids=frozenset()) -> int:
-    """The next token of one row (see the module docstring)."""
-    return int(_sample_tensor(logits, p, stream, output_ids or [], eos_ids))
+               output_ids: Sequence[int] | None = None, eos_ids=frozenset(),
+               grammar: "GrammarMatcher | None" = None) -> int:
+    """The next token of one row (see the module docstring); ``grammar``
+    constrains it and accepts it."""
+    tok = int(_sample_tensor(logits, p, stream, output_ids or [], eos_ids, grammar))
+    if grammar is not None:
+        grammar.accept(tok)
+    return tok
 
 
 @dataclass
@@ -172,6 +189,8 @@ class RowSampling:
     stream: NoiseStream | None
     output_ids: Sequence[int] = ()
     eos_ids: frozenset = frozenset()
+    #: structured output: the row's matcher (constrains the row, then accepts its token)
+    grammar: "GrammarMatcher | None" = None
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling | None], *,
@@ -184,7 +203,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling | None], *,
     n = len(rows)
     if n == 0:
         return []
-    plain = [i for i, r in enumerate(rows) if r is not None and not needs_logits(r.params, r.output_ids)]
+    plain = [i for i, r in enumerate(rows) if r is not None and not needs_logits(r.params, r.output_ids, r.grammar)]
     plain_set = set(plain)
     out = torch.full((n,), -1, dtype=torch.int64, device=logits.device if greedy is None else greedy.device)
     if plain:
@@ -193,8 +212,12 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling | None], *,
         out[ix] = src[ix].to(out.device)
     for i, r in enumerate(rows):
         if r is not None and i not in plain_set:
-            out[i] = _sample_tensor(logits[i], r.params, r.stream, r.output_ids, r.eos_ids).to(out.device)
-    return [t if r is not None else None for t, r in zip(out.tolist(), rows)]
+            out[i] = _sample_tensor(logits[i], r.params, r.stream, r.output_ids, r.eos_ids, r.grammar).to(out.device)
+    tokens = [t if r is not None else None for t, r in zip(out.tolist(), rows)]
+    for t, r in zip(tokens, rows):
+        if r is not None and r.grammar is not None:
+            r.grammar.accept(t)
+    return tokens
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], streams: list[NoiseStream | None],

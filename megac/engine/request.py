@@ -10,6 +10,13 @@ the same deltas, so streamed and non-streamed text are identical.
 Stop strings are never part of the output (unless
 ``include_stop_str_in_output``); while a request runs, the longest tail of
 the text that is the beginning of a stop string is held back.
+
+A request held to a grammar (structured output) carries its
+:class:`~megac.grammar.GrammarMatcher`; the sampler advances it, and the
+request finishes with ``stop`` once the grammar takes no further token
+(``error`` if the matcher ever rejects a token, which the mask prevents).
+The matcher lives with the request, so a preempted request resumes it where
+it was: the replay feeds its tokens to the model only.
 """
 
 from __future__ import annotations
@@ -18,11 +25,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from megac.sampling import NoiseStream, SamplingParams, make_stream
+
+if TYPE_CHECKING:
+    from megac.grammar import GrammarMatcher
 
 _ids = itertools.count()
 
@@ -94,7 +104,7 @@ class Request:
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                  tokenizer=None, eos_ids: Sequence[int] = (), sink: Callable[[EngineOutput], None] | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, grammar: "GrammarMatcher | None" = None) -> None:
         self.id = request_id or f"req-{next(_ids)}"
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.params = params
@@ -118,6 +128,9 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.aborted = False
+        self.error: str | None = None  # why the request ended with "error"
+        #: structured output: the matcher the sampler constrains this request with
+        self.grammar = grammar
         #: keep the fp32 logits each output token was sampled from (``logits``): tools and tests
         self.keep_logits = False
         self.logits: list[torch.Tensor] = []
@@ -176,6 +189,11 @@ class Request:
             if p.stop and len(self.text) > before:
                 if self._check_stop(before):
                     finished = True
+            if not finished and self.grammar is not None and self.grammar.finished:
+                # complete (before the length check: a grammar that ends on the
+                # last allowed token completed), or the matcher broke
+                self.error = self.grammar.error
+                finished, self.finish_reason = True, "error" if self.error else "stop"
             if not finished and (n >= p.max_tokens or self.num_tokens >= max_model_len):
                 finished, self.finish_reason = True, "length"
         if finished and self.detok is not None and not isinstance(self.stop_reason, str):
@@ -225,7 +243,7 @@ class Request:
         ids, self._pending_ids = self._pending_ids, []
         return EngineOutput(self.id, delta, ids, finished, self.finish_reason if finished else None,
                             self.stop_reason if finished else None, len(self.prompt_ids), len(self.output_ids),
-                            self.num_cached_tokens)
+                            self.num_cached_tokens, self.error if finished else None)
 
     def final_event(self, reason: str, error: str | None = None) -> EngineOutput:
         """The closing event of an aborted or failed request."""

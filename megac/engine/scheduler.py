@@ -347,8 +347,9 @@ class Engine:
         batch = [r for r in batch if r.status is Status.RUNNING]
         if not batch:
             return 0
-        samples = [RowSampling(r.params, r.stream, r.output_ids, r.eos_ids) if r.phase is Phase.DECODE else None
-                   for r in batch]
+        # REPLAY rows sample nothing: their tokens were drawn (and their grammar advanced) before the preemption
+        samples = [RowSampling(r.params, r.stream, r.output_ids, r.eos_ids, r.grammar) if r.phase is Phase.DECODE
+                   else None for r in batch]
         keep = any(r.keep_logits and s is not None for r, s in zip(batch, samples))
         tokens, logits = decode_and_sample(self.backend, [r.row for r in batch], [r.next_input() for r in batch],
                                            samples, keep_logits=keep)
@@ -396,7 +397,7 @@ class Engine:
 
     def _emit(self, req: Request, logits) -> None:
         """Sample the first token from a prompt's last logits (where they live)."""
-        tok = sample_row(logits, req.params, req.stream, req.output_ids, req.eos_ids)
+        tok = sample_row(logits, req.params, req.stream, req.output_ids, req.eos_ids, req.grammar)
         self._accept(req, tok, logits)
 
     def _accept(self, req: Request, tok: int, logits=None) -> None:
