@@ -98,4 +98,64 @@ def plot_timeline(result, path, *, title: str | None = None, max_sms: int | None
     return path
 
 
-__all__ = ["OP_COLORS", "plot_timeline"]
+WAIT_COLOR = "#e8e8e8"
+
+
+def plot_measured(recs, path, *, title: str, max_sms: int | None = None,
+                  time_range: tuple[float, float] | None = None) -> Path:
+    """Draw a measured step (:func:`megac.gpu.profile.read` records) to
+    ``path`` (.png or .svg): one row per SM, each task's header wait as a
+    light grey bar and its run in the opcode's colour (a claimer's bar
+    includes the waits of the records it claimed)."""
+    path = Path(path)
+    ext = path.suffix.lower()
+    if ext not in (".png", ".svg"):
+        raise MegacError(f"plot: {path}: use a .png or .svg file name")
+    recs = list(recs)
+    if not recs:
+        raise MegacError("plot: no task records (did the step run with a MEGAC_PROFILE build?)")
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    n_sms = max(r["sm"] for r in recs) + 1
+    S = n_sms if max_sms is None else min(max_sms, n_sms)
+    recs = [r for r in recs if r["sm"] < S]
+    height = min(12.0, max(3.0, 0.06 * S + 1.8))
+    fig, ax = plt.subplots(figsize=(14, height), dpi=110)
+    h = 0.8
+
+    def bars(x0, x1, y, color):
+        x0, x1, y = np.asarray(x0, float), np.asarray(x1, float), np.asarray(y, float)
+        verts = np.stack([np.stack([x0, y - h / 2], 1), np.stack([x0, y + h / 2], 1),
+                          np.stack([x1, y + h / 2], 1), np.stack([x1, y - h / 2], 1)], axis=1)
+        ax.add_collection(PolyCollection(verts, facecolors=color, edgecolors="none"))
+
+    bars([r["start_us"] for r in recs], [r["waited_us"] for r in recs], [r["sm"] for r in recs], WAIT_COLOR)
+    present = sorted({Op[r["op"]] for r in recs})
+    for o in present:
+        mine = [r for r in recs if r["op"] == o.name]
+        bars([r["waited_us"] for r in mine], [r["end_us"] for r in mine], [r["sm"] for r in mine],
+             OP_COLORS.get(o, "#000000"))
+    span = max(r["end_us"] for r in recs)
+    ax.set_xlim(*(time_range or (0, span * 1.01)))
+    ax.set_ylim(S - 0.5, -0.5)
+    ax.set_xlabel("time (us, from the first task's start)")
+    ax.set_ylabel("SM")
+    if S > 40:
+        ax.set_yticks(np.arange(0, S, max(1, S // 12)))
+    ax.set_title(title, fontsize=10)
+    handles = [Patch(facecolor=WAIT_COLOR, label="header wait")]
+    handles += [Patch(facecolor=OP_COLORS.get(o, "#000"), label=o.name.lower()) for o in present if o != Op.NOP]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format=ext[1:])
+    plt.close(fig)
+    return path
+
+
+__all__ = ["OP_COLORS", "plot_measured", "plot_timeline"]

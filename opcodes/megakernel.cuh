@@ -76,23 +76,31 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
   if (threadIdx.x == 0) rows::ring_init(&ts->ring);  // visible after the loop's first barrier
   const int32_t* list = ptr<const int32_t>(desc->tasks) + int64_t(sm) * desc->max_tasks * TASK_WORDS;
   // The next task's words are loaded while this one runs (a load per task
-  // on the critical path cost ~0.6 us of dispatch).
-  // Words two tasks ahead are in flight for the prefetch of the next task's weights.
+  // on the critical path cost ~0.6 us of dispatch); with MEGAC_PREFETCH 2
+  // the words two tasks ahead, for the prefetch of the next task's weights.
   int32_t next = (threadIdx.x < TASK_WORDS && n > 0) ? __ldg(list + threadIdx.x) : 0;
+#if MEGAC_PREFETCH == 2
   int32_t next2 = (threadIdx.x < TASK_WORDS && n > 1) ? __ldg(list + TASK_WORDS + threadIdx.x) : 0;
+#endif
   int k = 0;
   for (; k < n; ++k) {
     if (threadIdx.x < TASK_WORDS) {
       ts->w[threadIdx.x] = next;
+#if MEGAC_PREFETCH == 2
       ts->nw[threadIdx.x] = next2;
       next = next2;
       if (k + 2 < n) next2 = __ldg(list + int64_t(k + 2) * TASK_WORDS + threadIdx.x);
+#else
+      if (k + 1 < n) next = __ldg(list + int64_t(k + 1) * TASK_WORDS + threadIdx.x);
+#endif
     }
     __syncthreads();
-    if (MEGAC_PREFETCH > 0 && threadIdx.x < 32) {
+#if MEGAC_PREFETCH > 0
+    if (threadIdx.x < 32) {
       if (MEGAC_PREFETCH == 1 || k == 0) Dispatch::prefetch(c, ts->w, threadIdx.x);
       if (MEGAC_PREFETCH == 2 && k + 1 < n) Dispatch::prefetch(c, ts->nw, threadIdx.x);
     }
+#endif
     const int op = ts->w[H_OPCODE];
     const int32_t sig = ts->w[H_SIGNAL];  // read now: the next task's words overwrite ts->w
     c.site.task = k;

@@ -713,6 +713,48 @@ def check_variants() -> dict:
     return out
 
 
+#: attention split settings of North Mini Code compared by check_splits
+#: (target.attn_split_tokens, target.attn_max_splits)
+SPLITS = ((512, 32), (256, 32), (128, 64))
+
+
+def split_spec(tokens: int, max_splits: int):
+    from megac.spec import load_spec
+    from models import variant
+
+    spec = load_spec("north-mini-code")
+    if (tokens, max_splits) == (spec.target.attn_split_tokens, spec.target.attn_max_splits):
+        return spec
+    target = {**spec.target.model_dump(), "attn_split_tokens": tokens, "attn_max_splits": max_splits}
+    return variant(spec, f"nmc-split{tokens}", target=target)
+
+
+def check_splits() -> dict:
+    """North Mini Code with smaller attention splits (more, shorter
+    ATTN_DECODE / ATTN_DRAIN tasks): median kernel ms at batch 1 and 8, 8K,
+    one engine after the other on the same random weights."""
+    import torch
+
+    from megac.weights import random_weights
+
+    out = {}
+    w = None
+    for tokens, mx in SPLITS:
+        spec = split_spec(tokens, mx)
+        if w is None:
+            w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+        eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
+        _noise_kv(eng)
+        out[f"{tokens}x{mx}"] = {f"bs{b}": _step_times(eng, b, 8192, steps=15)["kernel_ms"] for b in (1, 8)}
+        print(json.dumps({f"{tokens}x{mx}": out[f"{tokens}x{mx}"]}), flush=True)
+        del eng
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
 def check_profile() -> dict:
     """One profiled step (the MEGAC_PROFILE build) of North Mini Code at
     batch 1, 8K, and SmolLM2 at batch 1, 1K: the per-opcode summary; the raw
@@ -754,5 +796,5 @@ def check_profile() -> dict:
     return out
 
 
-CHECKS = {"opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
+CHECKS = {"opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
           "speed": check_speed}

@@ -54,3 +54,25 @@ def test_unreached_tasks_are_left_out():
     buf = torch.zeros((1, 2, 4), dtype=torch.int64)
     buf[0, 0] = torch.tensor([10, 20, 30, int(Op.LM_HEAD)])
     assert [r["op"] for r in profile.read(buf, sched)] == ["LM_HEAD"]
+
+
+def test_plot_measured_draws_waits_apart_from_work(tmp_path):
+    """The PNG exists and has pixels of the wait colour and of each opcode's
+    colour (read back from the image, not from the plotting code)."""
+    import matplotlib.image as mpimg
+
+    from megac.plot import OP_COLORS, WAIT_COLOR, plot_measured
+
+    recs = [{"sm": s, "task": 0, "op": "QKV_PROJ", "layer": 0, "start_us": 0.0, "waited_us": 40.0,
+             "end_us": 100.0, "claims": 0, "claim_wait_us": 0.0} for s in range(4)]
+    recs += [{"sm": s, "task": 1, "op": "LM_HEAD", "layer": 0, "start_us": 100.0, "waited_us": 100.0,
+              "end_us": 200.0, "claims": 0, "claim_wait_us": 0.0} for s in range(4)]
+    out = plot_measured(recs, tmp_path / "t.png", title="test")
+    img = (mpimg.imread(out)[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    colors = {tuple(c) for c in img.tolist()}
+
+    def rgb(hexcode):
+        return tuple(int(hexcode[i:i + 2], 16) for i in (1, 3, 5))
+
+    for name in (WAIT_COLOR, OP_COLORS[Op.QKV_PROJ], OP_COLORS[Op.LM_HEAD]):
+        assert rgb(name) in colors, name
