@@ -158,6 +158,14 @@ class GrammarTokenizer:
                 self._compiled.popitem(last=False)
         return compiled
 
+    def schema_error(self, schema: dict[str, Any]) -> str | None:
+        """Why ``schema`` cannot be compiled, in the JSON-schema compiler's own
+        words (without the Lark context :meth:`compile`'s error carries); None
+        if it can."""
+        llg = _llguidance()
+        grammar = llg.LLMatcher.grammar_from_json_schema({**schema, "x-guidance": JSON_STYLE})
+        return llg.LLMatcher.validate_grammar(grammar, self.lltok) or None
+
     @property
     def num_cached(self) -> int:
         return len(self._compiled)

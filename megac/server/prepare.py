@@ -4,7 +4,8 @@ becomes prompt token ids and :class:`~megac.sampling.SamplingParams`
 validated before a request is queued.
 
 These functions render templates and tokenize, which can take seconds for a
-large prompt: the server calls them on a worker thread
+large prompt, and compile structured-output grammars
+(:mod:`megac.server.structured`): the server calls them on a worker thread
 (:mod:`megac.server.offload`), never on the event loop."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megac.sampling import SamplingParams
 from megac.server import protocol as P
@@ -22,7 +23,11 @@ from megac.server.chat import ChatTemplateError, render_chat
 from megac.server.errors import bad, clip
 from megac.server.prompt_length import context_length_error, refuse_obviously_too_long
 from megac.server.state import ServerState
+from megac.server.structured import response_format_grammar, response_format_schema, tool_call_grammar
 from megac.server.tools import ToolParser
+
+if TYPE_CHECKING:
+    from megac.grammar import Grammar
 
 
 @dataclass
@@ -39,6 +44,10 @@ class Prepared:
     tool_seed: str = ""
     named_tool: bool = False
     parallel_tool_calls: bool = True
+    #: structured output: the grammar the output is held to (a fresh matcher per submission)
+    grammar: "Grammar | None" = None
+    #: tool_choice required / named: the output is tool calls only, held to their grammar
+    forced_tool_calls: bool = False
 
 
 def _message_dicts(messages: list[P.ChatMessage]) -> list[dict]:
@@ -141,10 +150,7 @@ def prepare_chat(state: ServerState, r: P.ChatCompletionRequest, arrival: float)
     state.check_model(r.model)
     if r.logprobs or r.top_logprobs:
         raise bad("logprobs are not supported yet", "logprobs", "unsupported_value")
-    fmt = (r.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise bad(f"response_format type {clip(str(fmt))!r} is not supported (only 'text'; no constrained decoding yet)",
-                  "response_format", "unsupported_value")
+    json_schema = response_format_schema(r.response_format)
     tools = [t.model_dump(exclude_none=True) for t in r.tools] if r.tools is not None else None
     choice: Any = r.tool_choice
     if tools is not None and not tools:
@@ -175,10 +181,18 @@ def prepare_chat(state: ServerState, r: P.ChatCompletionRequest, arrival: float)
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     params = _sampling_params(state, r, len(prompt_ids), max_tokens, default_max=state.max_model_len)
     use_tools = bool(tools) and choice != "none"
+    parallel = r.parallel_tool_calls is not False
+    forced = use_tools and (choice == "required" or isinstance(choice, dict)) and bool(rendered.seed)
+    grammar = None
+    if forced or json_schema is not None:
+        vocabulary = state.request_tokenizer.grammar_tokenizer(state.spec.vocab_size)
+        grammar = (tool_call_grammar(vocabulary, tools, choice, parallel) if forced
+                   else response_format_grammar(vocabulary, json_schema))
     return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, params, bool(r.stream),
                     bool(r.stream_options and r.stream_options.include_usage), arrival,
                     tool_parser=state.tool_parser if use_tools else None, tool_seed=rendered.seed,
-                    named_tool=isinstance(choice, dict), parallel_tool_calls=r.parallel_tool_calls is not False)
+                    named_tool=isinstance(choice, dict), parallel_tool_calls=parallel, grammar=grammar,
+                    forced_tool_calls=forced)
 
 
 def prepare_completion(state: ServerState, r: P.CompletionRequest, arrival: float) -> Prepared:

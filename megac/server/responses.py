@@ -12,6 +12,15 @@ error, as its last stream event or as its answer.
 
 A client that disconnects (streaming or not) aborts its request; the engine
 frees its KV blocks at the next iteration.
+
+Forced tool calls (``tool_choice`` ``required`` or named, held to their
+grammar by :mod:`megac.server.structured`): ``content`` is null and
+``tool_calls`` holds the calls whose arguments were generated to their end
+(so they parse and satisfy the schema); a call cut off by ``max_tokens``
+(``finish_reason: "length"``) is left out, so a response cut inside the
+first call has ``content: null`` and no ``tool_calls``. A stream sends each
+call whole (id, name and arguments in one delta) once its arguments are
+complete, so the stream and the full response hold the same calls.
 """
 
 from __future__ import annotations
@@ -53,7 +62,8 @@ class _Submitted:
                 pass
 
         self.req = Request(prep.prompt_ids, prep.params, request_id=prep.request_id, tokenizer=state.tokenizer,
-                           eos_ids=state.tokenizer.eos_token_ids, sink=sink, arrival_time=prep.arrival)
+                           eos_ids=state.tokenizer.eos_token_ids, sink=sink, arrival_time=prep.arrival,
+                           grammar=prep.grammar.matcher() if prep.grammar is not None else None)
         self.finished = False
         try:
             state.engine.submit(self.req)
@@ -157,11 +167,13 @@ async def chat_full(state: ServerState, prep: Prepared, http: HTTPRequest) -> di
     calls = []
     if prep.tool_parser is not None:
         content, parsed = prep.tool_parser.parse(text, prefix=prep.tool_seed)
+        if prep.forced_tool_calls:
+            content, parsed = None, [c for c in parsed if c.complete]
         if not prep.parallel_tool_calls:
             parsed = parsed[:1]
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in parsed]
-        if calls and not content.strip():
+        if calls and content is not None and not content.strip():
             content = None
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
@@ -202,6 +214,16 @@ async def chat_stream(state: ServerState, prep: Prepared, sub: _Submitted) -> As
             if parser is None:
                 if out.text:
                     yield chunk({"content": out.text})
+            elif prep.forced_tool_calls:
+                parser.feed(out.text)
+                if out.finished:
+                    parser.finish()
+                for i, call in enumerate(parser.tool_calls):
+                    if call.complete and i not in calls_sent and (prep.parallel_tool_calls or i == 0):
+                        calls_sent.add(i)
+                        yield chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                                     "function": {"name": call.name,
+                                                                  "arguments": call.arguments}}]})
             else:
                 pd = parser.feed(out.text)
                 if out.finished:

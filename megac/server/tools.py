@@ -24,7 +24,9 @@ in any order. ``arguments`` is passed on as the raw JSON text of the value
 (an object is streamed as it grows, a partial end tag held back; a value
 that is a JSON string holding JSON is decoded once complete). A block
 without a readable name by its end tag (or the end of output) is returned as
-content; a called function whose arguments cannot be read gets ``{}``. An
+content; a called function whose arguments cannot be read gets ``{}``
+(:attr:`ToolCall.complete` tells a call whose arguments were read to their
+end from one cut off by the end of output). An
 end tag inside a JSON string (``"</tool_call>"`` in an argument) does not end
 the block. Text after a call block is dropped (as vLLM does).
 """
@@ -43,6 +45,8 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # JSON text
+    #: the arguments' value was read to its end (False: cut off, e.g. by max_tokens)
+    complete: bool = True
 
 
 @dataclass
@@ -246,6 +250,7 @@ class _Call:
     name: str | None = None
     args_sent: str = ""
     args_done: bool = False
+    args_complete: bool = False  # the value ended in the text (not merely at the end of output)
     closed: bool = False
 
 
@@ -268,7 +273,7 @@ class _HermesStream(StreamingToolParser):
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        return [ToolCall(c.id, c.name, c.args_sent) for c in self._calls if c.name is not None]
+        return [ToolCall(c.id, c.name, c.args_sent, c.args_complete) for c in self._calls if c.name is not None]
 
     def feed(self, text: str) -> ParsedDelta:
         self.buf += text
@@ -346,7 +351,7 @@ class _HermesStream(StreamingToolParser):
             if body[v0] in "{[":
                 if v1 is not None:
                     new = body[v0:v1]
-                    call.args_done = True
+                    call.args_done = call.args_complete = True
                 else:
                     new = body[v0:]
                     new = new[: len(new) - _partial_suffix(new, self.END)] if not ending else new.rstrip()
@@ -362,10 +367,11 @@ class _HermesStream(StreamingToolParser):
                     except ValueError:
                         pass
                 frag = raw
-                call.args_done = True
+                call.args_done = call.args_complete = True
         elif ending or complete:
             frag = "{}"
             call.args_done = True
+            call.args_complete = complete
         if ending and not call.args_done:
             # unreadable arguments at the end: never leave a called function without any
             call.args_done = True

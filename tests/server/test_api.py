@@ -197,19 +197,24 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 def test_named_tool_choice_returns_that_call(client):
+    # held to the tool's schema (test_structured.py covers it in depth); a
+    # bounded city lets greedy decoding of random weights end the call
+    tools = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+        "additionalProperties": False}}}]
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    r = chat(client, max_tokens=16, temperature=0, tools=TOOLS, tool_choice=choice)
+    r = chat(client, max_tokens=40, temperature=0, tools=tools, tool_choice=choice)
     msg = r.choices[0].message
-    assert msg.tool_calls and msg.tool_calls[0].function.name == "get_weather"
+    assert msg.content is None and len(msg.tool_calls) == 1 and msg.tool_calls[0].function.name == "get_weather"
     assert msg.tool_calls[0].id.startswith("call_") and msg.tool_calls[0].type == "function"
-    assert isinstance(msg.tool_calls[0].function.arguments, str)
-    assert r.choices[0].finish_reason in ("stop", "length")  # named choice: "stop" as OpenAI does
-    # streamed: a header delta (id, name) then argument fragments that add up to the same arguments
-    chunks = list(chat(client, max_tokens=16, temperature=0, tools=TOOLS, tool_choice=choice, stream=True))
+    args = json.loads(msg.tool_calls[0].function.arguments)
+    assert list(args) == ["city"] and len(args["city"]) <= 6
+    assert r.choices[0].finish_reason == "stop"  # named choice: "stop" as OpenAI does
+    # streamed: the call arrives whole (id, name, arguments) once its arguments are complete
+    chunks = list(chat(client, max_tokens=40, temperature=0, tools=tools, tool_choice=choice, stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].index == 0
-    args = "".join(d.function.arguments or "" for d in deltas)
-    assert args == msg.tool_calls[0].function.arguments
+    assert len(deltas) == 1 and deltas[0].id and deltas[0].index == 0
+    assert (deltas[0].function.name, deltas[0].function.arguments) == ("get_weather", msg.tool_calls[0].function.arguments)
 
 
 def test_auto_tools_shape_and_prompt(server, client):
@@ -328,7 +333,9 @@ BAD_REQUESTS = [
     ("max_tokens_beyond_context", CHAT, {**GOOD, "max_tokens": MAX_LEN}, "max_tokens"),
     ("prompt_beyond_context", CHAT, {"messages": [{"role": "user", "content": "x" * (MAX_LEN + 10)}]}, "messages"),
     ("logprobs", CHAT, {**GOOD, "logprobs": True}, "logprobs"),
-    ("response_format", CHAT, {**GOOD, "response_format": {"type": "json_object"}}, "response_format"),
+    ("response_format_type", CHAT, {**GOOD, "response_format": {"type": "yaml"}}, "response_format"),
+    ("response_format_schema", CHAT, {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, "response_format"),
     ("logit_bias_key", CHAT, {**GOOD, "logit_bias": {"abc": 1}}, "logit_bias"),
     ("logit_bias_range", CHAT, {**GOOD, "logit_bias": {"99999": 1}}, "logit_bias"),
     ("empty_tools", CHAT, {**GOOD, "tools": []}, "tools"),

@@ -132,6 +132,21 @@ def test_unterminated_partial_arguments_are_kept_as_generated():
     assert content == "" and calls[0].name == "f" and calls[0].arguments == '{"a": "b'
 
 
+def test_complete_tells_finished_arguments_from_cut_off_ones():
+    def complete(text, prefix=""):
+        return [c.complete for c in P.parse(text, prefix)[1]]
+
+    assert complete(call("f", {"a": [1, 2]})) == [True]
+    assert complete('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}') == [True]  # end tag cut off only
+    assert complete('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2') == [False]
+    assert complete('<tool_call>\n{"name": "f", "argu') == [False]  # gets {} but was never written
+    assert complete('<tool_call>{"name": "now"}</tool_call>') == [True]
+    assert complete(call("a", {}) + "\n" + '<tool_call>\n{"name": "b", "arguments": {"x"') == [True, False]
+    seed = tool_seed({"type": "function", "function": {"name": "g"}})
+    assert complete('{"q": "x"}}\n</tool_c', seed) == [True]
+    assert complete('{"q": "x', seed) == [False]
+
+
 def test_named_seed_primes_the_parser():
     seed = tool_seed({"type": "function", "function": {"name": "get_weather"}})
     generated = '{"city": "Oslo"}}\n</tool_call>'
