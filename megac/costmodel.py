@@ -54,6 +54,16 @@ class CostParams:
     #: experts with at least one routed row per MoE layer (default: expected
     #: value under uniform routing)
     active_experts: int | None = None
+    #: measured per-opcode costs (megac.calibration): opcode -> µs per byte
+    #: of its (claimed) work, replacing num_sms / bandwidth for that opcode,
+    #: and opcode -> µs a task of it costs beyond its bytes (replacing fixed_us)
+    op_us_per_byte: dict[int, float] = field(default_factory=dict)
+    op_fixed_us: dict[int, float] = field(default_factory=dict)
+
+    def task_cost(self, op: int, nbytes, default_us_per_byte: float):
+        """µs of a task (or claimed task) of opcode ``op`` moving ``nbytes``."""
+        return (self.op_fixed_us.get(int(op), self.fixed_us)
+                + nbytes * self.op_us_per_byte.get(int(op), default_us_per_byte))
 
 
 @dataclass
@@ -141,7 +151,7 @@ class _TimedHooks(Hooks):
             self.g_left.append(n)
             self.g_run.append(n)
             self.g_bytes.append(b)
-            self.g_cost.append(params.fixed_us + b * us_per_byte)
+            self.g_cost.append(params.task_cost(g.op, b, us_per_byte))
             self.g_waits.append(sorted({c for c, _ in g.waits if 0 <= c < C}))
             self.g_sigs.append(sorted({c for c, _ in g.signals if 0 <= c < C}))
             self.g_end.append(0.0)
@@ -185,7 +195,11 @@ def simulate(schedule, params: CostParams | None = None, **overrides) -> CostRes
     S, C = p.num_sms, p.num_counters
     nbytes = task_bytes(p.words, geo, params)
     us_per_byte = 1e6 * S / params.bandwidth
-    cost = (params.fixed_us + nbytes * us_per_byte).tolist()
+    cost = np.asarray(params.fixed_us + nbytes * us_per_byte, dtype=np.float64)
+    for opv in set(params.op_fixed_us) | set(params.op_us_per_byte):
+        m = p.op == int(opv)
+        cost[m] = params.task_cost(int(opv), nbytes[m], us_per_byte)
+    cost = cost.tolist()
 
     def ok(v):
         return np.where((v >= 0) & (v < C), v, -1)

@@ -105,4 +105,25 @@ def chrome_trace(recs: Iterable[dict]) -> dict:
     return {"traceEvents": ev, "displayTimeUnit": "ns"}
 
 
-__all__ = ["SYMBOL", "attach", "chrome_trace", "read", "summary"]
+def records_from_trace(trace: dict) -> list[dict]:
+    """The records back from a :func:`chrome_trace` (times as written)."""
+    waits: dict = {}
+    runs = []
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        if e["name"] == "wait":
+            waits[(e["tid"], e["args"]["task"])] = e["ts"]
+        else:
+            runs.append(e)
+    out = []
+    for e in runs:
+        a = e["args"]
+        s, k = e["tid"], a["task"]
+        out.append({"sm": s, "task": k, "op": e["name"], "layer": a["layer"],
+                    "start_us": waits.get((s, k), e["ts"]), "waited_us": e["ts"], "end_us": e["ts"] + e["dur"],
+                    "claims": a["claims"], "claim_wait_us": a["claim_wait_us"]})
+    return sorted(out, key=lambda r: (r["sm"], r["task"]))
+
+
+__all__ = ["SYMBOL", "attach", "chrome_trace", "read", "records_from_trace", "summary"]

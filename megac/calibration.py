@@ -1,0 +1,159 @@
+"""Calibrate the cost model from a measured step (the per-task timeline of
+a ``MEGAC_PROFILE`` build, :mod:`megac.gpu.profile`).
+
+::
+
+    cal = fit(records, schedule, dispatch_us=0.53, handoff_us=0.52)
+    sim = simulate(schedule, cal.params())        # the schedule's timeline at measured costs
+    cal.save("h200-north-mini-code.json")         # megac schedule --calibration FILE
+
+What is fitted, and from what (nothing from the step's span itself, so the
+predicted span is a check of the model, not a restatement of the data):
+
+* per opcode, µs per byte of its work: the measured run time of its tasks
+  (from the end of its header wait to its end; a claimer's record waits
+  excluded, per claimed task) over the bytes the model says the task moves
+  (``costmodel.task_bytes`` / ``claimed_work``);
+* the per-task fixed cost (dispatch: the signal, the next task's words, the
+  barriers -- what lies between one task's end and the next one's start)
+  and the dependency hand-off latency: given, from the megakernel's
+  fixed-cost measurement (a chain of NOP tasks on one SM, and across SMs:
+  ``tests/gpu/megakernel_scale.fixed_cost``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from megac.abi import H, Op
+from megac.costmodel import CostParams, task_bytes
+from megac.errors import MegacError
+from megac.ops import REGISTRY
+
+
+@dataclass
+class Calibration:
+    #: opcode name -> µs per byte (its tasks', or claimed tasks', bytes)
+    us_per_byte: dict[str, float]
+    #: opcode name -> µs per task for opcodes that move no modelled bytes
+    fixed_us_by_op: dict[str, float]
+    fixed_us: float
+    dependency_latency_us: float
+    #: where the numbers came from (GPU, commit, model, batch, context)
+    source: str = ""
+    measured_step_us: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+    def params(self, **overrides) -> CostParams:
+        p = CostParams(fixed_us=self.fixed_us, dependency_latency_us=self.dependency_latency_us,
+                       op_us_per_byte={int(Op[k]): v for k, v in self.us_per_byte.items()},
+                       op_fixed_us={int(Op[k]): v for k, v in self.fixed_us_by_op.items()})
+        for k, v in overrides.items():
+            setattr(p, k, v)
+        return p
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(asdict(self), indent=1, sort_keys=True))
+        return path
+
+    @classmethod
+    def load(cls, path) -> "Calibration":
+        try:
+            data = json.loads(Path(path).read_text())
+            for name in list(data["us_per_byte"]) + list(data["fixed_us_by_op"]):
+                Op[name]
+            return cls(**data)
+        except FileNotFoundError:
+            raise MegacError(f"calibration {path}: no such file") from None
+        except (ValueError, KeyError, TypeError) as err:
+            raise MegacError(f"calibration {path}: not a megac calibration ({type(err).__name__}: {err})") from None
+
+
+#: calibrations that ship with megac (name -> megac/calibrations/NAME.json)
+BUNDLED_DIR = Path(__file__).resolve().parent / "calibrations"
+
+
+def bundled() -> list[str]:
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.json"))
+
+
+def resolve(name_or_path) -> Path:
+    """A bundled calibration's name (``h200-north-mini-code``) or a path."""
+    p = Path(name_or_path)
+    if p.suffix == ".json" or p.exists():
+        return p
+    q = BUNDLED_DIR / f"{name_or_path}.json"
+    if q.is_file():
+        return q
+    raise MegacError(f"calibration {name_or_path!r}: no such file and no bundled calibration of that name "
+                     f"(bundled: {', '.join(bundled()) or 'none'})")
+
+
+def check_records(records, schedule) -> None:
+    """Every record must be the schedule's task at that (sm, slot): the
+    trace belongs to this schedule."""
+    counts = np.asarray(schedule.task_counts)
+    for r in records:
+        s, k = int(r["sm"]), int(r["task"])
+        if s >= schedule.num_sms or k >= counts[s] or Op(int(schedule.tasks[s, k, H.OPCODE])).name != r["op"]:
+            raise MegacError(f"calibration: record (SM {s}, task {k}, {r['op']}) is not this schedule's task "
+                             "there: the trace was measured on another schedule")
+
+
+def fit(records, schedule, *, dispatch_us: float, handoff_us: float, source: str = "") -> Calibration:
+    """A :class:`Calibration` from the measured ``records`` of one step of
+    ``schedule`` (see the module docstring)."""
+    records = list(records)
+    if not records:
+        raise MegacError("calibration: no task records")
+    check_records(records, schedule)
+    geo = schedule.geometry
+    params = CostParams()
+    run: dict[str, list[float]] = {}
+    nbytes: dict[str, list[float]] = {}
+    claims: dict[str, int] = {}
+    tb = {}
+    for r in records:
+        s, k = int(r["sm"]), int(r["task"])
+        d = REGISTRY[Op[r["op"]]]
+        if d.claimer:
+            run.setdefault(r["op"], []).append(r["end_us"] - r["waited_us"] - r["claim_wait_us"])
+            claims[r["op"]] = claims.get(r["op"], 0) + int(r["claims"])
+        else:
+            if (s, k) not in tb:
+                tb[(s, k)] = float(task_bytes(schedule.tasks[s, k][None, :], geo, params)[0])
+            run.setdefault(r["op"], []).append(r["end_us"] - r["waited_us"])
+            nbytes.setdefault(r["op"], []).append(tb[(s, k)])
+    upb: dict[str, float] = {}
+    fixed_by_op: dict[str, float] = {}
+    notes: dict = {}
+    for name, times in run.items():
+        d = REGISTRY[Op[name]]
+        total = float(np.sum(times))
+        if d.claimer:
+            n, b = d.claimed_work(geo, params)
+            done = claims.get(name, 0)
+            if done == 0 or b <= 0:
+                continue
+            upb[name] = total / (done * b)
+            notes[name] = {"claims": done, "us_per_claim": round(total / done, 3), "bytes_per_claim": b}
+        else:
+            b = float(np.sum(nbytes[name]))
+            if b <= 0:
+                fixed_by_op[name] = dispatch_us + total / len(times)
+            else:
+                upb[name] = total / b
+            notes[name] = {"tasks": len(times), "us_per_task": round(total / len(times), 3),
+                           "bytes_per_task": b / len(times)}
+    span = max(r["end_us"] for r in records)
+    return Calibration(us_per_byte=upb, fixed_us_by_op=fixed_by_op, fixed_us=float(dispatch_us),
+                       dependency_latency_us=float(handoff_us), source=source, measured_step_us=float(span),
+                       notes=notes)
+
+
+__all__ = ["BUNDLED_DIR", "Calibration", "bundled", "check_records", "fit", "resolve"]
