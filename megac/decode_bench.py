@@ -1,0 +1,162 @@
+"""Decode-only throughput of one backend (``megac bench``).
+
+::
+
+    rows = run(engine, cases=[(1, 8192), (8, 8192)], steps=30, warmup=5)
+    print(table(rows)); json.dumps(rows)
+
+Prefill is skipped: each case's rows are filled with N(0, 0.01) noise KV up
+to the context (a row's K/V bits do not change the bytes a step moves), then
+``steps`` decode steps are timed after ``warmup`` steps; medians are
+reported. Per case:
+
+* ``kernel_ms``: the backend's own time per step where it keeps one (the
+  CUDA backend: the launch and its completion, timed on the host, so it
+  includes ~0.09 ms of launch and synchronisation), else the step's;
+* ``step_ms``: the whole step as the engine sees it (host words, seed,
+  launch, sampling on the device, the token ids back), and the host's share;
+* ``bytes``: what the step must move by the cost model's accounting of the
+  schedule that ran (weights of the tiles it touches -- the expected active
+  experts under uniform routing at that batch --, KV read, activations and
+  partials), so ``TB/s = bytes / kernel time`` and the percentages of the
+  streaming ceiling (measured in the same run where there is a GPU) and of
+  the datasheet 4.8 TB/s;
+* ``predicted_ms``: the cost model's step, calibrated when a calibration
+  is given (``megac.calibration``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+from megac.errors import MegacError
+
+DATASHEET_BPS = 4.8e12
+
+
+def fill_kv_noise(kv, seed: int = 0) -> None:
+    """N(0, 0.01) into both pools (what decode reads without a prefill)."""
+    import torch
+
+    g = torch.Generator(device=kv.k_pool.device).manual_seed(seed)
+    for pool in (kv.k_pool, kv.v_pool):
+        pool.normal_(0.0, 0.01, generator=g)
+
+
+def rows_at(kv, batch: int, context: int) -> list[int]:
+    """``batch`` fresh KV rows holding ``context - 1`` tokens (the step adds the last)."""
+    rows = [kv.allocate_row() for _ in range(batch)]
+    for r in rows:  # in prefill-sized pieces: sliding layers release blocks as they go
+        for a in range(0, context - 1, 512):
+            n = min(512, context - 1 - a)
+            kv.reserve(r, n)
+            kv.advance(r, n)
+    return rows
+
+
+def measure_ceiling(device: str, nbytes: int = 4 << 30, repeats: int = 5) -> float | None:
+    """Streaming-read rate (B/s) of ``device`` on random data much larger
+    than L2: the median of ``repeats`` full reductions of ``nbytes``. None
+    on the CPU (no meaningful ceiling for the bytes the VM moves)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    out = []
+    for _ in range(repeats + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        x.sum()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e-3)
+    del x
+    torch.cuda.empty_cache()
+    return nbytes / statistics.median(out[1:])
+
+
+def step_bytes(schedule, context: int, calibration=None) -> tuple[float, float]:
+    """(bytes a step of ``schedule`` moves with rows at ``context`` tokens,
+    predicted µs) by the cost model."""
+    from megac.costmodel import CostParams, simulate
+
+    params = calibration.params(context=context) if calibration is not None else CostParams(context=context)
+    sim = simulate(schedule, params)
+    return sim.total_bytes, sim.step_us
+
+
+def run(engine, cases: Sequence[tuple[int, int]], *, steps: int = 30, warmup: int = 5, ceiling: float | None = None,
+        calibration=None, progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
+    """One row per (batch, context) case (see the module docstring)."""
+    from megac.runtime.backend import decode_and_sample
+    from megac.sampling import RowSampling, SamplingParams
+
+    be, kv = engine.backend, engine.kv
+    greedy = SamplingParams(temperature=0.0)
+    out = []
+    for ci, (batch, context) in enumerate(cases):
+        if batch > be.max_batch_size:
+            raise MegacError(f"bench: batch {batch} exceeds the backend's {be.max_batch_size}")
+        rows = rows_at(kv, batch, context)
+        try:
+            sched = be.schedules.pick(batch, context) if hasattr(be, "schedules") else None
+            own = getattr(be, "kernel_ms", None)
+            if own is not None:
+                own.clear()
+            wall = []
+            tokens = [1 + r for r in rows]
+            for i in range(warmup + steps):
+                for r in rows:
+                    kv.append_slot(r)
+                t0 = time.perf_counter()
+                tokens, _ = decode_and_sample(be, rows, tokens, [RowSampling(greedy, None)] * len(rows))
+                wall.append((time.perf_counter() - t0) * 1e3)
+                if progress is not None:
+                    progress(f"batch {batch}, context {context}", ci * (warmup + steps) + i + 1,
+                             len(cases) * (warmup + steps))
+        finally:
+            for r in rows:
+                kv.free_row(r)
+        step_ms = statistics.median(wall[warmup:])
+        kernel_ms = statistics.median(own[warmup:]) if own else step_ms
+        row = {"batch": batch, "context": context, "steps": steps, "kernel_ms": round(kernel_ms, 4),
+               "step_ms": round(step_ms, 4), "tok_s": round(batch * 1e3 / kernel_ms, 1),
+               "tok_s_step": round(batch * 1e3 / step_ms, 1),
+               "host_fraction": round(max(step_ms - kernel_ms, 0.0) / step_ms, 4)}
+        if sched is not None:
+            nbytes, pred_us = step_bytes(sched, context, calibration)
+            tbs = nbytes / (kernel_ms * 1e-3)
+            row.update(bytes=int(nbytes), tb_s=round(tbs / 1e12, 3), pct_datasheet=round(100 * tbs / DATASHEET_BPS, 1),
+                       predicted_ms=round(pred_us / 1e3, 4))
+            if ceiling:
+                row.update(pct_ceiling=round(100 * tbs / ceiling, 1), sol_ms=round(nbytes / ceiling * 1e3, 4))
+        out.append(row)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    cols = [("batch", "batch"), ("context", "context"), ("kernel_ms", "ms/step"), ("tok_s", "tok/s"),
+            ("step_ms", "step ms"), ("host_fraction", "host %"), ("bytes", "GB"), ("tb_s", "TB/s"),
+            ("pct_ceiling", "% ceiling"), ("pct_datasheet", "% 4.8 TB/s"), ("predicted_ms", "model ms")]
+    cols = [(k, h) for k, h in cols if any(k in r for r in rows)]
+
+    def fmt(k, v):
+        if v is None:
+            return "-"
+        if k == "bytes":
+            return f"{v / 1e9:.3f}"
+        if k == "host_fraction":
+            return f"{100 * v:.1f}"
+        return str(v)
+
+    cells = [[h for _, h in cols]] + [[fmt(k, r.get(k)) for k, _ in cols] for r in rows]
+    w = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    lines = ["  ".join(c[i].rjust(w[i]) for i in range(len(cols))) for c in cells]
+    lines.insert(1, "  ".join("-" * x for x in w))
+    return "\n".join(lines)
+
+
+__all__ = ["DATASHEET_BPS", "fill_kv_noise", "measure_ceiling", "rows_at", "run", "step_bytes", "table"]

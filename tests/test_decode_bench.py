@@ -1,0 +1,60 @@
+"""``megac bench``'s measurement core on the CPU VM: every case decodes,
+the numbers are consistent, and the bytes a step moves follow the model's
+dimensions (KV grows by exactly 2 x layers x kv_heads x head_dim x 2 bytes
+per token and row)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megac import decode_bench as db
+from megac.engine.build import EngineOptions, build_engine
+from megac.passes.pipeline import compile_one
+from megac.spec import load_spec
+from megac.weights import random_weights
+
+
+def test_kv_bytes_grow_with_the_context_as_the_dimensions_say():
+    spec = load_spec("tiny-llama")
+    sched = compile_one(spec, order="tuned", rows=2, context=256)
+    # 40 and 60 tokens: the same number of attention splits (so the same
+    # partials): only the keys read differ
+    split = spec.target.attn_split_tokens
+    assert -(-40 // split) == -(-60 // split)
+    a, _ = db.step_bytes(sched, 40)
+    b, _ = db.step_bytes(sched, 60)
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2  # K and V, bf16
+    assert b - a == per_token * (60 - 40) * 2  # two rows
+    w = random_weights(spec, seed=0)
+    assert a >= 2 * (w.num_params() - spec.vocab_size * spec.hidden_size)  # every weight but the gathered embedding
+
+
+@pytest.fixture(scope="module")
+def engine():
+    spec = load_spec("tiny-moe")
+    eng = build_engine(spec, random_weights(spec, seed=1), EngineOptions(backend="cpu", max_batch_size=4,
+                                                                           max_model_len=256))
+    db.fill_kv_noise(eng.kv)
+    return eng
+
+
+def test_run_reports_each_case_and_frees_its_rows(engine):
+    seen = []
+    free_before = engine.kv.num_free_blocks()
+    rows = db.run(engine, [(1, 64), (2, 200)], steps=2, warmup=1, progress=lambda *a: seen.append(a))
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 64), (2, 200)]
+    for r in rows:
+        assert r["kernel_ms"] > 0 and r["step_ms"] >= r["kernel_ms"]
+        assert r["tok_s"] == pytest.approx(r["batch"] * 1e3 / r["kernel_ms"], rel=1e-2)
+        assert r["bytes"] > 0 and r["predicted_ms"] > 0
+    assert seen[-1][1:] == (6, 6)  # (2 + 1) steps per case, two cases
+    assert engine.kv.num_free_blocks() == free_before  # every case's rows were freed
+    text = db.table(rows)
+    assert "ms/step" in text and len(text.splitlines()) == 4
+
+
+def test_a_batch_over_the_backend_is_refused(engine):
+    from megac.errors import MegacError
+
+    with pytest.raises(MegacError, match="exceeds"):
+        db.run(engine, [(99, 64)], steps=1, warmup=0)
