@@ -40,7 +40,7 @@ def engine():
 
 def test_run_reports_each_case_and_frees_its_rows(engine):
     seen = []
-    free_before = engine.kv.num_free_blocks()
+    free_before = engine.kv.num_free_blocks
     rows = db.run(engine, [(1, 64), (2, 200)], steps=2, warmup=1, progress=lambda *a: seen.append(a))
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 64), (2, 200)]
     for r in rows:
@@ -48,7 +48,7 @@ def test_run_reports_each_case_and_frees_its_rows(engine):
         assert r["tok_s"] == pytest.approx(r["batch"] * 1e3 / r["kernel_ms"], rel=1e-2)
         assert r["bytes"] > 0 and r["predicted_ms"] > 0
     assert seen[-1][1:] == (6, 6)  # (2 + 1) steps per case, two cases
-    assert engine.kv.num_free_blocks() == free_before  # every case's rows were freed
+    assert engine.kv.num_free_blocks == free_before  # every case's rows were freed
     text = db.table(rows)
     assert "ms/step" in text and len(text.splitlines()) == 4
 
