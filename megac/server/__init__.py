@@ -15,6 +15,7 @@
 * :mod:`megac.server.protocol` -- pydantic request/response models
 * :mod:`megac.server.chat` -- tokenizers (incl. the byte-level fallback) and chat templates
 * :mod:`megac.server.tools` -- tool-call parsers (Hermes), streaming
+* :mod:`megac.server.structured` -- the grammar of ``response_format`` and of forced tool calls
 * :mod:`megac.server.metrics` -- Prometheus metrics
 * :mod:`megac.server.bench` -- the benchmark client
 * :mod:`megac.server.cli` -- the click commands ``serve_cmd`` and ``bench_serve_cmd``

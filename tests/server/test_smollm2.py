@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import jsonschema
 import pytest
 
 from test_util import REPO, ServerProc
@@ -22,7 +23,7 @@ MODEL = "SmolLM2-135M-Instruct"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
-                   "required": ["city"]}}}]
+                   "required": ["city"], "additionalProperties": False}}}]
 
 
 @pytest.fixture(scope="module")
@@ -62,23 +63,44 @@ def test_seeded_sampling_reproducible(server):
 
 
 def test_tool_call_named(server):
-    """SmolLM2-135M does not call tools on its own (it answers in prose);
-    a named tool_choice seeds the call, so the name is certain and the
-    arguments are what the model wrote."""
+    """SmolLM2-135M does not call tools on its own (it answers in prose); a
+    named tool_choice holds it to the call's grammar, with the real BPE
+    vocabulary: that function, arguments valid against its schema."""
     client = server.client()
     r = client.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=40, tools=TOOLS,
+        model=MODEL, temperature=0, max_tokens=80, tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         messages=[{"role": "user", "content": "What is the weather like in Paris today?"}])
     calls = r.choices[0].message.tool_calls
-    assert calls and calls[0].function.name == "get_weather" and calls[0].type == "function"
-    assert calls[0].function.arguments.startswith("{")
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content is None
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].type == "function"
+    jsonschema.validate(json.loads(calls[0].function.arguments), TOOLS[0]["function"]["parameters"])
     print("SmolLM2 named-call arguments:", calls[0].function.arguments)
+    # required: a declared function, whichever the model picks
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=120, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False,
+                                       messages=[{"role": "user", "content": "Weather in Rome, please."}])
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), TOOLS[0]["function"]["parameters"])
     # auto: whatever the model chooses, the response is well formed
     r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40, tools=TOOLS,
                                        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
     c = r.choices[0]
     assert (c.message.tool_calls is None) == (c.finish_reason != "tool_calls")
+
+
+def test_json_schema_response(server):
+    schema = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30},
+                                               "capital": {"type": "string", "maxLength": 30},
+                                               "continent": {"enum": ["Europe", "Asia", "Africa", "America"]}},
+              "required": ["country", "capital", "continent"], "additionalProperties": False}
+    r = server.client().chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=80, messages=[{"role": "user", "content": "Describe France as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "country", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    print("SmolLM2 JSON:", r.choices[0].message.content)
 
 
 def test_bench_serve_batch_one(server, tmp_path):
