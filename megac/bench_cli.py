@@ -1,0 +1,137 @@
+"""``megac bench``: decode throughput of a model on one backend, as a table
+and JSON (the measurement itself: :mod:`megac.decode_bench`)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+
+from megac.errors import MegacError
+
+ORDERS = ("tuned", "interleaved", "attention-first")
+
+
+def parse_list(text: str, what: str, *, lo: int = 1) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4]; a one-line MegacError naming ``what`` otherwise."""
+    try:
+        vals = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise MegacError(f"{what} {text!r}: expected comma-separated integers like 1,2,4") from None
+    if not vals:
+        raise MegacError(f"{what}: empty list")
+    bad = [v for v in vals if v < lo]
+    if bad:
+        raise MegacError(f"{what} {bad[0]}: must be at least {lo}")
+    return vals
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+@click.command("bench")
+@click.argument("model")
+@click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="cuda: the megakernel; cpu: the VM over the same task words; auto: cuda when a GPU is visible.")
+@click.option("--random-weights", is_flag=True,
+              help="Counter-based random weights (drawn on the GPU with --backend cuda); else MODEL's own weights.")
+@click.option("--batch-size", "batch_sizes", default="1", show_default=True, help="Comma-separated, e.g. 1,2,4,8.")
+@click.option("--context", "contexts", default="1024", show_default=True,
+              help="Comma-separated tokens per row, e.g. 1024,8192.")
+@click.option("--order", type=click.Choice(ORDERS), default="tuned", show_default=True)
+@click.option("--steps", type=click.IntRange(1), default=30, show_default=True, help="Timed decode steps per case.")
+@click.option("--warmup", type=click.IntRange(0), default=5, show_default=True)
+@click.option("--calibration", default=None,
+              help="Cost-model calibration (a bundled name such as h200-north-mini-code, or a file) for the "
+                   "predicted column.")
+@click.option("--no-ceiling", is_flag=True, help="Skip measuring the GPU's streaming-read ceiling.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the rows and the run's facts (GPU, commit, command) here.")
+def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, steps, warmup, calibration, no_ceiling,
+              json_path):
+    """Decode-only throughput of MODEL: KV noise instead of prefill, median
+    step time per batch size and context, bytes per step, TB/s and % of the
+    bandwidth ceiling measured in the same run."""
+    from megac import decode_bench as db
+    from megac.calibration import Calibration, resolve
+    from megac.engine.build import EngineOptions, build_engine
+    from megac.kv.paged import blocks_for_tokens
+    from megac.loading import load_model
+    from megac.runtime.backends import resolve_kind
+
+    batches = parse_list(batch_sizes, "--batch-size")
+    ctxs = parse_list(contexts, "--context", lo=2)
+    cal = Calibration.load(resolve(calibration)) if calibration else None
+    kind = resolve_kind(backend)
+    if kind not in ("cuda", "cpu"):
+        raise MegacError(f"bench: --backend {backend} resolved to {kind}; use cuda or cpu")
+    say = lambda msg: click.echo(f"[megac] {msg}", err=True)  # noqa: E731
+    t0 = time.perf_counter()
+    if random_weights:
+        import torch
+
+        from megac.spec import load_spec
+        from megac.weights.random import random_weights as draw
+
+        spec = load_spec(model)
+        dev = "cuda" if kind == "cuda" else "cpu"
+        say(f"drawing random weights for {spec.name} on the {dev}")
+        weights = draw(spec, 0, torch.bfloat16 if dev == "cuda" else torch.float32, device=dev)
+    else:
+        loaded = load_model(model, tokenizer=False, progress=say)
+        spec, weights = loaded.spec, loaded.weights
+    # each timed case's rows grow by one token per step
+    longest = max(ctxs) + warmup + steps
+    if longest > spec.max_context:
+        raise MegacError(f"--context {max(ctxs)} + {warmup + steps} steps reaches {longest} tokens per row; "
+                         f"{spec.name} holds at most {spec.max_context}")
+    rows_blocks = max(batches) * blocks_for_tokens(spec, longest)
+    opts = EngineOptions(backend=kind, order=order, max_batch_size=max(batches), max_model_len=longest,
+                         num_kv_blocks=rows_blocks + 16, prefix_caching=False)
+    engine = build_engine(spec, weights, opts, progress=say)
+    say(f"ready in {time.perf_counter() - t0:.1f} s; filling the KV cache with noise")
+    db.fill_kv_noise(engine.kv)
+    ceiling = None if no_ceiling else db.measure_ceiling(kind)
+    if ceiling:
+        say(f"streaming-read ceiling: {ceiling / 1e12:.3f} TB/s")
+    cases = [(b, c) for b in batches for c in ctxs]
+    with click.progressbar(length=len(cases) * (steps + warmup), label="decoding", file=click.get_text_stream("stderr"),
+                           show_pos=True) as bar:
+        done = [0]
+
+        def tick(_label, i, _total):
+            bar.update(i - done[0])
+            done[0] = i
+
+        rows = db.run(engine, cases, steps=steps, warmup=warmup, ceiling=ceiling, calibration=cal, progress=tick)
+    click.echo(db.table(rows))
+    if json_path is not None:
+        facts = {"model": spec.name, "backend": kind, "order": order, "random_weights": bool(random_weights),
+                 "steps": steps, "warmup": warmup, "ceiling_bps": ceiling, "calibration": calibration,
+                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
+                 "host": platform.node(), "device": _device_name(kind)}
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"run": facts, "rows": rows}, indent=1))
+        say(f"wrote {json_path}")
+
+
+def _device_name(kind: str) -> str:
+    if kind == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return platform.processor() or platform.machine()
+
+
+__all__ = ["bench_cmd", "parse_list"]
