@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import subprocess
 import time
 from datetime import datetime, timezone
@@ -106,7 +107,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
     if ceiling:
         say(f"streaming-read ceiling: {ceiling / 1e12:.3f} TB/s")
     cases = [(b, c) for b in batches for c in ctxs]
-    with click.progressbar(length=len(cases) * (steps + warmup), label="decoding", file=click.get_text_stream("stderr"),
+    with click.progressbar(length=len(cases) * (steps + warmup), label="decoding", file=sys.stderr,
                            show_pos=True) as bar:
         done = [0]
 
