@@ -214,7 +214,8 @@ def test_named_tool_choice_returns_that_call(client):
     chunks = list(chat(client, max_tokens=40, temperature=0, tools=tools, tool_choice=choice, stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert len(deltas) == 1 and deltas[0].id and deltas[0].index == 0
-    assert (deltas[0].function.name, deltas[0].function.arguments) == ("get_weather", msg.tool_calls[0].function.arguments)
+    assert deltas[0].function.name == "get_weather"
+    assert deltas[0].function.arguments == msg.tool_calls[0].function.arguments
 
 
 def test_auto_tools_shape_and_prompt(server, client):

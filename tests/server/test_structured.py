@@ -227,7 +227,8 @@ BAD = [
      "response_format.json_schema: required"),
     ("unknown_format", {"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not supported"),
     ("bad_parameters", {"tools": TOOLS + [{"type": "function", "function": {
-        "name": "broken", "parameters": {"type": "object", "properties": {"q": {"type": "string", "pattern": "((("}}}}}],
+        "name": "broken",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string", "pattern": "((("}}}}}],
         "tool_choice": "required"}, "tools", "tools[3].function.parameters: invalid JSON schema for function 'broken'"),
 ]
 
