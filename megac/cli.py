@@ -61,15 +61,19 @@ def main() -> None:
 @click.option("--target", type=click.Choice(["h100", "h200"]), default=None,
               help="GPU target (default: the spec's).")
 @click.option("--dump-passes", is_flag=True, help="Print each pass with its wall time and summary.")
-def compile_cmd(model, out_dir, order, batch_sizes, target, dump_passes):
+@click.option("--jobs", type=click.IntRange(1), default=None,
+              help="Worker processes compiling the schedules in parallel (default: one per CPU).")
+def compile_cmd(model, out_dir, order, batch_sizes, target, dump_passes, jobs):
     """Compile MODEL (bundled name, model.yaml or HF checkpoint dir) to an artifact."""
+    from megac.passes.pipeline import default_jobs
     from megac.runtime.artifacts import cache_path, compile_into
 
     t0 = time.perf_counter()
     spec = _load(model, target)
     _progress(f"loaded spec {spec.name}: {spec.num_layers} layers, hidden {spec.hidden_size}")
     out_dir = out_dir or cache_path(spec, order, list(batch_sizes) or None)
-    result = compile_into(out_dir, spec, order, list(batch_sizes) or None, progress=_progress, strict=True)
+    result = compile_into(out_dir, spec, order, list(batch_sizes) or None, progress=_progress, strict=True,
+                          jobs=jobs or default_jobs())
     elapsed = time.perf_counter() - t0
     if dump_passes:
         for entry in result.pass_log:
@@ -205,9 +209,11 @@ def _encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
               help="Run this compiled artifact (megac compile -o DIR) instead of compiling or loading from the cache.")
 @click.option("--mode", type=click.Choice(["fast", "checked"]), default="fast", show_default=True,
               help="checked: interleave the SM queues and track happens-before (slow; for debugging).")
+@click.option("--threads", type=click.IntRange(0), default=1, show_default=True,
+              help="torch CPU threads (0: torch's default). 1 avoids OpenMP stalls on a busy small CPU.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"outputs": [{"token_ids": [...], "text": ...}]}.')
 def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt_ids, chat, max_tokens,
-                 temperature, top_p, top_k, seed, order, artifact, mode, as_json):
+                 temperature, top_p, top_k, seed, order, artifact, mode, threads, as_json):
     """Generate with MODEL through the compiled task words (default: SmolLM2-135M-Instruct).
 
     Runs the serving engine (chunked prefill, continuous batching) in this
@@ -218,11 +224,19 @@ def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt
     from megac.runtime.backends import check_kind
 
     check_kind(backend)
+    if threads > 0:
+        # as `megac serve`: a decode step is hundreds of small matrix-vector
+        # products; with OpenMP's default of one thread per core each one waits
+        # on every core, and a core busy elsewhere made decoding ~10x slower
+        import torch
+
+        torch.set_num_threads(threads)
     if bool(prompts) == bool(prompt_ids):
         raise MegacError("give either --prompt TEXT or --prompt-ids 1,2,3 (each may repeat)")
     ids_given = [_parse_ids(t) for t in prompt_ids]
     t0 = time.perf_counter()
-    loaded = load_model(model, weights=weights, random_weights=random_weights, seed=seed, dtype=dtype_of(dtype))
+    loaded = load_model(model, weights=weights, random_weights=random_weights, seed=seed, dtype=dtype_of(dtype),
+                        progress=_progress)
     spec, tok = loaded.spec, loaded.tokenizer
     batch = ids_given or _encode_prompts(tok, prompts, chat)
     for ids in batch:
@@ -232,12 +246,12 @@ def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt
         if len(ids) + max_tokens > spec.max_context:
             raise MegacError(f"prompt ({len(ids)} tokens) + --max-tokens {max_tokens} exceeds the context "
                              f"limit {spec.max_context}")
-    _progress(f"loaded {loaded.name} in {time.perf_counter() - t0:.1f} s")
     opts = EngineOptions(backend=backend, order=order, artifact=artifact, max_batch_size=len(batch),
                          max_model_len=max(len(ids) for ids in batch) + max_tokens, mode=mode, seed=seed)
     engine = build_engine(spec, loaded.weights, opts, progress=_progress)
     where = {"vm": "the CPU VM", "reference": "plain PyTorch"}.get(engine.backend.name, engine.backend.name)
-    _progress(f"generating {len(batch)} prompt(s) on {where} ({mode} mode) ...")
+    _progress(f"ready in {time.perf_counter() - t0:.1f} s; generating {len(batch)} prompt(s) on {where} "
+              f"({mode} mode) ...")
     t1 = time.perf_counter()
     outs = generate(engine, batch, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                     seed=seed)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from megac.errors import MegacError
+from megac.progress import Say, phase
 
 log = logging.getLogger("megac.loading")
 
@@ -73,21 +74,25 @@ def _hf_tokenizer(path: Path):
     return load_hf_tokenizer(str(path))
 
 
-def _load_gguf(path: Path | None, dtype: torch.dtype, tokenizer: bool) -> LoadedModel:
+def _load_gguf(path: Path | None, dtype: torch.dtype, tokenizer: bool, say: Say) -> LoadedModel:
     from megac.weights.gguf import load_gguf, smollm2_gguf_path
 
-    log.info("loading %s (GGUF, de-quantised) ...", path or smollm2_gguf_path())
-    g = load_gguf(path, dtype=dtype, tokenizer=tokenizer)
+    say(f"loading {path or smollm2_gguf_path()} (GGUF, de-quantised) ...")
+    g = load_gguf(path, dtype=dtype, tokenizer=tokenizer, progress=say)
     name = "SmolLM2-135M-Instruct" if path is None else path.stem
     return LoadedModel(name, g.spec, g.weights, g.tokenizer if tokenizer else None)
 
 
-def _load_checkpoint(path: Path, dtype: torch.dtype, tokenizer: bool) -> LoadedModel:
+def _load_checkpoint(path: Path, dtype: torch.dtype, tokenizer: bool, say: Say) -> LoadedModel:
     from megac.weights.hf import load_hf
 
-    log.info("loading checkpoint %s ...", path)
-    spec, weights = load_hf(path, dtype=dtype)
-    return LoadedModel(path.name, spec, weights, _hf_tokenizer(path) if tokenizer else None)
+    with phase(say, f"read checkpoint {path}"):
+        spec, weights = load_hf(path, dtype=dtype)
+    tok = None
+    if tokenizer:
+        with phase(say, "loaded the tokenizer"):
+            tok = _hf_tokenizer(path)
+    return LoadedModel(path.name, spec, weights, tok)
 
 
 def _check_same_geometry(named, loaded, source: str) -> None:
@@ -99,10 +104,12 @@ def _check_same_geometry(named, loaded, source: str) -> None:
 
 def load_model(model: str | None, *, weights: str | None = None, random_weights: bool = False, seed: int = 0,
                dtype: torch.dtype = torch.float32, target_overrides: dict | None = None,
-               tokenizer: bool = True) -> LoadedModel:
+               tokenizer: bool = True, progress: Say | None = None) -> LoadedModel:
     """See the module docstring. ``target_overrides`` (gpu, num_sms, ...) apply
     to the resolved spec whatever its source, since a checkpoint carries no
-    target."""
+    target. ``progress`` is told each phase with its seconds (default: this
+    module's log)."""
+    say = progress or (lambda msg: log.info("%s", msg))
     from megac.spec import load_spec
     from megac.spec.loader import apply_overrides
 
@@ -115,31 +122,31 @@ def load_model(model: str | None, *, weights: str | None = None, random_weights:
         from megac.weights.random import random_weights as draw
 
         spec = load_spec(model, target_overrides=target_overrides)
-        log.info("random weights for %s (seed %d) ...", spec.name, seed)
-        loaded = LoadedModel(spec.name, spec, draw(spec, seed, dtype), None)
+        with phase(say, f"drew random weights for {spec.name} (seed {seed})"):
+            loaded = LoadedModel(spec.name, spec, draw(spec, seed, dtype), None)
     elif weights is not None:
         wp = Path(weights)
         if wp.suffix == ".gguf" and wp.is_file():
-            loaded = _load_gguf(wp, dtype, tokenizer)
+            loaded = _load_gguf(wp, dtype, tokenizer, say)
         elif _is_checkpoint(wp):
-            loaded = _load_checkpoint(wp, dtype, tokenizer)
+            loaded = _load_checkpoint(wp, dtype, tokenizer, say)
         else:
             raise MegacError(f"--weights {weights}: not a GGUF file or a checkpoint directory with config.json")
         if model is not None:
             _check_same_geometry(load_spec(model), loaded.spec, weights)
     elif model is None or model == "smollm2-135m":
-        loaded = _load_gguf(None, dtype, tokenizer)
+        loaded = _load_gguf(None, dtype, tokenizer, say)
     elif model.endswith(".gguf"):
         if not Path(model).is_file():
             raise MegacError(f"{model}: no such GGUF file")
-        loaded = _load_gguf(Path(model), dtype, tokenizer)
+        loaded = _load_gguf(Path(model), dtype, tokenizer, say)
     elif _is_checkpoint(Path(model)):
-        loaded = _load_checkpoint(Path(model), dtype, tokenizer)
+        loaded = _load_checkpoint(Path(model), dtype, tokenizer, say)
     else:
         spec = load_spec(model)  # a one-line SpecError when MODEL is nothing we know
         raise MegacError(f"{model}: the spec {spec.name} has no weights here; add --random-weights, "
                          f"--weights PATH, or name a checkpoint directory")
     if target_overrides and not random_weights:
         loaded.spec = apply_overrides(loaded.spec, source=loaded.name, target_overrides=target_overrides)
-    log.info("loaded %s in %.1f s", loaded.name, time.perf_counter() - t0)
+    say(f"loaded {loaded.name} in {time.perf_counter() - t0:.1f} s")
     return loaded

@@ -7,6 +7,7 @@ both run the same schedules through the same generation loop.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,6 +16,7 @@ from megac.errors import MegacError
 from megac.kv.paged import PagedKVCache, blocks_for_tokens
 from megac.runtime.artifacts import load_or_compile
 from megac.runtime.backends import make_backend, needs_schedules, resolve_kind
+from megac.runtime.schedules import ScheduleSet
 
 log = logging.getLogger("megac.engine")
 
@@ -25,7 +27,9 @@ class EngineOptions:
     order: str = "tuned"
     #: a compiled artifact directory to serve (default: compile or load from the cache)
     artifact: str | None = None
-    max_batch_size: int = 16
+    #: most requests decoding at once; None: the most the backend runs (the
+    #: largest compiled batch size, or REFERENCE_BATCH for the reference backend)
+    max_batch_size: int | None = None
     max_model_len: int | None = None
     #: KV pool size in blocks; default: every row at full length, within kv_cache_memory_gb
     num_kv_blocks: int | None = None
@@ -39,6 +43,22 @@ class EngineOptions:
     seed: int = 0
 
 
+#: default batch of the reference backend, which runs any batch size
+REFERENCE_BATCH = 16
+
+
+def batch_size_for(asked: int | None, schedules) -> tuple[int, str | None]:
+    """The engine's max batch size and, when it differs from ``asked``, why:
+    a backend running compiled schedules decodes at most the largest batch
+    size they were compiled for (the target's ``batch_sizes``)."""
+    most = ScheduleSet(schedules).max_rows if schedules is not None else None
+    if asked is None:
+        return (most or REFERENCE_BATCH), None
+    if most is not None and asked > most:
+        return most, f"max batch size {asked} -> {most} (the largest batch size compiled for this target)"
+    return asked, None
+
+
 def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer=None,
                  progress: Callable[[str], None] | None = None) -> Engine:
     """KV pool, backend and engine for ``spec`` with ``weights`` under ``opts``;
@@ -50,7 +70,7 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
         raise MegacError(f"--max-model-len {mml}: must be at least 2")
     if mml > spec.max_context:
         raise MegacError(f"--max-model-len {mml} exceeds the model's max_context {spec.max_context}")
-    if opts.max_batch_size < 1:
+    if opts.max_batch_size is not None and opts.max_batch_size < 1:
         raise MegacError("--max-batch-size must be >= 1")
     bs = spec.target.kv_block_size
     chunk = opts.prefill_chunk or max(bs, (256 // bs) * bs)
@@ -67,6 +87,9 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
         import torch
 
         weights, device = weights.to(torch.bfloat16, "cuda"), "cuda"
+    batch, why = batch_size_for(opts.max_batch_size, schedules)
+    if why:
+        log.info("%s", why)
     per_request = blocks_for_tokens(spec, mml, bs)
     if opts.num_kv_blocks:
         num_blocks = opts.num_kv_blocks
@@ -74,15 +97,15 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
         elem = weights.dtype.itemsize
         block_bytes = 2 * bs * spec.num_kv_heads * spec.head_dim * elem
         budget = int(opts.kv_cache_memory_gb * 2 ** 30) // block_bytes
-        num_blocks = max(per_request, min(opts.max_batch_size * per_request, budget))
-    kv = PagedKVCache(spec, max_rows=opts.max_batch_size, num_blocks=num_blocks, max_context=mml,
+        num_blocks = max(per_request, min(batch * per_request, budget))
+    kv = PagedKVCache(spec, max_rows=batch, num_blocks=num_blocks, max_context=mml,
                       dtype=weights.dtype, block_size=bs, device=device)
+    t0 = time.perf_counter()
     backend = make_backend(kind, spec, weights, kv, schedules=schedules, artifact_dir=artifact_dir,
-                           max_batch_size=max(64, opts.max_batch_size), mode=opts.mode, policy=opts.policy,
-                           seed=opts.seed)
-    batch = min(opts.max_batch_size, backend.max_batch_size)
-    if batch < opts.max_batch_size:
-        log.info("max batch size %d -> %d (the most the %s backend runs)", opts.max_batch_size, batch, backend.name)
+                           max_batch_size=max(64, batch), mode=opts.mode, policy=opts.policy, seed=opts.seed)
+    if progress is not None:
+        progress(f"{backend.name} backend ready in {time.perf_counter() - t0:.1f} s")
+    batch = min(batch, backend.max_batch_size)
     econf = EngineConfig(max_batch_size=batch, max_model_len=mml, chunk_tokens=chunk,
                          prefill_budget=opts.max_num_batched_tokens or chunk, prefix_caching=opts.prefix_caching)
     engine = Engine(backend, econf, observer=observer)
@@ -92,4 +115,4 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     return engine
 
 
-__all__ = ["EngineOptions", "build_engine"]
+__all__ = ["REFERENCE_BATCH", "EngineOptions", "batch_size_for", "build_engine"]

@@ -94,7 +94,8 @@ def load_or_compile(spec, order: str = "tuned", *, batch_sizes=None, artifact: s
     if artifact is not None:
         art = load_artifact(Path(artifact))
         check_artifact_model(art, spec)
-        say(f"loaded artifact {art.path} ({len(art.schedules)} schedules, order {art.manifest.get('order')})")
+        say(f"loaded artifact {art.path} ({len(art.schedules)} schedules, order {art.manifest.get('order')}) "
+            f"in {time.perf_counter() - t0:.1f} s")
         return Compiled(spec, art.to_schedules(), art.path, True, time.perf_counter() - t0)
     sizes = sorted(set(batch_sizes or spec.target.batch_sizes))
     path = cache_path(spec, order, sizes)
@@ -105,7 +106,7 @@ def load_or_compile(spec, order: str = "tuned", *, batch_sizes=None, artifact: s
         except MegacError as err:  # a damaged cache entry: compile again
             log.warning("cached artifact %s unusable (%s); recompiling", path, err)
         else:
-            say(f"reusing the compiled artifact {path} (no compile)")
+            say(f"reusing the compiled artifact {path} (no compile; loaded in {time.perf_counter() - t0:.1f} s)")
             return Compiled(spec, schedules, path, True, time.perf_counter() - t0)
     say(f"compiling {spec.name} ({order}, batch sizes {sizes}) ...")
     res = compile_into(path, spec, order, sizes, progress=progress)
@@ -119,15 +120,19 @@ def cache_path(spec, order: str, batch_sizes=None) -> Path:
     return cache_dir() / "artifacts" / f"{spec.name}-{artifact_key(spec, order, sizes)}"
 
 
-def compile_into(path: Path, spec, order: str, batch_sizes=None, *, progress=None, strict: bool = False):
+def compile_into(path: Path, spec, order: str, batch_sizes=None, *, progress=None, strict: bool = False,
+                 jobs: int = 1):
     """Compile ``spec`` and write the artifact to ``path`` atomically (a
     reader never sees half an artifact); returns the compile result. A write
-    that fails is a warning (the schedules are in memory) unless ``strict``."""
+    that fails is a warning (the schedules are in memory) unless ``strict``.
+    ``jobs``: worker processes for the schedules (``megac compile`` uses one
+    per CPU; a server keeps 1, since forking a process that runs threads is
+    unsafe)."""
     from megac.artifact import write_artifact
     from megac.passes.pipeline import compile_schedules
 
     sizes = sorted(set(batch_sizes or spec.target.batch_sizes))
-    res = compile_schedules(spec, order=order, batch_sizes=sizes, progress=progress)
+    res = compile_schedules(spec, order=order, batch_sizes=sizes, progress=progress, jobs=jobs)
     path = Path(path)
     try:
         if path.exists() and not path.is_dir():

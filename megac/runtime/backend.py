@@ -45,12 +45,12 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from megac.runtime.kinds import BACKEND_KINDS  # re-exported: the kinds live where --help reads them
+
 if TYPE_CHECKING:
     from megac.kv.paged import PagedKVCache
     from megac.spec.model import ModelSpec
     from megac.weights.canonical import ModelWeights
-
-BACKEND_KINDS = ("cpu", "cuda", "auto", "reference")
 
 
 @runtime_checkable

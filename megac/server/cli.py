@@ -25,7 +25,7 @@ import sys
 
 import click
 
-from megac.runtime.backend import BACKEND_KINDS
+from megac.runtime.kinds import BACKEND_KINDS
 from megac.errors import MegacError
 from megac.server.config import DEFAULT_MAX_REQUEST_BYTES
 
@@ -48,8 +48,10 @@ def _setup_logging(level: str) -> None:
               show_default=True, help="Wave order of the schedules compiled (or found in the cache).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--max-batch-size", type=click.IntRange(1, 256), default=16, show_default=True,
-              help="Most requests decoding at once (KV rows).")
+@click.option("--max-batch-size", type=click.IntRange(1, 256), default=None,
+              help="Most requests decoding at once (KV rows). Default: the largest batch size the schedules are "
+                   "compiled for (8 for the bundled targets; more is lowered to it), or 16 with --backend "
+                   "reference.")
 @click.option("--max-model-len", type=click.IntRange(2), default=None,
               help="Context limit per request (default: the model's).")
 @click.option("--served-model-name", default=None, help="Model id in the API (default: from MODEL).")

