@@ -48,9 +48,9 @@ def gguf_tokenizer(f: GGUFFile):
         from transformers import TokenizersBackend
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     except ImportError:  # transformers 4: no such pieces; its own (slower) path reads the file again
-        from megac.loading import load_hf_tokenizer
+        from transformers import AutoTokenizer
 
-        return load_hf_tokenizer(str(f.path.parent), gguf_file=f.path.name)
+        return AutoTokenizer.from_pretrained(str(f.path.parent), gguf_file=f.path.name, local_files_only=True)
     architecture, tokenizer, config = tokenizer_inputs(f)
     try:
         backend, extra = convert_gguf_tokenizer(architecture, tokenizer)
