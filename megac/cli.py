@@ -123,9 +123,12 @@ def _verify_report(sched):
               help="Context length the schedule serves (default: 8192 or the model's limit).")
 @click.option("--target", type=click.Choice(["h100", "h200"]), default=None)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--calibration", default=None,
+              help="Predict with a cost model calibrated on a measured step: a bundled name "
+                   "(h200-north-mini-code, h200-smollm2-135m) or a calibration file.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw the per-SM timeline under the cost model (.png or .svg).")
-def schedule_cmd(model, order, batch_size, context, target, as_json, plot):
+def schedule_cmd(model, order, batch_size, context, target, as_json, plot, calibration):
     """Show the schedule of MODEL: waves per layer kind, tasks per opcode and SM, critical path."""
     from megac.passes.pipeline import compile_one
     from megac.report import schedule_report, format_report
@@ -136,32 +139,36 @@ def schedule_cmd(model, order, batch_size, context, target, as_json, plot):
     ctx = context or min(8192, spec.max_context)
     sched = compile_one(spec, order=order, rows=batch_size, context=ctx)
     report = schedule_report(sched, _verify_report(sched))
-    if plot is not None:
-        if plot.suffix.lower() not in (".png", ".svg"):
+    if plot is not None or calibration is not None:
+        if plot is not None and plot.suffix.lower() not in (".png", ".svg"):
             raise MegacError(f"--plot {plot}: use a .png or .svg file name")
+        from megac.calibration import Calibration, resolve
         from megac.costmodel import simulate
         from megac.plot import plot_timeline
 
-        sim = simulate(sched)
-        plot_timeline(sim, plot)
+        cal = Calibration.load(resolve(calibration)) if calibration is not None else None
+        sim = simulate(sched, cal.params() if cal is not None else None)
+        if plot is not None:
+            plot_timeline(sim, plot)
         report["predicted"] = {
             "step_us": round(float(sim.step_us), 2),
             "tokens_per_s": round(float(sim.tokens_per_s), 1),
             "bandwidth_fraction": round(float(sim.bw_fraction), 4),
             "lower_bound_us": round(float(sim.lower_bound_us), 2),
             "bytes": int(sim.total_bytes),
-            "plot": str(plot),
+            "plot": str(plot) if plot is not None else None,
+            "calibration": cal.source if cal is not None else None,
         }
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(format_report(report))
-        if plot is not None:
+        if "predicted" in report:
             p = report["predicted"]
-            click.echo(f"cost model: predicted step {p['step_us']:.1f} us "
-                       f"({p['tokens_per_s']:.0f} tok/s at batch {batch_size}, "
-                       f"{100 * p['bandwidth_fraction']:.0f}% of the bandwidth ceiling); "
-                       f"timeline -> {plot}")
+            click.echo(f"cost model{' (calibrated: ' + calibration + ')' if calibration else ''}: predicted step "
+                       f"{p['step_us']:.1f} us ({p['tokens_per_s']:.0f} tok/s at batch {batch_size}, "
+                       f"{100 * p['bandwidth_fraction']:.0f}% of the bandwidth ceiling)"
+                       + (f"; timeline -> {plot}" if plot is not None else ""))
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -274,10 +281,12 @@ def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt
 
 
 def _add_server_commands() -> None:
+    from megac.bench_cli import bench_cmd
     from megac.server.cli import bench_serve_cmd, serve_cmd
 
     main.add_command(serve_cmd)
     main.add_command(bench_serve_cmd)
+    main.add_command(bench_cmd)
 
 
 _add_server_commands()

@@ -72,3 +72,17 @@ def test_bad_calibration_inputs(tmp_path):
                                "dependency_latency_us": 1}))
     with pytest.raises(MegacError, match="not a megac calibration"):
         Calibration.load(bad)
+
+
+def test_schedule_command_predicts_with_a_calibration():
+    from click.testing import CliRunner
+
+    from megac.cli import main
+
+    r = CliRunner().invoke(main, ["schedule", "north-mini-code", "--calibration", "h200-north-mini-code", "--json"])
+    assert r.exit_code == 0, r.output
+    pred = json.loads(r.output)["predicted"]
+    measured = Calibration.load(resolve("h200-north-mini-code")).measured_step_us
+    assert abs(pred["step_us"] / measured - 1) < 0.10 and "H200" in pred["calibration"]
+    r = CliRunner().invoke(main, ["schedule", "tiny-moe", "--calibration", "h999-none"])
+    assert r.exit_code == 2 and "no bundled calibration" in r.output
