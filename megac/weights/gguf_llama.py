@@ -116,7 +116,10 @@ def llama_tensors(f: GGUFFile, cfg: dict) -> dict[str, Callable[[], torch.Tensor
             w = _dequantised(t)
             if rows:
                 w = _unpermute_rows(w, rows)
-            return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+            # copied only where needed: a view of the file's (read-only) memory
+            # map, or un-permuted (non-contiguous) rows; a fresh de-quantised
+            # array is used as it is
+            return torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
 
         source[target] = load
     return source
