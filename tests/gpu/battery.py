@@ -49,6 +49,13 @@ def check(name: str, ok: bool, detail: Any = "") -> dict:
     return {"name": name, "ok": bool(ok), "detail": detail if isinstance(detail, str) else json.dumps(detail)}
 
 
+def speed_target(name: str, met: bool, detail: Any = "") -> dict:
+    """A speed target, recorded in the block's JSON (``measurements``) and in
+    the battery table, never part of pass/fail: a test checks behaviour, a
+    loaded or different GPU must not fail it (speed is a benchmark's verdict)."""
+    return {"name": name, "met": bool(met), "detail": detail if isinstance(detail, str) else json.dumps(detail)}
+
+
 def ceiling_tbps() -> float | None:
     v = os.environ.get(CEILING_ENV)
     try:
@@ -145,6 +152,7 @@ def block_main(name: str, run: Callable[[bool], dict], argv: list[str] | None = 
     res.setdefault("block", name)
     res.setdefault("checks", [])
     res.setdefault("bench", [])
+    res.setdefault("measurements", [])
     res["wall_s"] = round(time.time() - t0, 2)
     text = json.dumps(res, indent=1, default=str)
     if args.json:
@@ -219,6 +227,9 @@ def table(results: list[dict]) -> str:
         for c in checks:
             if not c["ok"]:
                 lines.append(f"   FAIL {c['name']}: {str(c['detail'])[:300]}")
+        for m in r.get("measurements", []):
+            lines.append(f"   {'target met' if m['met'] else 'BELOW TARGET'} (not a failure) "
+                         f"{m['name']}: {str(m['detail'])[:300]}")
         if r.get("bench"):
             lines.append(
                 f"   {'bench':44s} {'bytes':>14s} {'us':>10s} {'TB/s':>7s} {'%ceil':>7s} {'%4.8':>7s}"

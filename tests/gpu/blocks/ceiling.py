@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu.battery import bench, block_main, check, time_cuda
+from gpu.battery import bench, block_main, check, speed_target, time_cuda
 from megac.gpu.build import REPO, build_cubin, resources
 
 SOURCE = REPO / "opcodes" / "tests" / "ceiling_test.cu"
@@ -92,9 +92,11 @@ def measure(quick: bool, reps: int | None = None) -> tuple[list[dict], list[dict
 def run(quick: bool) -> dict:
     checks, lines, best = measure(quick)
     # DESIGN.md measured 4.55-4.66 TB/s on two machines; far below means a
-    # throttled or shared card, and every % below would be misleading.
-    checks.append(check("ceiling_plausible", 4.0 <= best <= 5.2, f"{best:.3f} TB/s (expect 4.55-4.66)"))
-    return {"block": "ceiling", "checks": checks, "bench": lines, "metrics": {"ceiling_tbps": best}}
+    # throttled or shared card, and every % below would be misleading. Recorded,
+    # not a failure: the correctness checks are the sums above.
+    target = speed_target("ceiling_plausible", 4.0 <= best <= 5.2, f"{best:.3f} TB/s (expect 4.55-4.66)")
+    return {"block": "ceiling", "checks": checks, "bench": lines, "metrics": {"ceiling_tbps": best},
+            "measurements": [target]}
 
 
 if __name__ == "__main__":

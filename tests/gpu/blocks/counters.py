@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from gpu.battery import block_main, check
+from gpu.battery import block_main, check, speed_target
 from megac.gpu.build import REPO, build_cubin, resources
 
 SOURCE = REPO / "opcodes" / "tests" / "counters_test.cu"
@@ -45,6 +45,7 @@ def run(quick: bool) -> dict:
     res = resources(cubin)
     spills = {k: v["spill_stores"] for k, v in res.items() if v.get("spill_stores")}
     checks = [check("no_spills", not spills, spills or "0 spill stores")]
+    measurements: list[dict] = []  # speed targets: recorded, not gated
     metrics: dict = {}
     mod = load_module(cubin)
     sms = sm_count()
@@ -111,11 +112,14 @@ def run(quick: bool) -> dict:
         one_way_us = med / 2 / ghz / 1000
         metrics[f"cross_sm_dependency_us.cta{a}_sm{c[4]}->cta{b}_sm{c[5]}"] = round(one_way_us, 3)
         metrics.setdefault("sm_clock_ghz", round(float(ghz), 3))
-        checks.append(check(f"pingpong_{a}_{b}", 0 < one_way_us < 20,
-                            f"one way {one_way_us:.3f} us (median of {len(r)} round trips, "
+        detail = (f"one way {one_way_us:.3f} us (median of {len(r)} round trips, "
                             f"p10 {np.percentile(r, 10) / 2 / ghz / 1000:.3f}, "
                             f"p90 {np.percentile(r, 90) / 2 / ghz / 1000:.3f}; SM {c[4]} <-> {c[5]}, "
-                            f"clock {ghz:.3f} GHz)"))
+                  f"clock {ghz:.3f} GHz)")
+        # the round trips completed (no abort above) and were timed; how fast
+        # they were is recorded, not gated
+        checks.append(check(f"pingpong_{a}_{b}", one_way_us > 0, detail))
+        measurements.append(speed_target(f"pingpong_{a}_{b}_under_20us", one_way_us < 20, detail))
 
     # --- grid-wide dependency over every SM ------------------------------------
     trials = 2000 if quick else 10000
@@ -144,11 +148,12 @@ def run(quick: bool) -> dict:
         metrics["grid_last_arrival_to_all_released_us"] = round(float(np.median(lat_ns)) / 1000, 3)
         metrics["globaltimer_tick_ns"] = tick_ns
         all_counted = bool((bars == sms).all().item())
-        checks.append(check(
-            "grid_dependency", all_counted and 0 < per_us < 50,
+        detail = (
             f"{sms} CTAs: period {per_us:.3f} us median over {len(p)} (mean {mean_us:.3f}); "
             f"last arrival -> all released {np.median(lat_ns) / 1000:.3f} us median "
-            f"(globaltimer tick {tick_ns} ns); all counters = {sms}: {all_counted}"))
+            f"(globaltimer tick {tick_ns} ns); all counters = {sms}: {all_counted}")
+        checks.append(check("grid_dependency", all_counted and per_us > 0, detail))
+        measurements.append(speed_target("grid_dependency_under_50us", per_us < 50, detail))
     except DeviceAbortError as e:
         checks.append(check("grid_dependency", False, str(e)))
 
@@ -167,12 +172,13 @@ def run(quick: bool) -> dict:
         r = e.record
         want = {"sm": 0, "task": 7, "opcode": 5, "counter": 3, "seen": 0, "target": 1, "layer": 2, "kind": 1}
         msg = str(e)
-        ok = (r == want and e.timeouts == 1 and wall < 3.0 and int(exited.item()) == sms
+        ok = (r == want and e.timeouts == 1 and int(exited.item()) == sms
               and "task 7" in msg and "counter 3" in msg)
         checks.append(check("hang_reported", ok,
                             f"returned in {wall:.2f} s; {int(exited.item())}/{sms} CTAs exited; "
                             f"record {r}; message: {msg}"))
         metrics["hang_return_s"] = round(wall, 3)
+        measurements.append(speed_target("hang_returns_within_3s", wall < 3.0, f"returned in {wall:.2f} s"))
     # The context must still work after the aborted launch.
     status.zero_()
     bars.zero_()
@@ -180,7 +186,7 @@ def run(quick: bool) -> dict:
     torch.cuda.synchronize()
     checks.append(check("healthy_after_abort",
                         int(status[0].item()) == 0 and bool((bars[:64] == sms).all().item()), ""))
-    return {"block": "counters", "checks": checks, "bench": [], "metrics": metrics}
+    return {"block": "counters", "checks": checks, "bench": [], "metrics": metrics, "measurements": measurements}
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import numpy as np
 
 from megac import abi
 from gpu import battery
-from gpu.battery import bench, check
+from gpu.battery import bench, check, speed_target
 from megac.weights.layout import tile_gemm_weights
 
 REPO = Path(__file__).resolve().parents[3]
@@ -659,16 +659,18 @@ def run(quick: bool) -> dict:
                 except Exception as e:  # noqa: BLE001
                     checks.append(check(f"bench.{case.name}.m{m}", False,
                                         f"{type(e).__name__}: {e}"))
-    if not quick:  # a bandwidth target is a benchmark verdict, not a smoke test
-        for b in benches:
-            if ".tiled." in b["name"]:
-                pct = b.get("weight_pct_ceiling") or 0.0
-                checks.append(check(f"target_{TARGET_PCT:.0f}pct.{b['name']}", pct >= TARGET_PCT,
-                                    f"weights {b['weight_tbps']} TB/s = {pct}% of {ceiling:.3f}"))
+    # a bandwidth target is a benchmark verdict, recorded, never a failure
+    measurements = []
+    for b in benches:
+        if ".tiled." in b["name"]:
+            pct = b.get("weight_pct_ceiling") or 0.0
+            measurements.append(speed_target(f"target_{TARGET_PCT:.0f}pct.{b['name']}", pct >= TARGET_PCT,
+                                             f"weights {b['weight_tbps']} TB/s = {pct}% of {ceiling:.3f}"))
     return {
         "block": "gemm",
         "checks": checks,
         "bench": benches,
+        "measurements": measurements,
         "metrics": {
             "ceiling_tbps_used": ceiling,
             "ceiling_source": "battery" if ceil_env else "gemm_stream_read (this run)",
