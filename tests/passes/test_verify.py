@@ -424,7 +424,7 @@ def test_message_caps_per_kind(hand):
 # compiled schedules (the pipeline)
 # ==========================================================================
 def _compile(model: str, rows: int, order: str = "tuned"):
-    pl = pytest.importorskip("megac.passes.pipeline")
+    from megac.passes import pipeline as pl  # megac's own module: a broken import fails
     return pl.compile_one(load_spec(model), order=order, rows=rows, verify=False)
 
 
@@ -449,14 +449,6 @@ def test_compiled_schedules_verify(model, rows, order):
     assert rep.tasks == s.num_tasks and rep.counters_used == s.num_counters
     assert rep.checked_pairs > 0 and rep.critical_path > 2 * s.geometry.num_layers
     assert V.check(s) == []
-
-
-def test_north_mini_code_batch8_is_fast():
-    s = compiled("north-mini-code", 8)
-    assert s.num_tasks > 25_000
-    best = min(V.verify(s).elapsed_ms for _ in range(2))
-    # budget 1.5 s (measured ~0.6 s on the 2-core CI machine); slack for load
-    assert best < 2500, best
 
 
 @pytest.fixture()
@@ -637,7 +629,7 @@ def test_pairs_finds_exactly_the_overlapping_boxes():
 
 def test_verify_as_a_pass():
     """The pass protocol (requires / run / ensures) on a Lowering."""
-    pl = pytest.importorskip("megac.passes.pipeline")
+    from megac.passes import pipeline as pl  # megac's own module: a broken import fails
     from megac.passes import PassError
 
     spec = load_spec("tiny-moe")

