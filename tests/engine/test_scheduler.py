@@ -135,11 +135,29 @@ def test_prefix_cache_hits_and_does_not_change_output():
     assert len(eng.prefix_cache) > 0
 
 
-def test_prefix_cache_eviction_under_pressure():
+def test_prefix_cache_eviction_under_pressure(monkeypatch):
+    """A 40-block pool cannot keep every prompt's chunks cached: the engine
+    evicts least recently used entries (which really frees blocks), and
+    every output equals the one of an uncached engine with a big pool."""
+    prompts = [f"{i} unique prompt text that fills a few chunks " * 3 for i in range(6)]
+    ref = [run_all(make_engine(prefix=False), [p], greedy)[0] for p in prompts]
     eng = make_engine(num_blocks=40)
-    for i in range(6):
-        run_all(eng, [f"{i} unique prompt text that fills a few chunks " * 3], greedy)
-    assert eng.kv.num_used_blocks <= 40
+    freed = []
+    evict = eng.prefix_cache.evict
+    monkeypatch.setattr(eng.prefix_cache, "evict", lambda n: freed.append(evict(n)) or freed[-1])
+    got = [run_all(eng, [p], greedy)[0] for p in prompts]
+    assert got == ref
+    assert sum(freed) > 0, "no cache entry was evicted: the test does not exercise eviction"
+    # the least recently used chunks (the first prompt's) are the ones gone; the last prompt's stay
+    first = chain_hashes(TOK.encode(prompts[0]), 32)
+    last = chain_hashes(TOK.encode(prompts[-1]), 32)
+    assert first and not any(h in eng.prefix_cache._entries for h in first)
+    assert last and all(h in eng.prefix_cache._entries for h in last)
+    # with nothing running, the pool holds exactly the cache's blocks
+    assert eng.kv.num_used_blocks == eng.prefix_cache.num_blocks_held <= 40
+    # the evicted prompt again: a miss that recomputes the same output
+    again = run_all(eng, [prompts[0]], greedy)[0]
+    assert again == ref[0]
     eng.prefix_cache.check()
 
 
