@@ -149,13 +149,20 @@ def test_release_returns_blocks_to_pool(moe):
                    dense_intermediate_size=None)
     kv = _cache(spec, rows=1, blocks=4)
     kv.allocate_row()
-    # a sliding-only model runs forever in a pool of 2 blocks per layer
+    # a sliding-only model runs forever in a pool of 2 blocks per layer: after
+    # position p each layer holds exactly the blocks of positions
+    # [p - WINDOW + 1, p]; every other block is back in the pool
     for p in range(200):
         kv.append_slot(0)
         kv.advance(0)
-        assert len(kv.blocks_of_row(0)) <= 4
+        lo = max(0, p - WINDOW + 1)
+        want = set(range(lo // BS, p // BS + 1))
+        for layer in range(2):
+            held = kv.page_table[layer, 0]
+            assert set(np.flatnonzero(held >= 0).tolist()) == want, (p, layer)
+        assert kv.num_used_blocks == 2 * len(want) and kv.num_free_blocks == 4 - 2 * len(want), p
         kv.check()
-    assert kv.num_free_blocks >= 0
+    assert kv.num_free_blocks == 2  # position 199: only block 12 of each layer is in the window
 
 
 def test_exhaustion_raises_and_changes_nothing(moe):
