@@ -199,12 +199,17 @@ def test_access_vectorised_equals_scalar(nmc_geo):
         _word(Op.ADD_RMSNORM, 2, ROW=3, ATTN_SPLITS=4, FFN_SPLITS=1, GAMMA=3,
               FLAGS=int(abi.Flag.ADD_ATTN | abi.Flag.ADD_FFN)),
         _word(Op.LM_HEAD, 49, N0=512, N_LEN=256, K0=0, K_LEN=2048),
+        _word(Op.O_PROJ, 5, N0=0, N_LEN=128, K0=0, K_LEN=1024, SPLIT=0),  # same opcode as words[0]: no mix-up
     ])
     boxes = access_boxes(words, g)
     for i in range(len(words)):
         single = task_access(words[i], g)
-        n = sum(int((b.task == i).sum()) for b in boxes)
-        assert n == len(single.reads) + len(single.writes)
+        # the same regions (buffer, box, read or write), not just as many
+        batched = sorted((b.buffer, tuple((int(lo), int(hi)) for lo, hi in zip(b.lo[j], b.hi[j])), b.write)
+                         for b in boxes for j in np.flatnonzero(b.task == i))
+        alone = sorted([(r.buffer, r.box, False) for r in single.reads] + [(r.buffer, r.box, True) for r in single.writes])
+        assert batched == alone, i
+        assert len(alone) > 1
     norm = task_access(words[1], g)
     assert Region("o_part", ((2, 3), (0, 4), (3, 4), (0, 2048))) in norm.reads
     assert Region("x_norm", ((3, 4), (3, 4), (0, 2048))) in norm.writes

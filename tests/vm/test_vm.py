@@ -292,17 +292,24 @@ def test_vm_backend_protocol():
     prompts = _prompts(spec, (4, 11), seed=1)
     rows = [kv.allocate_row() for _ in prompts]
     lg = torch.stack([be.prefill(r, p) for r, p in zip(rows, prompts)])
-    ref = run(spec, w, comp, prompts, max_tokens=4, eos_token_ids=[], return_logits=True)
-    for s in range(3):
+    ref = run(spec, w, comp, prompts, max_tokens=5, eos_token_ids=[], return_logits=True)
+    for s in range(4):
         for i in range(2):
             assert torch.equal(lg[i], ref[i].logits[s])
+        if s == 3:
+            break
         toks = lg.argmax(-1).tolist()
         for r in rows:
             kv.append_slot(r)  # the engine reserves the slot first (idempotent)
         lg = be.decode(rows, toks)
-    # one row alone uses the batch-1 schedule, bit-identical
+    # one row alone uses the batch-1 schedule, bit-identical to that row's
+    # logits in the batched run
+    kv.append_slot(rows[1])
+    before = dict(be.schedules_used)
     lg1 = be.decode([rows[1]], [int(lg[1].argmax())])
     assert lg1.shape == (1, spec.vocab_size)
+    assert {k: n - before.get(k, 0) for k, n in be.schedules_used.items() if n != before.get(k, 0)} == {(1, 1024): 1}
+    assert torch.equal(lg1[0], ref[1].logits[4])
 
 
 def test_engine_runs_an_artifact(tmp_path):
