@@ -41,6 +41,7 @@ from megac.server.errors import APIError, ClientGone, bad, clip
 from megac.server.guard import GuardAndCount
 from megac.server.metrics import CONTENT_TYPE
 from megac.server.offload import off_loop
+from megac.server.openapi_bodies import publish_request_bodies
 from megac.server.prepare import _message_dicts, prepare_chat, prepare_completion
 from megac.server.responses import (_sse_response, _Submitted, chat_full, chat_stream, completion_full,
                                     completion_stream)
@@ -181,6 +182,11 @@ def create_app(cfg: ServeConfig, state: ServerState | None = None, *, load: bool
     for path in ("/detokenize", "/v1/detokenize"):
         app.add_api_route(path, detokenize, methods=["POST"])
 
+    publish_request_bodies(app, {
+        "/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest,
+        "/tokenize": P.TokenizeRequest, "/v1/tokenize": P.TokenizeRequest,
+        "/detokenize": P.DetokenizeRequest, "/v1/detokenize": P.DetokenizeRequest})
+
     return app
 
 
@@ -232,10 +238,10 @@ async def _log_stats(state: ServerState, interval: float) -> None:
         if m is None or e is None or not state.ready:
             continue
         now = time.monotonic()
-        prompt, gen = m.prompt_tokens.total(), m.generation_tokens.total()
+        prompt, gen = m.total("megac:prompt_tokens_total"), m.total("megac:generation_tokens_total")
         dt = max(1e-9, now - last_t)
         if gen != last_gen or e.num_running or e.num_waiting:
-            q, h = m.prefix_queries.total(), m.prefix_hits.total()
+            q, h = m.total("megac:prefix_cache_queries_total"), m.total("megac:prefix_cache_hits_total")
             log.info("prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
                      "KV blocks %d/%d (%.0f%%), prefix cache hit rate %.0f%%, preemptions %d",
                      (prompt - last_prompt) / dt, (gen - last_gen) / dt, e.num_running, e.num_waiting,

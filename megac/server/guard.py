@@ -114,7 +114,7 @@ class GuardAndCount:
 
 def _count(state: ServerState, path: str, status: int) -> None:
     if state.metrics is not None and path not in ("/metrics", "/health"):
-        state.metrics.http_requests.inc(handler=path if path in ROUTES else "other", status=str(status))
+        state.metrics.count_http(path if path in ROUTES else "other", status)
 
 
 __all__ = ["GuardAndCount", "OPEN_PATHS", "ROUTES", "key_matches", "too_large", "unauthorized"]
