@@ -26,7 +26,8 @@ that is a JSON string holding JSON is decoded once complete). A block
 without a readable name by its end tag (or the end of output) is returned as
 content; a called function whose arguments cannot be read gets ``{}``
 (:attr:`ToolCall.complete` tells a call whose arguments were read to their
-end from one cut off by the end of output). An
+end from one cut off by the end of output, or whose arguments are not a JSON
+object: ``{a: 1}`` and ``[1, 2]`` are refused, never passed on). An
 end tag inside a JSON string (``"</tool_call>"`` in an argument) does not end
 the block. Text after a call block is dropped (as vLLM does).
 """
@@ -95,6 +96,82 @@ def _scan_string(s: str, i: int) -> int | None:
             return j + 1
         j += 1
     return None
+
+
+_NUM = frozenset("+-0123456789.eE")
+
+
+def object_prefix_ok(s: str) -> bool:
+    """Whether ``s`` is a JSON object or the beginning of one (some text
+    could follow that makes it a valid JSON object). Tool-call arguments must
+    be a JSON object: ``{a: 1}``, ``[1, 2]`` or ``5`` are not."""
+    stack: list[str] = []
+    state, i, n = "object", 0, len(s)
+    while i < n:
+        c = s[i]
+        if c in " \t\r\n":
+            i += 1
+            continue
+        if state == "done":
+            return False
+        if state == "object" and c != "{":
+            return False
+        if state in ("object", "value", "value_or_close"):
+            if state == "value_or_close" and c == "]":
+                stack.pop()
+                i, state = i + 1, "comma_or_close" if stack else "done"
+                continue
+            if c in "{[":
+                stack.append(c)
+                i, state = i + 1, "key_or_close" if c == "{" else "value_or_close"
+                continue
+            if c == '"':
+                j = _scan_string(s, i)
+                if j is None:
+                    return True
+            elif c in _NUM:
+                j = i
+                while j < n and s[j] in _NUM:
+                    j += 1
+                if j == n:
+                    return True
+                try:
+                    json.loads(s[i:j])
+                except ValueError:
+                    return False
+            else:
+                lit = next((w for w in ("true", "false", "null") if w[0] == c), None)
+                if lit is None or not lit.startswith(s[i:i + len(lit)]):
+                    return False
+                if i + len(lit) > n:
+                    return True
+                j = i + len(lit)
+            i, state = j, "comma_or_close" if stack else "done"
+        elif state in ("key", "key_or_close"):
+            if state == "key_or_close" and c == "}":
+                stack.pop()
+                i, state = i + 1, "comma_or_close" if stack else "done"
+                continue
+            if c != '"':
+                return False
+            j = _scan_string(s, i)
+            if j is None:
+                return True
+            i, state = j, "colon"
+        elif state == "colon":
+            if c != ":":
+                return False
+            i, state = i + 1, "value"
+        else:  # comma_or_close
+            top = stack[-1]
+            if c == ",":
+                i, state = i + 1, "key" if top == "{" else "value"
+            elif c == ("}" if top == "{" else "]"):
+                stack.pop()
+                i, state = i + 1, "comma_or_close" if stack else "done"
+            else:
+                return False
+    return True
 
 
 def _scan_value(s: str, i: int) -> int | None:
@@ -348,7 +425,7 @@ class _HermesStream(StreamingToolParser):
         frag = None
         if span is not None:
             v0, v1 = span
-            if body[v0] in "{[":
+            if body[v0] == "{":
                 if v1 is not None:
                     new = body[v0:v1]
                     call.args_done = call.args_complete = True
@@ -357,17 +434,31 @@ class _HermesStream(StreamingToolParser):
                     new = new[: len(new) - _partial_suffix(new, self.END)] if not ending else new.rstrip()
                     if ending:
                         call.args_done = True
+                if not object_prefix_ok(new):
+                    # not a JSON object ({a: 1}): the call is not complete, and its
+                    # arguments end with the longest beginning of a JSON object
+                    # (prefix validity is monotone: what was streamed is inside it)
+                    lo, hi = len(call.args_sent), len(new)
+                    while lo + 1 < hi:
+                        mid = (lo + hi) // 2
+                        lo, hi = (mid, hi) if object_prefix_ok(new[:mid]) else (lo, mid)
+                    call.args_done, call.args_complete, new = True, False, new[:lo]
                 if len(new) > len(call.args_sent) and new.startswith(call.args_sent):
                     frag = new[len(call.args_sent):]
-            elif v1 is not None:
-                raw = body[v0:v1]
-                if body[v0] == '"':
-                    try:
-                        raw = json.loads(raw)
-                    except ValueError:
-                        pass
-                frag = raw
-                call.args_done = call.args_complete = True
+            elif v1 is not None or body[v0] == "[" or ending:
+                # a string holding a JSON object is decoded; anything else ([1, 2],
+                # 5, a string that is no object) is rejected: the call is not complete
+                raw = body[v0:v1] if v1 is not None else ""
+                try:
+                    obj = json.loads(raw) if body[v0] == '"' and v1 is not None else None
+                    dec = json.loads(obj) if isinstance(obj, str) else None
+                except ValueError:
+                    dec = None
+                call.args_done = True
+                if isinstance(dec, dict):
+                    frag, call.args_complete = obj, True
+                else:
+                    frag = "{}"  # never a called function without arguments; not complete
         elif ending or complete:
             frag = "{}"
             call.args_done = True

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from megac.server.chat import ByteTokenizer, Tokenizer, render_chat, tool_seed
-from megac.server.tools import HermesToolParser, get_tool_parser, parser_for_family, scan_object
+from megac.server.tools import HermesToolParser, get_tool_parser, object_prefix_ok, parser_for_family, scan_object
 
 P = HermesToolParser()
 
@@ -155,6 +155,48 @@ def test_named_seed_primes_the_parser():
     for cut in range(1, len(generated)):
         c2, calls2, _ = streamed(generated, [cut], prefix=seed)
         assert c2 == "" and [(c["name"], c["arguments"]) for c in calls2] == [("get_weather", '{"city": "Oslo"}')]
+
+
+# arguments that are not a JSON object: the call is never complete and its
+# arguments are at most the beginning of a JSON object (streamed the same)
+NOT_OBJECTS = {
+    "unquoted_key": ('{a: 1}', "{"),
+    "array": ("[1,2]", "{}"),
+    "number": ("5", "{}"),
+    "string_of_array": ('"[1, 2]"', "{}"),
+    "string_not_json": ('"hello"', "{}"),
+    "trailing_comma": ('{"a": 1,}', '{"a": 1,'),
+    "bad_literal": ('{"a": tru}', '{"a": tru'),  # the longest beginning of some object
+    "bare_word_after_pair": ('{"x": [1, {"y": 2}], b: 3}', '{"x": [1, {"y": 2}], '),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_OBJECTS))
+def test_arguments_must_be_a_json_object(name):
+    args, sent = NOT_OBJECTS[name]
+    text = '<tool_call>\n{"name": "f", "arguments": ' + args + "}\n</tool_call>"
+    content, calls = P.parse(text)
+    assert content == "" and [(c.name, c.arguments, c.complete) for c in calls] == [("f", sent, False)]
+    for cut in range(1, len(text)):
+        _, scalls, p = streamed(text, [cut])
+        assert [c["arguments"] for c in scalls] == [sent], cut
+        assert [c.complete for c in p.tool_calls] == [False], cut
+
+
+def test_object_prefix_ok_against_json():
+    good = [{}, {"a": 1}, {"a": [1, -2.5e-3, {"b": None}], "c": True, "d": False, "e": 'x"}{]['},
+            {"n": {"m": []}}]
+    for obj in good:
+        text = json.dumps(obj)
+        assert all(object_prefix_ok(text[:k]) for k in range(len(text) + 1)), text
+        assert not object_prefix_ok(text + "}") and not object_prefix_ok(text + ",")
+    for bad in ["[", "1", '"a"', "{a", '{"a" 1', '{"a": 01}', '{"a": 1,}', "{,", '{"a": [1,]}', '{"a": nul}',
+                "{'a': 1}"]:
+        assert not object_prefix_ok(bad), bad
+        try:
+            assert not isinstance(json.loads(bad), dict), bad  # json agrees: no object
+        except ValueError:
+            pass
 
 
 def test_required_seed():
