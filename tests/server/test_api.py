@@ -221,8 +221,14 @@ def test_named_tool_choice_returns_that_call(client):
 def test_auto_tools_shape_and_prompt(server, client):
     r = chat(client, max_tokens=8, temperature=0, tools=TOOLS)
     c = r.choices[0]
-    assert c.finish_reason in ("stop", "length", "tool_calls")
-    assert c.message.tool_calls is None or c.message.tool_calls[0].function.name
+    # the same prompt through /v1/completions (no tool parsing) is the
+    # independent expectation: random bytes never spell <tool_call>, so no
+    # call, the raw text as content, the same finish_reason
+    ids = server.post("/tokenize", {"messages": MSG, "tools": TOOLS}).json()["tokens"]
+    raw = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0).choices[0]
+    assert "<tool_call>" not in raw.text and raw.finish_reason in ("stop", "length")
+    assert c.message.tool_calls is None and c.message.content == raw.text
+    assert c.finish_reason == raw.finish_reason and r.usage.prompt_tokens == len(ids)
     # the tools reach the prompt through the tool-aware template (SmolLM2-style ChatML ignores them)
     with_tools = server.post("/tokenize", {"messages": MSG, "tools": TOOLS}).json()
     without = server.post("/tokenize", {"messages": MSG}).json()
@@ -233,14 +239,22 @@ def test_auto_tools_shape_and_prompt(server, client):
     assert r.usage.prompt_tokens == without["count"]
 
 
-def test_tool_history_renders(client):
+def test_tool_history_renders(server, client):
     msgs = [{"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "call_1", "type": "function",
                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
     r = chat(client, messages=msgs, tools=TOOLS, max_tokens=4, temperature=0)
-    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the call and its result are in the prompt; the answer is the model's raw continuation of it
+    tok = server.post("/tokenize", {"messages": msgs, "tools": TOOLS, "return_token_strs": True}).json()
+    prompt = server.post("/detokenize", {"tokens": tok["tokens"]}).json()["prompt"]
+    assert "get_weather" in prompt and '"Paris"' in prompt and "18 C and sunny" in prompt
+    raw = client.completions.create(model="tiny", prompt=tok["tokens"], max_tokens=4, temperature=0).choices[0]
+    c = r.choices[0]
+    assert raw.finish_reason in ("stop", "length") and c.finish_reason == raw.finish_reason
+    assert c.message.tool_calls is None and c.message.content == raw.text
+    assert r.usage.prompt_tokens == tok["count"]
 
 
 # ------------------------------------------------------------------ tokenize / detokenize / metrics
