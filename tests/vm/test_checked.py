@@ -18,6 +18,7 @@ import torch
 from megac import abi
 from megac.abi import H, Op
 from megac.kv import PagedKVCache
+from megac.ops import REGISTRY
 from megac.passes.pipeline import compile_one
 from megac.prefill import prefill
 from megac.spec import load_spec
@@ -334,28 +335,90 @@ def test_accesses_lie_inside_the_access_model(name, order):
     run.run()
     shapes = logical_shapes(geo)
     subs = {}
-    checked = 0
+    checked = {}
     for ev, name_, index, write in log:
-        if name_ not in _SAME_LAYOUT:
-            continue
         e = run.events[ev]
-        lname = "target_word" if name_ == "targets" else name_
-        lo, hi = _box(index, shapes[lname])
         w = sched.tasks[e.sm, e.slot]
+        op = REGISTRY[Op(int(w[H.OPCODE]))]
         if e.note:  # a claimed record: compare with its queue's subtask
-            if int(w[H.OPCODE]) != Op.ATTN_DRAIN or name_ == "targets":
-                continue
-            key = e.layer
-            if key not in subs:
-                subs[key] = queue_subtasks(abi.Queue.ATTN, e.layer, geo)
-            boxes = subtask_boxes(subs[key], geo)
+            if name_ == "targets" or name_ == getattr(op, "queue_buffer", None):
+                continue  # the claimer's own cursor / record reads: checked with the claimer task
+            if (op.queue, e.layer) not in subs:
+                subs[op.queue, e.layer] = subtask_boxes(queue_subtasks(op.queue, e.layer, geo), geo)
+            boxes = subs[op.queue, e.layer]
         else:
             boxes = access_boxes(w[None, :], geo)
-        ok = any(b.buffer == lname and b.write == write and
-                 ((b.lo <= lo) & (hi <= b.hi)).all(axis=1).any() for b in boxes)
-        assert ok, f"{e.describe(sched)} {'writes' if write else 'reads'} {name_}{list(zip(lo, hi))} outside the model"
-        checked += 1
-    assert checked > 200
+        for lname, lo, hi in _logical(name_, index, shapes, step.st, geo):
+            ok = any(b.buffer == lname and b.write == write and
+                     ((b.lo <= lo) & (hi <= b.hi)).all(axis=1).any() for b in boxes)
+            assert ok, (f"{e.describe(sched)} {'writes' if write else 'reads'} {name_}{index} = "
+                        f"{lname}{list(zip(lo, hi))} outside the model")
+            checked[lname] = checked.get(lname, 0) + 1
+    # every buffer kind is covered: the MoE buffers and queues (tiny-moe), the KV pools
+    want = set(_SAME_LAYOUT) - {"targets", "route_slot", "topk_ids", "topk_w", "router_part"} | {"target_word", "kv_new",
+                                                                                               "attn_queue"}
+    if geo.num_experts:
+        want |= {"moe_x", "moe_act", "moe_out", "moe_up_queue", "moe_down_queue", "route_slot", "topk_ids",
+                 "topk_w", "router_part"}
+    assert want <= set(checked), want - set(checked)
+    assert sum(checked.values()) > 200
+
+
+def _values(x, n) -> np.ndarray:
+    if isinstance(x, slice):
+        return np.arange(*x.indices(n))
+    return np.atleast_1d(np.asarray(x, dtype=np.int64)).ravel()
+
+
+def _logical(name, index, shapes, st, geo):
+    """The logical regions (access-model coordinates) of one VM access:
+    identity for same-layout buffers; the KV pools through the page table to
+    ``kv_new`` (layer, row, K or V columns of the head: the current token
+    written, any token up to it read); the MoE slot buffers through
+    ``route_slot`` / ``topk_ids`` to (layer, expert, row, k); a queue to its layer."""
+    index = index if isinstance(index, tuple) else (index,)
+    if name in _SAME_LAYOUT:
+        lname = "target_word" if name == "targets" else name
+        return [(lname, *_box(index, shapes[lname]))]
+    if name == "attn_queue":  # one logical word: the queue
+        return [(name, np.array([0]), np.array([1]))]
+    if name in ("moe_up_queue", "moe_down_queue"):
+        layer = int(index[0])
+        return [(name, np.array([layer]), np.array([layer + 1]))]
+    if name in ("k_pool", "v_pool"):
+        pt, pos, bs, hd = st.np["page_table"], st.np["seq_pos"], st.block_size, geo.head_dim
+        pool = st[name]
+        blk, off = np.broadcast_arrays(_values(index[0], pool.shape[0]), _values(index[1], bs))
+        heads = _values(index[2] if len(index) > 2 else slice(None), pool.shape[2])
+        base = 0 if name == "k_pool" else geo.kv_width
+        out = []
+        for b, o in zip(blk.tolist(), off.tolist()):
+            where = np.argwhere(pt == b)  # (layer, row, block index): the pool block's one owner
+            assert len(where) == 1, f"{name} block {b} has {len(where)} owners"
+            layer, row, bi = (int(v) for v in where[0])
+            p = bi * bs + o
+            assert p <= int(pos[row]), f"{name}: row {row} layer {layer} position {p} beyond the current token"
+            for h in heads.tolist():
+                out.append(("kv_new", np.array([layer, row, base + h * hd]),
+                            np.array([layer + 1, row + 1, base + (h + 1) * hd])))
+        return out
+    if name in ("moe_x", "moe_act", "moe_out"):
+        layer = int(index[0])
+        slots = _values(index[1], st[name].shape[1])
+        rs = st.np["route_slot"][layer]  # [R, K]
+        ids = st.np["topk_ids"][layer]
+        width = shapes[name][-1]
+        cols = _values(index[2] if len(index) > 2 else slice(None), width)
+        out = []
+        for sl in slots.tolist():
+            where = np.argwhere(rs == sl)
+            assert len(where) == 1, f"{name} slot {sl} of layer {layer} routed {len(where)} times"
+            r, k = (int(v) for v in where[0])
+            ex = int(ids[r, k])
+            out.append((name, np.array([layer, ex, r, k, int(cols.min())]),
+                        np.array([layer + 1, ex + 1, r + 1, k + 1, int(cols.max()) + 1])))
+        return out
+    raise AssertionError(f"the VM accessed {name}, which the containment check does not map")
 
 
 def test_fast_mode_order_check():
