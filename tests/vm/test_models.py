@@ -107,6 +107,61 @@ def test_north_mini_code_slice_matches_transformers():
     assert worst <= 1e-4, worst
 
 
+@pytest.mark.slow
+def test_real_widths_cross_a_context_bucket_and_the_sliding_window():
+    """North Mini Code's attention at its real widths (hidden 2048, 32 query /
+    4 KV heads of 128, KV blocks of 64, window 4096, its context buckets):
+    one sliding MoE and one full NoPE MoE layer, 8 experts and a 4096-token
+    vocabulary to keep it cheap. One row decodes across the 2048 bucket (the
+    VM switches schedules mid-sequence), is prefilled further, then decodes
+    past the 4096 window (the sliding layer's first KV block is released).
+    Every step's logits equal transformers' over the whole sequence (one
+    forward, teacher-forced with the VM's tokens). ~2 min, ~6 GB."""
+    from megac.vm import VMBackend
+    from models import variant
+
+    full = load_spec("north-mini-code")
+    spec = variant(full, "nmc-window", layers=[full.layers[i].model_dump() for i in (1, 4)],
+                   dense_intermediate_size=None, vocab_size=4096, eos_token_ids=[4095],
+                   moe={"num_experts": 8, "top_k": 4})
+    assert [(l.attention, l.window) for l in spec.layers] == [("sliding", 4096), ("full", None)]
+    w = random_weights(spec, seed=0)
+    comp = compile_schedules(spec, order="tuned", batch_sizes=[1])
+    assert comp.key_map[(1, 2048)] != comp.key_map[(1, 4096)]  # crossing 2048 changes the schedule
+    kv = PagedKVCache(spec, max_rows=1, num_blocks=2 * 70, dtype=torch.float32, max_context=8192)
+    be = VMBackend(spec, w, kv, comp)
+    row = kv.allocate_row()
+    g = torch.Generator().manual_seed(1)
+    seq: list[int] = []
+    got, at = [], []  # VM logits and the position whose next token they predict
+
+    def extend(n: int, steps: int) -> None:
+        part = torch.randint(0, 4095, (n,), generator=g).tolist()
+        seq.extend(part)
+        lg = be.prefill(row, part)
+        for _ in range(steps):
+            got.append(lg)
+            at.append(len(seq) - 1)
+            tok = int(lg.argmax())
+            seq.append(tok)
+            kv.append_slot(row)
+            lg = be.decode([row], [tok])[0]
+        got.append(lg)
+        at.append(len(seq) - 1)
+
+    extend(2040, 16)  # positions 2040..2055: bucket 2048, then the next one
+    assert set(be.schedules_used) == {(1, 2048), (1, 262144)}
+    extend(4150 - len(seq), 16)  # positions 4150..4165: window start > 0, block 0 out of it at 4159
+    assert kv.page_table[0, row, 0] < 0 <= kv.page_table[1, row, 0]  # sliding layer released it, full kept
+    model = _hf_sharing(w, spec)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, at].float()
+    got_t = torch.stack(got)
+    assert (got_t.argmax(-1) == ref.argmax(-1)).all()
+    worst = max(_rel(a, b) for a, b in zip(got_t, ref))
+    assert worst <= 1e-4, worst
+
+
 _CHATS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
