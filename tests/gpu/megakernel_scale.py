@@ -499,21 +499,16 @@ def _step_times(eng, batch: int, context: int, steps: int = 30) -> dict:
 
 
 def _noise_kv(eng):
-    import torch
+    """N(0, 0.01) KV noise: the same fill as ``megac bench``."""
+    from megac.decode_bench import fill_kv_noise
 
-    g = torch.Generator(device=DEV).manual_seed(0)
-    for pool in (eng.kv.k_pool, eng.kv.v_pool):
-        pool.normal_(0.0, 0.01, generator=g)
+    fill_kv_noise(eng.kv)
 
 
 def _rows_at(kv, batch: int, context: int) -> list[int]:
-    rows = [kv.allocate_row() for _ in range(batch)]
-    for r in rows:  # in prefill-sized pieces: sliding layers release as they go
-        for a in range(0, context - 1, 512):
-            n = min(512, context - 1 - a)
-            kv.reserve(r, n)
-            kv.advance(r, n)
-    return rows
+    from megac.decode_bench import rows_at
+
+    return rows_at(kv, batch, context)
 
 
 def _run_fake(eng, sched, tasks, counts, num_counters, batch, context, steps=12, watchdog_s=1.0):

@@ -17,16 +17,14 @@ import httpx
 import openai
 import pytest
 
-from test_util import ServerProc, untied_tiny_yaml
+from test_util import tiny_server
 
 MAX_LEN = 1024
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    spec = untied_tiny_yaml(tmp_path_factory.mktemp("spec"))
-    s = ServerProc(str(spec), "--random-weights", "--max-model-len", str(MAX_LEN), "--prefill-chunk", "32",
-                   "--max-batch-size", "8", "--served-model-name", "tiny")
+    s = tiny_server(tmp_path_factory, MAX_LEN)
     yield s
     s.stop()
 

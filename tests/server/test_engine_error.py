@@ -6,10 +6,10 @@ non-streamed request gets the same error as its 500 body."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 from megac.engine.request import EngineOutput
 from stub_state import StubEngine, async_client, stub_app
+from test_util import sse_events
 
 MSG = [{"role": "user", "content": "hello"}]
 
@@ -25,15 +25,6 @@ class FailingEngine(StubEngine):
                               prompt_tokens=len(req.prompt_ids)))
         req.sink(EngineOutput(req.id, finished=True, finish_reason="error", error="device fault at step 6",
                               completion_tokens=5, prompt_tokens=len(req.prompt_ids)))
-
-
-def _events(raw: str) -> list:
-    assert raw.endswith("\n\n"), raw[-200:]
-    out = []
-    for e in raw.split("\n\n")[:-1]:
-        assert e.startswith("data: "), e
-        out.append(e[len("data: "):] if e == "data: [DONE]" else json.loads(e[len("data: "):]))
-    return out
 
 
 def _engine_error(obj) -> None:
@@ -60,7 +51,7 @@ def test_mid_stream_engine_error_is_an_error_event():
     ]))
     # chat: the role chunk, the two deltas as generated, the error, [DONE]
     assert chat.status_code == 200 and chat.headers["content-type"].startswith("text/event-stream")
-    ev = _events(chat.text)
+    ev = sse_events(chat.text)
     assert ev[-1] == "[DONE]"
     _engine_error(ev[-2])
     deltas = [e["choices"][0]["delta"] for e in ev[:-2]]
@@ -69,7 +60,7 @@ def test_mid_stream_engine_error_is_an_error_event():
     assert not any(e["choices"][0].get("finish_reason") for e in ev[:-2])
     # completions: the same shape
     assert comp.status_code == 200
-    ev = _events(comp.text)
+    ev = sse_events(comp.text)
     assert ev[-1] == "[DONE]"
     _engine_error(ev[-2])
     assert "".join(e["choices"][0]["text"] for e in ev[:-2]) == "Hello"

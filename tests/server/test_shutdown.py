@@ -6,24 +6,14 @@ that it stopped."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 
 import httpx
 
 from stub_state import StubEngine, async_client, stub_app
-from test_util import ServerProc, untied_tiny_yaml
+from test_util import ServerProc, sse_events, untied_tiny_yaml
 
 MSG = [{"role": "user", "content": "hello"}]
-
-
-def _events(raw: str) -> list:
-    assert raw.endswith("\n\n"), raw[-200:]
-    out = []
-    for e in raw.split("\n\n")[:-1]:
-        assert e.startswith("data: "), e
-        out.append(e[len("data: "):] if e == "data: [DONE]" else json.loads(e[len("data: "):]))
-    return out
 
 
 def _shutdown_error(obj) -> None:
@@ -57,7 +47,7 @@ def test_stop_requests_ends_streams_with_an_error_event():
     ]))
     for stream in (chat, comp):
         assert stream.status_code == 200
-        events = _events(stream.text)
+        events = sse_events(stream.text)
         assert events[-1] == "[DONE]"
         _shutdown_error(events[-2])
         assert not any("choices" in e and e["choices"] and e["choices"][0].get("finish_reason")
@@ -87,7 +77,7 @@ def test_sigterm_ends_streams_with_an_error_event_and_logs_stopped(tmp_path):
                     break
             s.proc.send_signal(signal.SIGTERM)
             received += list(lines)
-        events = _events("".join(line + "\n" for line in received))
+        events = sse_events("".join(line + "\n" for line in received))
         assert events[-1] == "[DONE]"
         _shutdown_error(events[-2])
         assert s.proc.wait(30) == 0

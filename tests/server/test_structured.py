@@ -17,7 +17,7 @@ import json
 import jsonschema
 import pytest
 
-from test_util import ServerProc, untied_tiny_yaml
+from test_util import tiny_server
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 12},
@@ -46,9 +46,7 @@ REPORT = {"type": "object",
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    spec = untied_tiny_yaml(tmp_path_factory.mktemp("spec"))
-    s = ServerProc(str(spec), "--random-weights", "--max-model-len", "2048", "--prefill-chunk", "32",
-                   "--max-batch-size", "8", "--served-model-name", "tiny")
+    s = tiny_server(tmp_path_factory, 2048)
     yield s
     s.stop()
 

@@ -42,6 +42,25 @@ def untied_tiny_yaml(directory: Path) -> Path:
     return path
 
 
+def sse_events(raw: str) -> list:
+    """The events of a whole SSE body: JSON objects, and "[DONE]" as the string."""
+    import json
+
+    assert raw.endswith("\n\n"), raw[-200:]
+    out = []
+    for e in raw.split("\n\n")[:-1]:
+        assert e.startswith("data: "), e
+        out.append(e[len("data: "):] if e == "data: [DONE]" else json.loads(e[len("data: "):]))
+    return out
+
+
+def tiny_server(tmp_path_factory, max_model_len: int) -> "ServerProc":
+    """The API tests' server: the untied tiny model, random weights, served as "tiny"."""
+    spec = untied_tiny_yaml(tmp_path_factory.mktemp("spec"))
+    return ServerProc(str(spec), "--random-weights", "--max-model-len", str(max_model_len), "--prefill-chunk", "32",
+                      "--max-batch-size", "8", "--served-model-name", "tiny")
+
+
 class ServerProc:
     """``megac serve ARGS`` in a subprocess (stdout+stderr to a log file)."""
 
