@@ -31,6 +31,12 @@
 #include "gemm_ring.cuh"
 #include "generated/megac_abi.h"
 
+// Per-task timeline build (megakernel.cuh, megac/gpu/profile.py); here for
+// the claim loop's own counts, which only that build keeps.
+#ifndef MEGAC_PROFILE
+#define MEGAC_PROFILE 0
+#endif
+
 namespace megac {
 namespace mk {
 
@@ -132,13 +138,17 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int le
         int32_t wo = 0, so = 0;
         offsets(ts->rec, wo, so);
         const int32_t wb = w[wait_base_field];
+#if MEGAC_PROFILE
         const uint64_t t0 = globaltimer_ns();
+#endif
         if (wb >= 0 && !wait_on(c, wb + wo, resolve(c.d, w[wait_target_field]))) {
           ts->ok = 0;
           claimed = 0;
         }
+#if MEGAC_PROFILE
         ts->claims += 1;
         ts->claim_wait_ns += uint32_t(globaltimer_ns() - t0);
+#endif
         const int32_t sb = w[signal_base_field];
         ts->claim_signal = sb >= 0 ? sb + so : -1;
       }
