@@ -6,6 +6,9 @@
   for debugging;
 * ``cuda``: the generated megakernel on the GPU
   (:class:`megac.gpu.backend.CudaBackend`), bf16 weights and KV;
+* ``graphs``: the model as per-op kernels in CUDA graphs
+  (:class:`megac.baselines.graphs.GraphsBackend`; eager PyTorch on the CPU),
+  the baseline ``megac bench`` compares against;
 * ``auto``: ``cuda`` when a CUDA device is visible, otherwise ``cpu``.
 """
 
@@ -54,6 +57,10 @@ def make_backend(kind: str, spec, weights, kv, *, schedules=None, artifact_dir=N
     kind = resolve_kind(kind)
     if kind == "reference":
         return ReferenceBackend(spec, weights, kv, max_batch_size=max_batch_size)
+    if kind == "graphs":
+        from megac.baselines.graphs import GraphsBackend
+
+        return GraphsBackend(spec, weights, kv, max_batch_size=max_batch_size)
     if schedules is None:
         raise MegacError(f"--backend {kind}: needs compiled schedules")
     if kind == "cuda":
