@@ -43,8 +43,9 @@ def _commit() -> str | None:
 
 @click.command("bench")
 @click.argument("model")
-@click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
-              help="cuda: the megakernel; cpu: the VM over the same task words; auto: cuda when a GPU is visible.")
+@click.option("--backend", type=click.Choice(["auto", "cuda", "cpu", "graphs"]), default="auto", show_default=True,
+              help="cuda: the megakernel; cpu: the VM over the same task words; graphs: the per-op CUDA-graph "
+                   "baseline (megac.baselines.graphs); auto: cuda when a GPU is visible.")
 @click.option("--random-weights", is_flag=True,
               help="Counter-based random weights (drawn on the GPU with --backend cuda); else MODEL's own weights.")
 @click.option("--batch-size", "batch_sizes", default="1", show_default=True, help="Comma-separated, e.g. 1,2,4,8.")
@@ -69,14 +70,15 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
     from megac.engine.build import EngineOptions, build_engine
     from megac.kv.paged import blocks_for_tokens
     from megac.loading import load_model
-    from megac.runtime.backends import resolve_kind
+    from megac.runtime.backends import cuda_visible, resolve_kind
 
     batches = parse_list(batch_sizes, "--batch-size")
     ctxs = parse_list(contexts, "--context", lo=2)
     cal = Calibration.load(resolve(calibration)) if calibration else None
     kind = resolve_kind(backend)
-    if kind not in ("cuda", "cpu"):
-        raise MegacError(f"bench: --backend {backend} resolved to {kind}; use cuda or cpu")
+    if kind not in ("cuda", "cpu", "graphs"):
+        raise MegacError(f"bench: --backend {backend} resolved to {kind}; use cuda, cpu or graphs")
+    on_gpu = kind == "cuda" or (kind == "graphs" and cuda_visible())
     say = lambda msg: click.echo(f"[megac] {msg}", err=True)  # noqa: E731
     t0 = time.perf_counter()
     if random_weights:
@@ -86,7 +88,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
         from megac.weights.random import random_weights as draw
 
         spec = load_spec(model)
-        dev = "cuda" if kind == "cuda" else "cpu"
+        dev = "cuda" if on_gpu else "cpu"
         say(f"drawing random weights for {spec.name} on the {dev}")
         weights = draw(spec, 0, torch.bfloat16 if dev == "cuda" else torch.float32, device=dev)
     else:
@@ -103,7 +105,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
     engine = build_engine(spec, weights, opts, progress=say)
     say(f"ready in {time.perf_counter() - t0:.1f} s; filling the KV cache with noise")
     db.fill_kv_noise(engine.kv)
-    ceiling = None if no_ceiling else db.measure_ceiling(kind)
+    ceiling = None if no_ceiling else db.measure_ceiling("cuda" if on_gpu else "cpu")
     if ceiling:
         say(f"streaming-read ceiling: {ceiling / 1e12:.3f} TB/s")
     cases = [(b, c) for b in batches for c in ctxs]
@@ -121,7 +123,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
         facts = {"model": spec.name, "backend": kind, "order": order, "random_weights": bool(random_weights),
                  "steps": steps, "warmup": warmup, "ceiling_bps": ceiling, "calibration": calibration,
                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
-                 "host": platform.node(), "device": _device_name(kind)}
+                 "host": platform.node(), "device": _device_name("cuda" if on_gpu else "cpu")}
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"run": facts, "rows": rows}, indent=1))
         say(f"wrote {json_path}")

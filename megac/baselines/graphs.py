@@ -59,7 +59,8 @@ def fuse_rows(owner, names: Sequence[str], dim: int) -> torch.Tensor:
     fused (consecutive views of one tensor, in order): that tensor, as it is."""
     parts = [getattr(owner, n) for n in names]
     base = parts[0]._base
-    if base is not None and all(p._base is base for p in parts) and base.shape[dim] == sum(p.shape[dim] for p in parts):
+    if (base is not None and base.dim() == parts[0].dim() and all(p._base is base for p in parts)
+            and base.shape[dim] == sum(p.shape[dim] for p in parts)):
         step = base.stride(dim) * base.element_size()
         at = base.data_ptr()
         if all(p.data_ptr() == at + step * sum(q.shape[dim] for q in parts[:i]) for i, p in enumerate(parts)):
