@@ -124,23 +124,6 @@ __device__ __forceinline__ uint32_t dynamic_smem_bytes() {
   return v;
 }
 
-// 16-byte async copy through L2 only (L2 fetches whole 256-byte sectors: a
-// kv head's key row is 256 contiguous bytes at head_dim 128); src_bytes 0
-// writes zeros (masked keys must read as 0, never as whatever a stale page
-// holds: 0 * NaN would poison the output).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // Named barriers. 0 is __syncthreads; the decode stream's compute warps
 // sync among themselves on kBarCompute, so a control warp of the same CTA
 // (attention_test.cu) can run its own loop and meet them only through

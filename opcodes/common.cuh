@@ -45,6 +45,25 @@ __device__ __forceinline__ uint4 ld_stream_u4_l2_256(const void* p) {
   return v;
 }
 
+// 16-byte async copy (cp.async) into shared memory, through L2 only (L2
+// fetches whole 256-byte sectors: a kv head's key row and a warp's step
+// along a weight row are contiguous 256+ bytes); src_bytes 0 writes zeros
+// (masked keys must read as 0, never as whatever a stale page holds: 0 * NaN
+// would poison the output). The issuing thread sees the data after its
+// cp_async_wait; other threads after a barrier as well.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Data that another CTA of this launch wrote (activations): must not come
 // from the non-coherent path, and a plain 16-byte load is enough once the
 // counter wait has acquired.

@@ -22,6 +22,7 @@
 
 #include "common.cuh"
 #include "gemm_epilogues.cuh"
+#include "mbarrier.cuh"
 
 namespace megac {
 namespace rows {
@@ -119,9 +120,67 @@ __device__ __forceinline__ void prefetch_head(const WeightSpan& s, int lane, int
   prefetch_rows(s, 0, ahead_features(s.cols, blockDim.x >> 5), lane, nlanes);
 }
 
+// One step of a warp's feature loop: its kFeat features x kUnroll chunks of
+// 8 weights (16 bytes per lane) at K offset kb + u * 256, folded into acc in
+// increasing k. Both weight paths below call it, so they are bit-identical.
+__device__ __forceinline__ void fma_chunk(const uint4 (&wv)[kFeat][kUnroll], const bf16* xs, int rows, int klen,
+                                          int kb, float (&acc)[kFeat][kMaxRows]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int k = kb + u * 32 * 8;
+    if (k >= klen) break;
+#pragma unroll
+    for (int f = 0; f < kFeat; ++f) {
+      float wf[8];
+      unpack8(wv[f][u], wf);
+#pragma unroll
+      for (int m = 0; m < kMaxRows; ++m) {
+        if (m < rows) {
+          float xf[8];
+          unpack8(*reinterpret_cast<const uint4*>(xs + m * klen + k), xf);
+          float s = acc[f][m];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s = fmaf(wf[e], xf[e], s);
+          acc[f][m] = s;
+        }
+      }
+    }
+  }
+}
+
+// The end of a warp's features c0 .. c0 + kFeat - 1: each lane's partial sums
+// reduced over a fixed xor tree (live rows only: at batch 1 the other seven
+// rows' reductions were most of a feature's instructions), lane 0 writes ys.
+__device__ __forceinline__ void reduce_features(float (&acc)[kFeat][kMaxRows], int c0, int nlen, int rows,
+                                                float* ys) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int f = 0; f < kFeat; ++f) {
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) {
+      if (m < rows) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[f][m] += __shfl_xor_sync(0xffffffffu, acc[f][m], o);
+      }
+    }
+    if (lane == 0 && c0 + f < nlen) {
+#pragma unroll
+      for (int m = 0; m < kMaxRows; ++m) ys[(c0 + f) * 8 + m] = m < rows ? acc[f][m] : 0.f;
+    }
+  }
+}
+
+__device__ __forceinline__ void zero(float (&acc)[kFeat][kMaxRows]) {
+#pragma unroll
+  for (int f = 0; f < kFeat; ++f)
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) acc[f][m] = 0.f;
+}
+
 // ys[c * 8 + m] for c < nlen, m < 8 (rows >= `rows` are 0). Whole CTA; ends
 // with a barrier so the epilogue may read ys. Each lane sums its K chunks in
-// increasing k (the order does not depend on the unrolling).
+// increasing k (the order does not depend on the unrolling). Weights straight
+// into registers: kFeat * kUnroll loads in flight per lane, no more.
 __device__ __forceinline__ void tile(const bf16* __restrict__ w, int64_t ldw, const bf16* xs, int rows,
                                      int nlen, int klen, float* ys) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -132,10 +191,7 @@ __device__ __forceinline__ void tile(const bf16* __restrict__ w, int64_t ldw, co
     if (kWindowBytes > 0 && lane < kFeat && c0 + ahead + lane < nlen)
       prefetch_l2(w + int64_t(c0 + ahead + lane) * ldw, uint32_t(klen) * 2u);
     float acc[kFeat][kMaxRows];
-#pragma unroll
-    for (int f = 0; f < kFeat; ++f)
-#pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) acc[f][m] = 0.f;
+    zero(acc);
     for (int kb = lane * 8; kb < klen; kb += 32 * 8 * kUnroll) {
       uint4 wv[kFeat][kUnroll];
 #pragma unroll
@@ -147,41 +203,121 @@ __device__ __forceinline__ void tile(const bf16* __restrict__ w, int64_t ldw, co
           wv[f][u] = (c0 + f < nlen && k < klen) ? (MEGAC_GEMM_L2_256 ? ld_stream_u4_l2_256(src) : ld_stream_u4(src))
                                                  : make_uint4(0, 0, 0, 0);
         }
+      fma_chunk(wv, xs, rows, klen, kb, acc);
+    }
+    reduce_features(acc, c0, nlen, rows, ys);
+  }
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------------------
+// The weights through a per-warp cp.async pipeline
+// ---------------------------------------------------------------------------
+//
+// The register-fed loop above keeps kFeat * kUnroll loads in flight per lane
+// and waits for them before the next features' loads go out: ~25 KB per SM,
+// so an SM streamed 10-14 GB/s of its 34 GB/s share (docs/perf-notes.md).
+// Here each warp copies its own sequence of chunks (a chunk: what one step
+// of the feature loop reads, kFeat * kUnroll * 512 bytes) into its own ring
+// of kStages slots in shared memory, kAhead = kStages - 1 chunks ahead of the one it
+// computes. Each lane reads back only the 16-byte pieces it copied itself, so
+// the lane's own cp.async.wait_group is all the synchronisation there is: no
+// barrier, no mbarrier, no producer lane that waits for the slowest warp
+// (what sank the bulk-copy ring, gemm_ring.cuh). The first kAhead chunks may
+// be issued before the task's waits (prime(): weights never depend on
+// them), so HBM works while the activations are not ready.
+#ifndef MEGAC_GEMM_STAGES
+#define MEGAC_GEMM_STAGES 4
+#endif
+constexpr int kStages = MEGAC_GEMM_STAGES;
+static_assert(kStages == 0 || kStages >= 2, "a pipeline needs a slot to compute and one to fill");
+constexpr int kAhead = kStages > 1 ? kStages - 1 : 1;  // chunks in flight ahead of the computed one
+// 1: the static GEMM opcodes (their tile follows from the task words alone)
+// prime their warps' pipelines before the task's waits (megakernel.cuh)
+#ifndef MEGAC_GEMM_EARLY
+#define MEGAC_GEMM_EARLY 1
+#endif
+constexpr bool kEarly = MEGAC_GEMM_EARLY && kStages > 0;
+constexpr int kChunkU4 = kFeat * kUnroll * 32;  // 16-byte pieces of one chunk of one warp
+
+// Shared memory of the rings of `nwarps` warps (0: the register-fed loop).
+__host__ __device__ constexpr int pipe_bytes(int nwarps) { return kStages * kChunkU4 * 16 * nwarps; }
+
+// A warp's chunk sequence over a tile: chunk i is features
+// (warp + (i / nkb) * nwarps) * kFeat + f, K offsets lane * 8 + (i % nkb) *
+// kStepK + u * 256.
+struct PipeWalk {
+  static constexpr int kStepK = 32 * 8 * kUnroll;
+  int nkb, total;
+  __device__ PipeWalk(int nlen, int klen, int warp, int nwarps) {
+    nkb = (klen + kStepK - 1) / kStepK;
+    const int first = warp * kFeat, stride = nwarps * kFeat;
+    total = first < nlen ? ((nlen - first + stride - 1) / stride) * nkb : 0;
+  }
+  __device__ int c0(int i, int warp, int nwarps) const { return (warp + (i / nkb) * nwarps) * kFeat; }
+  __device__ int kb(int i, int lane) const { return lane * 8 + (i % nkb) * kStepK; }
+};
+
+// This warp's ring (kStages slots of kChunkU4 pieces, [slot][f][u][lane]).
+__device__ __forceinline__ uint4* warp_ring(uint8_t* rings) {
+  return reinterpret_cast<uint4*>(rings) + (threadIdx.x >> 5) * kStages * kChunkU4;
+}
+
+// Chunk i of this lane into its slot (nothing past the tile's edges), then
+// one commit group, empty or not, so group i holds chunk i.
+__device__ __forceinline__ void issue_chunk(const WeightSpan& s, const PipeWalk& pw, int i, uint4* ring) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (i < pw.total) {
+    const int c0 = pw.c0(i, warp, nwarps), kb = pw.kb(i, lane);
+    uint4* slot = ring + (i % kStages) * kChunkU4 + lane;
+#pragma unroll
+    for (int f = 0; f < kFeat; ++f)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int k = kb + u * 32 * 8;
-        if (k >= klen) break;
-#pragma unroll
-        for (int f = 0; f < kFeat; ++f) {
-          float wf[8];
-          unpack8(wv[f][u], wf);
-#pragma unroll
-          for (int m = 0; m < kMaxRows; ++m) {
-            if (m < rows) {
-              float xf[8];
-              unpack8(*reinterpret_cast<const uint4*>(xs + m * klen + k), xf);
-              float s = acc[f][m];
-#pragma unroll
-              for (int e = 0; e < 8; ++e) s = fmaf(wf[e], xf[e], s);
-              acc[f][m] = s;
-            }
-          }
-        }
+        if (c0 + f < s.rows && k < s.cols)
+          cp_async16(smem_addr(slot + (f * kUnroll + u) * 32), s.p + int64_t(c0 + f) * s.ld + k, 16);
       }
-    }
-#pragma unroll
-    for (int f = 0; f < kFeat; ++f) {
-#pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[f][m] += __shfl_xor_sync(0xffffffffu, acc[f][m], o);
-      }
-      if (lane == 0 && c0 + f < nlen) {
-#pragma unroll
-        for (int m = 0; m < kMaxRows; ++m) ys[(c0 + f) * 8 + m] = m < rows ? acc[f][m] : 0.f;
-      }
-    }
   }
+  cp_async_commit();
+}
+
+// The first kAhead chunks of this thread's warp (every thread of the
+// CTA calls it, before or after the task's waits, never twice per tile).
+__device__ __forceinline__ void prime(const WeightSpan& s, uint8_t* rings) {
+  const PipeWalk pw(s.rows, s.cols, threadIdx.x >> 5, blockDim.x >> 5);
+  uint4* ring = warp_ring(rings);
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) issue_chunk(s, pw, i, ring);
+}
+
+// tile() over the rings: same sums in the same order, bit-identical. `primed`:
+// prime() already ran for this span.
+__device__ __forceinline__ void tile_piped(const WeightSpan& s, const bf16* xs, int rows, float* ys, uint8_t* rings,
+                                           bool primed) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (!primed) prime(s, rings);
+  const PipeWalk pw(s.rows, s.cols, warp, nwarps);
+  uint4* ring = warp_ring(rings);
+  float acc[kFeat][kMaxRows];
+  for (int i = 0; i < pw.total; ++i) {
+    // the slot refilled now was last read in step i - 1: this lane's own
+    // reads, complete since its FMAs consumed them (in-order issue)
+    issue_chunk(s, pw, i + kAhead, ring);
+    cp_async_wait<kAhead>();  // groups complete in order: chunk i is in
+    const int c0 = pw.c0(i, warp, nwarps), kb = pw.kb(i, lane);
+    if (i % pw.nkb == 0) zero(acc);
+    const uint4* slot = ring + (i % kStages) * kChunkU4 + lane;
+    uint4 wv[kFeat][kUnroll];
+#pragma unroll
+    for (int f = 0; f < kFeat; ++f)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        wv[f][u] = (c0 + f < s.rows && kb + u * 32 * 8 < s.cols) ? slot[(f * kUnroll + u) * 32] : make_uint4(0, 0, 0, 0);
+    fma_chunk(wv, xs, rows, s.cols, kb, acc);
+    if (i % pw.nkb == pw.nkb - 1) reduce_features(acc, c0, s.rows, rows, ys);
+  }
+  cp_async_wait<0>();  // only empty groups can remain; none outlives the tile
   __syncthreads();
 }
 

@@ -64,7 +64,7 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
   extern __shared__ __align__(128) uint8_t smem[];
   TaskShared* ts = reinterpret_cast<TaskShared*>(smem);
   Ctx c{desc, ts, smem + sizeof(TaskShared), M::SCRATCH_BYTES,
-        WaitSite{ptr<int32_t>(desc->status), desc->watchdog_ns, 0, 0, 0}};
+        WaitSite{ptr<int32_t>(desc->status), desc->watchdog_ns, 0, 0, 0}, false};
   uint32_t dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
   if (dyn < uint32_t(sizeof(TaskShared) + M::SCRATCH_BYTES)) {  // the host launched with too little
@@ -114,6 +114,9 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
       ts->claim_wait_ns = 0;
     }
 #endif
+    // weights never depend on the waits: a static GEMM's first chunks stream
+    // while thread 0 waits for its inputs
+    c.primed = rows::kEarly && Dispatch::prime(c, ts->w);
     if (threadIdx.x == 0) {
       ts->task = k;
       ptr<int32_t>(desc->progress)[sm] = k;  // where this CTA is, for the watchdog report
@@ -123,7 +126,10 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
     if (threadIdx.x == 0) t_waited = globaltimer_ns();
 #endif
     __syncthreads();
-    if (!ts->ok) break;
+    if (!ts->ok) {
+      cp_async_wait<0>();  // no copy of a primed tile outlives the CTA
+      break;
+    }
     const bool ok = Dispatch::run(c, op);
     __syncthreads();
 #if MEGAC_PROFILE

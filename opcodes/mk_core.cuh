@@ -64,6 +64,7 @@ struct Ctx {
   uint8_t* scratch;
   int scratch_bytes;
   WaitSite site;
+  bool primed;  // the dispatcher primed this task's GEMM pipelines (ops_gemm.cuh)
 };
 
 template <class T>

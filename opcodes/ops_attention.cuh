@@ -12,16 +12,28 @@
 
 #include "attention.cuh"
 #include "attn_rows.cuh"
+#include "attn_tiles.cuh"
 #include "mk_core.cuh"
 #include "mk_layout.cuh"
 
 namespace megac {
 namespace mk {
 
+using bf16 = __nv_bfloat16;
+
+// 1: a split runs in key tiles through shared memory (attn_tiles.cuh); 0:
+// a key per warp at a time (attn_rows.cuh, ~60 us per 512-key split of North
+// Mini Code on the H200).
+#ifndef MEGAC_ATTN_TILES
+#define MEGAC_ATTN_TILES 1
+#endif
+
 template <class M>
 struct AttnScratch {
   static constexpr int kDpl = (M::HEAD_DIM + 31) / 32;
-  static constexpr int kSplitBytes = attn_rows::smem_floats(M::THREADS / 32, M::GQA, M::HEAD_DIM) * 4;
+  static constexpr int kSplitBytes = MEGAC_ATTN_TILES
+                                         ? attn_tiles::smem_bytes<M::HEAD_DIM, M::GQA, M::THREADS>()
+                                         : attn_rows::smem_floats(M::THREADS / 32, M::GQA, M::HEAD_DIM) * 4;
   static constexpr int kCombineBytes = attn::combine_min_bytes<M::HEAD_DIM, M::GQA>(M::MAX_SPLITS) + 4096;
   static constexpr int kBytes = kSplitBytes > kCombineBytes ? kSplitBytes : kCombineBytes;
 };
@@ -32,26 +44,37 @@ __device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, i
                                              int window) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
-  attn_rows::Split a;
-  a.q = ptr<const __nv_bfloat16>(d->q) + Lay::q(layer, row) + kvh * M::GQA * M::HEAD_DIM;
-  a.k_pool = ptr<const __nv_bfloat16>(d->k_pool);
-  a.v_pool = ptr<const __nv_bfloat16>(d->v_pool);
-  a.pt = ptr<const int32_t>(d->page_table) + (int64_t(layer) * M::MAX_ROWS + row) * d->max_blocks_per_seq;
-  a.kv_heads = M::KV_HEADS;
-  a.kvh = kvh;
-  a.hd = M::HEAD_DIM;
-  a.gqa = M::GQA;
-  a.block_size = d->kv_block_size;
-  a.scale = d->attn_scale;
+  const bf16* q = ptr<const bf16>(d->q) + Lay::q(layer, row) + kvh * M::GQA * M::HEAD_DIM;
+  const int32_t* pt = ptr<const int32_t>(d->page_table) + (int64_t(layer) * M::MAX_ROWS + row) * d->max_blocks_per_seq;
+  int begin = 0, end = 0;
   if (ptr<const int32_t>(d->row_active)[row]) {
     const int seq_len = ptr<const int32_t>(d->seq_pos)[row] + 1;
-    attn::split_range(seq_len, window, nsplits, split, d->kv_block_size, a.begin, a.end);
-  } else {
-    a.begin = a.end = 0;
+    attn::split_range(seq_len, window, nsplits, split, d->kv_block_size, begin, end);
   }
-  a.o = ptr<float>(d->attn_o_part) + Lay::o_part_attn(layer, split, row, kvh * M::GQA);
-  a.lse = ptr<float>(d->attn_lse_part) + Lay::lse_part(layer, split, row, kvh * M::GQA);
-  attn_rows::split<AttnScratch<M>::kDpl, M::GQA>(a, reinterpret_cast<float*>(c.scratch));
+  float* o = ptr<float>(d->attn_o_part) + Lay::o_part_attn(layer, split, row, kvh * M::GQA);
+  float* lse = ptr<float>(d->attn_lse_part) + Lay::lse_part(layer, split, row, kvh * M::GQA);
+  if constexpr (MEGAC_ATTN_TILES) {
+    const attn_tiles::Split a{q, ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), pt, M::KV_HEADS, kvh,
+                              d->kv_block_size, begin, end, d->attn_scale, o, lse};
+    attn_tiles::split<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch);
+  } else {
+    attn_rows::Split a;
+    a.q = q;
+    a.k_pool = ptr<const bf16>(d->k_pool);
+    a.v_pool = ptr<const bf16>(d->v_pool);
+    a.pt = pt;
+    a.kv_heads = M::KV_HEADS;
+    a.kvh = kvh;
+    a.hd = M::HEAD_DIM;
+    a.gqa = M::GQA;
+    a.block_size = d->kv_block_size;
+    a.scale = d->attn_scale;
+    a.begin = begin;
+    a.end = end;
+    a.o = o;
+    a.lse = lse;
+    attn_rows::split<AttnScratch<M>::kDpl, M::GQA>(a, reinterpret_cast<float*>(c.scratch));
+  }
 }
 
 template <class M>

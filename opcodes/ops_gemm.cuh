@@ -30,16 +30,20 @@ using bf16 = __nv_bfloat16;
 #endif
 
 // Scratch of a GEMM tile: X staging [8][MAX_KLEN] bf16, ys [MAX_NLEN][8]
-// fp32, then the weight ring's stages when the model uses it.
+// fp32, then the warps' cp.async rings (rows::kStages > 0) or the bulk-copy
+// ring's stages when the model uses it.
 template <class M>
 struct GemmScratch {
   static constexpr bool kRing = MEGAC_GEMM_RING && M::MAX_KLEN * 2 <= rows::kRingStageBytes;
   static constexpr int kXBytes = (8 * M::MAX_KLEN * 2 + 127) / 128 * 128;
   static constexpr int kYBytes = (M::MAX_NLEN * 8 * 4 + 127) / 128 * 128;
-  static constexpr int kBytes = kXBytes + kYBytes + (kRing ? rows::kRingBytes : 0);
+  static constexpr bool kPiped = !kRing && rows::kStages > 0;
+  static constexpr int kBytes =
+      kXBytes + kYBytes + (kRing ? rows::kRingBytes : 0) + (kPiped ? rows::pipe_bytes(M::THREADS / 32) : 0);
   __device__ static bf16* xs(const Ctx& c) { return reinterpret_cast<bf16*>(c.scratch); }
   __device__ static float* ys(const Ctx& c) { return reinterpret_cast<float*>(c.scratch + kXBytes); }
   __device__ static uint8_t* ring(const Ctx& c) { return c.scratch + kXBytes + kYBytes; }
+  __device__ static uint8_t* pipes(const Ctx& c) { return c.scratch + kXBytes + kYBytes; }
 };
 
 // One tile: stage X [rows, k0:k0+klen] from x (row pitch ldx), multiply
@@ -127,11 +131,31 @@ __device__ __forceinline__ WeightSpan moe_down_weights(const Ctx& c, const int32
           min(nlen_full, M::HIDDEN - n0), M::EXPERT_WIDTH, M::EXPERT_WIDTH};
 }
 
+// The first chunks of a static GEMM task's tile into its warps' pipelines,
+// before the task's waits (every thread; the generated Dispatch::prime).
+// True when it primed: the task's gemm() then goes on from there (Ctx::primed).
+template <class M>
+__device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s) {
+  if constexpr (GemmScratch<M>::kPiped && rows::kEarly) {
+    rows::prime(s, GemmScratch<M>::pipes(c));
+    return true;
+  }
+  return false;
+}
+
 // gemm() over a WeightSpan: its rows are the tile's features, its columns
-// K; through the weight ring where the model's K rows fit a stage.
+// K; through the warps' cp.async pipelines (default), the register-fed loop
+// (MEGAC_GEMM_STAGES=0) or the bulk-copy ring. A task's one tile continues
+// what the dispatcher primed (c.primed); claimed tiles are never primed.
 template <class M>
 __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const bf16* x, int64_t ldx, int rows) {
-  if constexpr (GemmScratch<M>::kRing) {
+  if constexpr (GemmScratch<M>::kPiped) {
+    bf16* xs = GemmScratch<M>::xs(c);
+    float* ys = GemmScratch<M>::ys(c);
+    rows::stage_x(x, ldx, rows, s.cols, xs);
+    rows::tile_piped(s, xs, rows, ys, GemmScratch<M>::pipes(c), c.primed);
+    return ys;
+  } else if constexpr (GemmScratch<M>::kRing) {
     bf16* xs = GemmScratch<M>::xs(c);
     float* ys = GemmScratch<M>::ys(c);
     // this thread's earlier generic writes to the scratch (another opcode's)

@@ -24,7 +24,6 @@ Imports torch and cupy lazily: the module loads on a machine without a GPU.
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import numpy as np
@@ -38,6 +37,10 @@ from megac.runtime.descriptor import scalar, scalar_values
 from megac.runtime.schedules import ScheduleSet
 
 _TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "int32": "int32", "uint32": "int32", "argmax": "int32"}
+#: int32 buffers the host writes before each step (staged on the host)
+_HOST_WORDS = ("page_table", "seq_pos", "row_active", "targets", "attn_queue")
+#: int32 buffers every step starts from zero
+_ZEROED = ("counters", "queue_heads", "status", "progress")
 
 
 class MegakernelHang(MegacError):
@@ -64,7 +67,7 @@ class CudaBackend(TorchPrefillMixin):
 
     def __init__(self, spec, weights, kv, schedules, artifact_dir, *, watchdog_ns: int = abi.DEFAULT_WATCHDOG_NS,
                  cubin=None) -> None:
-        from megac.codegen.megakernel import ENTRY, SMEM_SYMBOL, THREADS, build_megakernel, largest
+        from megac.codegen.megakernel import ENTRY, THREADS, build_megakernel, largest
         from megac.gpu import launch
         from megac.weights.layout import kernel_weights
 
@@ -81,11 +84,9 @@ class CudaBackend(TorchPrefillMixin):
         self.big = largest(self.schedules.schedules)
         self.watchdog_ns = int(watchdog_ns)
         launch.expect_sms(self.big.num_sms)
-        self.cubin = cubin or build_megakernel(artifact_dir)
-        self.module = launch.load_module(self.cubin)
         self.entry = ENTRY
         self.threads = THREADS
-        self.smem = int(self._read_symbol(SMEM_SYMBOL))
+        self.use_cubin(cubin or build_megakernel(artifact_dir))
         geo = self.big.geometry
         chunk = max(1, geo.upgate_bn // 2)
         moe_chunk = max(1, geo.moe_up_bn // 2)
@@ -108,11 +109,12 @@ class CudaBackend(TorchPrefillMixin):
         self.tasks = {id(s): (torch.from_numpy(np.ascontiguousarray(s.tasks, dtype=np.int32)).to(self.dev),
                               torch.from_numpy(np.ascontiguousarray(s.task_counts, dtype=np.int32)).to(self.dev))
                       for s in self.schedules.schedules}
-        # host staging of what the host writes each step
-        self.host = {name: np.zeros(tuple(self.buf[name].shape), dtype=np.int32)
-                     for name in ("page_table", "seq_pos", "row_active", "targets", "attn_queue")}
-        self.desc_dev = torch.zeros(abi.descriptor_offsets()["size"], dtype=torch.uint8, device=self.dev)
         self._desc_cache: dict = {}
+        self.host: dict = {}
+        self.reserve_counters(0)
+        self._status_host = torch.zeros(tuple(self.buf["status"].shape), dtype=torch.int32).pin_memory()
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
         self.steps = 0
         self.kernel_ms: list[float] = []
         #: before each step, NaN into every float buffer the step writes and
@@ -122,6 +124,42 @@ class CudaBackend(TorchPrefillMixin):
                          if self.big.plan.buffers[n].kind in ("activation", "scratch")
                          or n in ("moe_up_queue", "moe_down_queue")]
 
+    def use_cubin(self, cubin) -> None:
+        """Load (or swap in) a build of the megakernel: its module, the
+        shared memory it asks for, its prepared launch."""
+        from megac.codegen.megakernel import SMEM_SYMBOL
+        from megac.gpu import launch
+
+        self.cubin = cubin
+        self.module = launch.load_module(cubin)
+        self.smem = int(self._read_symbol(SMEM_SYMBOL))
+        self._launch = launch.Prepared(self.module, self.entry, (self.big.num_sms,), (self.threads,),
+                                       shared_mem=self.smem, cooperative=True)
+
+    def reserve_counters(self, n: int) -> None:
+        """Lay the host-written words and the per-step zeroed buffers out in
+        one int32 device buffer with a pinned host twin (at least ``n``
+        counters), so one asynchronous copy per step uploads the step's
+        words and resets the counters, cursors, status and progress."""
+        torch = _torch()
+        shapes = {name: tuple(int(d) for d in self.buf[name].shape) for name in _HOST_WORDS + _ZEROED}
+        shapes["counters"] = (max(int(n), shapes["counters"][0]),)
+        offs, total = {}, 0
+        for name, shape in shapes.items():
+            if self.buf[name].dtype != torch.int32:
+                raise MegacError(f"cuda backend: {name} must be int32 to share the step's upload")
+            offs[name] = total
+            total += -(-int(np.prod(shape)) // 64) * 64  # 256-byte aligned pieces
+        self._words = torch.zeros(total, dtype=torch.int32, device=self.dev)
+        self._words_host = torch.zeros(total, dtype=torch.int32).pin_memory()
+        staged = self._words_host.numpy()
+        for name, shape in shapes.items():
+            size = int(np.prod(shape))
+            self.buf[name] = self._words[offs[name]: offs[name] + size].view(shape)
+            if name in _HOST_WORDS:
+                self.host[name] = staged[offs[name]: offs[name] + size].reshape(shape)
+        self._desc_cache.clear()
+
     def _read_symbol(self, name: str) -> int:
         cp = __import__("cupy")
         ptr = self.module.get_global(name)
@@ -130,7 +168,10 @@ class CudaBackend(TorchPrefillMixin):
         return int(out[0])
 
     # ------------------------------------------------------------------ descriptor
-    def _descriptor(self, sched) -> bytes:
+    def _descriptor(self, sched):
+        """The launch descriptor of ``sched`` on the GPU (built once per
+        schedule; ``_desc_cache.clear()`` after changing a buffer)."""
+        torch = _torch()
         key = id(sched)
         got = self._desc_cache.get(key)
         if got is not None:
@@ -156,7 +197,7 @@ class CudaBackend(TorchPrefillMixin):
                 values[f.name] = self.kernel_weights[f.name].data_ptr()
             else:
                 values[f.name] = self.buf[f.name].data_ptr()
-        packed = abi.pack_descriptor(values)
+        packed = torch.frombuffer(bytearray(abi.pack_descriptor(values)), dtype=torch.uint8).to(self.dev)
         self._desc_cache[key] = packed
         return packed
 
@@ -172,30 +213,33 @@ class CudaBackend(TorchPrefillMixin):
         geo = sched.geometry
         h = self.host
         positions = host.load_rows(self.kv, rows, geo, h["page_table"], h["seq_pos"], h["row_active"])
-        n_attn = host.host_words(geo, positions, h["targets"], h["attn_queue"])
+        host.host_words(geo, positions, h["targets"], h["attn_queue"])  # the queue's tail is never read
         b = self.buf
         if self.poison:
             for name in self._written:
                 b[name].fill_(float("nan") if b[name].is_floating_point() else abi.INT_POISON)
             h["targets"][geo.target_words.host_words:] = abi.INT_POISON
-        for name in ("page_table", "seq_pos", "row_active", "targets"):
-            b[name].copy_(torch.from_numpy(h[name]), non_blocking=False)
-        if n_attn:
-            b["attn_queue"][:n_attn].copy_(torch.from_numpy(h["attn_queue"][:n_attn]))
+        # the step's words up and counters, cursors, status, progress to zero:
+        # one asynchronous copy from pinned memory
+        self._words.copy_(self._words_host, non_blocking=True)
         x, xn = host.seed_rows(token_ids, geo, self.kernel_weights["w_embed"], self.kernel_weights["w_norm"][0],
                                float(self.spec.norm_eps), torch.bfloat16)
         b["x_resid"][: geo.rows].copy_(x)
         b["x_norm"][0, : geo.rows].copy_(xn)
-        for name in ("counters", "queue_heads", "status", "progress"):
-            b[name].zero_()
-        self.desc_dev.copy_(torch.frombuffer(bytearray(self._descriptor(sched)), dtype=torch.uint8))
-        t0 = time.perf_counter()
-        launch.launch(self.module, self.entry, (sched.num_sms,), (self.threads,), (self.desc_dev,),
-                      shared_mem=self.smem, cooperative=True)
-        torch.cuda.synchronize()
-        self.kernel_ms.append((time.perf_counter() - t0) * 1e3)
+        desc = self._descriptor(sched)
+        start, end = self._events
+        start.record()
+        if sched.num_sms == self.big.num_sms:
+            self._launch((desc,))
+        else:
+            launch.launch(self.module, self.entry, (sched.num_sms,), (self.threads,), (desc,),
+                          shared_mem=self.smem, cooperative=True)
+        end.record()
+        self._status_host.copy_(b["status"], non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the kernel and the status copy
+        self.kernel_ms.append(start.elapsed_time(end))
         self.steps += 1
-        status = b["status"].cpu().numpy()
+        status = self._status_host.numpy()
         if status[abi.STATUS_ABORT]:
             raise self._hang(sched, status)
 

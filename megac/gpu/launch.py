@@ -182,6 +182,28 @@ def check_coresident(func, grid, block, shared_mem: int = 0, name: str = "kernel
 # --- launch ------------------------------------------------------------------------------
 
 
+class Prepared:
+    """A kernel resolved, its shared-memory limit raised and (cooperative)
+    its co-residency checked once, for launches on the hot path: a decode
+    step launches the same megakernel every time, and the occupancy query
+    and function lookup cost tens of microseconds per launch."""
+
+    def __init__(self, module, name: str, grid, block, shared_mem: int = 0, cooperative: bool = False) -> None:
+        func = module.get_function(name)
+        set_dynamic_smem(func, shared_mem)
+        self.grid, self.block = _dims(grid), _dims(block)
+        if cooperative:
+            check_coresident(func, self.grid, self.block, shared_mem, name)
+        self.func = _function(func)
+        self.kwargs = {"shared_mem": int(shared_mem)}
+        if cooperative:
+            self.kwargs["enable_cooperative_groups"] = True
+
+    def __call__(self, args: Sequence[Any]) -> None:
+        """Launch on the current (default) stream. Asynchronous."""
+        self.func(self.grid, self.block, tuple(_as_arg(a) for a in args), **self.kwargs)
+
+
 def launch(
     module,
     name: str,

@@ -30,7 +30,7 @@ from typing import Callable
 
 from megac import abi
 from megac.errors import MegacError
-from megac.resources import cache_dir, schedules_dir
+from megac.resources import cache_dir, schedules_dir, templates_dir
 
 log = logging.getLogger("megac.runtime")
 
@@ -41,12 +41,13 @@ _MODEL_FIELDS = ("block", "hidden_size", "num_layers", "num_heads", "num_kv_head
 
 
 def _compiler_fingerprint() -> str:
-    """Hash of the compiler's own text: an edited pass or opcode definition
-    must not be served from a stale cache entry."""
+    """Hash of the compiler's own text: an edited pass, opcode definition,
+    code generator or template must not be served from a stale cache entry
+    (the artifact holds the generated megakernel.cu)."""
     root = Path(__file__).resolve().parents[1]
     files = sorted([*root.glob("*.py"), *(root / "passes").rglob("*.py"), *(root / "ops").glob("*.py"),
-                    *(root / "spec").glob("*.py")])
-    files += sorted(schedules_dir().glob("*.yaml"))
+                    *(root / "spec").glob("*.py"), *(root / "codegen").rglob("*.py")])
+    files += sorted(schedules_dir().glob("*.yaml")) + sorted(templates_dir().glob("*.j2"))
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())

@@ -524,7 +524,7 @@ def _run_fake(eng, sched, tasks, counts, num_counters, batch, context, steps=12,
     fake = dataclasses.replace(sched, tasks=np.ascontiguousarray(tasks, dtype=np.int32),
                                task_counts=np.asarray(counts, dtype=np.int32), num_counters=int(num_counters))
     if be.buf["counters"].numel() < num_counters:
-        be.buf["counters"] = torch.zeros(int(num_counters), dtype=be.buf["counters"].dtype, device=be.dev)
+        be.reserve_counters(int(num_counters))
     be.tasks[id(fake)] = (torch.from_numpy(fake.tasks).to(be.dev), torch.from_numpy(fake.task_counts).to(be.dev))
     good, wd = be.schedules.schedules, be.watchdog_ns
     be.schedules.schedules = [fake if x is sched else x for x in good]
@@ -618,6 +618,49 @@ def op_profile(eng, batch: int, context: int) -> dict:
     return out
 
 
+def host_profile(eng, batch: int, context: int, steps: int = 20, top: int = 25) -> dict:
+    """Where the host's part of a step goes: cProfile over ``steps`` greedy
+    decode_sample steps (the serving path), the top functions by own time
+    and by cumulative time, and wall vs kernel ms per step."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from megac.sampling import RowSampling, SamplingParams
+
+    be, kv = eng.backend, eng.kv
+    rows = _rows_at(kv, batch, context)
+    greedy = [RowSampling(SamplingParams(temperature=0.0), None) for _ in rows]
+    toks = [1] * len(rows)
+
+    def one():
+        for r in rows:
+            kv.append_slot(r)
+        return be.decode_sample(rows, toks, greedy)[0]
+
+    for _ in range(3):
+        one()
+    torch.cuda.synchronize()
+    be.kernel_ms.clear()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        one()
+    prof.disable()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    for r in rows:
+        kv.free_row(r)
+    out = {"wall_ms_per_step": round(wall, 3), "kernel_ms": round(median(be.kernel_ms), 3)}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        out[key] = buf.getvalue().splitlines()[-top - 2:]
+    return out
+
+
 def check_speed() -> dict:
     import torch
 
@@ -632,6 +675,7 @@ def check_speed() -> dict:
     out["nmc"] = [_step_times(eng, b, 8192) for b in (1, 8)]
     out["fixed_cost"] = fixed_cost(eng)
     out["nmc_profile_bs1"] = op_profile(eng, 1, 8192)
+    out["nmc_host_bs1"] = host_profile(eng, 1, 8192)
     del eng, w
     torch.cuda.empty_cache()
     # SmolLM2's shape with random weights: the same bytes move as with the real ones
@@ -650,8 +694,11 @@ def check_speed() -> dict:
 #: megakernel.cuh and gemm_rows.cuh); "default" is the headers' own setting
 VARIANTS = {
     "default": {},
-    "ring_16x8k": {"MEGAC_GEMM_RING": 1},
-    "ring_8x16k": {"MEGAC_GEMM_RING": 1, "MEGAC_RING_STAGES": 8, "MEGAC_RING_STAGE_BYTES": 16384},
+    "gemm_regs": {"MEGAC_GEMM_STAGES": 0},
+    "gemm_stages3": {"MEGAC_GEMM_STAGES": 3},
+    "gemm_late": {"MEGAC_GEMM_EARLY": 0},
+    "attn_rows": {"MEGAC_ATTN_TILES": 0},
+    "attn_stages2": {"MEGAC_ATTN_STAGES": 2},
 }
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
@@ -672,11 +719,7 @@ def variant_cubin(spec, defines):
 
 def use_cubin(be, cubin) -> None:
     """Swap the backend's megakernel for another build of the same source."""
-    from megac.codegen.megakernel import SMEM_SYMBOL
-    from megac.gpu import launch
-
-    be.module = launch.load_module(cubin)
-    be.smem = int(be._read_symbol(SMEM_SYMBOL))
+    be.use_cubin(cubin)
 
 
 def check_variants() -> dict:
