@@ -39,6 +39,7 @@ class Routing:
     src: torch.Tensor  # int64 [rows*k]: the row of each sorted pair
     dest: torch.Tensor  # int64 [rows, k]: the sorted position of pair (row, j)
     weights: torch.Tensor  # [rows, k] in h's dtype
+    expert: torch.Tensor  # int32 [rows*k]: the expert of each sorted pair
 
 
 def route(h: torch.Tensor, router: torch.Tensor, moe: "MoESpec", triton_ok: bool) -> Routing:
@@ -49,17 +50,19 @@ def route(h: torch.Tensor, router: torch.Tensor, moe: "MoESpec", triton_ok: bool
         experts = torch.arange(E, device=h.device, dtype=sorted_ids.dtype)
         offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
         dest = torch.empty_like(order).scatter_(0, order, torch.arange(B * K, device=h.device))
-        return Routing(offs, order // K, dest.view(B, K), w)
+        return Routing(offs, order // K, dest.view(B, K), w, sorted_ids.to(torch.int32))
     logits = F.linear(h, router).contiguous()
     offs = torch.empty(E, dtype=torch.int32, device=h.device)
     src = torch.empty(B * K, dtype=torch.int64, device=h.device)
     dest = torch.empty((B, K), dtype=torch.int64, device=h.device)
     w = torch.empty((B, K), dtype=h.dtype, device=h.device)
+    expert = torch.empty(B * K, dtype=torch.int32, device=h.device)
     B_PAD, E_PAD = max(2, next_pow2(B)), max(2, next_pow2(E))
-    _route_kernel[(1,)](logits, offs, src, dest, w, B, E, K=K, B_PAD=B_PAD, E_PAD=E_PAD,
-                        SOFTMAX=moe.router == "softmax", RENORM=bool(moe.renormalize),
-                        num_warps=4 if B_PAD * E_PAD <= 2048 else 8)
-    return Routing(offs, src, dest, w)
+    # a latency-bound single program: one warp (no shared-memory rounds) while the tile is small
+    warps = 1 if B_PAD * E_PAD <= 1024 else (4 if B_PAD * E_PAD <= 4096 else 8)
+    _route_kernel[(1,)](logits, offs, src, dest, w, expert, B, E, K=K, B_PAD=B_PAD, E_PAD=E_PAD,
+                        SOFTMAX=moe.router == "softmax", RENORM=bool(moe.renormalize), num_warps=warps)
+    return Routing(offs, src, dest, w, expert)
 
 
 def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -80,9 +83,41 @@ def experts(h: torch.Tensor, r: Routing, gate_up: torch.Tensor, down: torch.Tens
     """Every pair's expert output ``[rows*k, hidden]`` in sorted order (not
     yet weighted). ``gate_up`` ``[E, 2w, hidden]`` (gate rows first),
     ``down`` ``[E, hidden, w]``."""
+    if triton_ok and _kernels_fit(h, gate_up, down):
+        return _triton_experts(h, r, gate_up, down)
     xs = h.index_select(0, r.src)
     y = grouped_mm(xs, gate_up.transpose(1, 2), r.offs)
     return grouped_mm(silu_mul(y, triton_ok), down.transpose(1, 2), r.offs)
+
+
+#: the expert kernels' tiles: rows of an expert's group (padded to the MMA's 16), weight rows, reduction step
+_BN, _BK, _MAX_ROWS = 32, 128, 64
+
+
+def _kernels_fit(h, gate_up, down) -> bool:
+    D, W = h.shape[1], down.shape[2]
+    return (h.shape[0] <= _MAX_ROWS and gate_up.is_contiguous() and down.is_contiguous()
+            and W % _BN == 0 and D % _BN == 0 and D % min(_BK, D) == 0 and W % min(_BK, W) == 0
+            and min(D, W) >= 16)
+
+
+def _triton_experts(h, r: Routing, gate_up, down):
+    """Decode-sized grouped GEMMs: a program per (sorted pair, tile of
+    weight rows) that works only when its pair starts an expert's group
+    (an expert has at most one pair per row, so a group is at most ``rows``
+    pairs: one MMA tile); it reads its rows of ``h`` directly (no gather)
+    and streams the expert's weight rows once."""
+    B, D = h.shape
+    P, W = r.src.shape[0], down.shape[2]
+    BM = max(16, next_pow2(B))
+    h = h.contiguous()
+    act = torch.empty((P, W), dtype=h.dtype, device=h.device)
+    _moe_up_kernel[(P, W // _BN)](h, gate_up, r.expert, r.offs, r.src, act, D=D, WID=W, BLOCK_M=BM, BN=_BN,
+                                  BK=min(_BK, D), num_warps=4, num_stages=4)
+    z = torch.empty((P, D), dtype=h.dtype, device=h.device)
+    _moe_down_kernel[(P, D // _BN)](act, down, r.expert, r.offs, z, D=D, WID=W, BLOCK_M=BM, BN=_BN,
+                                    BK=min(_BK, W), num_warps=4, num_stages=4)
+    return z
 
 
 def combine(z: torch.Tensor, r: Routing, triton_ok: bool) -> torch.Tensor:
@@ -107,7 +142,7 @@ def moe_ffn(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
 if triton is not None:
 
     @triton.jit
-    def _route_kernel(LOG, OFFS, SRC, DEST, W, B, E, K: tl.constexpr, B_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    def _route_kernel(LOG, OFFS, SRC, DEST, W, EXP, B, E, K: tl.constexpr, B_PAD: tl.constexpr, E_PAD: tl.constexpr,
                       SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
         """One program: top-k per row (largest logit first, lower id on
         ties, as the reference's stable sort), the weights, and a counting
@@ -152,7 +187,56 @@ if triton is not None:
                     w = w / norm
             tl.store(DEST + rb * K + j, d.to(tl.int64), mask=rows_ok)
             tl.store(SRC + d, rb.to(tl.int64), mask=rows_ok)
+            tl.store(EXP + d, idx.to(tl.int32), mask=rows_ok)
             tl.store(W + rb * K + j, w.to(W.dtype.element_ty), mask=rows_ok)
+
+    @triton.jit
+    def _group_rows(EXP, OFFS, s, BLOCK_M: tl.constexpr):
+        """(starts a group, the expert, which of the BLOCK_M rows from ``s`` are its pairs)."""
+        e = tl.load(EXP + s)
+        prev = tl.load(EXP + s - 1, mask=s > 0, other=-1)
+        count = tl.load(OFFS + e) - s
+        return (s == 0) | (prev != e), e.to(tl.int64), tl.arange(0, BLOCK_M) < count
+
+    @triton.jit
+    def _moe_up_kernel(Hx, Wgu, EXP, OFFS, SRC, ACT, D: tl.constexpr, WID: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
+        """act = silu(x @ gate[e].T) * (x @ up[e].T) for one group's rows, BN columns."""
+        s = tl.program_id(0)
+        first, e, mv = _group_rows(EXP, OFFS, s, BLOCK_M)
+        if first:
+            m = tl.arange(0, BLOCK_M)
+            n = tl.program_id(1) * BN + tl.arange(0, BN)
+            kk = tl.arange(0, BK)
+            tok = tl.load(SRC + s + m, mask=mv, other=0)
+            wg = Wgu + e * (2 * WID * D) + n[:, None] * D + kk[None, :]
+            acc_g = tl.zeros([BLOCK_M, BN], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BN], tl.float32)
+            for k0 in range(0, D, BK):
+                x = tl.load(Hx + tok[:, None] * D + k0 + kk[None, :], mask=mv[:, None], other=0.0)
+                acc_g = tl.dot(x, tl.trans(tl.load(wg + k0)), acc_g)
+                acc_u = tl.dot(x, tl.trans(tl.load(wg + WID * D + k0)), acc_u)
+            dt = ACT.dtype.element_ty
+            g = acc_g.to(dt).to(tl.float32)  # rounded as the reference's separate GEMMs
+            a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+            tl.store(ACT + (s + m)[:, None] * WID + n[None, :], a.to(dt), mask=mv[:, None])
+
+    @triton.jit
+    def _moe_down_kernel(ACT, Wd, EXP, OFFS, Z, D: tl.constexpr, WID: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr):
+        """z = act @ down[e].T for one group's rows, BN output columns."""
+        s = tl.program_id(0)
+        first, e, mv = _group_rows(EXP, OFFS, s, BLOCK_M)
+        if first:
+            m = tl.arange(0, BLOCK_M)
+            n = tl.program_id(1) * BN + tl.arange(0, BN)
+            kk = tl.arange(0, BK)
+            wd = Wd + e * (D * WID) + n[:, None] * WID + kk[None, :]
+            acc = tl.zeros([BLOCK_M, BN], tl.float32)
+            for k0 in range(0, WID, BK):
+                a = tl.load(ACT + (s + m)[:, None] * WID + k0 + kk[None, :], mask=mv[:, None], other=0.0)
+                acc = tl.dot(a, tl.trans(tl.load(wd + k0)), acc)
+            tl.store(Z + (s + m)[:, None] * D + n[None, :], acc.to(Z.dtype.element_ty), mask=mv[:, None])
 
     @triton.jit
     def _combine_kernel(Z, DEST, Wt, Out, D, K: tl.constexpr, BLOCK: tl.constexpr):

@@ -175,8 +175,15 @@ for rule in ({}, {"router": "softmax", "renormalize": False}, {"renormalize": Tr
     a, b = moe.route(h, router, m, True), moe.route(h, router, m, False)
     assert torch.equal(a.offs, b.offs) and torch.equal(a.src, b.src) and torch.equal(a.dest, b.dest)
     assert (a.weights - b.weights).abs().max() < 1e-6
+    assert torch.equal(a.expert, b.expert)
     z = torch.randn(10, 64)
     assert (moe.combine(z, a, True) - moe.combine(z, b, False)).abs().max() < 1e-5
+gate_up, down = torch.randn(8, 64, 64) / 8, torch.randn(8, 64, 32) / 6  # 8 experts, width 32, hidden 64
+for rows in (1, 5):
+    x = torch.randn(rows, 64)
+    r = moe.route(x, router, spec.moe, True)
+    assert moe._kernels_fit(x, gate_up, down)
+    assert (moe.experts(x, r, gate_up, down, True) - moe.experts(x, r, gate_up, down, False)).abs().max() < 1e-4
 x, d1, d2, g = torch.randn(4, 64), torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
 for ds in ([], [d1], [d1, d2]):
     for u, v in zip(ew.residual_rms_norm(x, ds, g, 1e-6, True), ew.residual_rms_norm(x, ds, g, 1e-6, False)):

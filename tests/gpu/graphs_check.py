@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
 DEV = "cuda"
+# fp32 tl.dot in IEEE precision (default TF32) for the fp32 slice check; bf16 kernels are unaffected
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 
 def _cosine(a, b) -> float:
@@ -87,13 +90,14 @@ def tiny_case(name: str, steps: int = 16) -> dict:
             "graphs_captured": len([g for g in backends["graph"]._graphs.values() if g[2] is not None])}
 
 
-def nmc_case(batches=(1, 8), context: int = 8192, steps: int = 30, warmup: int = 5) -> dict:
+def nmc_case(batches=(1, 8), context: int = 8192, steps: int = 30, warmup: int = 5, profile: bool = True) -> dict:
     import torch
 
     from megac.baselines.graphs import GraphsBackend
     from megac.decode_bench import fill_kv_noise, rows_at
     from megac.kv.paged import blocks_for_tokens
     from megac.reference import decode_step
+    from megac.sampling import RowSampling, SamplingParams
     from megac.spec import load_spec
     from megac.weights.random import random_weights
 
@@ -112,14 +116,14 @@ def nmc_case(batches=(1, 8), context: int = 8192, steps: int = 30, warmup: int =
         be.kernel_ms.clear()
         wall = []
         tokens = [11 + r for r in rows]
+        greedy = [RowSampling(SamplingParams(temperature=0.0), None)] * batch
         for i in range(warmup + steps):
             for r in rows:
                 kv.append_slot(r)
             torch.cuda.synchronize()
             t = time.perf_counter()
-            logits = be.decode(rows, tokens)  # advances the rows
+            tokens, _ = be.decode_sample(rows, tokens, greedy)  # as megac bench: only token ids cross
             wall.append((time.perf_counter() - t) * 1e3)
-            tokens = logits.argmax(-1).tolist()
         ms = statistics.median(be.kernel_ms[warmup:])
         row = {"batch": batch, "context": context, "graph_ms": round(ms, 4), "tok_s": round(batch * 1e3 / ms, 1),
                "step_ms_wall": round(statistics.median(wall[warmup:]), 4)}
@@ -137,7 +141,71 @@ def nmc_case(batches=(1, 8), context: int = 8192, steps: int = 30, warmup: int =
             kv.free_row(r)
     out["steps"] = rows_out
     out["max_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    if profile:
+        out["profile_bs1"] = _profile(be, kv, context)
     return out
+
+
+def _profile(be, kv, context: int, replays: int = 5) -> dict:
+    """Device time per step by kernel (torch.profiler over graph replays), top 16."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from megac.decode_bench import rows_at
+
+    rows = rows_at(kv, 1, context)
+    for _ in range(2):
+        kv.append_slot(rows[0])
+        be.decode(rows, [5])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            kv.append_slot(rows[0])
+            be.decode(rows, [5])
+        torch.cuda.synchronize()
+    kv.free_row(rows[0])
+    evs = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    evs.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in evs) / replays
+    return {"kernel_us_per_step": round(total, 1),
+            "top": [{"name": e.key[:90], "us": round(e.self_device_time_total / replays, 1),
+                     "calls": e.count // replays} for e in evs[:16]]}
+
+
+def nmc_slice_case(contexts=(300, 5000, 8191), steps: int = 2) -> dict:
+    """North Mini Code's first five layers (dense full, three sliding MoE, a
+    NoPE full MoE) at real widths in fp32 on the GPU, eager: the step's
+    logits against the reference decode step over the same cache (noise KV,
+    a ragged batch): the kernels' indexing at real widths, without bf16 noise."""
+    import torch
+
+    from megac.baselines.graphs import GraphsBackend
+    from megac.decode_bench import fill_kv_noise, rows_at
+    from megac.kv.paged import blocks_for_tokens
+    from megac.reference import decode_step
+    from megac.spec import load_spec
+    from megac.weights.random import random_weights
+    from models import variant
+
+    base = load_spec("north-mini-code")
+    spec = variant(base, "nmc-slice", layers=[l.model_dump() for l in base.layers[:5]])
+    w = random_weights(spec, seed=1, dtype=torch.float32, device=DEV)
+    kv = _kv(spec, len(contexts), len(contexts) * blocks_for_tokens(spec, max(contexts) + steps + 2) + 8,
+             torch.float32, DEV)
+    be = GraphsBackend(spec, w, kv, max_batch_size=len(contexts), use_graphs=False)
+    fill_kv_noise(kv)
+    rows = [rows_at(kv, 1, c)[0] for c in contexts]
+    worst_rel, worst_cos, tokens = 0.0, 1.0, [17, 18, 19]
+    for _ in range(steps):
+        for r in rows:
+            kv.append_slot(r)
+        got = be.decode(rows, tokens)
+        for r in rows:
+            kv.seq_pos[r] -= 1
+        want = decode_step(be.weights, spec, kv, tokens, rows).float().cpu()
+        worst_rel = max(worst_rel, float((got - want).abs().max() / want.abs().max()))
+        worst_cos = min(worst_cos, min(_cosine(got[i], want[i]) for i in range(len(rows))))
+        tokens = want.argmax(-1).tolist()
+    return {"contexts": list(contexts), "max_rel_err": worst_rel, "worst_cosine": round(worst_cos, 8)}
 
 
 def check_graphs() -> dict:
@@ -152,6 +220,7 @@ def check_graphs() -> dict:
     except ImportError:
         out["triton"] = None
     out["tiny"] = {name: tiny_case(name) for name in ("tiny-moe", "tiny-llama")}
+    out["nmc_slice_fp32"] = nmc_slice_case()
     out["nmc"] = nmc_case()
     return out
 
