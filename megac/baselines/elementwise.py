@@ -2,7 +2,9 @@
 the plain-PyTorch path it replaces (the CPU path and the tests' yardstick):
 
 * :func:`residual_rms_norm`: ``x + a + b`` (the residual stream) and the
-  RMSNorm of the sum, one kernel instead of ~8;
+  RMSNorm of the sum, one kernel instead of ~8; a delta may be the routed
+  experts' outputs still to be weighed and summed (:class:`WeightedRows`),
+  so the MoE combine costs no kernel of its own;
 * :func:`rope_store`: split the fused QKV projection, rotate Q and K, store
   K and V into the paged pools at the current token's slot; returns Q;
 * :func:`silu_mul`: ``silu(gate) * up`` of a fused ``[.., 2w]`` projection.
@@ -15,6 +17,8 @@ to the dtype); the kernels keep fp32 where the reference rounds in between
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -22,22 +26,43 @@ from megac.baselines._triton import next_pow2, tl, triton
 from megac.reference import apply_rope, hf_rms_norm
 
 
-def residual_rms_norm(x: torch.Tensor, deltas: list[torch.Tensor], gamma: torch.Tensor, eps: float,
+@dataclass
+class WeightedRows:
+    """A residual delta still to be gathered: ``delta[b] = sum_j weights[b, j]
+    * z[dest[b, j]]`` (the routed experts' outputs, in sorted pair order)."""
+
+    z: torch.Tensor  # [pairs, hidden]
+    dest: torch.Tensor  # int64 [rows, k]
+    weights: torch.Tensor  # [rows, k]
+
+    def sum(self) -> torch.Tensor:
+        """The delta itself (summed in fp32)."""
+        B, K = self.dest.shape
+        zz = self.z[self.dest.flatten()].view(B, K, -1).float()
+        return (zz * self.weights.float()[..., None]).sum(1).to(self.z.dtype)
+
+
+def residual_rms_norm(x: torch.Tensor, deltas: list, gamma: torch.Tensor, eps: float,
                       triton_ok: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + sum(deltas), rms_norm(x + sum(deltas)) * gamma)``; at most two deltas."""
-    assert len(deltas) <= 2
+    """``(x + sum(deltas), rms_norm(x + sum(deltas)) * gamma)``: at most two
+    tensors and one :class:`WeightedRows`, which comes last."""
     if not triton_ok:
         for d in deltas:
-            x = x + d
+            x = x + (d.sum() if isinstance(d, WeightedRows) else d)
         return x, hf_rms_norm(x, gamma, eps)
+    dense = [d.contiguous() for d in deltas if not isinstance(d, WeightedRows)]
+    rows = [d for d in deltas if isinstance(d, WeightedRows)]
+    assert len(dense) <= 2 and len(rows) <= 1 and (not rows or deltas[-1] is rows[0])
     B, D = x.shape
     x = x.contiguous()
-    a = deltas[0].contiguous() if deltas else x
-    b = deltas[1].contiguous() if len(deltas) > 1 else x
+    a = dense[0] if dense else x
+    b = dense[1] if len(dense) > 1 else x
+    r = rows[0] if rows else WeightedRows(x, x, x)  # unused pointers when absent
     x_new = torch.empty_like(x) if deltas else x
     h = torch.empty_like(x)
-    _residual_norm_kernel[(B,)](x, a, b, gamma, x_new, h, D, float(eps),
-                                HAS_A=len(deltas) > 0, HAS_B=len(deltas) > 1, BLOCK=next_pow2(D),
+    _residual_norm_kernel[(B,)](x, a, b, r.z, r.dest, r.weights, gamma, x_new, h, D, float(eps),
+                                HAS_A=len(dense) > 0, HAS_B=len(dense) > 1, HAS_R=bool(rows),
+                                K=r.dest.shape[1] if rows else 1, BLOCK=next_pow2(D),
                                 num_warps=4 if D <= 4096 else 8)
     return x_new, h
 
@@ -94,8 +119,9 @@ def silu_mul(y: torch.Tensor, triton_ok: bool) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _residual_norm_kernel(X, A, Bd, G, Xout, Hout, D, eps,
-                              HAS_A: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    def _residual_norm_kernel(X, A, Bd, Z, DEST, WT, G, Xout, Hout, D, eps,
+                              HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, K: tl.constexpr,
+                              BLOCK: tl.constexpr):
         r = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         m = c < D
@@ -104,8 +130,14 @@ if triton is not None:
             x += tl.load(A + r * D + c, mask=m, other=0.0).to(tl.float32)
         if HAS_B:
             x += tl.load(Bd + r * D + c, mask=m, other=0.0).to(tl.float32)
+        if HAS_R:  # the routed experts' outputs, weighed and summed in fp32
+            f = tl.zeros([BLOCK], tl.float32)
+            for j in tl.static_range(K):
+                p = tl.load(DEST + r * K + j)
+                f += tl.load(WT + r * K + j).to(tl.float32) * tl.load(Z + p * D + c, mask=m, other=0.0).to(tl.float32)
+            x += f.to(Xout.dtype.element_ty).to(tl.float32)  # the FFN output is rounded, as the reference's
         xo = x.to(Xout.dtype.element_ty)  # the residual stream lives in the dtype
-        if HAS_A:
+        if HAS_A or HAS_R:
             tl.store(Xout + r * D + c, xo, mask=m)
         xf = xo.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
@@ -168,4 +200,4 @@ if triton is not None:
         tl.store(Out + r * W + c, (a * u).to(Out.dtype.element_ty), mask=m)
 
 
-__all__ = ["residual_rms_norm", "rope_cos_sin_dev", "rope_store", "silu_mul"]
+__all__ = ["WeightedRows", "residual_rms_norm", "rope_cos_sin_dev", "rope_store", "silu_mul"]

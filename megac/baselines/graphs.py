@@ -7,13 +7,15 @@ way vLLM runs it, captured in one CUDA graph per (batch size, page bucket).
     logits = be.decode(rows, tokens)               # fp32 [rows, vocab] on the host
     tokens, _ = be.decode_sample(rows, tokens, samples)   # sampled on the device
 
-Per layer (13 kernels for an MoE layer): the residual sum + RMSNorm
-(Triton), the fused QKV GEMM (cuBLAS), RoPE + the K/V store into the paged
+Per layer (10 kernels for an MoE layer): the residual sum + RMSNorm
+(Triton), the fused QKV projection, RoPE + the K/V store into the paged
 pools (Triton), split-K paged flash-decode + merge (Triton,
-:mod:`megac.baselines.flash_decode`), O-proj (cuBLAS), then the dense
-SwiGLU (two GEMMs around a fused SiLU*up) or the routed experts
-(:mod:`megac.baselines.moe`: router GEMM, one Triton routing program,
-``torch._grouped_mm`` for gate/up and down, a Triton combine).
+:mod:`megac.baselines.flash_decode`), the O projection, then the dense
+SwiGLU (two projections around a fused SiLU*up) or the routed experts
+(:mod:`megac.baselines.moe`: router projection, one Triton routing program,
+Triton grouped GEMMs for gate/up (SiLU*up fused) and down; their weighted
+sum is folded into the next residual RMSNorm). Projections run through cuBLAS or a Triton GEMV, whichever
+measured faster for the shape and batch (:mod:`megac.baselines.gemv`).
 
 Weights: the engine's :class:`~megac.weights.canonical.ModelWeights`, used
 in place. Q/K/V (and gate/up, dense and per expert) are re-laid out once
@@ -42,11 +44,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from megac.baselines._triton import next_pow2, use_triton
 from megac.baselines.elementwise import residual_rms_norm, rope_cos_sin_dev, rope_store, silu_mul
 from megac.baselines.flash_decode import paged_decode_attention, splits_for
+from megac.baselines.gemv import LinearPicker
 from megac.baselines.moe import moe_ffn
 from megac.errors import MegacError
 from megac.runtime.backend import TorchPrefillMixin
@@ -101,6 +103,13 @@ class GraphsBackend(TorchPrefillMixin):
                 self.gate_up.append(fuse_rows(lw, ("experts_gate", "experts_up"), 1))
             else:
                 self.gate_up.append(fuse_rows(lw, ("gate", "up"), 0))
+        dense = [i for i, lw in enumerate(weights.layers) if not lw.is_moe]
+        #: every projection through cuBLAS or a Triton GEMV, whichever measured faster (GPU only)
+        self.linear = LinearPicker(self.triton and self.dev.type == "cuda", {
+            "qkv": self.qkv, "o": [lw.o for lw in weights.layers],
+            "router": [lw.router for lw in weights.layers if lw.is_moe],
+            "dense_up": [self.gate_up[i] for i in dense], "dense_down": [weights.layers[i].down for i in dense],
+            "lm_head": [weights.lm_head_weight]})
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None
         self._events = None
@@ -131,33 +140,36 @@ class GraphsBackend(TorchPrefillMixin):
         cos_sin = None if tri else rope_cos_sin_dev(pos, self.inv_freq, spec.rope_style, w.dtype)
         scale = hd ** -0.5
         x = w.embed.index_select(0, tok)
-        pending: list[torch.Tensor] = []
+        pending: list = []  # residual deltas the next RMSNorm adds
         for i, (ls, lw) in enumerate(zip(spec.layers, w.layers)):
             x, h = residual_rms_norm(x, pending, lw.input_norm, spec.norm_eps, tri)
-            q = rope_store(F.linear(h, self.qkv[i]), H, KVH, hd, rotate=ls.rope, style=spec.rope_style, pos=pos,
+            q = rope_store(self.linear("qkv", h, self.qkv[i]), H, KVH, hd, rotate=ls.rope, style=spec.rope_style, pos=pos,
                            inv_freq=self.inv_freq, cos_sin=cos_sin, k_pool=kv.k_pool, v_pool=kv.v_pool,
                            blk=blk[i], off=off, triton_ok=tri and kv.k_pool.dtype == w.dtype)
             window = ls.window or 0
             span = pages if not window else min(pages, -(-window // bs) + 1)
             a = paged_decode_attention(q, kv.k_pool, kv.v_pool, table[i], pos, window=window, scale=scale,
                                        num_splits=splits_for(B, KVH, span, self.sms), triton_ok=tri)
-            a = F.linear(a, lw.o)
+            a = self.linear("o", a, lw.o)
             if spec.block == "parallel":
                 pending = [a, self._ffn(i, h)]
             else:
                 x, h2 = residual_rms_norm(x, [a], lw.post_attn_norm, spec.norm_eps, tri)
                 pending = [self._ffn(i, h2)]
         _, hn = residual_rms_norm(x, pending, w.final_norm, spec.norm_eps, tri)
-        logits = F.linear(hn, w.lm_head_weight)
+        logits = self.linear("lm_head", hn, w.lm_head_weight)
         if spec.logit_scale != 1.0:
             logits = logits * spec.logit_scale
         return logits.float()
 
-    def _ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, i: int, h: torch.Tensor):
+        """The FFN's residual delta: a tensor, or the routed experts' rows still to be summed."""
         lw = self.weights.layers[i]
         if lw.is_moe:
-            return moe_ffn(h, lw.router, self.gate_up[i], lw.experts_down, self.spec.moe, self.triton)
-        return F.linear(silu_mul(F.linear(h, self.gate_up[i]), self.triton), lw.down)
+            logits = self.linear("router", h, lw.router)
+            return moe_ffn(h, logits, lw.router, self.gate_up[i], lw.experts_down, self.spec.moe, self.triton)
+        up = self.linear("dense_up", h, self.gate_up[i])
+        return self.linear("dense_down", silu_mul(up, self.triton), lw.down)
 
     # ------------------------------------------------------------------ graphs
     def _buffers(self, B: int, pages: int):

@@ -3,9 +3,10 @@ shapes (no host synchronisation, so a CUDA graph can hold it).
 
 ::
 
-    r = route(h, router, moe)             # top-k, weights, pairs sorted by expert
+    r = route(h, logits, router, moe)     # top-k, weights, pairs sorted by expert
     z = experts(h, r, gate_up, down)      # [rows*k, hidden], sorted pair order
-    out = combine(z, r)                   # [rows, hidden]: sum_k w_k * z
+    WeightedRows(z, r.dest, r.weights)    # out[row] = sum_j w[row, j] * z[dest[row, j]], summed
+                                          # by the next residual RMSNorm
 
 :func:`route` turns the router's choices into the grouped-GEMM layout: the
 ``rows*k`` (row, expert) pairs sorted by expert (rows ascending within an
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megac.baselines._triton import next_pow2, tl, triton
-from megac.baselines.elementwise import silu_mul
+from megac.baselines.elementwise import WeightedRows, silu_mul
 from megac.reference import route as reference_route
 
 if TYPE_CHECKING:
@@ -42,7 +43,11 @@ class Routing:
     expert: torch.Tensor  # int32 [rows*k]: the expert of each sorted pair
 
 
-def route(h: torch.Tensor, router: torch.Tensor, moe: "MoESpec", triton_ok: bool) -> Routing:
+def route(h: torch.Tensor, logits: torch.Tensor | None, router: torch.Tensor, moe: "MoESpec",
+          triton_ok: bool) -> Routing:
+    """``logits``: the router's ``h @ router.T`` when computed already (the
+    Triton path; None: here); the PyTorch path routes from ``h``, exactly
+    as the reference."""
     B, E, K = h.shape[0], router.shape[0], moe.top_k
     if not triton_ok:
         ids, w = reference_route(h, router, moe)
@@ -51,7 +56,7 @@ def route(h: torch.Tensor, router: torch.Tensor, moe: "MoESpec", triton_ok: bool
         offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
         dest = torch.empty_like(order).scatter_(0, order, torch.arange(B * K, device=h.device))
         return Routing(offs, order // K, dest.view(B, K), w, sorted_ids.to(torch.int32))
-    logits = F.linear(h, router).contiguous()
+    logits = (F.linear(h, router) if logits is None else logits).contiguous()
     offs = torch.empty(E, dtype=torch.int32, device=h.device)
     src = torch.empty(B * K, dtype=torch.int64, device=h.device)
     dest = torch.empty((B, K), dtype=torch.int64, device=h.device)
@@ -90,18 +95,21 @@ def experts(h: torch.Tensor, r: Routing, gate_up: torch.Tensor, down: torch.Tens
     return grouped_mm(silu_mul(y, triton_ok), down.transpose(1, 2), r.offs)
 
 
-#: the expert kernels' tiles: rows of an expert's group (padded to the MMA's 16), weight rows, reduction step
-_BN, _BK, _MAX_ROWS = 32, 128, 64
+#: the expert kernels' tiles (weight rows per program, reduction step, warps, pipeline stages); an
+#: expert's group of rows is padded to one MMA tile (16 or more). Measured on the H200 (tests/gpu/graphs_check.py)
+UP_CFG, DOWN_CFG = (32, 128, 4, 4), (32, 128, 4, 4)
+_MAX_ROWS = 64
 
 
-def _kernels_fit(h, gate_up, down) -> bool:
+def _kernels_fit(h, gate_up, down, up_cfg=None, down_cfg=None) -> bool:
     D, W = h.shape[1], down.shape[2]
+    (ubn, ubk, *_), (dbn, dbk, *_) = up_cfg or UP_CFG, down_cfg or DOWN_CFG
+    step_ok = lambda n, bk: n % min(bk, n) == 0 and min(bk, n) == next_pow2(min(bk, n))  # noqa: E731
     return (h.shape[0] <= _MAX_ROWS and gate_up.is_contiguous() and down.is_contiguous()
-            and W % _BN == 0 and D % _BN == 0 and D % min(_BK, D) == 0 and W % min(_BK, W) == 0
-            and min(D, W) >= 16)
+            and W % ubn == 0 and D % dbn == 0 and step_ok(D, ubk) and step_ok(W, dbk))
 
 
-def _triton_experts(h, r: Routing, gate_up, down):
+def _triton_experts(h, r: Routing, gate_up, down, up_cfg=None, down_cfg=None):
     """Decode-sized grouped GEMMs: a program per (sorted pair, tile of
     weight rows) that works only when its pair starts an expert's group
     (an expert has at most one pair per row, so a group is at most ``rows``
@@ -110,33 +118,23 @@ def _triton_experts(h, r: Routing, gate_up, down):
     B, D = h.shape
     P, W = r.src.shape[0], down.shape[2]
     BM = max(16, next_pow2(B))
+    (ubn, ubk, uw, us), (dbn, dbk, dw, ds) = up_cfg or UP_CFG, down_cfg or DOWN_CFG
     h = h.contiguous()
     act = torch.empty((P, W), dtype=h.dtype, device=h.device)
-    _moe_up_kernel[(P, W // _BN)](h, gate_up, r.expert, r.offs, r.src, act, D=D, WID=W, BLOCK_M=BM, BN=_BN,
-                                  BK=min(_BK, D), num_warps=4, num_stages=4)
+    _moe_up_kernel[(P, W // ubn)](h, gate_up, r.expert, r.offs, r.src, act, D=D, WID=W, BLOCK_M=BM, BN=ubn,
+                                  BK=min(ubk, D), num_warps=uw, num_stages=us)
     z = torch.empty((P, D), dtype=h.dtype, device=h.device)
-    _moe_down_kernel[(P, D // _BN)](act, down, r.expert, r.offs, z, D=D, WID=W, BLOCK_M=BM, BN=_BN,
-                                    BK=min(_BK, W), num_warps=4, num_stages=4)
+    _moe_down_kernel[(P, D // dbn)](act, down, r.expert, r.offs, z, D=D, WID=W, BLOCK_M=BM, BN=dbn,
+                                    BK=min(dbk, W), num_warps=dw, num_stages=ds)
     return z
 
 
-def combine(z: torch.Tensor, r: Routing, triton_ok: bool) -> torch.Tensor:
-    """``out[row] = sum_j weights[row, j] * z[dest[row, j]]`` (fp32 sum)."""
-    B, K = r.dest.shape
-    D = z.shape[1]
-    if not triton_ok:
-        zz = z[r.dest.flatten()].view(B, K, D).float()
-        return (zz * r.weights.float()[..., None]).sum(1).to(z.dtype)
-    out = torch.empty((B, D), dtype=z.dtype, device=z.device)
-    BLOCK = min(1024, next_pow2(D))
-    _combine_kernel[(B, triton.cdiv(D, BLOCK))](z, r.dest, r.weights, out, D, K=K, BLOCK=BLOCK, num_warps=4)
-    return out
-
-
-def moe_ffn(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, moe: "MoESpec",
-            triton_ok: bool) -> torch.Tensor:
-    r = route(h, router, moe, triton_ok)
-    return combine(experts(h, r, gate_up, down, triton_ok), r, triton_ok)
+def moe_ffn(h: torch.Tensor, logits: torch.Tensor | None, router: torch.Tensor, gate_up: torch.Tensor,
+            down: torch.Tensor, moe: "MoESpec", triton_ok: bool) -> WeightedRows:
+    """The routed FFN of ``h``, as the rows still to be weighed and summed
+    (the next residual RMSNorm does that: one kernel fewer)."""
+    r = route(h, logits, router, moe, triton_ok)
+    return WeightedRows(experts(h, r, gate_up, down, triton_ok), r.dest, r.weights)
 
 
 if triton is not None:
@@ -238,17 +236,5 @@ if triton is not None:
                 acc = tl.dot(a, tl.trans(tl.load(wd + k0)), acc)
             tl.store(Z + (s + m)[:, None] * D + n[None, :], acc.to(Z.dtype.element_ty), mask=mv[:, None])
 
-    @triton.jit
-    def _combine_kernel(Z, DEST, Wt, Out, D, K: tl.constexpr, BLOCK: tl.constexpr):
-        b = tl.program_id(0)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = c < D
-        acc = tl.zeros([BLOCK], tl.float32)
-        for j in tl.static_range(K):
-            p = tl.load(DEST + b * K + j)
-            w = tl.load(Wt + b * K + j).to(tl.float32)
-            acc += w * tl.load(Z + p * D + c, mask=m, other=0.0).to(tl.float32)
-        tl.store(Out + b * D + c, acc.to(Out.dtype.element_ty), mask=m)
 
-
-__all__ = ["Routing", "combine", "experts", "grouped_mm", "moe_ffn", "route"]
+__all__ = ["Routing", "experts", "grouped_mm", "moe_ffn", "route"]

@@ -172,22 +172,29 @@ spec = load_spec("tiny-moe")
 h, router = torch.randn(5, 64), torch.randn(8, 64)
 for rule in ({}, {"router": "softmax", "renormalize": False}, {"renormalize": True}):
     m = spec.moe.model_copy(update=rule)
-    a, b = moe.route(h, router, m, True), moe.route(h, router, m, False)
+    a, b = moe.route(h, None, router, m, True), moe.route(h, None, router, m, False)
     assert torch.equal(a.offs, b.offs) and torch.equal(a.src, b.src) and torch.equal(a.dest, b.dest)
     assert (a.weights - b.weights).abs().max() < 1e-6
     assert torch.equal(a.expert, b.expert)
-    z = torch.randn(10, 64)
-    assert (moe.combine(z, a, True) - moe.combine(z, b, False)).abs().max() < 1e-5
+    rows = ew.WeightedRows(torch.randn(10, 64), a.dest, a.weights)
+    x, d1, g = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
+    for u, v in zip(ew.residual_rms_norm(x, [d1, rows], g, 1e-6, True), ew.residual_rms_norm(x, [d1, rows], g, 1e-6, False)):
+        assert (u - v).abs().max() < 1e-5
 gate_up, down = torch.randn(8, 64, 64) / 8, torch.randn(8, 64, 32) / 6  # 8 experts, width 32, hidden 64
 for rows in (1, 5):
     x = torch.randn(rows, 64)
-    r = moe.route(x, router, spec.moe, True)
+    r = moe.route(x, None, router, spec.moe, True)
     assert moe._kernels_fit(x, gate_up, down)
     assert (moe.experts(x, r, gate_up, down, True) - moe.experts(x, r, gate_up, down, False)).abs().max() < 1e-4
 x, d1, d2, g = torch.randn(4, 64), torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
 for ds in ([], [d1], [d1, d2]):
     for u, v in zip(ew.residual_rms_norm(x, ds, g, 1e-6, True), ew.residual_rms_norm(x, ds, g, 1e-6, False)):
         assert (u - v).abs().max() < 1e-5
+from megac.baselines.gemv import CONFIGS, triton_linear
+for rows, n, k in ((1, 48, 64), (3, 40, 512), (16, 64, 256)):
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    for cfg in CONFIGS:
+        assert (triton_linear(x, w, cfg) - x @ w.T).abs().max() < 1e-3
 print("ok")
 """
 

@@ -13,11 +13,20 @@
   the CPU (same weights, upcast): the worst cosine and the greedy tokens
   that agree; and the graph-replayed logits against the same backend run
   eagerly on the GPU (same kernels, no graph): the largest difference.
+* ``nmc_slice_fp32``: North Mini Code's first five layers (every layer
+  kind) at real widths in fp32, eager, rows at 300, 5000 and 8191 tokens of
+  noise KV: the logits against the reference decode step over the same
+  cache (max relative error; the kernels' indexing without bf16 noise).
 * ``nmc``: North Mini Code's shape, random weights, rows at 8K context with
   N(0, 0.01) KV noise: at batch 1 and 8, the median device time per step
   over 30 graph replays after 5 warm-up steps (CUDA events), the wall time
-  per step, tok/s; at batch 1 also the cosine of one step's logits against
-  the reference decode step (bf16, on the GPU) over the same cache.
+  per step (decode_sample, as ``megac bench``), tok/s; at batch 1 also the
+  cosine of one step's logits against the reference decode step (bf16, on
+  the GPU) over the same cache (bf16 rounding through 49 layers and flipped
+  expert choices keep it near 0.92 with random weights; the fp32 slice is
+  the exactness check); ``linear_us``: the measured µs per matrix of each
+  projection candidate (cuBLAS, Triton GEMV configs); ``profile_bs1``:
+  device time per kernel in one step.
 """
 
 from __future__ import annotations
@@ -140,6 +149,7 @@ def nmc_case(batches=(1, 8), context: int = 8192, steps: int = 30, warmup: int =
         for r in rows:
             kv.free_row(r)
     out["steps"] = rows_out
+    out["linear_us"] = {f"{role}@{b}": t for (role, b), t in be.linear.timings.items()}  # per matrix, per candidate
     out["max_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     if profile:
         out["profile_bs1"] = _profile(be, kv, context)
