@@ -25,6 +25,10 @@ from megac.errors import BadTaskError
 from megac.ops.base import BF16, BIG, FP32, ClaimerOp, OpDef, SubTasks, at, bound, field, last_of, resolve_dyn, span
 from megac.ops.cpu import idx
 
+#: scalar fills of the combine's masks
+_NINF = torch.tensor(float("-inf"))
+_ZERO = torch.tensor(0.0)
+
 #: claimed attention record fields
 _R = {name: abi.record_index(Queue.ATTN, name) for name, _ in abi.QUEUE_RECORDS[Queue.ATTN]}
 
@@ -56,69 +60,110 @@ def _context(geo, params) -> int:
     return int(params.context or geo.context)
 
 
+def split_spans(vm, rows: np.ndarray, splits: np.ndarray, nss: np.ndarray, window: int):
+    """``(begin, end)`` int64 key ranges of tasks (row, split, num_splits)
+    (``abi.split_range``; inactive rows: empty)."""
+    active, seq_pos = vm.st.np["row_active"], vm.st.np["seq_pos"]
+    m = len(rows)
+    begin = np.zeros(m, dtype=np.int64)
+    end = np.zeros(m, dtype=np.int64)
+    for i in range(m):
+        if active[rows[i]]:
+            begin[i], end[i] = abi.split_range(int(seq_pos[rows[i]]) + 1, window, int(nss[i]), int(splits[i]), vm.bs)
+    return begin, end
+
+
+def _attend_plan(vm, layer: int, rows: np.ndarray, kvhs: np.ndarray, splits: np.ndarray, nss: np.ndarray,
+                 window: int) -> list[tuple]:
+    """Tasks (row, kv head, split, num_splits) grouped by their number of keys
+    ``L``: per group ``(L, rows, kv heads, splits, key block index [g, L],
+    key offset [g, L], flat query rows, flat partial rows)``. Everything here
+    depends on the step's positions only, not on the layer, so it is built
+    once per step for every layer running the same tasks."""
+    key = ("attend", window, rows.tobytes(), kvhs.tobytes(), splits.tobytes(), nss.tobytes())
+    plan = vm.cache.get(key)
+    if plan is not None:
+        return plan
+    R, kvh, hpk, bs = vm.R, vm.geo.kv_heads, vm.hpk, vm.bs
+    begin, end = split_spans(vm, rows, splits, nss, window)
+    n_keys = end - begin
+    plan = []
+    for L in np.unique(n_keys).tolist():
+        gi = np.flatnonzero(n_keys == L)
+        r, h, s = rows[gi], kvhs[gi], splits[gi]
+        bi = off = None
+        if L:
+            p = begin[gi][:, None] + np.arange(L, dtype=np.int64)[None, :]  # [g, L]
+            bi, off = p // bs, p % bs
+            if (bi >= vm.st.np["page_table"].shape[2]).any():
+                raise BadTaskError("attention span beyond the page table", layer=layer)
+        heads = h[:, None] * hpk + np.arange(hpk)[None, :]  # [g, hpk]
+        part_rows = (s[:, None] * R + r[:, None]) * (kvh * hpk) + heads  # rows of [S * R * heads, hd]
+        plan.append((L, r, h, s, bi, off, idx(r * kvh + h), idx(part_rows.ravel())))
+    vm.cache[key] = plan
+    return plan
+
+
+def _kv_blocks(vm, layer: int, rows: np.ndarray, bi: np.ndarray) -> np.ndarray:
+    """Blocks ``[g, L]`` holding key blocks ``bi`` of ``rows`` in ``layer``'s
+    page table, every one mapped."""
+    blk = vm.st.np["page_table"][layer, rows[:, None], bi]
+    if (blk < 0).any():
+        j = int(np.argwhere(blk < 0)[0][0])
+        raise BadTaskError(f"attention reads an unmapped KV page (row {int(rows[j])}, layer {layer})",
+                           layer=layer, buffer="page_table")
+    return blk
+
+
+def _gather_rows(t: torch.Tensor, width: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of ``t`` seen as ``[-1, width]`` (a plain gather)."""
+    return t.reshape(-1, width).index_select(0, rows)
+
+
 def attend(vm, layer: int, rows: np.ndarray, kvhs: np.ndarray, splits: np.ndarray, nss: np.ndarray,
            window: int) -> None:
     """Split partials of tasks (row, kv head, split, num_splits) on the VM."""
     st, geo = vm.st, vm.geo
-    hd, hpk = vm.hd, vm.hpk
+    hd, hpk, kvh = vm.hd, vm.hpk, geo.kv_heads
     op_buf, lse_buf = st["attn_o_part"], st["attn_lse_part"]
     if ((splits < 0) | (splits >= op_buf.shape[1])).any():
         raise BadTaskError(f"attention SPLIT outside the {op_buf.shape[1]} partial slots", layer=layer)
-    if ((rows < 0) | (rows >= vm.R) | (kvhs < 0) | (kvhs >= geo.kv_heads)).any():
+    if ((rows < 0) | (rows >= vm.R) | (kvhs < 0) | (kvhs >= kvh)).any():
         raise BadTaskError("attention ROW / KV_HEAD outside the batch / kv heads", layer=layer)
-    active = st.np["row_active"]
-    seq_pos = st.np["seq_pos"]
-    pt = st.np["page_table"]
-    m = len(rows)
-    begin = np.empty(m, dtype=np.int64)
-    end = np.empty(m, dtype=np.int64)
-    for i in range(m):
-        if active[rows[i]]:
-            begin[i], end[i] = abi.split_range(int(seq_pos[rows[i]]) + 1, window, int(nss[i]), int(splits[i]), vm.bs)
-        else:
-            begin[i] = end[i] = 0
-    n_keys = end - begin
-    qv = st["q"][layer].view(vm.R, geo.kv_heads, hpk, hd)
-    for i in range(m):
-        vm.tr.read("q", (layer, int(rows[i]), slice(int(kvhs[i]) * hpk * hd, (int(kvhs[i]) + 1) * hpk * hd)))
-    for L in np.unique(n_keys):
-        gi = np.flatnonzero(n_keys == L)
-        r, h, s = rows[gi], kvhs[gi], splits[gi]
+    plan = _attend_plan(vm, layer, rows, kvhs, splits, nss, window)
+    if vm.tracking:
+        for i in range(len(rows)):
+            vm.tr.read("q", (layer, int(rows[i]), slice(int(kvhs[i]) * hpk * hd, (int(kvhs[i]) + 1) * hpk * hd)))
+    qrows = st["q"][layer]
+    o_rows, lse_rows = op_buf[layer].view(-1, hd), lse_buf[layer].view(-1)
+    for L, r, h, s, bi, off, qi, pi in plan:
+        g = len(r)
         if L == 0:
-            o = torch.zeros((len(gi), hpk, hd), dtype=torch.float32)
-            lse = torch.full((len(gi), hpk), float("-inf"), dtype=torch.float32)
+            o = torch.zeros((g, hpk, hd), dtype=torch.float32)
+            lse = torch.full((g, hpk), float("-inf"), dtype=torch.float32)
         else:
-            p = begin[gi][:, None] + np.arange(L, dtype=np.int64)[None, :]  # [g, L]
-            bi = p // vm.bs
-            if (bi >= pt.shape[2]).any():
-                raise BadTaskError("attention span beyond the page table", layer=layer)
-            blk = pt[layer, r[:, None], bi]
-            if (blk < 0).any():
-                j = int(np.argwhere(blk < 0)[0][0])
-                raise BadTaskError(f"attention reads an unmapped KV page (row {int(r[j])}, layer {layer})",
-                                   layer=layer, buffer="page_table")
-            off = p % vm.bs
-            for j in range(len(gi)):
-                vm.tr.read("k_pool", (blk[j], off[j], int(h[j])))
-                vm.tr.read("v_pool", (blk[j], off[j], int(h[j])))
-            bt, ot, ht = idx(blk), idx(off), idx(h)[:, None]
-            K = st["k_pool"][bt, ot, ht].to(torch.float32)  # [g, L, hd]
-            V = st["v_pool"][bt, ot, ht].to(torch.float32)
-            q = qv[idx(r), idx(h)].to(torch.float32)  # [g, hpk, hd]
+            blk = _kv_blocks(vm, layer, r, bi)
+            if vm.tracking:
+                for j in range(g):
+                    vm.tr.read("k_pool", (blk[j], off[j], int(h[j])))
+                    vm.tr.read("v_pool", (blk[j], off[j], int(h[j])))
+            kv_rows = idx(((blk * vm.bs + off) * kvh + h[:, None]).ravel())
+            K = _gather_rows(st["k_pool"], hd, kv_rows).view(g, L, hd).to(torch.float32)  # [g, L, hd]
+            V = _gather_rows(st["v_pool"], hd, kv_rows).view(g, L, hd).to(torch.float32)
+            q = _gather_rows(qrows, hpk * hd, qi).view(g, hpk, hd).to(torch.float32)  # [g, hpk, hd]
             sc = (q[:, :, None, :] * K[:, None, :, :]).sum(-1) * vm.scale  # [g, hpk, L]
             mx = sc.amax(-1, keepdim=True)
             pr = torch.exp(sc - mx)
             den = pr.sum(-1)  # [g, hpk]
             o = (pr[:, :, None, :] * V.transpose(1, 2)[:, None, :, :]).sum(-1) / den[..., None]
             lse = mx[..., 0] + torch.log(den)
-        for j in range(len(gi)):
-            hs = slice(int(h[j]) * hpk, (int(h[j]) + 1) * hpk)
-            vm.tr.write("attn_o_part", (layer, int(s[j]), int(r[j]), hs))
-            vm.tr.write("attn_lse_part", (layer, int(s[j]), int(r[j]), hs))
-        heads = idx(h)[:, None] * hpk + torch.arange(hpk)[None, :]  # [g, hpk]
-        rr, ss = idx(r)[:, None], idx(s)[:, None]
-        op_buf[layer, ss, rr, heads] = o
-        lse_buf[layer, ss, rr, heads] = lse
+        if vm.tracking:
+            for j in range(g):
+                hs = slice(int(h[j]) * hpk, (int(h[j]) + 1) * hpk)
+                vm.tr.write("attn_o_part", (layer, int(s[j]), int(r[j]), hs))
+                vm.tr.write("attn_lse_part", (layer, int(s[j]), int(r[j]), hs))
+        o_rows.index_copy_(0, pi, o.reshape(-1, hd).to(o_rows.dtype))
+        lse_rows.index_copy_(0, pi, lse.reshape(-1).to(lse_rows.dtype))
 
 
 class AttnDecode(OpDef):
@@ -282,17 +327,17 @@ class AttnCombine(OpDef):
                                idx(rows)[:, None], heads, cs))
             return groups
 
-        ninf = torch.tensor(float("-inf"))
-        zero = torch.tensor(0.0)
+        ninf, zero = _NINF, _ZERO
         for layer, rows, kvhs, nsw, rr, heads, cs in vm.plan(op.name, words, build):
             ns = vm.values(nsw)
             S = int(ns.max())
             if S > st["attn_o_part"].shape[1] or (ns < 0).any():
                 raise BadTaskError(f"ATTN_COMBINE: NUM_SPLITS {S} outside the partial slots", layer=layer)
-            for r, h, n in zip(rows, kvhs, ns.tolist()):
-                hs = slice(h * hpk, (h + 1) * hpk)
-                vm.tr.read("attn_lse_part", (layer, slice(0, n), r, hs))
-                vm.tr.read("attn_o_part", (layer, slice(0, n), r, hs))
+            if vm.tracking:
+                for r, h, n in zip(rows, kvhs, ns.tolist()):
+                    hs = slice(h * hpk, (h + 1) * hpk)
+                    vm.tr.read("attn_lse_part", (layer, slice(0, n), r, hs))
+                    vm.tr.read("attn_o_part", (layer, slice(0, n), r, hs))
             lse = st["attn_lse_part"][layer, :S][:, rr, heads].permute(1, 2, 0)  # [m, hpk, S]
             o = st["attn_o_part"][layer, :S][:, rr, heads].permute(1, 2, 0, 3)  # [m, hpk, S, hd]
             # splits past a task's NUM_SPLITS are masked out (all-valid groups skip
@@ -318,8 +363,9 @@ class AttnCombine(OpDef):
                     acc = torch.where(v[..., None], acc + f[..., None] * o[:, :, sp], acc)
             inv = torch.where(Lsum > 0, 1.0 / Lsum, zero)
             out = (acc * inv[..., None]).reshape(len(rows), hpk * hd)
-            for r, h in zip(rows, kvhs):
-                vm.tr.write("attn_out", (layer, r, slice(h * hpk * hd, (h + 1) * hpk * hd)))
+            if vm.tracking:
+                for r, h in zip(rows, kvhs):
+                    vm.tr.write("attn_out", (layer, r, slice(h * hpk * hd, (h + 1) * hpk * hd)))
             buf = st["attn_out"]
             buf[layer, rr, cs] = out.to(buf.dtype)
 

@@ -91,16 +91,16 @@ class GemmOp(OpDef):
                     raise BadTaskError(f"{op.name}: SPLIT {split} outside the {out} buffer "
                                        f"({vm.st[out].shape[1]} slots)", layer=layer)
                 rngs = [(int(a), int(b)) for a, b in zip(n0, n0 + nl)]
-                groups.append((layer, k0, kl, split, xs, rngs, as_slice(cols(n0, nl))))
+                groups.append((layer, k0, kl, split, xs, rngs, as_slice(cols(n0, nl)), W, vm.st[out][layer, split]))
             return groups
 
-        buf = vm.st[out]
-        for layer, k0, kl, split, xs, rngs, cs in vm.plan(op.name, words, build):
-            vm.tr.read(xbuf, (xs, slice(None), slice(k0, k0 + kl)))
-            Y = vm.products((op, layer, k0, kl), xbuf, (xs,), k0, kl, W_of(layer))
-            for a, b in rngs:
-                vm.tr.write(out, (layer, split, slice(None), slice(a, b)))
-            buf[layer, split, :, cs] = Y[:, cs]
+        for layer, k0, kl, split, xs, rngs, cs, W, dst in vm.plan(op.name, words, build):
+            if vm.tracking:
+                vm.tr.read(xbuf, (xs, slice(None), slice(k0, k0 + kl)))
+                for a, b in rngs:
+                    vm.tr.write(out, (layer, split, slice(None), slice(a, b)))
+            Y = vm.products((op, layer, k0, kl), xbuf, (xs,), k0, kl, W)
+            dst[:, cs] = Y[:, cs]
 
 
 class QkvProj(GemmOp):
@@ -200,8 +200,9 @@ class QkvProj(GemmOp):
                     vals[:, si] = rotate(vals[:, si], c, s, half)
             if q is not None:
                 rngs, dst, src = q
-                for a, b in rngs:
-                    vm.tr.write("q", (layer, slice(None), slice(a, b)))
+                if vm.tracking:
+                    for a, b in rngs:
+                        vm.tr.write("q", (layer, slice(None), slice(a, b)))
                 qv = st["q"][layer].view(vm.R, nq, hd)
                 qv[:, dst] = vals[:, src].to(qv.dtype)
             # K / V heads -> the paged pool (active rows only)
@@ -211,7 +212,8 @@ class QkvProj(GemmOp):
                     if not st.np["row_active"][r]:
                         continue
                     blk, off = vm.kv_slot(layer, r, int(st.np["seq_pos"][r]))
-                    vm.tr.write(pool, (blk, off, kvh))
+                    if vm.tracking:
+                        vm.tr.write(pool, (blk, off, kvh))
                     P[blk, off, dst] = vals[r, src].to(P.dtype)
 
 
@@ -287,16 +289,17 @@ class FfnUpgateAct(GemmOp):
                                        layer=layer)
                 groups.append((layer, kl, vm.x_slot(op, xs, layer),
                                [(int(a), int(b)) for a, b in zip(out0, out0 + h)],
-                               idx(cols(n0, h)), idx(cols(n0 + h, h)), as_slice(cols(out0, h))))
+                               idx(cols(n0, h)), idx(cols(n0 + h, h)), as_slice(cols(out0, h)),
+                               st.w("w_upgate")[vm.slot(layer)], st["ffn_act"][layer]))
             return groups
 
-        buf = st["ffn_act"]
-        for layer, kl, xs, rngs, g, u, oc in vm.plan(op.name, words, build):
-            vm.tr.read("x_norm", (xs, slice(None), slice(None)))
-            Y = vm.products((op, layer, 0, kl), "x_norm", (xs,), 0, kl, st.w("w_upgate")[vm.slot(layer)])
-            for a, b in rngs:
-                vm.tr.write("ffn_act", (layer, slice(None), slice(a, b)))
-            buf[layer, :, oc] = (F.silu(Y[:, g]) * Y[:, u]).to(buf.dtype)
+        for layer, kl, xs, rngs, g, u, oc, W, dst in vm.plan(op.name, words, build):
+            if vm.tracking:
+                vm.tr.read("x_norm", (xs, slice(None), slice(None)))
+                for a, b in rngs:
+                    vm.tr.write("ffn_act", (layer, slice(None), slice(a, b)))
+            Y = vm.products((op, layer, 0, kl), "x_norm", (xs,), 0, kl, W)
+            dst[:, oc] = (F.silu(Y[:, g]) * Y[:, u]).to(dst.dtype)
 
 
 class FfnDown(GemmOp):

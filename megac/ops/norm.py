@@ -27,6 +27,18 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, act: torch.dtype)
     return (gamma * y.to(act)).to(act)
 
 
+def track(vm, layer: int, gamma: int, rows: list[int], parts: list[tuple[str, int]]) -> None:
+    """ADD_RMSNORM's accesses of ``rows`` (checked mode), in execution order."""
+    for r in rows:
+        vm.tr.read("x_resid", (r, slice(None)))
+    for name, sp in parts:
+        for r in rows:
+            vm.tr.read(name, (layer, sp, r, slice(None)))
+    for r in rows:
+        vm.tr.write("x_resid", (r, slice(None)))
+        vm.tr.write("x_norm", (gamma, r, slice(None)))
+
+
 class AddRmsnorm(OpDef):
     op = Op.ADD_RMSNORM
     node_kinds = ("norm", "norm_attn")
@@ -93,22 +105,21 @@ class AddRmsnorm(OpDef):
                     if not 0 <= nf <= st["ffn_part"].shape[1]:
                         raise BadTaskError("ADD_RMSNORM: FFN_SPLITS outside ffn_part", layer=layer)
                     parts += [("ffn_part", sp) for sp in range(nf)]
-                groups.append((layer, gamma, [int(r) for r in rows], as_slice(rows), parts))
+                # the [R, D] planes read and written, looked up once
+                planes = [st[name][layer, sp] for name, sp in parts]
+                groups.append((layer, gamma, [int(r) for r in rows], as_slice(rows), parts, planes,
+                               st["x_norm"][gamma], st["w_norm"][gamma]))
             return groups
 
-        for layer, gamma, rows, rs, parts in vm.plan(op.name, words, build):
-            for r in rows:
-                vm.tr.read("x_resid", (r, slice(None)))
-            x = st["x_resid"][rs]
-            for name, sp in parts:
-                for r in rows:
-                    vm.tr.read(name, (layer, sp, r, slice(None)))
-                x = x + st[name][layer, sp, rs]
-            for r in rows:
-                vm.tr.write("x_resid", (r, slice(None)))
-                vm.tr.write("x_norm", (gamma, r, slice(None)))
-            st["x_resid"][rs] = x
-            st["x_norm"][gamma, rs] = vm.rms_norm(x, gamma)
+        resid = st["x_resid"]
+        for layer, gamma, rows, rs, parts, planes, xn, gam in vm.plan(op.name, words, build):
+            if vm.tracking:
+                track(vm, layer, gamma, rows, parts)
+            x = resid[rs]
+            for plane in planes:
+                x = x + plane[rs]
+            resid[rs] = x
+            xn[rs] = rms_norm(x, gam, vm.eps, st.act)
 
 
 NORM_OPS = (AddRmsnorm(),)

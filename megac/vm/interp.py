@@ -514,6 +514,14 @@ class Interpreter:
         self.words = np.ascontiguousarray(sched.global_words())
         self.runs = coalesced_runs(self.words)
         self.ops = VM(state)
+        self._fast: list | None = None
+
+    def fast_program(self) -> list:
+        """``(definition, words, plan key)`` per run, looked up once (an
+        unknown opcode raises here, at the first fast step)."""
+        if self._fast is None:
+            self._fast = [(opdef(self.words[a, H.OPCODE]), self.words[a:b], ("run", a)) for a, b in self.runs]
+        return self._fast
 
     def run_fast(self, *, check_order: bool = False) -> None:
         """Execute the global order. ``check_order``: also keep the counters and
@@ -524,8 +532,9 @@ class Interpreter:
         ops.begin_step()
         words = self.words
         if not check_order:
-            for a, b in self.runs:
-                ops.run(words[a:b])
+            execute = ops.execute
+            for d, w, key in self.fast_program():
+                execute(d, w, key)
             return
         counters = self.st.counters
         sched = self.st.schedule

@@ -6,7 +6,7 @@ checked mode; a coalesced run of consecutive tasks in fast mode) by handing
 them to the opcode's definition, which reads fields exactly as the device
 does (``abi.field_index``, never a literal offset) and calls back here for
 the shared pieces: the per-step GEMM row products, task grouping, static
-per-words plans, dynamic count values, the claim cursor, RMSNorm, RoPE.
+per-words plans, dynamic count values, the claim cursor, RoPE.
 
 Every buffer access goes through ``vm.tr.read / write(buffer, index)`` first
 (a no-op in fast mode; the happens-before tracker in checked mode), so a
@@ -20,7 +20,7 @@ checked vs fast mode, batch invariance):
 
 * **GEMM tiles** are slices of the row's full product ``x_row @ W[:, K
   range].T``, computed once per step per (op, layer, K range, row) with one
-  fixed-shape ``F.linear`` call on a fresh copy of the row (BLAS results
+  fixed-shape ``torch.mm`` call on a copy of the row (BLAS results
   depend on the shape of the call, so every tile of every mode slices the
   same call) and cached for the step;
 * **other reductions** run along a tensor's contiguous last dimension whose
@@ -39,9 +39,8 @@ from megac import abi
 from megac.abi import H, Op, Queue
 from megac.errors import BadTaskError, QueueOverflowError
 from megac.ops import claimer_for_queue, opdef
-from megac.ops.base import FIELD_INDEX, ClaimerOp, OpDef
+from megac.ops.base import FIELD_INDEX, ClaimerOp, OpDef, dyn_mask
 from megac.ops.cpu import group_rows, idx
-from megac.ops.norm import rms_norm
 
 
 class NullTracker:
@@ -68,6 +67,13 @@ class VM:
         self.tr = tracker if tracker is not None else NULL_TRACKER
         self.cache: dict = {}
         self.plans: dict = {}
+        #: the words of the run executing now and their plan key (``plan``)
+        self._run_words: np.ndarray | None = None
+        self._run_key = None
+        #: per GEMM key and input: the buffers and views of ``products``
+        self._ybufs: dict = {}
+        #: per K length: the [1, K] row the GEMM reads (aligned, reused)
+        self._xrows: dict[int, torch.Tensor] = {}
         #: fast mode with check_order: called with (claimer words, records) before they run
         self.on_claimed = None
         st = state
@@ -81,13 +87,33 @@ class VM:
         self.targets = st.np["targets"]
 
     # ------------------------------------------------------------------ api
+    @property
+    def tr(self):
+        """The access tracker (``NULL_TRACKER`` in fast mode)."""
+        return self._tr
+
+    @tr.setter
+    def tr(self, tracker) -> None:
+        self._tr = tracker
+        #: accesses are checked: ops call ``tr`` per task; else they skip those loops
+        self.tracking = tracker is not NULL_TRACKER
+
     def begin_step(self) -> None:
         """Forget the per-step GEMM row products (inputs change every step)."""
         self.cache.clear()
 
-    def run(self, words: np.ndarray) -> None:
-        """Execute tasks ``words [n, 32]`` of one opcode."""
-        opdef(words[0, H.OPCODE]).run(self, words)
+    def run(self, words: np.ndarray, key=None) -> None:
+        """Execute tasks ``words [n, 32]`` of one opcode. ``key``: a hashable
+        that identifies ``words`` for the static plans (fast mode passes its
+        run's index, so the words need not be hashed every step); default:
+        their bytes."""
+        self.execute(opdef(words[0, H.OPCODE]), words, key)
+
+    def execute(self, d: OpDef, words: np.ndarray, key=None) -> None:
+        """``run`` with the opcode's definition ``d`` already looked up."""
+        self._run_words = words
+        self._run_key = key
+        d.run(self, words)
 
     def value(self, v: int) -> int:
         """A count field: itself, or the target word it names (DYN_FLAG)."""
@@ -101,7 +127,19 @@ class VM:
         return v
 
     def values(self, vs: np.ndarray) -> np.ndarray:
-        return np.array([self.value(v) for v in vs], dtype=np.int64)
+        """``value`` of every count field of ``vs`` (int64)."""
+        vs = np.asarray(vs, dtype=np.int64)
+        if self.tracking:  # each target word read goes through the tracker
+            return np.array([self.value(v) for v in vs], dtype=np.int64)
+        dm = dyn_mask(vs)
+        if not dm.any():
+            return vs
+        i = vs[dm] & abi.DYN_INDEX_MASK
+        if (i >= len(self.targets)).any():
+            raise BadTaskError(f"dynamic reference to target word {int(i.max())} outside the buffer")
+        out = vs.copy()
+        out[dm] = self.targets[i]
+        return out
 
     def slot(self, layer: int) -> int:
         """Index of ``layer`` in its dense / MoE weight stack (``layer_slot``)."""
@@ -117,28 +155,34 @@ class VM:
                 raise BadTaskError(f"{d.name} on layer {int(layer)}, which has no {what} FFN", layer=int(layer))
 
     # ------------------------------------------------------------------ GEMM core
-    def products(self, key, xbuf: str, xpre: tuple, k0: int, kl: int, W: torch.Tensor,
-                 rows=None) -> torch.Tensor:
+    def products(self, key, xbuf: str, xpre: tuple, k0: int, kl: int, W: torch.Tensor) -> torch.Tensor:
         """``[R, N]`` fp32: row r = ``x[r, k0:k0+kl] @ W[:, k0:k0+kl].T`` with
-        ``x = st[xbuf][xpre]`` (``[R, K]``), one fixed-shape call per row,
-        cached for the step. Only ``rows`` (default: all) are guaranteed."""
-        ent = self.cache.get(key)
-        if ent is None:
-            ent = (torch.empty((self.R, W.shape[0]), dtype=torch.float32), np.zeros(self.R, dtype=bool))
-            self.cache[key] = ent
-        Y, done = ent
-        need = range(self.R) if rows is None else rows
-        if not all(done[r] for r in need):
-            X = self.st[xbuf][xpre]
-            Wk = W if (k0 == 0 and kl == W.shape[1]) else W[:, k0:k0 + kl]
-            for r in need:
-                if done[r]:
-                    continue
-                xr = torch.empty((1, kl), dtype=torch.float32)
-                xr.copy_(X[r, k0:k0 + kl])
-                Y[r] = F.linear(xr, Wk)[0]
-                done[r] = True
+        ``x = st[xbuf][xpre]`` (``[R, K]``), one fixed-shape call per row on a
+        copy of the row in an aligned buffer, cached for the step."""
+        Y = self.cache.get(key)
+        if Y is None:
+            Y, xr, Wt, pairs = self._gemm_plan(key, xbuf, xpre, k0, kl, W)
+            for x, y in pairs:
+                xr.copy_(x)
+                torch.mm(xr, Wt, out=y)
+            self.cache[key] = Y
         return Y
+
+    def _gemm_plan(self, key, xbuf: str, xpre: tuple, k0: int, kl: int, W: torch.Tensor):
+        """The views one ``products`` call uses, built once: its ``[R, N]``
+        output buffer (reused every step), the aligned ``[1, kl]`` row buffer,
+        ``W[:, k0:k0+kl].T`` and per row (input row, output row)."""
+        pkey = (key, xbuf, xpre)
+        got = self._ybufs.get(pkey)
+        if got is None:
+            Y = torch.empty((self.R, W.shape[0]), dtype=torch.float32)
+            xr = self._xrows.get(kl)
+            if xr is None:
+                xr = self._xrows[kl] = torch.empty((1, kl), dtype=torch.float32)
+            X = self.st[xbuf][xpre]
+            Wt = (W if (k0 == 0 and kl == W.shape[1]) else W[:, k0:k0 + kl]).t()
+            got = self._ybufs[pkey] = (Y, xr, Wt, [(X[r, k0:k0 + kl], Y[r:r + 1]) for r in range(self.R)])
+        return got
 
     def slot_product(self, key, xbuf: str, layer: int, slot: int, W: torch.Tensor) -> torch.Tensor:
         """``x[layer, slot] @ W.T`` (one routed MoE slot), cached for the step."""
@@ -169,7 +213,8 @@ class VM:
     def plan(self, tag: str, words: np.ndarray, build):
         """Static per-task-words data (index arrays, slices), built once per
         distinct ``words`` and reused every step (never depends on data)."""
-        key = (tag, words.tobytes())
+        wk = self._run_key if (words is self._run_words and self._run_key is not None) else words.tobytes()
+        key = (tag, wk)
         p = self.plans.get(key)
         if p is None:
             p = build(words)
@@ -200,10 +245,6 @@ class VM:
             raise BadTaskError(f"KV position {pos} of row {row} layer {layer} has no mapped block",
                                layer=layer, buffer="page_table")
         return int(pt[layer, row, b]), pos % self.bs
-
-    def rms_norm(self, x: torch.Tensor, gamma: int) -> torch.Tensor:
-        """RMSNorm of ``x`` with gamma ``w_norm[gamma]`` (``megac.ops.norm.rms_norm``)."""
-        return rms_norm(x, self.st["w_norm"][gamma], self.eps, self.st.act)
 
     # ------------------------------------------------------------------ claimers
     def drain(self, d: ClaimerOp, words: np.ndarray) -> None:
