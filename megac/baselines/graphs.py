@@ -7,13 +7,13 @@ way vLLM runs it, captured in one CUDA graph per (batch size, page bucket).
     logits = be.decode(rows, tokens)               # fp32 [rows, vocab] on the host
     tokens, _ = be.decode_sample(rows, tokens, samples)   # sampled on the device
 
-Per layer (10 kernels for an MoE layer): the residual sum + RMSNorm
+Per layer (9 kernels for an MoE layer): the residual sum + RMSNorm
 (Triton), the fused QKV projection, RoPE + the K/V store into the paged
 pools (Triton), split-K paged flash-decode + merge (Triton,
 :mod:`megac.baselines.flash_decode`), the O projection, then the dense
 SwiGLU (two projections around a fused SiLU*up) or the routed experts
-(:mod:`megac.baselines.moe`: router projection, one Triton routing program,
-Triton grouped GEMMs for gate/up (SiLU*up fused) and down; their weighted
+(:mod:`megac.baselines.moe`: one Triton launch for the router projection
+and the routing, Triton grouped GEMMs for gate/up (SiLU*up fused) and down; their weighted
 sum is folded into the next residual RMSNorm). Projections run through cuBLAS or a Triton GEMV, whichever
 measured faster for the shape and batch (:mod:`megac.baselines.gemv`).
 
@@ -107,9 +107,9 @@ class GraphsBackend(TorchPrefillMixin):
         #: every projection through cuBLAS or a Triton GEMV, whichever measured faster (GPU only)
         self.linear = LinearPicker(self.triton and self.dev.type == "cuda", {
             "qkv": self.qkv, "o": [lw.o for lw in weights.layers],
-            "router": [lw.router for lw in weights.layers if lw.is_moe],
             "dense_up": [self.gate_up[i] for i in dense], "dense_down": [weights.layers[i].down for i in dense],
             "lm_head": [weights.lm_head_weight]})
+        self._sem = torch.zeros(1, dtype=torch.int32, device=self.dev)  # the routing kernel's arrival counter
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None
         self._events = None
@@ -166,8 +166,7 @@ class GraphsBackend(TorchPrefillMixin):
         """The FFN's residual delta: a tensor, or the routed experts' rows still to be summed."""
         lw = self.weights.layers[i]
         if lw.is_moe:
-            logits = self.linear("router", h, lw.router)
-            return moe_ffn(h, logits, lw.router, self.gate_up[i], lw.experts_down, self.spec.moe, self.triton)
+            return moe_ffn(h, lw.router, self.gate_up[i], lw.experts_down, self.spec.moe, self.triton, self._sem)
         up = self.linear("dense_up", h, self.gate_up[i])
         return self.linear("dense_down", silu_mul(up, self.triton), lw.down)
 

@@ -3,7 +3,7 @@ shapes (no host synchronisation, so a CUDA graph can hold it).
 
 ::
 
-    r = route(h, logits, router, moe)     # top-k, weights, pairs sorted by expert
+    r = route(h, router, moe)             # top-k, weights, pairs sorted by expert
     z = experts(h, r, gate_up, down)      # [rows*k, hidden], sorted pair order
     WeightedRows(z, r.dest, r.weights)    # out[row] = sum_j w[row, j] * z[dest[row, j]], summed
                                           # by the next residual RMSNorm
@@ -12,9 +12,10 @@ shapes (no host synchronisation, so a CUDA graph can hold it).
 ``rows*k`` (row, expert) pairs sorted by expert (rows ascending within an
 expert: a stable sort), ``offs[e]`` the end of expert ``e``'s group,
 ``src[p]`` the row of sorted pair ``p`` and ``dest[row, j]`` where pair
-``(row, j)`` went. On CUDA one Triton program does the top-k, the weights
-and the counting sort; elsewhere :func:`megac.reference.route` plus a
-stable ``torch.sort``. The GEMMs are ``torch._grouped_mm`` over the stacked
+``(row, j)`` went. On CUDA one Triton launch computes the router logits
+(a program per 16 experts) and the last program to finish does the top-k,
+the weights and the counting sort; elsewhere :func:`megac.reference.route`
+plus a stable ``torch.sort``. The GEMMs are ``torch._grouped_mm`` over the stacked
 expert weights (transposed views: no copy), empty experts cost nothing.
 """
 
@@ -43,30 +44,37 @@ class Routing:
     expert: torch.Tensor  # int32 [rows*k]: the expert of each sorted pair
 
 
-def route(h: torch.Tensor, logits: torch.Tensor | None, router: torch.Tensor, moe: "MoESpec",
-          triton_ok: bool) -> Routing:
-    """``logits``: the router's ``h @ router.T`` when computed already (the
-    Triton path; None: here); the PyTorch path routes from ``h``, exactly
-    as the reference."""
+def route(h: torch.Tensor, router: torch.Tensor, moe: "MoESpec", triton_ok: bool,
+          sem: torch.Tensor | None = None) -> Routing:
+    """The Triton path computes the router logits and routes in one launch
+    (``sem``: an int32 zero the kernel leaves at zero, reusable across
+    launches on one stream); the PyTorch path routes exactly as the
+    reference."""
     B, E, K = h.shape[0], router.shape[0], moe.top_k
-    if not triton_ok:
+    D = h.shape[1]
+    BK = min(256, D)
+    if not triton_ok or D % BK or BK != next_pow2(BK) or B > 64:
         ids, w = reference_route(h, router, moe)
         sorted_ids, order = torch.sort(ids.flatten(), stable=True)
         experts = torch.arange(E, device=h.device, dtype=sorted_ids.dtype)
         offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
         dest = torch.empty_like(order).scatter_(0, order, torch.arange(B * K, device=h.device))
         return Routing(offs, order // K, dest.view(B, K), w, sorted_ids.to(torch.int32))
-    logits = (F.linear(h, router) if logits is None else logits).contiguous()
-    offs = torch.empty(E, dtype=torch.int32, device=h.device)
-    src = torch.empty(B * K, dtype=torch.int64, device=h.device)
-    dest = torch.empty((B, K), dtype=torch.int64, device=h.device)
-    w = torch.empty((B, K), dtype=h.dtype, device=h.device)
-    expert = torch.empty(B * K, dtype=torch.int32, device=h.device)
+    dev = h.device
+    h = h.contiguous()
+    logits = torch.empty((B, E), dtype=torch.float32, device=dev)
+    sem = torch.zeros(1, dtype=torch.int32, device=dev) if sem is None else sem
+    offs = torch.empty(E, dtype=torch.int32, device=dev)
+    src = torch.empty(B * K, dtype=torch.int64, device=dev)
+    dest = torch.empty((B, K), dtype=torch.int64, device=dev)
+    w = torch.empty((B, K), dtype=h.dtype, device=dev)
+    expert = torch.empty(B * K, dtype=torch.int32, device=dev)
+    BE = 16  # router rows per program (the MMA's smallest N)
     B_PAD, E_PAD = max(2, next_pow2(B)), max(2, next_pow2(E))
-    # a latency-bound single program: one warp (no shared-memory rounds) while the tile is small
-    warps = 1 if B_PAD * E_PAD <= 1024 else (4 if B_PAD * E_PAD <= 4096 else 8)
-    _route_kernel[(1,)](logits, offs, src, dest, w, expert, B, E, K=K, B_PAD=B_PAD, E_PAD=E_PAD,
-                        SOFTMAX=moe.router == "softmax", RENORM=bool(moe.renormalize), num_warps=warps)
+    _router_route_kernel[(triton.cdiv(E, BE),)](
+        h, router, logits, sem, offs, src, dest, w, expert, B, E, D=D, K=K,
+        B_PAD=B_PAD, E_PAD=E_PAD, CH=max(1, min(E_PAD, 4096 // (B_PAD * E_PAD))), BE=BE, BK=BK, BM=max(16, next_pow2(B)), SOFTMAX=moe.router == "softmax", RENORM=bool(moe.renormalize),
+        num_warps=4)
     return Routing(offs, src, dest, w, expert)
 
 
@@ -129,64 +137,80 @@ def _triton_experts(h, r: Routing, gate_up, down, up_cfg=None, down_cfg=None):
     return z
 
 
-def moe_ffn(h: torch.Tensor, logits: torch.Tensor | None, router: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor, moe: "MoESpec", triton_ok: bool) -> WeightedRows:
+def moe_ffn(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, moe: "MoESpec",
+            triton_ok: bool, sem: torch.Tensor | None = None) -> WeightedRows:
     """The routed FFN of ``h``, as the rows still to be weighed and summed
     (the next residual RMSNorm does that: one kernel fewer)."""
-    r = route(h, logits, router, moe, triton_ok)
+    r = route(h, router, moe, triton_ok, sem)
     return WeightedRows(experts(h, r, gate_up, down, triton_ok), r.dest, r.weights)
 
 
 if triton is not None:
 
     @triton.jit
-    def _route_kernel(LOG, OFFS, SRC, DEST, W, EXP, B, E, K: tl.constexpr, B_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                      SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
-        """One program: top-k per row (largest logit first, lower id on
+    def _router_route_kernel(Hx, R, LOG, SEM, OFFS, SRC, DEST, W, EXP, B, E, D: tl.constexpr, K: tl.constexpr,
+                             B_PAD: tl.constexpr, E_PAD: tl.constexpr, CH: tl.constexpr, BE: tl.constexpr,
+                             BK: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
+        """Each program: the router logits of BE experts for every row; the
+        last program to finish (an arrival counter) routes all rows."""
+        m = tl.arange(0, BM)
+        mv = m < B
+        ee = tl.program_id(0) * BE + tl.arange(0, BE)
+        ev = ee < E
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BE], tl.float32)
+        for k0 in range(0, D, BK):
+            x = tl.load(Hx + m[:, None] * D + k0 + kk[None, :], mask=mv[:, None], other=0.0)
+            r = tl.load(R + ee[:, None] * D + k0 + kk[None, :], mask=ev[:, None], other=0.0)
+            acc = tl.dot(x, tl.trans(r), acc)
+        # rounded to h's dtype, as F.linear returns them: the reference's choices
+        tl.store(LOG + m[:, None] * E + ee[None, :], acc.to(Hx.dtype.element_ty).to(tl.float32),
+                 mask=mv[:, None] & ev[None, :])
+        tl.debug_barrier()  # the whole program's logits are written before it arrives
+        arrived = tl.atomic_add(SEM, 1)  # acq_rel at GPU scope: the last to arrive sees every program's logits
+        if arrived == tl.num_programs(0) - 1:
+            tl.atomic_xchg(SEM, 0)  # ready for the next launch
+            _route_rows(LOG, OFFS, SRC, DEST, W, EXP, B, E, K, B_PAD, E_PAD, CH, SOFTMAX, RENORM)
+
+    @triton.jit
+    def _route_rows(LOG, OFFS, SRC, DEST, W, EXP, B, E, K: tl.constexpr, B_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                    CH: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
+        """Top-k of every row of the logits (largest first, lower id on
         ties, as the reference's stable sort), the weights, and a counting
-        sort of the (row, expert) pairs by expert."""
+        sort of the (row, expert) pairs by expert (rows ascending). Ranks
+        come from all-pairs comparisons in chunks of CH experts: no chain
+        of k dependent reductions."""
         rb = tl.arange(0, B_PAD)
         ce = tl.arange(0, E_PAD)
+        cc = tl.arange(0, CH)
         rows_ok = rb < B
         lg = tl.load(LOG + rb[:, None] * E + ce[None, :], mask=rows_ok[:, None] & (ce[None, :] < E),
-                     other=float("-inf")).to(tl.float32)
-        # pass 1: the selection mask and the weights' normaliser
-        work = lg
-        sel = tl.zeros([B_PAD, E_PAD], tl.int32)
-        top = tl.max(lg, 1)
-        norm = tl.zeros([B_PAD], tl.float32)
-        for _j in tl.static_range(K):
-            mx = tl.max(work, 1)
-            idx = tl.min(tl.where(work == mx[:, None], ce[None, :], E_PAD), 1)
-            hit = (ce[None, :] == idx[:, None]) & rows_ok[:, None]
-            sel += hit.to(tl.int32)
-            work = tl.where(hit, float("-inf"), work)
-            if SOFTMAX:
-                norm += tl.exp(mx - top)
-            else:
-                norm += 1.0 / (1.0 + tl.exp(-mx))
-        counts = tl.sum(sel, 0)
+                     other=float("-inf"), cache_modifier=".cg")
+        rank = tl.zeros([B_PAD, E_PAD], tl.int32)
+        for c0 in tl.static_range(0, E_PAD, CH):
+            o = tl.load(LOG + rb[:, None] * E + c0 + cc[None, :], mask=rows_ok[:, None] & (c0 + cc[None, :] < E),
+                        other=float("-inf"), cache_modifier=".cg")[:, None, :]
+            me = lg[:, :, None]
+            ahead = (o > me) | ((o == me) & (c0 + cc[None, None, :] < ce[None, :, None]))
+            rank += tl.sum(ahead.to(tl.int32), 2)
+        sel = (rank < K) & rows_ok[:, None] & (ce[None, :] < E)
+        if SOFTMAX:
+            ex = tl.where(sel, tl.exp(lg - tl.max(lg, 1)[:, None]), 0.0)
+            w = ex / tl.sum(ex, 1)[:, None]
+        else:
+            w = tl.where(sel, 1.0 / (1.0 + tl.exp(-lg)), 0.0)
+            if RENORM:
+                w = w / tl.sum(w, 1)[:, None]
+        seli = sel.to(tl.int32)
+        counts = tl.sum(seli, 0)
         ends = tl.cumsum(counts, 0)
         tl.store(OFFS + ce, ends, mask=ce < E)
-        base = (ends - counts)[None, :] + tl.cumsum(sel, 0) - sel  # sorted slot of (row, expert)
-        # pass 2: the same choices again, now placed
-        work = lg
-        for j in tl.static_range(K):
-            mx = tl.max(work, 1)
-            idx = tl.min(tl.where(work == mx[:, None], ce[None, :], E_PAD), 1)
-            hit = ce[None, :] == idx[:, None]
-            work = tl.where(hit, float("-inf"), work)
-            d = tl.sum(tl.where(hit, base, 0), 1)
-            if SOFTMAX:
-                w = tl.exp(mx - top) / norm
-            else:
-                w = 1.0 / (1.0 + tl.exp(-mx))
-                if RENORM:
-                    w = w / norm
-            tl.store(DEST + rb * K + j, d.to(tl.int64), mask=rows_ok)
-            tl.store(SRC + d, rb.to(tl.int64), mask=rows_ok)
-            tl.store(EXP + d, idx.to(tl.int32), mask=rows_ok)
-            tl.store(W + rb * K + j, w.to(W.dtype.element_ty), mask=rows_ok)
+        base = (ends - counts)[None, :] + tl.cumsum(seli, 0) - seli  # sorted slot of (row, expert)
+        pair = rb[:, None] * K + rank  # (row, j): j is the expert's rank in the row
+        tl.store(DEST + pair, base.to(tl.int64), mask=sel)
+        tl.store(W + pair, w.to(W.dtype.element_ty), mask=sel)
+        tl.store(SRC + base, (rb[:, None] + 0 * ce[None, :]).to(tl.int64), mask=sel)
+        tl.store(EXP + base, (ce[None, :] + 0 * rb[:, None]).to(tl.int32), mask=sel)
 
     @triton.jit
     def _group_rows(EXP, OFFS, s, BLOCK_M: tl.constexpr):

@@ -169,21 +169,22 @@ for window, splits in ((0, 1), (0, 5), (20, 3)):
     a = fd._triton_attention(q, kp, vp, t, pos, window, 0.25, splits)
     assert (a - fd.torch_attention(q, kp, vp, t, pos, window=window, scale=0.25)).abs().max() < 1e-5
 spec = load_spec("tiny-moe")
-h, router = torch.randn(5, 64), torch.randn(8, 64)
-for rule in ({}, {"router": "softmax", "renormalize": False}, {"renormalize": True}):
+h, router = torch.randn(5, 64), torch.randn(8, 64)  # 5 rows: the routing's row padding is exercised
+for rule, experts in (({}, 8), ({"router": "softmax", "renormalize": False, "top_k": 3}, 8), ({"renormalize": True}, 40)):
     m = spec.moe.model_copy(update=rule)
-    a, b = moe.route(h, None, router, m, True), moe.route(h, None, router, m, False)
+    r40 = torch.randn(experts, 64)  # 40 experts: three programs compute logits, the last one routes
+    a, b = moe.route(h, r40, m, True), moe.route(h, r40, m, False)
     assert torch.equal(a.offs, b.offs) and torch.equal(a.src, b.src) and torch.equal(a.dest, b.dest)
     assert (a.weights - b.weights).abs().max() < 1e-6
     assert torch.equal(a.expert, b.expert)
-    rows = ew.WeightedRows(torch.randn(10, 64), a.dest, a.weights)
+    rows = ew.WeightedRows(torch.randn(5 * m.top_k, 64), a.dest, a.weights)
     x, d1, g = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
     for u, v in zip(ew.residual_rms_norm(x, [d1, rows], g, 1e-6, True), ew.residual_rms_norm(x, [d1, rows], g, 1e-6, False)):
         assert (u - v).abs().max() < 1e-5
 gate_up, down = torch.randn(8, 64, 64) / 8, torch.randn(8, 64, 32) / 6  # 8 experts, width 32, hidden 64
 for rows in (1, 5):
     x = torch.randn(rows, 64)
-    r = moe.route(x, None, router, spec.moe, True)
+    r = moe.route(x, router, spec.moe, True)
     assert moe._kernels_fit(x, gate_up, down)
     assert (moe.experts(x, r, gate_up, down, True) - moe.experts(x, r, gate_up, down, False)).abs().max() < 1e-4
 x, d1, d2, g = torch.randn(4, 64), torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
