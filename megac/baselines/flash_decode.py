@@ -32,10 +32,14 @@ import torch
 from megac.baselines._triton import interpreting, next_pow2, tl, triton, use_triton
 
 
+#: programs per SM the split count aims at (all rows and KV heads together)
+PROGRAMS_PER_SM = 2
+
+
 def splits_for(rows: int, kv_heads: int, pages: int, sms: int) -> int:
-    """Splits per (row, kv head): about two programs per SM in all, at most
-    one page each."""
-    want = -(-2 * sms // max(1, rows * kv_heads))
+    """Splits per (row, kv head): :data:`PROGRAMS_PER_SM` programs per SM in
+    all, at least one page each."""
+    want = -(-int(PROGRAMS_PER_SM * sms) // max(1, rows * kv_heads))
     return max(1, min(want, pages))
 
 
