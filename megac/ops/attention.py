@@ -312,7 +312,7 @@ class AttnCombine(OpDef):
 
     def run(self, vm, words):
         op, st = self.op, vm.st
-        hd, hpk = vm.hd, vm.hpk
+        hd, hpk, kvh = vm.hd, vm.hpk, vm.geo.kv_heads
 
         def build(words):
             groups = []
@@ -321,14 +321,18 @@ class AttnCombine(OpDef):
                 rows, kvhs = field(w, op, "ROW"), field(w, op, "KV_HEAD")
                 if ((rows < 0) | (rows >= vm.R) | (kvhs < 0) | (kvhs >= vm.geo.kv_heads)).any():
                     raise BadTaskError("ATTN_COMBINE: ROW / KV_HEAD out of range", layer=layer)
-                heads = idx(kvhs)[:, None] * hpk + torch.arange(hpk)[None, :]
-                cs = idx(kvhs)[:, None] * (hpk * hd) + torch.arange(hpk * hd)[None, :]
+                # the tasks' (row, head) columns of the partials [S, R * heads (, hd)]
+                # and their rows of attn_out seen as [R * kv heads, hpk * hd]
+                heads = rows[:, None] * (kvh * hpk) + kvhs[:, None] * hpk + np.arange(hpk)[None, :]
+                lse_part, o_part = st["attn_lse_part"][layer], st["attn_o_part"][layer]
                 groups.append((layer, [int(r) for r in rows], [int(h) for h in kvhs], field(w, op, "NUM_SPLITS"),
-                               idx(rows)[:, None], heads, cs))
+                               idx(heads.ravel()), idx(rows * kvh + kvhs),
+                               lse_part.view(lse_part.shape[0], -1), o_part.view(o_part.shape[0], -1, hd),
+                               st["attn_out"][layer].view(vm.R * kvh, hpk * hd)))
             return groups
 
         ninf, zero = _NINF, _ZERO
-        for layer, rows, kvhs, nsw, rr, heads, cs in vm.plan(op.name, words, build):
+        for layer, rows, kvhs, nsw, heads, out_rows, lse_part, o_part, out_buf in vm.plan(op.name, words, build):
             ns = vm.values(nsw)
             S = int(ns.max())
             if S > st["attn_o_part"].shape[1] or (ns < 0).any():
@@ -338,8 +342,9 @@ class AttnCombine(OpDef):
                     hs = slice(h * hpk, (h + 1) * hpk)
                     vm.tr.read("attn_lse_part", (layer, slice(0, n), r, hs))
                     vm.tr.read("attn_o_part", (layer, slice(0, n), r, hs))
-            lse = st["attn_lse_part"][layer, :S][:, rr, heads].permute(1, 2, 0)  # [m, hpk, S]
-            o = st["attn_o_part"][layer, :S][:, rr, heads].permute(1, 2, 0, 3)  # [m, hpk, S, hd]
+            m = len(rows)
+            lse = lse_part[:S].index_select(1, heads).view(S, m, hpk).permute(1, 2, 0)  # [m, hpk, S]
+            o = o_part[:S].index_select(1, heads).view(S, m, hpk, hd).permute(1, 2, 0, 3)  # [m, hpk, S, hd]
             # splits past a task's NUM_SPLITS are masked out (all-valid groups skip
             # the masks: where(True, a, b) == a, so the bits are the same)
             full = bool((ns == S).all())
@@ -362,12 +367,11 @@ class AttnCombine(OpDef):
                     Lsum = torch.where(v, Lsum + f, Lsum)
                     acc = torch.where(v[..., None], acc + f[..., None] * o[:, :, sp], acc)
             inv = torch.where(Lsum > 0, 1.0 / Lsum, zero)
-            out = (acc * inv[..., None]).reshape(len(rows), hpk * hd)
+            out = (acc * inv[..., None]).reshape(m, hpk * hd)
             if vm.tracking:
                 for r, h in zip(rows, kvhs):
                     vm.tr.write("attn_out", (layer, r, slice(h * hpk * hd, (h + 1) * hpk * hd)))
-            buf = st["attn_out"]
-            buf[layer, rr, cs] = out.to(buf.dtype)
+            out_buf.index_copy_(0, out_rows, out.to(out_buf.dtype))
 
 
 ATTENTION_OPS = (AttnDecode(), AttnDrain(), AttnCombine())

@@ -187,12 +187,14 @@ class QkvProj(GemmOp):
                     if sel.any():
                         kvh = heads[sel] - nq - part * nkv
                         kvp.append((pool, kvh, as_slice(kvh), as_slice(np.flatnonzero(sel))))
-                groups.append((layer, kl, as_slice(heads), ropes, q, kvp))
+                groups.append((layer, kl, as_slice(heads), ropes, q, kvp, st.w("w_qkv")[layer],
+                               st["q"][layer].view(vm.R, nq, hd)))
             return groups
 
-        for layer, kl, hsel, ropes, q, kvp in vm.plan(op.name, words, build):
-            vm.tr.read("x_norm", (layer, slice(None), slice(None)))
-            Y = vm.products((op, layer, 0, kl), "x_norm", (layer,), 0, kl, st.w("w_qkv")[layer])
+        for layer, kl, hsel, ropes, q, kvp, W, qv in vm.plan(op.name, words, build):
+            if vm.tracking:
+                vm.tr.read("x_norm", (layer, slice(None), slice(None)))
+            Y = vm.products((op, layer, 0, kl), "x_norm", (layer,), 0, kl, W)
             vals = Y.view(vm.R, geo.qkv_width // hd, hd)[:, hsel].clone()  # [R, m, hd] fp32
             if ropes:
                 c, s = vm.rope_table()
@@ -203,18 +205,25 @@ class QkvProj(GemmOp):
                 if vm.tracking:
                     for a, b in rngs:
                         vm.tr.write("q", (layer, slice(None), slice(a, b)))
-                qv = st["q"][layer].view(vm.R, nq, hd)
                 qv[:, dst] = vals[:, src].to(qv.dtype)
-            # K / V heads -> the paged pool (active rows only)
+            if kvp:
+                self.append_kv(vm, layer, vals, kvp)
+
+    @staticmethod
+    def append_kv(vm, layer: int, vals, kvp) -> None:
+        """K / V heads ``vals[:, src]`` -> the paged pools at each active row's
+        current position."""
+        st = vm.st
+        active, seq_pos = st.np["row_active"], st.np["seq_pos"]
+        for r in range(vm.R):
+            if not active[r]:
+                continue
+            blk, off = vm.kv_slot(layer, r, int(seq_pos[r]))
             for pool, kvh, dst, src in kvp:
+                if vm.tracking:
+                    vm.tr.write(pool, (blk, off, kvh))
                 P = st[pool]
-                for r in range(vm.R):
-                    if not st.np["row_active"][r]:
-                        continue
-                    blk, off = vm.kv_slot(layer, r, int(st.np["seq_pos"][r]))
-                    if vm.tracking:
-                        vm.tr.write(pool, (blk, off, kvh))
-                    P[blk, off, dst] = vals[r, src].to(P.dtype)
+                P[blk, off, dst] = vals[r, src].to(P.dtype)
 
 
 class OProj(GemmOp):

@@ -27,6 +27,27 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, act: torch.dtype)
     return (gamma * y.to(act)).to(act)
 
 
+class _Rows:
+    """The rows ``rs`` (a slice or an index tensor) of ADD_RMSNORM's ``[R, D]``
+    planes: the residual, the norm output and the partials. With a slice the
+    row views are taken once (reads and writes are then plain tensors)."""
+
+    def __init__(self, rs, resid: torch.Tensor, norm: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        self.rs = rs
+        self.sliced = isinstance(rs, slice)
+        pick = (lambda t: t[rs]) if self.sliced else (lambda t: t)
+        self.resid, self.norm, self.parts = pick(resid), pick(norm), [pick(t) for t in parts]
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.sliced else t[self.rs]
+
+    def write(self, t: torch.Tensor, x: torch.Tensor) -> None:
+        if self.sliced:
+            t.copy_(x)
+        else:
+            t[self.rs] = x
+
+
 def track(vm, layer: int, gamma: int, rows: list[int], parts: list[tuple[str, int]]) -> None:
     """ADD_RMSNORM's accesses of ``rows`` (checked mode), in execution order."""
     for r in rows:
@@ -105,21 +126,20 @@ class AddRmsnorm(OpDef):
                     if not 0 <= nf <= st["ffn_part"].shape[1]:
                         raise BadTaskError("ADD_RMSNORM: FFN_SPLITS outside ffn_part", layer=layer)
                     parts += [("ffn_part", sp) for sp in range(nf)]
-                # the [R, D] planes read and written, looked up once
-                planes = [st[name][layer, sp] for name, sp in parts]
-                groups.append((layer, gamma, [int(r) for r in rows], as_slice(rows), parts, planes,
-                               st["x_norm"][gamma], st["w_norm"][gamma]))
+                groups.append((layer, gamma, [int(r) for r in rows], parts,
+                               _Rows(as_slice(rows), st["x_resid"], st["x_norm"][gamma],
+                                     [st[name][layer, sp] for name, sp in parts]),
+                               st["w_norm"][gamma]))
             return groups
 
-        resid = st["x_resid"]
-        for layer, gamma, rows, rs, parts, planes, xn, gam in vm.plan(op.name, words, build):
+        for layer, gamma, rows, parts, io, gam in vm.plan(op.name, words, build):
             if vm.tracking:
                 track(vm, layer, gamma, rows, parts)
-            x = resid[rs]
-            for plane in planes:
-                x = x + plane[rs]
-            resid[rs] = x
-            xn[rs] = rms_norm(x, gam, vm.eps, st.act)
+            x = io.read(io.resid)
+            for plane in io.parts:
+                x = x + io.read(plane)
+            io.write(io.resid, x)
+            io.write(io.norm, rms_norm(x, gam, vm.eps, st.act))
 
 
 NORM_OPS = (AddRmsnorm(),)

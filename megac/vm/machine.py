@@ -8,9 +8,10 @@ does (``abi.field_index``, never a literal offset) and calls back here for
 the shared pieces: the per-step GEMM row products, task grouping, static
 per-words plans, dynamic count values, the claim cursor, RoPE.
 
-Every buffer access goes through ``vm.tr.read / write(buffer, index)`` first
-(a no-op in fast mode; the happens-before tracker in checked mode), so a
-read of data no counter guarantees raises before the data is used.
+In checked mode every buffer access goes through ``vm.tr.read /
+write(buffer, index)`` first (the happens-before tracker), so a read of data
+no counter guarantees raises before the data is used; in fast mode
+``vm.tracking`` is False and the ops skip those calls.
 
 Numerics (fp32 mode: fp32 everywhere; bf16 mode: bf16 weights, activations
 and KV, fp32 accumulation, partials and softmax, one rounding at each store),
