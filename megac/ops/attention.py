@@ -276,7 +276,7 @@ class AttnDrain(ClaimerOp):
     def run_claimed(self, vm, cw, records):
         window = int(cw[abi.field_index(self.op, "WINDOW")])
         layer = int(cw[abi.H.LAYER])
-        r = records.astype(np.int64)
+        r = np.asarray(records, dtype=np.int64)
         attend(vm, layer, r[:, _R["ROW"]], r[:, _R["KV_HEAD"]], r[:, _R["SPLIT"]], r[:, _R["NUM_SPLITS"]], window)
 
 

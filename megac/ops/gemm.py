@@ -78,6 +78,8 @@ class GemmOp(OpDef):
         by_field = isinstance(xslot, str)
 
         def build(words):
+            if self.ffn_kind:
+                vm.require_ffn(words, self)
             groups = []
             keys = ("K0", "K_LEN", "SPLIT") + ((xslot,) if by_field else ())
             for key, ti in vm.groups(words, op, keys):
@@ -334,7 +336,6 @@ class FfnDown(GemmOp):
         acc.add("ffn_part", True, ix, at(layer), at(field(w, self.op, "SPLIT")), span(geo.rows), (n0, n0 + nl))
 
     def run(self, vm, words):
-        vm.require_ffn(words, self)
         self.run_splitk(vm, words, "ffn_act", lambda layer: layer,
                         lambda layer: vm.st.w("w_down")[vm.slot(layer)], "ffn_part")
 
@@ -361,7 +362,6 @@ class RouterGemm(GemmOp):
         acc.add("router_part", True, ix, at(layer), at(field(w, self.op, "SPLIT")), span(geo.rows), (n0, n0 + nl))
 
     def run(self, vm, words):
-        vm.require_ffn(words, self)
         self.run_splitk(vm, words, "x_norm", "X_SLOT", lambda layer: vm.st.w("w_router")[vm.slot(layer)],
                         "router_part")
 
@@ -388,36 +388,46 @@ class LmHead(GemmOp):
 
     def run(self, vm, words):
         op, st, geo = self.op, vm.st, vm.geo
-        W = st.w("w_lm_head")
         bn = geo.lm_bn
-        for (layer, k0, kl), ti in vm.groups(words, op, ("K0", "K_LEN")):
-            if k0 != 0 or kl != geo.hidden:
-                raise BadTaskError("LM_HEAD: needs the whole K range (logits have no split slots)", layer=layer)
-            w = words[ti]
-            n0, nl = field(w, op, "N0"), field(w, op, "N_LEN")
-            vm.check_n(op, n0, nl, geo.vocab)
-            xs = geo.final_norm_slot
-            vm.tr.read("x_norm", (xs, slice(None), slice(None)))
+        xs = geo.final_norm_slot
+
+        def build(words):
+            groups = []
+            for (layer, k0, kl), ti in vm.groups(words, op, ("K0", "K_LEN")):
+                if k0 != 0 or kl != geo.hidden:
+                    raise BadTaskError("LM_HEAD: needs the whole K range (logits have no split slots)", layer=layer)
+                w = words[ti]
+                n0, nl = field(w, op, "N0"), field(w, op, "N_LEN")
+                vm.check_n(op, n0, nl, geo.vocab)
+                spans = [(int(a), int(b)) for a, b in zip(n0, n0 + nl)]
+                tiles = np.unique(np.concatenate([np.arange(a // bn, -(-b // bn)) for a, b in spans]))
+                # per run of whole vocab tiles: its columns, padding and indices
+                tile_runs = []
+                for t0, t1 in ranges(tiles):
+                    c0, c1 = t0 * bn, min(t1 * bn, geo.vocab)
+                    tile_runs.append((t0, t1, c0, c1, (t1 - t0) * bn - (c1 - c0),
+                                      np.arange(t0 * bn, t1 * bn).reshape(t1 - t0, bn)))
+                groups.append((layer, kl, spans, as_slice(cols(n0, nl)), tile_runs))
+            return groups
+
+        W = st.w("w_lm_head")
+        logits, amax = st["logits"], st["argmax_part"]
+        for layer, kl, spans, cs, tile_runs in vm.plan(op.name, words, build):
+            if vm.tracking:
+                vm.tr.read("x_norm", (xs, slice(None), slice(None)))
+                for a, b in spans:
+                    vm.tr.write("logits", (slice(None), slice(a, b)))
+                    vm.tr.write("argmax_part", (slice(None), slice(a // bn, -(-b // bn))))
             Y = vm.products((op, layer, 0, kl), "x_norm", (xs,), 0, kl, W)
-            logits, amax = st["logits"], st["argmax_part"]
-            for a, b in zip(n0, n0 + nl):
-                vm.tr.write("logits", (slice(None), slice(int(a), int(b))))
-                vm.tr.write("argmax_part", (slice(None), slice(int(a) // bn, -(-int(b) // bn))))
-            cs = as_slice(cols(n0, nl))
             logits[:, cs] = Y[:, cs]
             # one argmax record per vocab tile over the stored logits, by the
             # ABI's greedy rule (abi.argmax_select); the short last tile is
             # padded with -inf at higher indices, which never win
-            tiles = np.unique(np.concatenate([np.arange(int(a) // bn, -(-int(b) // bn)) for a, b in
-                                              zip(n0, n0 + nl)]))
-            for t0, t1 in ranges(tiles):
-                c0, c1 = t0 * bn, min(t1 * bn, geo.vocab)
+            for t0, t1, c0, c1, pad, cidx in tile_runs:
                 seg = logits[:, c0:c1].numpy()
-                pad = (t1 - t0) * bn - (c1 - c0)
                 if pad:
                     seg = np.concatenate([seg, np.full((seg.shape[0], pad), -np.inf, dtype=np.float32)], axis=1)
                 seg = seg.reshape(seg.shape[0], t1 - t0, bn)
-                cidx = np.arange(t0 * bn, t1 * bn).reshape(t1 - t0, bn)
                 pos = abi.argmax_select(seg, cidx)
                 rec = amax[:, t0:t1].numpy()
                 rec[..., 0] = np.take_along_axis(seg, pos[..., None], axis=-1)[..., 0].view(np.int32)

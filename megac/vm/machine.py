@@ -253,18 +253,23 @@ class VM:
         record (an atomic cursor that one claimer happens to win every time);
         the others find the queue empty (each claims one index past the end)."""
         op = d.op
-        key = np.stack([words[:, FIELD_INDEX[(int(op), "QUEUE")]], words[:, H.LAYER]], axis=1).astype(np.int64)
+
+        def build(words):
+            """Per (queue, layer): the first claimer's words, its QUEUE_LEN, the claimers."""
+            key = np.stack([words[:, FIELD_INDEX[(int(op), "QUEUE")]], words[:, H.LAYER]], axis=1).astype(np.int64)
+            return [(q, layer, words[ti[0]], int(words[ti[0], FIELD_INDEX[(int(op), "QUEUE_LEN")]]), len(ti))
+                    for (q, layer), ti in group_rows(key)]
+
         heads = self.st.queue_heads
-        for (q, layer), ti in group_rows(key):
-            cw = words[ti[0]]
-            qlen = self.value(cw[FIELD_INDEX[(int(op), "QUEUE_LEN")]])
+        for q, layer, cw, qlen_word, n in self.plan(f"drain {op.name}", words, build):
+            qlen = self.value(qlen_word)
             head = int(heads[q, layer])
-            heads[q, layer] = max(head, qlen) + len(ti)
+            heads[q, layer] = max(head, qlen) + n
             if head < qlen:
                 recs = self.queue_records(q, layer, head, qlen)
                 if self.on_claimed is not None:
                     self.on_claimed(cw, recs)
-                self.claimed(cw, recs)
+                d.run_claimed(self, cw, recs)
 
     def queue_records(self, queue: int, layer: int, lo: int, hi: int) -> np.ndarray:
         """Records ``[lo, hi)`` of ``queue`` for ``layer`` (int64 ``[m, 4]``)."""
