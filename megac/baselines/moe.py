@@ -73,7 +73,7 @@ def route(h: torch.Tensor, router: torch.Tensor, moe: "MoESpec", triton_ok: bool
     B_PAD, E_PAD = max(2, next_pow2(B)), max(2, next_pow2(E))
     _router_route_kernel[(triton.cdiv(E, BE),)](
         h, router, logits, sem, offs, src, dest, w, expert, B, E, D=D, K=K,
-        B_PAD=B_PAD, E_PAD=E_PAD, CH=max(1, min(E_PAD, 4096 // (B_PAD * E_PAD))), BE=BE, BK=BK, BM=max(16, next_pow2(B)), SOFTMAX=moe.router == "softmax", RENORM=bool(moe.renormalize),
+        B_PAD=B_PAD, E_PAD=E_PAD, K_PAD=max(2, next_pow2(K)), BE=BE, BK=BK, BM=max(16, next_pow2(B)), SOFTMAX=moe.router == "softmax", RENORM=bool(moe.renormalize),
         num_warps=4)
     return Routing(offs, src, dest, w, expert)
 
@@ -149,7 +149,7 @@ if triton is not None:
 
     @triton.jit
     def _router_route_kernel(Hx, R, LOG, SEM, OFFS, SRC, DEST, W, EXP, B, E, D: tl.constexpr, K: tl.constexpr,
-                             B_PAD: tl.constexpr, E_PAD: tl.constexpr, CH: tl.constexpr, BE: tl.constexpr,
+                             B_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BE: tl.constexpr,
                              BK: tl.constexpr, BM: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
         """Each program: the router logits of BE experts for every row; the
         last program to finish (an arrival counter) routes all rows."""
@@ -170,47 +170,52 @@ if triton is not None:
         arrived = tl.atomic_add(SEM, 1)  # acq_rel at GPU scope: the last to arrive sees every program's logits
         if arrived == tl.num_programs(0) - 1:
             tl.atomic_xchg(SEM, 0)  # ready for the next launch
-            _route_rows(LOG, OFFS, SRC, DEST, W, EXP, B, E, K, B_PAD, E_PAD, CH, SOFTMAX, RENORM)
+            _route_rows(LOG, OFFS, SRC, DEST, W, EXP, B, E, K, B_PAD, E_PAD, K_PAD, SOFTMAX, RENORM)
 
     @triton.jit
     def _route_rows(LOG, OFFS, SRC, DEST, W, EXP, B, E, K: tl.constexpr, B_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                    CH: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
+                    K_PAD: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
         """Top-k of every row of the logits (largest first, lower id on
         ties, as the reference's stable sort), the weights, and a counting
-        sort of the (row, expert) pairs by expert (rows ascending). Ranks
-        come from all-pairs comparisons in chunks of CH experts: no chain
-        of k dependent reductions."""
+        sort of the (row, expert) pairs by expert (rows ascending). (Ranking
+        by all-pairs comparison instead of k selection steps measured slower
+        on the H200: 11.8 against 9.1 us per layer with the router GEMV.)"""
         rb = tl.arange(0, B_PAD)
         ce = tl.arange(0, E_PAD)
-        cc = tl.arange(0, CH)
+        kc = tl.arange(0, K_PAD)
         rows_ok = rb < B
         lg = tl.load(LOG + rb[:, None] * E + ce[None, :], mask=rows_ok[:, None] & (ce[None, :] < E),
                      other=float("-inf"), cache_modifier=".cg")
-        rank = tl.zeros([B_PAD, E_PAD], tl.int32)
-        for c0 in tl.static_range(0, E_PAD, CH):
-            o = tl.load(LOG + rb[:, None] * E + c0 + cc[None, :], mask=rows_ok[:, None] & (c0 + cc[None, :] < E),
-                        other=float("-inf"), cache_modifier=".cg")[:, None, :]
-            me = lg[:, :, None]
-            ahead = (o > me) | ((o == me) & (c0 + cc[None, None, :] < ce[None, :, None]))
-            rank += tl.sum(ahead.to(tl.int32), 2)
-        sel = (rank < K) & rows_ok[:, None] & (ce[None, :] < E)
+        work = lg
+        sel = tl.zeros([B_PAD, E_PAD], tl.int32)
+        ids = tl.zeros([B_PAD, K_PAD], tl.int32)
+        vals = tl.full([B_PAD, K_PAD], float("-inf"), tl.float32)
+        for j in tl.static_range(K):
+            mx = tl.max(work, 1)
+            idx = tl.min(tl.where(work == mx[:, None], ce[None, :], E_PAD), 1)
+            hit = ce[None, :] == idx[:, None]
+            sel += (hit & rows_ok[:, None]).to(tl.int32)
+            work = tl.where(hit, float("-inf"), work)
+            ids = tl.where(kc[None, :] == j, idx[:, None], ids)
+            vals = tl.where(kc[None, :] == j, mx[:, None], vals)
+        kv = kc < K
         if SOFTMAX:
-            ex = tl.where(sel, tl.exp(lg - tl.max(lg, 1)[:, None]), 0.0)
+            ex = tl.where(kv[None, :], tl.exp(vals - tl.max(vals, 1)[:, None]), 0.0)
             w = ex / tl.sum(ex, 1)[:, None]
         else:
-            w = tl.where(sel, 1.0 / (1.0 + tl.exp(-lg)), 0.0)
+            w = tl.where(kv[None, :], 1.0 / (1.0 + tl.exp(-vals)), 0.0)
             if RENORM:
                 w = w / tl.sum(w, 1)[:, None]
-        seli = sel.to(tl.int32)
-        counts = tl.sum(seli, 0)
+        counts = tl.sum(sel, 0)
         ends = tl.cumsum(counts, 0)
         tl.store(OFFS + ce, ends, mask=ce < E)
-        base = (ends - counts)[None, :] + tl.cumsum(seli, 0) - seli  # sorted slot of (row, expert)
-        pair = rb[:, None] * K + rank  # (row, j): j is the expert's rank in the row
-        tl.store(DEST + pair, base.to(tl.int64), mask=sel)
-        tl.store(W + pair, w.to(W.dtype.element_ty), mask=sel)
-        tl.store(SRC + base, (rb[:, None] + 0 * ce[None, :]).to(tl.int64), mask=sel)
-        tl.store(EXP + base, (ce[None, :] + 0 * rb[:, None]).to(tl.int32), mask=sel)
+        base = (ends - counts)[None, :] + tl.cumsum(sel, 0) - sel  # sorted slot of (row, expert)
+        d = tl.sum(tl.where(ce[None, None, :] == ids[:, :, None], base[:, None, :], 0), 2)  # [B_PAD, K_PAD]
+        ok = rows_ok[:, None] & kv[None, :]
+        tl.store(DEST + rb[:, None] * K + kc[None, :], d.to(tl.int64), mask=ok)
+        tl.store(SRC + d, (rb[:, None] + 0 * kc[None, :]).to(tl.int64), mask=ok)
+        tl.store(EXP + d, ids, mask=ok)
+        tl.store(W + rb[:, None] * K + kc[None, :], w.to(W.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _group_rows(EXP, OFFS, s, BLOCK_M: tl.constexpr):
