@@ -77,29 +77,37 @@ def _attend_plan(vm, layer: int, rows: np.ndarray, kvhs: np.ndarray, splits: np.
                  window: int) -> list[tuple]:
     """Tasks (row, kv head, split, num_splits) grouped by their number of keys
     ``L``: per group ``(L, rows, kv heads, splits, key block index [g, L],
-    key offset [g, L], flat query rows, flat partial rows)``. Everything here
+    key offset [g, L], key row inside its block of the pool seen as [-1, hd]
+    [g, L], flat query rows, flat partial rows)``. Everything here
     depends on the step's positions only, not on the layer, so it is built
-    once per step for every layer running the same tasks."""
+    (and the fields checked) once per step for every layer running the same
+    tasks."""
     key = ("attend", window, rows.tobytes(), kvhs.tobytes(), splits.tobytes(), nss.tobytes())
     plan = vm.cache.get(key)
     if plan is not None:
         return plan
     R, kvh, hpk, bs = vm.R, vm.geo.kv_heads, vm.hpk, vm.bs
+    slots = vm.st["attn_o_part"].shape[1]
+    if ((splits < 0) | (splits >= slots)).any():
+        raise BadTaskError(f"attention SPLIT outside the {slots} partial slots", layer=layer)
+    if ((rows < 0) | (rows >= R) | (kvhs < 0) | (kvhs >= kvh)).any():
+        raise BadTaskError("attention ROW / KV_HEAD outside the batch / kv heads", layer=layer)
     begin, end = split_spans(vm, rows, splits, nss, window)
     n_keys = end - begin
     plan = []
     for L in np.unique(n_keys).tolist():
         gi = np.flatnonzero(n_keys == L)
         r, h, s = rows[gi], kvhs[gi], splits[gi]
-        bi = off = None
+        bi = off = in_block = None
         if L:
             p = begin[gi][:, None] + np.arange(L, dtype=np.int64)[None, :]  # [g, L]
             bi, off = p // bs, p % bs
             if (bi >= vm.st.np["page_table"].shape[2]).any():
                 raise BadTaskError("attention span beyond the page table", layer=layer)
+            in_block = off * kvh + h[:, None]
         heads = h[:, None] * hpk + np.arange(hpk)[None, :]  # [g, hpk]
         part_rows = (s[:, None] * R + r[:, None]) * (kvh * hpk) + heads  # rows of [S * R * heads, hd]
-        plan.append((L, r, h, s, bi, off, idx(r * kvh + h), idx(part_rows.ravel())))
+        plan.append((L, r, h, s, bi, off, in_block, idx(r * kvh + h), idx(part_rows.ravel())))
     vm.cache[key] = plan
     return plan
 
@@ -126,17 +134,14 @@ def attend(vm, layer: int, rows: np.ndarray, kvhs: np.ndarray, splits: np.ndarra
     st, geo = vm.st, vm.geo
     hd, hpk, kvh = vm.hd, vm.hpk, geo.kv_heads
     op_buf, lse_buf = st["attn_o_part"], st["attn_lse_part"]
-    if ((splits < 0) | (splits >= op_buf.shape[1])).any():
-        raise BadTaskError(f"attention SPLIT outside the {op_buf.shape[1]} partial slots", layer=layer)
-    if ((rows < 0) | (rows >= vm.R) | (kvhs < 0) | (kvhs >= kvh)).any():
-        raise BadTaskError("attention ROW / KV_HEAD outside the batch / kv heads", layer=layer)
     plan = _attend_plan(vm, layer, rows, kvhs, splits, nss, window)
     if vm.tracking:
         for i in range(len(rows)):
             vm.tr.read("q", (layer, int(rows[i]), slice(int(kvhs[i]) * hpk * hd, (int(kvhs[i]) + 1) * hpk * hd)))
     qrows = st["q"][layer]
     o_rows, lse_rows = op_buf[layer].view(-1, hd), lse_buf[layer].view(-1)
-    for L, r, h, s, bi, off, qi, pi in plan:
+    block_rows = vm.bs * kvh  # rows of one KV block in the pool seen as [-1, hd]
+    for L, r, h, s, bi, off, in_block, qi, pi in plan:
         g = len(r)
         if L == 0:
             o = torch.zeros((g, hpk, hd), dtype=torch.float32)
@@ -147,7 +152,7 @@ def attend(vm, layer: int, rows: np.ndarray, kvhs: np.ndarray, splits: np.ndarra
                 for j in range(g):
                     vm.tr.read("k_pool", (blk[j], off[j], int(h[j])))
                     vm.tr.read("v_pool", (blk[j], off[j], int(h[j])))
-            kv_rows = idx(((blk * vm.bs + off) * kvh + h[:, None]).ravel())
+            kv_rows = idx((blk * block_rows + in_block).ravel())
             K = _gather_rows(st["k_pool"], hd, kv_rows).view(g, L, hd).to(torch.float32)  # [g, L, hd]
             V = _gather_rows(st["v_pool"], hd, kv_rows).view(g, L, hd).to(torch.float32)
             q = _gather_rows(qrows, hpk * hd, qi).view(g, hpk, hd).to(torch.float32)  # [g, hpk, hd]
