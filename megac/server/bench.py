@@ -5,28 +5,27 @@ Load
     ``--request-rate R`` (requests/s; ``inf``: all at once) with gamma
     inter-arrival gaps (``--burstiness``; 1 = Poisson), precomputed from
     ``--seed``; ``--max-concurrency C`` caps requests in flight (a
-    semaphore; closed loop when the rate is ``inf``).
+    semaphore; closed loop when the rate is ``inf``). ``--max-concurrency
+    1,4,8`` runs the same requests once per level, one after the other
+    (one warm-up before the first).
 
 Prompts
-    ``--dataset random``: ``--random-input-len`` tokens drawn from a fixed
-    word list (the server's ``/tokenize`` trims each prompt to the exact
-    length; with ``--endpoint-type openai`` the token ids themselves are
-    sent, so input lengths are exact), optional shared ``--random-prefix-len``
-    prefix (exercises prefix caching), output ``--random-output-len`` with
-    ``ignore_eos`` so output lengths are exact; ``--random-range-ratio``
-    spreads both lengths. ``--dataset prompts``: ``--prompt TEXT``
-    (repeatable) or ``--prompt-file FILE`` (one prompt per line), cycled.
+    ``--dataset random|builtin|prompts``: see :mod:`megac.server.bench_datasets`.
 
 Measured per request (client side, ``time.perf_counter``)
     TTFT: send -> first streamed chunk with non-empty ``choices``; ITL: gaps
     between later chunks; TPOT: ``(E2E - TTFT) / (output_tokens - 1)``;
     E2EL: send -> last chunk. Output tokens come from the final ``usage``
     chunk (``stream_options.include_usage``). Throughputs: requests/s,
-    output tokens/s, total tokens/s over the benchmark duration. Each metric:
-    mean, median, std, p99 (``--metric-percentiles``).
+    output tokens/s, total tokens/s over the level's duration. Each metric:
+    mean, median, std and the ``--metric-percentiles`` (default 99).
 
-Output: a table on stdout and, with ``--save-result FILE``, JSON with
-vLLM's key names (``mean_ttft_ms``, ``p99_itl_ms``, ``output_throughput``, ...).
+Output: per level a table on stdout, then (with several levels) one summary
+table, a row per level. ``--save-result FILE`` writes JSON: ``levels``, a
+list with every level's metrics under vLLM's key names (``mean_ttft_ms``,
+``p99_itl_ms``, ``output_throughput``, ...) and its per-request results;
+with a single level its metrics are also at the top level, as in vLLM's
+result files.
 """
 
 from __future__ import annotations
@@ -42,24 +41,7 @@ from typing import Any
 
 import httpx
 
-WORDS = (
-    "the of and to in is was for on that with as by at from it be this are or an have not which one had "
-    "they you were their all we can has more when there been if would who will into time about other its "
-    "some could them these two may then do first any my now such like our over only new also after most "
-    "made many where before through back years much your way well down should because each just those "
-    "people how too little state good very make world still own see men work long get here between both "
-    "life being under never day same another know while last might great old year off come since against "
-    "go came right used take three house water small place around however home found light river system "
-    "number city market music story garden winter summer morning evening bridge mountain window paper "
-    "engine kernel memory cache token model batch stream server client request answer question reason"
-).split()
-
-
-@dataclass
-class BenchRequest:
-    prompt: str | list[int]
-    prompt_len: int
-    output_len: int
+from megac.server.bench_datasets import BenchRequest, DatasetConfig, Server, build_requests
 
 
 @dataclass
@@ -73,46 +55,6 @@ class RequestResult:
     text: str = ""
     error: str = ""
     start: float = 0.0
-
-
-# ---------------------------------------------------------------------------- prompts
-
-
-async def _tokenize(client: httpx.AsyncClient, base: str, text: str, headers: dict) -> list[int]:
-    r = await client.post(f"{base}/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=headers)
-    r.raise_for_status()
-    return r.json()["tokens"]
-
-
-async def _detokenize(client: httpx.AsyncClient, base: str, ids: list[int], headers: dict) -> str:
-    r = await client.post(f"{base}/detokenize", json={"tokens": ids}, headers=headers)
-    r.raise_for_status()
-    return r.json()["prompt"]
-
-
-async def random_requests(client: httpx.AsyncClient, base: str, headers: dict, *, num: int, input_len: int,
-                          output_len: int, prefix_len: int, range_ratio: float, seed: int,
-                          as_tokens: bool) -> list[BenchRequest]:
-    rng = random.Random(seed)
-
-    def length(n: int) -> int:
-        lo, hi = max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio)))
-        return rng.randint(lo, hi)
-
-    async def ids_of_len(n: int) -> list[int]:
-        words = [rng.choice(WORDS) for _ in range(n + 8)]
-        ids = await _tokenize(client, base, " ".join(words), headers)
-        while len(ids) < n:
-            ids += await _tokenize(client, base, " " + " ".join(rng.choice(WORDS) for _ in range(n)), headers)
-        return ids[:n]
-
-    prefix = await ids_of_len(prefix_len) if prefix_len > 0 else []
-    out = []
-    for _ in range(num):
-        ids = prefix + await ids_of_len(length(input_len))
-        prompt: str | list[int] = ids if as_tokens else await _detokenize(client, base, ids, headers)
-        out.append(BenchRequest(prompt, len(ids), length(output_len)))
-    return out
 
 
 # ---------------------------------------------------------------------------- one request
@@ -260,6 +202,30 @@ def format_table(s: dict, percentiles: list[float], title: str = "Serving Benchm
     return "\n".join(lines)
 
 
+SUMMARY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
+
+
+def _stat_keys(percentiles: list[float]) -> list[tuple[str, str]]:
+    """(key prefix, column label) of the statistics the summary shows."""
+    return [("mean", "mean"), ("median", "p50")] + [(f"p{p:g}", f"p{p:g}") for p in percentiles if p != 50]
+
+
+def format_levels_table(levels: list[dict], percentiles: list[float]) -> str:
+    """One row per concurrency level: throughputs and TTFT/TPOT/ITL in ms."""
+    stats = _stat_keys(percentiles)
+    heads = ["concurrency", "req/s", "out tok/s"] + [f"{label} {s}" for _, label in SUMMARY_METRICS for _, s in stats]
+    rows = [[str(lv["max_concurrency"] or "inf"), f"{lv['request_throughput']:.2f}",
+             f"{lv['output_throughput']:.1f}"] + [f"{lv[f'{k}_{name}_ms']:.2f}"
+                                                    for name, _ in SUMMARY_METRICS for k, _ in stats]
+            for lv in levels]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
+    title = " Summary across concurrency levels (latencies in ms) "
+    lines = [f"{title:=^{sum(widths) + 2 * (len(widths) - 1)}}"]
+    for cells in [heads] + rows:
+        lines.append("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- driver
 
 
@@ -269,24 +235,29 @@ class BenchConfig:
     endpoint_type: str = "openai-chat"  # openai (/v1/completions) | openai-chat (/v1/chat/completions)
     model: str | None = None
     api_key: str | None = None
-    dataset: str = "random"
-    num_prompts: int = 10
-    random_input_len: int = 64
-    random_output_len: int = 64
-    random_prefix_len: int = 0
-    random_range_ratio: float = 0.0
-    prompts: list[str] = field(default_factory=list)
-    output_len: int = 64
+    data: DatasetConfig = field(default_factory=DatasetConfig)
     request_rate: float = math.inf
     burstiness: float = 1.0
-    max_concurrency: int | None = None
+    max_concurrency: list[int] = field(default_factory=list)  # one run per level; empty: one run, no cap
     ignore_eos: bool = True
     temperature: float = 0.0
-    seed: int = 0
     warmup: int = 1
     percentiles: list[float] = field(default_factory=lambda: [99.0])
     extra_body: dict = field(default_factory=dict)
     timeout: float = 600.0
+
+    @property
+    def levels(self) -> list[int | None]:
+        return list(self.max_concurrency) or [None]
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint_type == "openai-chat"
+
+    @property
+    def base(self) -> str:
+        base = self.base_url.rstrip("/")
+        return base[:-3] if base.endswith("/v1") else base
 
 
 def _arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -300,68 +271,92 @@ def _arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[flo
     return [g * target / total for g in gaps] if total > 0 else gaps
 
 
-async def run_benchmark(cfg: BenchConfig, progress=None) -> dict:
-    base = cfg.base_url.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[:-3]
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    chat = cfg.endpoint_type == "openai-chat"
-    url = f"{base}/v1/chat/completions" if chat else f"{base}/v1/completions"
-    limits = httpx.Limits(max_connections=max(16, cfg.max_concurrency or cfg.num_prompts))
-    async with httpx.AsyncClient(timeout=cfg.timeout, limits=limits) as client:
-        r = await client.get(f"{base}/v1/models", headers=headers)
-        r.raise_for_status()
-        model = cfg.model or r.json()["data"][0]["id"]
-        if cfg.dataset == "random":
-            reqs = await random_requests(client, base, headers, num=cfg.num_prompts, input_len=cfg.random_input_len,
-                                         output_len=cfg.random_output_len, prefix_len=cfg.random_prefix_len,
-                                         range_ratio=cfg.random_range_ratio, seed=cfg.seed, as_tokens=not chat)
+@dataclass
+class _Target:
+    """Where and how each request goes."""
+    client: httpx.AsyncClient
+    cfg: BenchConfig
+    headers: dict
+    model: str
+
+    async def send(self, req: BenchRequest) -> RequestResult:
+        cfg = self.cfg
+        url = f"{cfg.base}/v1/chat/completions" if cfg.chat else f"{cfg.base}/v1/completions"
+        payload = _payload(req, self.model, cfg.chat, cfg.ignore_eos, cfg.temperature, cfg.extra_body)
+        res = await _one(self.client, url, self.headers, payload, cfg.chat)
+        if not res.prompt_len:
+            res.prompt_len = req.prompt_len
+        return res
+
+
+def _request_record(req: BenchRequest, r: RequestResult) -> dict:
+    return {"kind": req.kind, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens, "ttft": r.ttft,
+            "latency": r.latency, "itl_count": len(r.itl), "success": r.success, "error": r.error}
+
+
+async def run_level(target: _Target, reqs: list[BenchRequest], concurrency: int | None, progress=None) -> dict:
+    """All ``reqs`` with at most ``concurrency`` in flight: that level's
+    summary, ``max_concurrency`` and per-request ``results``."""
+    cfg = target.cfg
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+    done = 0
+
+    async def limited(req: BenchRequest) -> RequestResult:
+        nonlocal done
+        if sem is None:
+            res = await target.send(req)
         else:
-            if not cfg.prompts:
-                raise ValueError("--dataset prompts needs --prompt or --prompt-file")
-            reqs = [BenchRequest(cfg.prompts[i % len(cfg.prompts)], 0, cfg.output_len)
-                    for i in range(cfg.num_prompts)]
-        for i in range(cfg.warmup):
-            w = await _one(client, url, headers, _payload(reqs[i % len(reqs)], model, chat, cfg.ignore_eos,
-                                                         cfg.temperature, cfg.extra_body), chat)
-            if not w.success:
-                raise RuntimeError(f"warm-up request failed: {w.error}")
-        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        gaps = _arrival_gaps(len(reqs), cfg.request_rate, cfg.burstiness, cfg.seed)
-        done = 0
+            async with sem:
+                res = await target.send(req)
+        done += 1
+        if progress:
+            progress(done, len(reqs), concurrency)
+        return res
 
-        async def limited(req: BenchRequest) -> RequestResult:
-            nonlocal done
-            payload = _payload(req, model, chat, cfg.ignore_eos, cfg.temperature, cfg.extra_body)
-            if sem is None:
-                res = await _one(client, url, headers, payload, chat)
-            else:
-                async with sem:
-                    res = await _one(client, url, headers, payload, chat)
-            if not res.prompt_len:
-                res.prompt_len = req.prompt_len
-            done += 1
-            if progress:
-                progress(done, len(reqs))
-            return res
-
-        t0 = time.perf_counter()
-        tasks = []
-        for req, gap in zip(reqs, gaps):
-            if gap > 0:
-                await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(req)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-    summary = summarize(list(results), duration, cfg.percentiles)
-    summary.update(model_id=model, endpoint_type=cfg.endpoint_type, num_prompts=cfg.num_prompts,
-                   request_rate=cfg.request_rate if not math.isinf(cfg.request_rate) else "inf",
-                   burstiness=cfg.burstiness, max_concurrency=cfg.max_concurrency, date=time.strftime("%Y%m%d-%H%M%S"),
-                   config={k: v for k, v in asdict(cfg).items() if k not in ("api_key",)})
-    summary["config"]["request_rate"] = summary["request_rate"]
-    summary["results"] = [{"prompt_len": r.prompt_len, "output_tokens": r.output_tokens, "ttft": r.ttft,
-                           "latency": r.latency, "success": r.success, "error": r.error} for r in results]
-    return summary
+    t0 = time.perf_counter()
+    tasks = []
+    for req, gap in zip(reqs, _arrival_gaps(len(reqs), cfg.request_rate, cfg.burstiness, cfg.data.seed)):
+        if gap > 0:
+            await asyncio.sleep(gap)
+        tasks.append(asyncio.create_task(limited(req)))
+    results = await asyncio.gather(*tasks)
+    level = summarize(list(results), time.perf_counter() - t0, cfg.percentiles)
+    level["max_concurrency"] = concurrency
+    level["results"] = [_request_record(q, r) for q, r in zip(reqs, results)]
+    return level
 
 
-__all__ = ["BenchConfig", "format_table", "run_benchmark", "summarize"]
+async def _warm_up(target: _Target, reqs: list[BenchRequest], n: int) -> None:
+    for i in range(n):
+        w = await target.send(reqs[i % len(reqs)])
+        if not w.success:
+            raise RuntimeError(f"warm-up request failed: {w.error}")
+
+
+async def run_benchmark(cfg: BenchConfig, progress=None) -> dict:
+    """Every concurrency level of ``cfg`` over the same requests.
+    ``progress(done, total, concurrency)`` is called as requests finish."""
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    in_flight = max([c or cfg.data.num_prompts for c in cfg.levels])
+    limits = httpx.Limits(max_connections=max(16, in_flight))
+    async with httpx.AsyncClient(timeout=cfg.timeout, limits=limits) as client:
+        r = await client.get(f"{cfg.base}/v1/models", headers=headers)
+        r.raise_for_status()
+        target = _Target(client, cfg, headers, cfg.model or r.json()["data"][0]["id"])
+        reqs = await build_requests(Server(client, cfg.base, headers), cfg.data, as_tokens=not cfg.chat)
+        await _warm_up(target, reqs, cfg.warmup)
+        levels = [await run_level(target, reqs, c, progress) for c in cfg.levels]
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y%m%d-%H%M%S"), "model_id": target.model, "endpoint_type": cfg.endpoint_type,
+        "dataset": cfg.data.name, "num_prompts": cfg.data.num_prompts,
+        "request_rate": cfg.request_rate if not math.isinf(cfg.request_rate) else "inf",
+        "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency or None,
+        "config": {k: v for k, v in asdict(cfg).items() if k != "api_key"}}
+    out["config"]["request_rate"] = out["request_rate"]
+    if len(levels) == 1:
+        out.update({k: v for k, v in levels[0].items() if k != "results"})  # vLLM's single-run layout
+    out["levels"] = levels
+    return out
+
+
+__all__ = ["BenchConfig", "format_levels_table", "format_table", "run_benchmark", "run_level", "summarize"]

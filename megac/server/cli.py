@@ -27,6 +27,7 @@ import click
 
 from megac.runtime.kinds import BACKEND_KINDS
 from megac.errors import MegacError
+from megac.server.bench_datasets import DATASETS
 from megac.server.config import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -145,7 +146,36 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
         raise MegacError(f"could not listen on {host}:{port} (in use?)")
 
 
-@click.command("bench-serve")
+class _OneLineErrors(click.Command):
+    """Bad options read as one line (``error: ...``, exit 2), like every
+    other user mistake (:class:`MegacError`), not click's usage block."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as err:
+            raise MegacError(err.format_message()) from None
+
+
+class _ConcurrencyList(click.ParamType):
+    name = "N[,N...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        parts = [p.strip() for p in str(value).split(",")]
+        if not any(parts):
+            self.fail("empty list: give concurrency levels like 1,4,8", param, ctx)
+        try:
+            levels = [int(p) for p in parts]
+        except ValueError:
+            self.fail(f"{value!r}: give positive integers like 1,4,8", param, ctx)
+        if min(levels) < 1:
+            self.fail(f"{value!r}: every level must be at least 1", param, ctx)
+        return levels
+
+
+@click.command("bench-serve", cls=_OneLineErrors)
 @click.option("--base-url", default=None, help="Server URL (default: http://HOST:PORT).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
@@ -153,22 +183,25 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
               show_default=True, help="openai: /v1/completions; openai-chat: /v1/chat/completions.")
 @click.option("--model", default=None, help="Model id (default: the first of GET /v1/models).")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None)
-@click.option("--dataset", "--dataset-name", "dataset", type=click.Choice(["random", "prompts"]), default="random",
-              show_default=True)
+@click.option("--dataset", "--dataset-name", "dataset", type=click.Choice(DATASETS), default="random",
+              show_default=True, help="random: token prompts of --random-* lengths; builtin: 24 real coding and "
+              "chat prompts shipped with megac; prompts: --prompt/--prompt-file.")
 @click.option("--num-prompts", type=click.IntRange(1), default=10, show_default=True)
 @click.option("--random-input-len", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--random-output-len", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--random-prefix-len", type=click.IntRange(0), default=0, show_default=True)
-@click.option("--random-range-ratio", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Lengths uniform in [N*(1-R), N*(1+R)].")
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable; --dataset prompts).")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="One prompt per line (--dataset prompts).")
-@click.option("--output-len", type=click.IntRange(1), default=64, show_default=True,
-              help="max tokens per request with --dataset prompts.")
+@click.option("--output-len", type=click.IntRange(1), default=None,
+              help="max tokens per request: --dataset prompts (default 64); overrides builtin's own lengths.")
 @click.option("--request-rate", type=float, default=math.inf, show_default=True,
               help="Requests per second (inf: all at once).")
 @click.option("--burstiness", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True)
-@click.option("--max-concurrency", type=click.IntRange(1), default=None)
+@click.option("--max-concurrency", type=_ConcurrencyList(), default=None,
+              help="Requests in flight at most; a list (1,4,8) runs once per level.")
 @click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -176,7 +209,7 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
 @click.option("--metric-percentiles", default="99", show_default=True, help="Comma-separated percentiles.")
 @click.option("--extra-body", default=None, help="JSON merged into every request body.")
 @click.option("--save-result", type=click.Path(dir_okay=False), default=None, help="Write the JSON result here.")
-@click.option("--json", "as_json", is_flag=True, help="Print the JSON result instead of the table.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON result instead of the tables.")
 def bench_serve_cmd(base_url, host, port, endpoint_type, model, api_key, dataset, num_prompts, random_input_len,
                     random_output_len, random_prefix_len, random_range_ratio, prompts, prompt_file, output_len,
                     request_rate, burstiness, max_concurrency, ignore_eos, temperature, seed, warmup,
@@ -184,47 +217,71 @@ def bench_serve_cmd(base_url, host, port, endpoint_type, model, api_key, dataset
     """Load-test an OpenAI-compatible server (TTFT, TPOT, ITL, E2E, throughput)."""
     import httpx
 
-    from megac.server.bench import BenchConfig, format_table, run_benchmark
+    from megac.server.bench import BenchConfig, format_levels_table, format_table, run_benchmark
+    from megac.server.bench_datasets import DatasetConfig
 
-    try:
-        percentiles = [float(p) for p in metric_percentiles.split(",") if p.strip()]
-    except ValueError:
-        raise MegacError(f"--metric-percentiles {metric_percentiles}: give numbers like 50,90,99")
-    extra = {}
-    if extra_body:
-        try:
-            extra = json.loads(extra_body)
-        except json.JSONDecodeError as err:
-            raise MegacError(f"--extra-body: not JSON ({err})")
+    percentiles = _percentiles(metric_percentiles)
     all_prompts = list(prompts)
     if prompt_file:
         with open(prompt_file, encoding="utf-8") as f:
             all_prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if dataset == "prompts" and not all_prompts:
+        raise MegacError("--dataset prompts needs --prompt or --prompt-file")
+    data = DatasetConfig(name=dataset, num_prompts=num_prompts, random_input_len=random_input_len,
+                         random_output_len=random_output_len, random_prefix_len=random_prefix_len,
+                         random_range_ratio=random_range_ratio, prompts=tuple(all_prompts), output_len=output_len,
+                         seed=seed)
     cfg = BenchConfig(base_url=base_url or f"http://{host}:{port}", endpoint_type=endpoint_type, model=model,
-                      api_key=api_key, dataset=dataset, num_prompts=num_prompts, random_input_len=random_input_len,
-                      random_output_len=random_output_len, random_prefix_len=random_prefix_len,
-                      random_range_ratio=random_range_ratio, prompts=all_prompts, output_len=output_len,
-                      request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
-                      ignore_eos=ignore_eos, temperature=temperature, seed=seed, warmup=warmup,
-                      percentiles=percentiles, extra_body=extra)
+                      api_key=api_key, data=data, request_rate=request_rate, burstiness=burstiness,
+                      max_concurrency=max_concurrency or [], ignore_eos=ignore_eos, temperature=temperature,
+                      warmup=warmup, percentiles=percentiles, extra_body=_extra_body(extra_body))
 
-    def progress(done: int, total: int) -> None:
+    def progress(done: int, total: int, concurrency: int | None) -> None:
         if not as_json:
-            click.echo(f"\r{done}/{total} requests done", nl=done == total, err=True)
+            click.echo(f"\rconcurrency {concurrency or 'inf'}: {done}/{total} requests done", nl=done == total,
+                       err=True)
 
     try:
         summary = asyncio.run(run_benchmark(cfg, progress))
+    except httpx.TransportError as err:
+        raise MegacError(f"bench-serve: cannot reach the server at {cfg.base_url} ({type(err).__name__}: {err})")
     except (httpx.HTTPError, RuntimeError, ValueError) as err:
         raise MegacError(f"bench-serve against {cfg.base_url}: {type(err).__name__}: {err}")
     if save_result:
         with open(save_result, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
     if as_json:
-        click.echo(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=2))
-    else:
-        click.echo(format_table(summary, percentiles))
-        if save_result:
-            click.echo(f"wrote {save_result}")
+        click.echo(json.dumps(_without_results(summary), indent=2))
+        return
+    for level in summary["levels"]:
+        click.echo(format_table(level, percentiles))
+    if len(summary["levels"]) > 1:
+        click.echo(format_levels_table(summary["levels"], percentiles))
+    if save_result:
+        click.echo(f"wrote {save_result}")
+
+
+def _percentiles(text: str) -> list[float]:
+    try:
+        return [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise MegacError(f"--metric-percentiles {text}: give numbers like 50,90,99") from None
+
+
+def _extra_body(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise MegacError(f"--extra-body: not JSON ({err})") from None
+
+
+def _without_results(summary: dict) -> dict:
+    """The JSON printed by ``--json``: per-request results stay in the file."""
+    out = {k: v for k, v in summary.items() if k != "results"}
+    out["levels"] = [{k: v for k, v in lv.items() if k != "results"} for lv in summary["levels"]]
+    return out
 
 
 __all__ = ["bench_serve_cmd", "serve_cmd"]
