@@ -81,15 +81,16 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, *, r
     """Q ``[B, H, hd]`` (rotated when ``rotate``) of the fused projection
     ``qkv`` ``[B, (H + 2 KVH) hd]``; K (rotated) and V stored at
     ``(blk[b], off[b])`` of the pools. ``cos_sin``: the torch path's
-    precomputed :func:`rope_cos_sin_dev` (the kernel computes its own)."""
+    :func:`rope_cos_sin_dev`, computed once per step (None: here; the kernel
+    computes its own)."""
     B = qkv.shape[0]
     H, KVH, hd = heads, kv_heads, head_dim
-    if not triton_ok:
+    if not triton_ok or hd != next_pow2(hd) or qkv.dtype != k_pool.dtype:  # the kernel's shapes and pointers
         q = qkv[:, : H * hd].view(B, H, hd)
         k = qkv[:, H * hd: (H + KVH) * hd].view(B, KVH, hd)
         v = qkv[:, (H + KVH) * hd:].view(B, KVH, hd)
         if rotate:
-            cos, sin = cos_sin
+            cos, sin = cos_sin or rope_cos_sin_dev(pos, inv_freq, style, qkv.dtype)
             q, k = apply_rope(q, cos, sin, style), apply_rope(k, cos, sin, style)
         k_pool[blk, off] = k.to(k_pool.dtype)
         v_pool[blk, off] = v.to(v_pool.dtype)

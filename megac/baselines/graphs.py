@@ -145,7 +145,7 @@ class GraphsBackend(TorchPrefillMixin):
             x, h = residual_rms_norm(x, pending, lw.input_norm, spec.norm_eps, tri)
             q = rope_store(self.linear("qkv", h, self.qkv[i]), H, KVH, hd, rotate=ls.rope, style=spec.rope_style, pos=pos,
                            inv_freq=self.inv_freq, cos_sin=cos_sin, k_pool=kv.k_pool, v_pool=kv.v_pool,
-                           blk=blk[i], off=off, triton_ok=tri and kv.k_pool.dtype == w.dtype)
+                           blk=blk[i], off=off, triton_ok=tri)
             window = ls.window or 0
             span = pages if not window else min(pages, -(-window // bs) + 1)
             a = paged_decode_attention(q, kv.k_pool, kv.v_pool, table[i], pos, window=window, scale=scale,

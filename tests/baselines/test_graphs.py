@@ -191,6 +191,20 @@ x, d1, d2, g = torch.randn(4, 64), torch.randn(4, 64), torch.randn(4, 64), torch
 for ds in ([], [d1], [d1, d2]):
     for u, v in zip(ew.residual_rms_norm(x, ds, g, 1e-6, True), ew.residual_rms_norm(x, ds, g, 1e-6, False)):
         assert (u - v).abs().max() < 1e-5
+for hd in (16, 24):  # 24: not a power of two, the kernel steps aside
+    qkv, pos = torch.randn(3, 8 * hd), torch.tensor([0, 7, 300])
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2) / hd))
+    blk, off = torch.tensor([1, 2, 3]), torch.tensor([0, 7, 12])
+    for style in ("interleaved", "half"):
+        for rotate in (True, False):
+            outs = []
+            for use in (True, False):
+                kp, vp = torch.zeros(5, 16, 2, hd), torch.zeros(5, 16, 2, hd)
+                q = ew.rope_store(qkv, 4, 2, hd, rotate=rotate, style=style, pos=pos, inv_freq=inv, cos_sin=None,
+                                  k_pool=kp, v_pool=vp, blk=blk, off=off, triton_ok=use)
+                outs.append((q, kp, vp))
+            for u, v in zip(*outs):
+                assert (u - v).abs().max() < 1e-5
 from megac.baselines.gemv import CONFIGS, triton_linear
 for rows, n, k in ((1, 48, 64), (3, 40, 512), (16, 64, 256)):
     x, w = torch.randn(rows, k), torch.randn(n, k)
