@@ -62,7 +62,7 @@ def _kernel_fits(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
 def torch_attention(q, k_pool, v_pool, table, pos, *, window: int, scale: float) -> torch.Tensor:
     """Every page of ``table`` gathered, keys outside ``[lo, pos]`` masked."""
     B, H, hd = q.shape
-    bs, kvh = k_pool.shape[1], k_pool.shape[2]
+    kvh = k_pool.shape[2]
     pages = table.long().clamp(min=0)  # unmapped pages are masked below
     k = k_pool[pages].reshape(B, -1, kvh, hd).to(q.dtype).repeat_interleave(H // kvh, dim=2)
     v = v_pool[pages].reshape(B, -1, kvh, hd).to(q.dtype).repeat_interleave(H // kvh, dim=2)

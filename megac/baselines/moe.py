@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from megac.baselines._triton import next_pow2, tl, triton
 from megac.baselines.elementwise import WeightedRows, silu_mul
