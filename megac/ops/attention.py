@@ -23,7 +23,7 @@ from megac import abi
 from megac.abi import Flag, Op, Queue
 from megac.errors import BadTaskError
 from megac.ops.base import BF16, BIG, FP32, ClaimerOp, OpDef, SubTasks, at, bound, field, last_of, resolve_dyn, span
-from megac.ops.cpu import idx
+from megac.ops.cpu import cast, idx
 
 #: scalar fills of the combine's masks
 _NINF = torch.tensor(float("-inf"))
@@ -153,9 +153,9 @@ def attend(vm, layer: int, rows: np.ndarray, kvhs: np.ndarray, splits: np.ndarra
                     vm.tr.read("k_pool", (blk[j], off[j], int(h[j])))
                     vm.tr.read("v_pool", (blk[j], off[j], int(h[j])))
             kv_rows = idx((blk * block_rows + in_block).ravel())
-            K = _gather_rows(st["k_pool"], hd, kv_rows).view(g, L, hd).to(torch.float32)  # [g, L, hd]
-            V = _gather_rows(st["v_pool"], hd, kv_rows).view(g, L, hd).to(torch.float32)
-            q = _gather_rows(qrows, hpk * hd, qi).view(g, hpk, hd).to(torch.float32)  # [g, hpk, hd]
+            K = cast(_gather_rows(st["k_pool"], hd, kv_rows).view(g, L, hd), torch.float32)  # [g, L, hd]
+            V = cast(_gather_rows(st["v_pool"], hd, kv_rows).view(g, L, hd), torch.float32)
+            q = cast(_gather_rows(qrows, hpk * hd, qi).view(g, hpk, hd), torch.float32)  # [g, hpk, hd]
             sc = (q[:, :, None, :] * K[:, None, :, :]).sum(-1) * vm.scale  # [g, hpk, L]
             mx = sc.amax(-1, keepdim=True)
             pr = torch.exp(sc - mx)
@@ -167,8 +167,8 @@ def attend(vm, layer: int, rows: np.ndarray, kvhs: np.ndarray, splits: np.ndarra
                 hs = slice(int(h[j]) * hpk, (int(h[j]) + 1) * hpk)
                 vm.tr.write("attn_o_part", (layer, int(s[j]), int(r[j]), hs))
                 vm.tr.write("attn_lse_part", (layer, int(s[j]), int(r[j]), hs))
-        o_rows.index_copy_(0, pi, o.reshape(-1, hd).to(o_rows.dtype))
-        lse_rows.index_copy_(0, pi, lse.reshape(-1).to(lse_rows.dtype))
+        o_rows.index_copy_(0, pi, cast(o.reshape(-1, hd), o_rows.dtype))
+        lse_rows.index_copy_(0, pi, cast(lse.reshape(-1), lse_rows.dtype))
 
 
 class AttnDecode(OpDef):
@@ -376,7 +376,7 @@ class AttnCombine(OpDef):
             if vm.tracking:
                 for r, h in zip(rows, kvhs):
                     vm.tr.write("attn_out", (layer, r, slice(h * hpk * hd, (h + 1) * hpk * hd)))
-            out_buf.index_copy_(0, out_rows, out.to(out_buf.dtype))
+            out_buf.index_copy_(0, out_rows, cast(out, out_buf.dtype))
 
 
 ATTENTION_OPS = (AttnDecode(), AttnDrain(), AttnCombine())

@@ -15,6 +15,12 @@ def idx(a) -> torch.Tensor:
     return torch.as_tensor(np.asarray(a, dtype=np.int64))
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, skipping the call when ``t`` already is ``dtype`` (it
+    then returns ``t`` itself either way; the call costs more than the check)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def cols(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Concatenated ``arange(s, s + n)`` for every (s, n)."""
     starts = np.asarray(starts, dtype=np.int64)
@@ -73,4 +79,4 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, half: bool)
     return rotate(x, ang.cos()[:, None, :], ang.sin()[:, None, :], half)
 
 
-__all__ = ["as_slice", "cols", "group_rows", "idx", "ranges", "rope", "rotate"]
+__all__ = ["as_slice", "cast", "cols", "group_rows", "idx", "ranges", "rope", "rotate"]

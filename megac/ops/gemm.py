@@ -22,7 +22,28 @@ from megac import abi
 from megac.abi import Flag, H, Op
 from megac.errors import BadTaskError
 from megac.ops.base import BF16, BIG, FP32, Limits, OpDef, at, field, span, summed
-from megac.ops.cpu import as_slice, cols, idx, ranges, rotate
+from megac.ops.cpu import as_slice, cast, cols, idx, ranges, rotate
+
+
+class _ColumnStore:
+    """``dst[:, cs] = Y[:, cs]`` for one plane ``dst [R, N]``, columns ``cs``
+    (a slice or an index tensor) and products ``Y [R, n]``, with the views
+    taken once."""
+
+    def __init__(self, dst, cs, n: int) -> None:
+        self.dst, self.cs = dst, cs
+        sliced = isinstance(cs, slice)
+        #: every column of a [R, n] product lands in a plane as wide: a plain copy
+        self.whole = sliced and cs == slice(0, n) and n == dst.shape[1]
+        self.view = dst[:, cs] if sliced else None
+
+    def __call__(self, Y) -> None:
+        if self.whole:
+            self.dst.copy_(Y)
+        elif self.view is not None:
+            self.view.copy_(Y[:, self.cs])
+        else:
+            self.dst[:, self.cs] = Y[:, self.cs]
 
 
 class GemmOp(OpDef):
@@ -93,16 +114,16 @@ class GemmOp(OpDef):
                     raise BadTaskError(f"{op.name}: SPLIT {split} outside the {out} buffer "
                                        f"({vm.st[out].shape[1]} slots)", layer=layer)
                 rngs = [(int(a), int(b)) for a, b in zip(n0, n0 + nl)]
-                groups.append((layer, k0, kl, split, xs, rngs, as_slice(cols(n0, nl)), W, vm.st[out][layer, split]))
+                groups.append((layer, k0, kl, split, xs, rngs, W, _ColumnStore(vm.st[out][layer, split],
+                                                                                as_slice(cols(n0, nl)), W.shape[0])))
             return groups
 
-        for layer, k0, kl, split, xs, rngs, cs, W, dst in vm.plan(op.name, words, build):
+        for layer, k0, kl, split, xs, rngs, W, store in vm.plan(op.name, words, build):
             if vm.tracking:
                 vm.tr.read(xbuf, (xs, slice(None), slice(k0, k0 + kl)))
                 for a, b in rngs:
                     vm.tr.write(out, (layer, split, slice(None), slice(a, b)))
-            Y = vm.products((op, layer, k0, kl), xbuf, (xs,), k0, kl, W)
-            dst[:, cs] = Y[:, cs]
+            store(vm.products((op, layer, k0, kl), xbuf, (xs,), k0, kl, W))
 
 
 class QkvProj(GemmOp):
@@ -207,7 +228,7 @@ class QkvProj(GemmOp):
                 if vm.tracking:
                     for a, b in rngs:
                         vm.tr.write("q", (layer, slice(None), slice(a, b)))
-                qv[:, dst] = vals[:, src].to(qv.dtype)
+                qv[:, dst] = cast(vals[:, src], qv.dtype)
             if kvp:
                 self.append_kv(vm, layer, vals, kvp)
 
@@ -225,7 +246,7 @@ class QkvProj(GemmOp):
                 if vm.tracking:
                     vm.tr.write(pool, (blk, off, kvh))
                 P = st[pool]
-                P[blk, off, dst] = vals[r, src].to(P.dtype)
+                P[blk, off, dst] = cast(vals[r, src], P.dtype)
 
 
 class OProj(GemmOp):
@@ -310,7 +331,7 @@ class FfnUpgateAct(GemmOp):
                 for a, b in rngs:
                     vm.tr.write("ffn_act", (layer, slice(None), slice(a, b)))
             Y = vm.products((op, layer, 0, kl), "x_norm", (xs,), 0, kl, W)
-            dst[:, oc] = (F.silu(Y[:, g]) * Y[:, u]).to(dst.dtype)
+            dst[:, oc] = cast(F.silu(Y.index_select(1, g)) * Y.index_select(1, u), dst.dtype)
 
 
 class FfnDown(GemmOp):

@@ -17,14 +17,14 @@ from megac import abi
 from megac.abi import Flag, H, Op
 from megac.errors import BadTaskError
 from megac.ops.base import BF16, BIG, FP32, OpDef, at, field, span
-from megac.ops.cpu import as_slice
+from megac.ops.cpu import as_slice, cast
 
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, act: torch.dtype) -> torch.Tensor:
     """``gamma * round(x * rsqrt(mean(x^2) + eps))`` (fp32 statistics, ``act``
     out): the one RMSNorm of the CPU semantics and the step's seed."""
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (gamma * y.to(act)).to(act)
+    return cast(gamma * cast(y, act), act)
 
 
 class _Rows:
