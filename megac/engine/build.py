@@ -15,7 +15,7 @@ from megac.engine.scheduler import Engine, EngineConfig
 from megac.errors import MegacError
 from megac.kv.paged import PagedKVCache, blocks_for_tokens
 from megac.runtime.artifacts import load_or_compile
-from megac.runtime.backends import make_backend, needs_schedules, resolve_kind
+from megac.runtime.backends import cuda_visible, make_backend, needs_schedules, resolve_kind
 from megac.runtime.schedules import ScheduleSet
 
 log = logging.getLogger("megac.engine")
@@ -83,7 +83,10 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     elif opts.artifact is not None and not needs_schedules(kind):
         raise MegacError(f"--artifact: the {kind} backend runs no compiled schedules")
     device = "cpu"
-    if kind == "cuda":  # the megakernel reads bf16 weights and a bf16 KV pool on the GPU
+    # the megakernel (and the graphs baseline, where a GPU is visible) read
+    # bf16 weights and a bf16 KV pool on the GPU: build the pool there, never
+    # a host pool first (batch 8 x 128K is ~30 GB)
+    if kind == "cuda" or (kind == "graphs" and cuda_visible()):
         import torch
 
         weights, device = weights.to(torch.bfloat16, "cuda"), "cuda"

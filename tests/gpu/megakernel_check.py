@@ -211,6 +211,10 @@ def check_hang() -> dict:
                    missing=err.missing[:4])
         root = str(err).split("Root cause:", 1)[-1].split(". Chain:")[0] if "Root cause:" in str(err) else ""
         res["root_names_broken_task"] = f"counter {res['counter']} " in root and "no task left" in root
+        # the first wait to expire reports: the broken task itself (its
+        # counter's producers all ran: nothing is missing) or a task
+        # downstream, whose awaited counter lacks a producer that never ran
+        res["reporter_is_broken_task"] = [err.record["sm"], err.record["task"]] == res["task"]
     be.schedules.schedules = good
     be._desc_cache.clear()
     be.watchdog_ns = 2_000_000_000
@@ -381,8 +385,15 @@ def check_serve() -> dict:
             proc.kill()
 
 
+def check_graphs() -> dict:
+    """The ``graphs`` baseline's own check (tests/gpu/graphs_check.py)."""
+    from gpu.graphs_check import check_graphs as run
+
+    return run()
+
+
 CHECKS = {"serve": check_serve, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
-          "sampling": check_sampling,
+          "sampling": check_sampling, "graphs": check_graphs,
           "orders": check_orders, "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 
 

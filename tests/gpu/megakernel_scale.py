@@ -694,11 +694,8 @@ def check_speed() -> dict:
 #: megakernel.cuh and gemm_rows.cuh); "default" is the headers' own setting
 VARIANTS = {
     "default": {},
-    "gemm_regs": {"MEGAC_GEMM_STAGES": 0},
-    "gemm_stages3": {"MEGAC_GEMM_STAGES": 3},
-    "gemm_late": {"MEGAC_GEMM_EARLY": 0},
+    "piped4": {"MEGAC_GEMM_STAGES": 4},
     "attn_rows": {"MEGAC_ATTN_TILES": 0},
-    "attn_stages2": {"MEGAC_ATTN_STAGES": 2},
 }
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
@@ -793,6 +790,30 @@ def check_splits() -> dict:
     return out
 
 
+def check_gemm_env() -> dict:
+    """Is the row GEMM's per-SM rate its own or the kernel's? North Mini
+    Code batch 1, 8K: op_profile (each opcode alone, no waits) with the
+    default build (attention tiles: ~110 KB of shared scratch, little L1
+    left) and with the attn_rows build (~40 KB of scratch: the same GEMM code
+    with most of L1 free)."""
+    import torch
+
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
+    _noise_kv(eng)
+    out = {}
+    for v in ("default", "attn_rows"):
+        use_cubin(eng.backend, variant_cubin(spec, VARIANTS[v]))
+        out[v] = {"smem_bytes": eng.backend.smem, **op_profile(eng, 1, 8192)}
+    del eng, w
+    torch.cuda.empty_cache()
+    return out
+
+
 def check_profile() -> dict:
     """One profiled step (the MEGAC_PROFILE build) of North Mini Code at
     batch 1, 8K, and SmolLM2 at batch 1, 1K: the per-opcode summary; the raw
@@ -835,4 +856,4 @@ def check_profile() -> dict:
 
 
 CHECKS = {"opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
-          "speed": check_speed}
+          "speed": check_speed, "gemm_env": check_gemm_env}

