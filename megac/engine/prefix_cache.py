@@ -25,9 +25,16 @@ Eviction is LRU over entries whose blocks only the cache still references
 (refcount 1); among entries used at the same time, the deepest of a chain
 goes first, so the head of a shared prefix survives longest.
 
-Needs full attention in every layer (sliding layers release blocks as the
-window moves, which a shared chain cannot follow); :class:`PrefixCache` is
-disabled otherwise.
+Sliding-window layers (North Mini Code's): an entry keeps, per layer, the
+chunk's blocks that were still mapped when the chunk was registered (right
+after its prefill); a sliding layer's blocks that its own window had
+already released (a window shorter than a chunk) are -1. A chain of ``n``
+chunks is handed out only when every layer holds every key the next token
+(position ``n * chunk_tokens``) sees (``PagedKVCache.attachable``), else the
+longest shorter chain that does: a sliding layer needs only its window's
+blocks, which were registered live. The row then releases the older
+sliding blocks as its window moves, as any row does; the cache's own
+references keep them for other matches until evicted.
 
 Only the cache's public API is used: ``PagedKVCache.hold`` / ``release`` /
 ``refcounts`` for the entries' references, ``attach_shared`` to map a cached
@@ -80,7 +87,7 @@ class PrefixCache:
         self.kv = kv
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = chunk_tokens // kv.block_size
-        self.enabled = enabled and not bool((kv.windows > 0).any())
+        self.enabled = enabled
         self._entries: dict[bytes, _Entry] = {}
         self._clock = 0
         #: prompt tokens looked up / found (Prometheus prefix_cache_queries / _hits)
@@ -93,16 +100,17 @@ class PrefixCache:
         return len(self._entries)
 
     def _evictable(self, e: _Entry) -> bool:
-        return bool((self.kv.refcounts(e.blocks) == 1).all())
+        held = e.blocks[e.blocks >= 0]
+        return bool((self.kv.refcounts(held) == 1).all())
 
     @property
     def num_blocks_held(self) -> int:
         """Blocks the cache references (shared with rows or not)."""
-        return sum(e.blocks.size for e in list(self._entries.values()))
+        return sum(int((e.blocks >= 0).sum()) for e in list(self._entries.values()))
 
     def num_evictable_blocks(self) -> int:
         """Blocks that only the cache references (free after eviction)."""
-        return sum(e.blocks.size for e in list(self._entries.values()) if self._evictable(e))
+        return sum(int((e.blocks >= 0).sum()) for e in list(self._entries.values()) if self._evictable(e))
 
     # ------------------------------------------------------------------ use
 
@@ -121,7 +129,14 @@ class PrefixCache:
             e.last_used = self._clock
             found.append(h)
             parts.append(e.blocks)
-        blocks = np.concatenate(parts, axis=1) if parts else np.zeros((self.kv.num_layers, 0), dtype=np.int32)
+        # the longest chain whose end every layer can attend from (sliding
+        # layers: their window's blocks mapped)
+        bpc = self.blocks_per_chunk
+        while found and not self.kv.attachable(np.concatenate(parts[: len(found)], axis=1)):
+            found.pop()
+        blocks = (np.concatenate(parts[: len(found)], axis=1) if found
+                  else np.zeros((self.kv.num_layers, 0), dtype=np.int32))
+        assert blocks.shape[1] == len(found) * bpc
         return found, blocks
 
     def register(self, row: int, tokens: Sequence[int], chunk: int) -> bool:
@@ -140,7 +155,10 @@ class PrefixCache:
             return False
         b0 = chunk * self.blocks_per_chunk
         blocks = self.kv.page_table[:, row, b0:b0 + self.blocks_per_chunk].copy()
-        if (blocks < 0).any():
+        # a full layer holds every block; a sliding one may have released the
+        # chunk's first blocks already (a window shorter than the chunk)
+        full = self.kv.windows == 0
+        if (blocks[full] < 0).any():
             raise MegacError(f"prefix cache: chunk {chunk} of row {row} is not mapped")
         self.kv.hold(blocks)
         self._entries[key] = _Entry(blocks, chunk, self._clock)
@@ -170,7 +188,7 @@ class PrefixCache:
         kv = self.kv
         held = np.zeros(kv.num_blocks, dtype=np.int64)
         for e in self._entries.values():
-            held += np.bincount(e.blocks.ravel(), minlength=kv.num_blocks)
+            held += np.bincount(e.blocks[e.blocks >= 0], minlength=kv.num_blocks)
         kv.check(held=held)
 
     def clear(self) -> int:

@@ -171,25 +171,39 @@ class PagedKVCache:
 
     def hold(self, blocks: np.ndarray) -> None:
         """One more reference on each of ``blocks`` (a prefix cache keeping
-        them alive beyond the row that filled them)."""
+        them alive beyond the row that filled them); -1 entries (a sliding
+        layer's released block) are skipped."""
         for b in np.asarray(blocks).ravel().tolist():
-            self.allocator.incref(int(b))
+            if b >= 0:
+                self.allocator.incref(int(b))
 
     def release(self, blocks: np.ndarray) -> int:
-        """Drop one reference on each of ``blocks``; returns how many went
-        back to the pool."""
-        return sum(bool(self.allocator.decref(int(b))) for b in np.asarray(blocks).ravel().tolist())
+        """Drop one reference on each of ``blocks`` (-1 entries skipped);
+        returns how many went back to the pool."""
+        return sum(bool(self.allocator.decref(int(b))) for b in np.asarray(blocks).ravel().tolist() if b >= 0)
 
     def refcounts(self, blocks: np.ndarray) -> np.ndarray:
         """Reference counts of ``blocks`` (same shape)."""
         return self.allocator.refcount[np.asarray(blocks)]
 
+    def attachable(self, blocks: np.ndarray) -> bool:
+        """Whether ``blocks`` (``[num_layers, n]``, -1 = released) hold every
+        key the row's next token (position ``n * block_size``) sees: all of
+        a full layer's, a sliding layer's from its window's first block on."""
+        n = blocks.shape[1]
+        for layer in range(self.num_layers):
+            first = self.window_start(layer, n * self.block_size) // self.block_size
+            if (blocks[layer, first:] < 0).any():
+                return False
+        return True
+
     def attach_shared(self, row: int, blocks: np.ndarray) -> None:
         """Map ``blocks`` (``int32 [num_layers, n]``: block ``j`` of every
         layer) as the first ``n`` blocks of the fresh, empty ``row`` (one
-        reference each) and start the row at ``n * block_size`` tokens. The
-        row may only write positions after them; a shared block it must
-        write is copied first (copy-on-write)."""
+        reference each) and start the row at ``n * block_size`` tokens. A
+        sliding layer's blocks before its window may be -1 (released: the
+        row never reads them again). The row may only write positions after
+        them; a shared block it must write is copied first (copy-on-write)."""
         if not self.row_active[row] or self.seq_pos[row] != 0 or self.reserved_end(row) != 0:
             raise MegacError(f"KV cache: row {row} must be freshly allocated to attach shared blocks")
         if blocks.ndim != 2 or blocks.shape[0] != self.num_layers:
@@ -197,10 +211,14 @@ class PagedKVCache:
         n = blocks.shape[1]
         if n == 0:
             return
-        if (blocks < 0).any():
-            raise MegacError("KV cache: cannot attach an unmapped block")
+        if not self.attachable(blocks):
+            raise MegacError("KV cache: cannot attach an unmapped block a layer still reads")
         self.hold(blocks)
         self.page_table[:, row, :n] = blocks
+        # a sliding layer holds from its first mapped block on (what the
+        # row's own window moves released before it)
+        mapped = blocks >= 0
+        self._floor[:, row] = np.where(mapped.any(axis=1), mapped.argmax(axis=1), n) * self.block_size
         tokens = n * self.block_size
         self.seq_pos[row] = tokens
         self._reserved[row] = tokens
