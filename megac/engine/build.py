@@ -31,9 +31,12 @@ class EngineOptions:
     #: largest compiled batch size, or REFERENCE_BATCH for the reference backend)
     max_batch_size: int | None = None
     max_model_len: int | None = None
-    #: KV pool size in blocks; default: every row at full length, within kv_cache_memory_gb
+    #: KV pool size in blocks; default: every row at full length, within the KV budget
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 4.0
+    #: KV budget in GiB; None: on the GPU gpu_memory_utilization of the memory
+    #: free once the weights are there, on the CPU DEFAULT_CPU_KV_GB
+    kv_cache_memory_gb: float | None = 4.0
+    gpu_memory_utilization: float = 0.9
     prefill_chunk: int | None = None
     max_num_batched_tokens: int | None = None
     prefix_caching: bool = True
@@ -45,6 +48,45 @@ class EngineOptions:
 
 #: default batch of the reference backend, which runs any batch size
 REFERENCE_BATCH = 16
+#: KV budget on the CPU when none is given
+DEFAULT_CPU_KV_GB = 1.0
+#: GPU memory kept out of the KV pool for the backend's own buffers (logits,
+#: partials, descriptors), the sampler and the allocator's slack
+GPU_HEADROOM_BYTES = 1 << 30
+
+
+def kv_budget_bytes(asked_gb: float | None, free_gpu_bytes: int | None, utilization: float) -> int:
+    """Bytes the KV pool may take: ``asked_gb`` when given; else, on the
+    GPU (``free_gpu_bytes``: free memory once the weights are loaded),
+    ``utilization`` of it less a fixed headroom; else DEFAULT_CPU_KV_GB."""
+    if asked_gb is not None:
+        return int(asked_gb * 2 ** 30)
+    if free_gpu_bytes is None:
+        return int(DEFAULT_CPU_KV_GB * 2 ** 30)
+    if not 0.0 < utilization <= 1.0:
+        raise MegacError(f"--gpu-memory-utilization {utilization}: must be in (0, 1]")
+    return max(0, int(free_gpu_bytes * utilization) - GPU_HEADROOM_BYTES)
+
+
+def fit_max_model_len(spec, asked: int | None, budget_blocks: int, block_size: int) -> int:
+    """The longest context one row can hold in ``budget_blocks`` (at most the
+    model's max_context): ``asked`` when it fits, else a one-line error; with
+    nothing asked, the longest that fits (and at least 2 tokens' worth)."""
+    want = asked or spec.max_context
+    if blocks_for_tokens(spec, want, block_size) <= budget_blocks:
+        return want
+    if asked:
+        raise MegacError(f"--max-model-len {asked}: one request needs {blocks_for_tokens(spec, asked, block_size)} "
+                         f"KV blocks, the KV budget holds {budget_blocks}; lower --max-model-len or raise "
+                         f"--kv-cache-memory / --gpu-memory-utilization")
+    lo, hi = 2, want  # the largest length whose blocks fit (blocks grow with tokens)
+    if blocks_for_tokens(spec, lo, block_size) > budget_blocks:
+        raise MegacError(f"the KV budget holds {budget_blocks} blocks, less than one request of 2 tokens needs; "
+                         f"raise --kv-cache-memory / --gpu-memory-utilization")
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if blocks_for_tokens(spec, mid, block_size) <= budget_blocks else (lo, mid - 1)
+    return lo
 
 
 def batch_size_for(asked: int | None, schedules) -> tuple[int, str | None]:
@@ -93,13 +135,28 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     batch, why = batch_size_for(opts.max_batch_size, schedules)
     if why:
         log.info("%s", why)
-    per_request = blocks_for_tokens(spec, mml, bs)
     if opts.num_kv_blocks:
         num_blocks = opts.num_kv_blocks
+        per_request = blocks_for_tokens(spec, mml, bs)
     else:
         elem = weights.dtype.itemsize
         block_bytes = 2 * bs * spec.num_kv_heads * spec.head_dim * elem
-        budget = int(opts.kv_cache_memory_gb * 2 ** 30) // block_bytes
+        free = None
+        if device == "cuda":
+            import torch
+
+            free = int(torch.cuda.mem_get_info()[0])
+        budget = kv_budget_bytes(opts.kv_cache_memory_gb, free, opts.gpu_memory_utilization) // block_bytes
+        if free is not None:
+            # on the GPU the pool bounds the context (a pool larger than the
+            # budget would not fit): an asked length must fit, and without
+            # one the longest that fits is served (and reported by /v1/models)
+            fitted = fit_max_model_len(spec, opts.max_model_len, budget, bs)
+            if fitted < mml:
+                log.info("max model length %d -> %d (what the KV budget of %d blocks holds for one request)",
+                         mml, fitted, budget)
+            mml = fitted
+        per_request = blocks_for_tokens(spec, mml, bs)
         num_blocks = max(per_request, min(batch * per_request, budget))
     kv = PagedKVCache(spec, max_rows=batch, num_blocks=num_blocks, max_context=mml,
                       dtype=weights.dtype, block_size=bs, device=device)
@@ -118,4 +175,5 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     return engine
 
 
-__all__ = ["REFERENCE_BATCH", "EngineOptions", "batch_size_for", "build_engine"]
+__all__ = ["DEFAULT_CPU_KV_GB", "GPU_HEADROOM_BYTES", "REFERENCE_BATCH", "EngineOptions", "batch_size_for",
+           "build_engine", "fit_max_model_len", "kv_budget_bytes"]

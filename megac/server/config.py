@@ -36,7 +36,9 @@ class ServeConfig:
     seed: int = 0
     tokenizer: str | None = None
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    #: None: on the GPU gpu_memory_utilization of what the weights leave, on the CPU 1 GiB
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
     prefill_chunk: int | None = None
     max_num_batched_tokens: int | None = None
     prefix_caching: bool = True
