@@ -12,6 +12,8 @@ simulated, happens-before checked per buffer element).
 * :mod:`megac.vm.backend` -- ``DecodeStep`` (one step, the host side from
   :mod:`megac.runtime.step`) and ``VMBackend`` (the VM behind
   :class:`megac.runtime.backend.Backend`)
+* :mod:`megac.vm.bench` -- ``python -m megac.vm.bench``: where a SmolLM2
+  decode step spends its time (per opcode, and the GEMM floor)
 """
 
 from megac.errors import BadTaskError, QueueOverflowError, VMError
