@@ -128,7 +128,8 @@ class VM:
         return v
 
     def values(self, vs: np.ndarray) -> np.ndarray:
-        """``value`` of every count field of ``vs`` (int64)."""
+        """``value`` of every count field of ``vs`` (int64; ``vs`` itself when
+        none is dynamic, so callers only read it)."""
         vs = np.asarray(vs, dtype=np.int64)
         if self.tracking:  # each target word read goes through the tracker
             return np.array([self.value(v) for v in vs], dtype=np.int64)
