@@ -76,6 +76,18 @@ class EngineObserver:
     def on_preempt(self, req: Request) -> None: ...
     def on_prefix_lookup(self, queried: int, hit: int) -> None: ...
     def on_iteration(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None: ...
+    def on_decode_step(self, rows: int, seconds: float, device_seconds: float | None) -> None: ...
+
+
+def _device_ms_since(backend, before: int) -> float | None:
+    """Device time of what the backend ran since its ``kernel_ms`` had
+    ``before`` entries (the megakernel's launch, the baseline's graph replay,
+    timed with CUDA events); None for a backend that does not time its
+    device work (the CPU VM, the reference)."""
+    times = getattr(backend, "kernel_ms", None)
+    if times is None or len(times) <= before:
+        return None
+    return sum(times[before:]) / 1e3
 
 
 class Engine:
@@ -351,8 +363,13 @@ class Engine:
         samples = [RowSampling(r.params, r.stream, r.output_ids, r.eos_ids, r.grammar) if r.phase is Phase.DECODE
                    else None for r in batch]
         keep = any(r.keep_logits and s is not None for r, s in zip(batch, samples))
+        timed = len(getattr(self.backend, "kernel_ms", ()))
+        t0 = time.perf_counter()
         tokens, logits = decode_and_sample(self.backend, [r.row for r in batch], [r.next_input() for r in batch],
                                            samples, keep_logits=keep)
+        # the step as the engine waits for it, and the device's part of it:
+        # the rest is host time (page tables, uploads, sampling hand-off)
+        self.observer.on_decode_step(len(batch), time.perf_counter() - t0, _device_ms_since(self.backend, timed))
         for i, req in enumerate(batch):
             req.num_computed += 1
             if samples[i] is not None:

@@ -32,6 +32,9 @@ name                                               type       meaning
 ``megac:e2e_request_latency_seconds``              histogram  arrival -> finish
 ``megac:request_queue_time_seconds``               histogram  arrival -> first scheduled
 ``megac:iteration_seconds``                        histogram  one engine iteration (decode + prefill)
+``megac:decode_step_seconds``                      histogram  one decode step as the engine waits for it
+``megac:decode_device_seconds``                    histogram  its device part (kernel / graph, CUDA events)
+``megac:decode_host_seconds``                      histogram  its host part (step - device)
 ``megac:http_requests_total{handler,status}``      counter    HTTP requests by route and status
 =================================================  =========  ==========================================
 
@@ -61,6 +64,9 @@ disable_created_metrics()
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
+#: a decode step and its parts: tens of microseconds (host work) to seconds (the CPU VM)
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1,
+                0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0)
 
@@ -126,6 +132,14 @@ class ServerMetrics(EngineObserver):
         self.queue = histogram("megac:request_queue_time_seconds", "Time from arrival to first scheduling.",
                                LATENCY_BUCKETS)
         self.iteration = histogram("megac:iteration_seconds", "One engine iteration.", LATENCY_BUCKETS)
+        self.decode_step = histogram("megac:decode_step_seconds", "One decode step as the engine waits for it.",
+                                     STEP_BUCKETS)
+        self.decode_device = histogram("megac:decode_device_seconds",
+                                       "Device time of a decode step (backends that time it on the GPU).",
+                                       STEP_BUCKETS)
+        self.decode_host = histogram("megac:decode_host_seconds",
+                                     "Host time of a decode step (step - device; backends that time the device).",
+                                     STEP_BUCKETS)
 
     def count_http(self, handler: str, status: int) -> None:
         self.http_requests.labels(self.model_name, handler, str(status)).inc()
@@ -163,6 +177,12 @@ class ServerMetrics(EngineObserver):
 
     def on_iteration(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         self.iteration.observe(seconds)
+
+    def on_decode_step(self, rows: int, seconds: float, device_seconds: float | None) -> None:
+        self.decode_step.observe(seconds)
+        if device_seconds is not None:
+            self.decode_device.observe(device_seconds)
+            self.decode_host.observe(max(0.0, seconds - device_seconds))
 
     # ---------------------------------------------------------------- exposition
 

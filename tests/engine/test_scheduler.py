@@ -259,3 +259,40 @@ def test_make_backend():
         make_backend("cuda", SPEC, WEIGHTS, kv)
     with pytest.raises(MegacError):
         make_backend("tpu", SPEC, WEIGHTS, kv)
+
+
+def test_decode_steps_report_the_backends_device_time():
+    """The engine hands each decode step's wall time and the device time the
+    backend measured for it (here a backend that says 2 ms per step) to the
+    observer; a backend that measures nothing reports None."""
+
+    class TimedBackend(ReferenceBackend):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.kernel_ms = []
+
+        def decode(self, rows, tokens):
+            self.kernel_ms.append(2.0)
+            return super().decode(rows, tokens)
+
+    class Seen:
+        def __getattr__(self, name):
+            return lambda *a: None
+
+        def __init__(self):
+            self.steps = []
+
+        def on_decode_step(self, rows, seconds, device_seconds):
+            self.steps.append((rows, seconds, device_seconds))
+
+    for backend_cls, device in ((TimedBackend, 0.002), (ReferenceBackend, None)):
+        kv = PagedKVCache(SPEC, max_rows=2, num_blocks=200, max_context=256, dtype=torch.float32)
+        seen = Seen()
+        eng = Engine(backend_cls(SPEC, WEIGHTS, kv), EngineConfig(max_batch_size=2, max_model_len=256, chunk_tokens=32,
+                                                                  prefill_budget=32), observer=seen)
+        req, outs = submit(eng, "hello there", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), "a")
+        eng.run_until_idle()
+        assert len(req.output_ids) == 5
+        # the first token comes from the prefill; each later one from a decode step of one row
+        assert [(r, d) for r, _, d in seen.steps] == [(1, device)] * 4
+        assert all(s > 0 for _, s, _ in seen.steps)

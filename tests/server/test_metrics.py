@@ -20,7 +20,8 @@ SERIES = ("megac:num_requests_running", "megac:num_requests_waiting", "megac:kv_
           "megac:prompt_tokens_total", "megac:generation_tokens_total",
           "megac:time_to_first_token_seconds_bucket", "megac:inter_token_latency_seconds_bucket",
           "megac:e2e_request_latency_seconds_bucket", "megac:request_queue_time_seconds_bucket",
-          "megac:iteration_seconds_bucket")
+          "megac:iteration_seconds_bucket", "megac:decode_step_seconds_bucket",
+          "megac:decode_device_seconds_bucket", "megac:decode_host_seconds_bucket")
 
 
 def finished(reason: str, prompt_len: int, arrival: float, finish: float):
@@ -72,6 +73,21 @@ def test_engine_hooks_fill_counters_and_histograms():
     assert metric_value(p, "megac:time_to_first_token_seconds_bucket", le="0.1") == 0
     assert metric_value(p, "megac:time_to_first_token_seconds_bucket", le="0.25") == 1
     assert m.total("megac:request_success_total") == 2
+
+
+def test_decode_steps_split_into_device_and_host_time():
+    m = ServerMetrics("tiny")
+    m.on_decode_step(1, 0.010, 0.007)   # a GPU backend: kernel 7 ms of a 10 ms step
+    m.on_decode_step(8, 0.030, 0.026)
+    m.on_decode_step(1, 0.090, None)    # a backend that does not time its device work
+    p = parse_metrics(m.render())
+    assert metric_value(p, "megac:decode_step_seconds_count") == 3
+    assert abs(metric_value(p, "megac:decode_step_seconds_sum") - 0.130) < 1e-12
+    assert metric_value(p, "megac:decode_device_seconds_count") == 2
+    assert abs(metric_value(p, "megac:decode_device_seconds_sum") - 0.033) < 1e-12
+    assert abs(metric_value(p, "megac:decode_host_seconds_sum") - 0.007) < 1e-12
+    # host parts of 3 and 4 ms: none within 2 ms, both within 6 ms
+    assert [metric_value(p, "megac:decode_host_seconds_bucket", le=le) for le in ("0.002", "0.006")] == [0, 2]
 
 
 def test_gauges_are_read_from_the_engine_when_scraped():
