@@ -121,6 +121,8 @@ class Engine:
         self.dead: str | None = None  # error text once the loop crashed
         self.num_preemptions = 0
         self.num_iterations = 0
+        #: decode steps that failed recoverably (their requests got an error)
+        self.num_step_faults = 0
         self.watermark_blocks = self.kv.num_layers
 
     # ------------------------------------------------------------------ API side (any thread)
@@ -365,8 +367,14 @@ class Engine:
         keep = any(r.keep_logits and s is not None for r, s in zip(batch, samples))
         timed = len(getattr(self.backend, "kernel_ms", ()))
         t0 = time.perf_counter()
-        tokens, logits = decode_and_sample(self.backend, [r.row for r in batch], [r.next_input() for r in batch],
-                                           samples, keep_logits=keep)
+        try:
+            tokens, logits = decode_and_sample(self.backend, [r.row for r in batch], [r.next_input() for r in batch],
+                                               samples, keep_logits=keep)
+        except Exception as err:  # noqa: BLE001 -- a recoverable device fault fails this step's requests only
+            if not getattr(err, "recoverable", False):
+                raise
+            self._fail_step(batch, err)
+            return 0
         # the step as the engine waits for it, and the device's part of it:
         # the rest is host time (page tables, uploads, sampling hand-off)
         self.observer.on_decode_step(len(batch), time.perf_counter() - t0, _device_ms_since(self.backend, timed))
@@ -432,6 +440,22 @@ class Engine:
             self._finish(req, req.finish_reason, out)
         else:
             req.send(out)
+
+    def _fail_step(self, batch: list[Request], err: Exception) -> None:
+        """A recoverable fault of one decode step (the megakernel's watchdog:
+        ``MegakernelHang``): the step's requests end with the error, their
+        rows go back to the pool, the backend recovers if it must, and the
+        engine serves everything else on."""
+        self.num_step_faults += 1
+        log.error("decode step failed; %d request(s) end with an error (%s): %s%s", len(batch),
+                  ", ".join(r.id for r in batch), err,
+                  f"; record {err.record}" if getattr(err, "record", None) else "")
+        msg = f"{type(err).__name__}: {err}"
+        for req in batch:
+            self._finish(req, "error", req.final_event("error", msg))
+        recover = getattr(self.backend, "recover", None)
+        if recover is not None:
+            recover()
 
     def _finish(self, req: Request, reason: str, out=None) -> None:
         if req.row is not None:

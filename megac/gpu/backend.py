@@ -49,6 +49,10 @@ class MegakernelHang(MegacError):
     ``counters`` every counter at exit, ``missing`` the producers of the
     awaited counter that had not run."""
 
+    #: the engine fails only the step's requests and serves on: the next
+    #: step's upload resets counters, cursors, status and progress
+    recoverable = True
+
     def __init__(self, message: str, record: dict, counters: np.ndarray, missing: list[str]) -> None:
         super().__init__(message)
         self.record, self.counters, self.missing = record, counters, missing

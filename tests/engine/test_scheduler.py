@@ -296,3 +296,41 @@ def test_decode_steps_report_the_backends_device_time():
         # the first token comes from the prefill; each later one from a decode step of one row
         assert [(r, d) for r, _, d in seen.steps] == [(1, device)] * 4
         assert all(s > 0 for _, s, _ in seen.steps)
+
+
+class StepFault(MegacError):
+    """A fault the engine may recover from (as MegakernelHang)."""
+
+    recoverable = True
+
+
+def test_a_recoverable_step_fault_fails_that_step_and_serving_goes_on(alone):
+    """The third decode step raises: the two requests in it end with the
+    error (tokens so far delivered, rows freed), the engine stays up, and a
+    request submitted afterwards gets the same output as alone."""
+
+    class FaultyBackend(ReferenceBackend):
+        calls = 0
+
+        def decode(self, rows, tokens):
+            FaultyBackend.calls += 1
+            if FaultyBackend.calls == 3:
+                raise StepFault("megakernel hang (COUNTER_TIMEOUT): test fault")
+            return super().decode(rows, tokens)
+
+    kv = PagedKVCache(SPEC, max_rows=8, num_blocks=4000, max_context=1024, dtype=torch.float32)
+    eng = Engine(FaultyBackend(SPEC, WEIGHTS, kv), EngineConfig(max_batch_size=8, max_model_len=1024, chunk_tokens=32,
+                                                                prefill_budget=64))
+    hit = [submit(eng, PROMPTS[i], greedy(i), f"hit{i}") for i in (0, 1)]
+    eng.run_until_idle()
+    for req, outs in hit:
+        assert outs[-1].finished and outs[-1].finish_reason == "error"
+        assert "test fault" in outs[-1].error
+        assert req.row is None and len(req.output_ids) >= 1
+    assert eng.dead is None and eng.num_step_faults == 1 and not eng.running
+    eng.prefix_cache.check()
+    req, outs = submit(eng, PROMPTS[2], greedy(2), "after")
+    eng.run_until_idle()
+    assert (req.output_ids, "".join(o.text for o in outs), outs[-1].finish_reason) == alone["greedy"][2]
+    # a fault that is not recoverable still stops the engine (the thread reports it)
+    assert not getattr(MegacError("x"), "recoverable", False)
