@@ -60,11 +60,16 @@ def _commit() -> str | None:
 @click.option("--no-ceiling", is_flag=True, help="Skip measuring the GPU's streaming-read ceiling.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the rows and the run's facts (GPU, commit, command) here.")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="--backend cuda: one step of the first case on a -DMEGAC_PROFILE=1 build (nvcc), each task's "
+                   "start, wait end and end per SM, as a Perfetto / Chrome trace (.json).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="--backend cuda: that step's per-SM timeline, waits apart from work (.png or .svg).")
 @click.option("--threads", type=click.IntRange(0), default=1, show_default=True,
               help="torch CPU threads (0: torch's default). 1 avoids OpenMP stalls on a busy small CPU "
                    "(--backend cpu: 2 threads measured 346 ms per SmolLM2 step against ~90 with 1).")
 def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, steps, warmup, calibration, no_ceiling,
-              json_path, threads):
+              json_path, profile_path, plot_path, threads):
     """Decode-only throughput of MODEL: KV noise instead of prefill, median
     step time per batch size and context, bytes per step, TB/s and % of the
     bandwidth ceiling measured in the same run."""
@@ -85,6 +90,11 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
     kind = resolve_kind(backend)
     if kind not in ("cuda", "cpu", "graphs"):
         raise MegacError(f"bench: --backend {backend} resolved to {kind}; use cuda, cpu or graphs")
+    if (profile_path or plot_path) and kind != "cuda":
+        raise MegacError(f"bench: --profile / --plot time the megakernel's tasks; they need --backend cuda "
+                         f"(got {kind})")
+    if plot_path is not None and plot_path.suffix.lower() not in (".png", ".svg"):
+        raise MegacError(f"bench: --plot {plot_path}: write a .png or .svg")
     on_gpu = kind == "cuda" or (kind == "graphs" and cuda_visible())
     say = lambda msg: click.echo(f"[megac] {msg}", err=True)  # noqa: E731
     t0 = time.perf_counter()
@@ -126,6 +136,8 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
 
         rows = db.run(engine, cases, steps=steps, warmup=warmup, ceiling=ceiling, calibration=cal, progress=tick)
     click.echo(db.table(rows))
+    if profile_path or plot_path:
+        _profile(engine, cases[0], profile_path, plot_path, spec.name, say)
     if json_path is not None:
         facts = {"model": spec.name, "backend": kind, "order": order, "random_weights": bool(random_weights),
                  "steps": steps, "warmup": warmup, "ceiling_bps": ceiling, "calibration": calibration,
@@ -134,6 +146,29 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"run": facts, "rows": rows}, indent=1))
         say(f"wrote {json_path}")
+
+
+def _profile(engine, case, profile_path, plot_path, name: str, say) -> None:
+    """One profiled step of ``case`` (batch, context): the trace and the
+    picture, and what the instrumentation costs."""
+    from megac.gpu import profile
+    from megac.plot import plot_measured
+
+    batch, context = case
+    say(f"profiling one step at batch {batch}, context {context} (building the MEGAC_PROFILE megakernel)")
+    got = profile.profile_step(engine.backend, engine.kv, batch, context)
+    recs = got["records"]
+    s = profile.summary(recs)
+    say(f"instrumentation: {got['kernel_ms']:.3f} -> {got['profiled_ms']:.3f} ms per step "
+        f"(+{100 * (got['profiled_ms'] / got['kernel_ms'] - 1):.1f} %); span {s['span_us']:.0f} us on {s['sms']} SMs, "
+        f"{100 * s['work_fraction']:.0f} % of SM time working")
+    if profile_path is not None:
+        profile_path.parent.mkdir(parents=True, exist_ok=True)
+        profile_path.write_text(json.dumps(profile.chrome_trace(recs)))
+        say(f"wrote {profile_path} (open in ui.perfetto.dev)")
+    if plot_path is not None:
+        plot_measured(recs, plot_path, title=f"{name}, batch {batch}, context {context}: one measured step")
+        say(f"wrote {plot_path}")
 
 
 def _device_name(kind: str) -> str:

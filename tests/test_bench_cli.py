@@ -40,3 +40,13 @@ def test_a_context_past_the_model_is_refused():
     r = CliRunner().invoke(bench_cmd, ["tiny-moe", "--backend", "cpu", "--random-weights", "--context", "4096",
                                        "--steps", "2"])
     assert isinstance(r.exception, MegacError) and "holds at most" in str(r.exception)
+
+
+@pytest.mark.parametrize("flag,value", [("--profile", "t.json"), ("--plot", "t.png")])
+def test_profile_and_plot_need_the_megakernel(tmp_path, flag, value):
+    """They time the megakernel's tasks: on the CPU VM a one-line error comes
+    before any model is loaded."""
+    r = CliRunner().invoke(bench_cmd, ["tiny-moe", "--backend", "cpu", "--random-weights", flag,
+                                       str(tmp_path / value)])
+    assert isinstance(r.exception, MegacError) and "need --backend cuda" in str(r.exception)
+    assert "drawing random weights" not in r.output

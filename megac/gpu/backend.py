@@ -24,6 +24,7 @@ Imports torch and cupy lazily: the module loads on a machine without a GPU.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -90,6 +91,8 @@ class CudaBackend(TorchPrefillMixin):
         launch.expect_sms(self.big.num_sms)
         self.entry = ENTRY
         self.threads = THREADS
+        #: the artifact the megakernel was generated into (other builds of it: megac.gpu.profile)
+        self.artifact_dir = Path(artifact_dir)
         self.use_cubin(cubin or build_megakernel(artifact_dir))
         geo = self.big.geometry
         chunk = max(1, geo.upgate_bn // 2)

@@ -126,4 +126,49 @@ def records_from_trace(trace: dict) -> list[dict]:
     return sorted(out, key=lambda r: (r["sm"], r["task"]))
 
 
-__all__ = ["SYMBOL", "attach", "chrome_trace", "read", "records_from_trace", "summary"]
+def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5) -> dict:
+    """One step of ``batch`` rows at ``context`` tokens on a
+    ``-DMEGAC_PROFILE=1`` build of ``backend``'s megakernel (built here with
+    nvcc, cached), then the backend's own build back: ``records`` (see
+    :func:`read`), ``kernel_ms`` of the plain build and ``profiled_ms`` of
+    the instrumented one (medians over ``warmup`` steps each: the
+    instrumentation's overhead)."""
+    import statistics  # noqa: PLC0415
+
+    from megac.codegen.megakernel import SOURCE  # noqa: PLC0415
+    from megac.decode_bench import rows_at  # noqa: PLC0415
+    from megac.gpu.build import build_cubin  # noqa: PLC0415
+    from megac.resources import opcodes_dir  # noqa: PLC0415
+
+    art = backend.artifact_dir
+    plain_cubin = backend.cubin
+    instrumented = build_cubin(art / SOURCE, include_dirs=[opcodes_dir(), art], defines={"MEGAC_PROFILE": 1})
+    rows = rows_at(kv, batch, context)
+    sched = backend.schedules.for_rows(kv, rows)
+
+    def median_ms() -> float:
+        backend.kernel_ms.clear()
+        for i in range(warmup):
+            for r in rows:
+                kv.append_slot(r)
+            backend.decode(rows, [(7 * i + r) % 1000 for r in rows])
+        return statistics.median(backend.kernel_ms)
+
+    try:
+        plain = median_ms()
+        backend.use_cubin(instrumented)
+        buf = attach(backend)
+        profiled = median_ms()
+        for r in rows:
+            kv.append_slot(r)
+        buf.zero_()
+        backend.decode(rows, [1] * len(rows))
+        recs = read(buf, sched)
+    finally:
+        backend.use_cubin(plain_cubin)
+        for r in rows:
+            kv.free_row(r)
+    return {"records": recs, "kernel_ms": plain, "profiled_ms": profiled}
+
+
+__all__ = ["SYMBOL", "attach", "chrome_trace", "profile_step", "read", "records_from_trace", "summary"]

@@ -815,9 +815,10 @@ def check_gemm_env() -> dict:
 
 
 def check_profile() -> dict:
-    """One profiled step (the MEGAC_PROFILE build) of North Mini Code at
-    batch 1, 8K, and SmolLM2 at batch 1, 1K: the per-opcode summary; the raw
-    records and a Perfetto trace go to $OUT when it is set."""
+    """One profiled step (the MEGAC_PROFILE build, through
+    megac.gpu.profile.profile_step as ``megac bench --profile``) of North
+    Mini Code at batch 1, 8K, and SmolLM2 at batch 1, 1K: the per-opcode
+    summary; the raw records and a Perfetto trace go to $OUT when it is set."""
     import torch
 
     from megac.gpu import profile
@@ -830,20 +831,10 @@ def check_profile() -> dict:
         w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
         eng = engine(spec, w, max_batch_size=8, max_model_len=min(8192 + 64, spec.max_context), num_kv_blocks=40000)
         _noise_kv(eng)
-        be, kv = eng.backend, eng.kv
-        plain = _step_times(eng, b, ctx, steps=10)["kernel_ms"]
-        use_cubin(be, variant_cubin(spec, PROFILE))
-        buf = profile.attach(be)
-        timed = _step_times(eng, b, ctx, steps=10)["kernel_ms"]
-        rows = _rows_at(kv, b, ctx)
-        for r in rows:
-            kv.append_slot(r)
-        sched = be.schedules.for_rows(kv, rows)
-        buf.zero_()
-        be.decode(rows, [7] * len(rows))
-        recs = profile.read(buf, sched)
-        for r in rows:
-            kv.free_row(r)
+        be = eng.backend
+        # the path `megac bench --profile` takes (its build is PROFILE's, prebuilt)
+        got = profile.profile_step(be, eng.kv, b, ctx, warmup=10)
+        recs, plain, timed = got["records"], got["kernel_ms"], got["profiled_ms"]
         out[model] = {"kernel_ms": plain, "kernel_ms_profiled": timed, **profile.summary(recs)}
         if os.environ.get("OUT"):
             name = f"profile-{model}-bs{b}-ctx{ctx}"
