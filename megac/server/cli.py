@@ -41,7 +41,7 @@ def _setup_logging(level: str) -> None:
 @click.command("serve")
 @click.argument("model", required=False)
 @click.option("--backend", type=click.Choice(BACKEND_KINDS), default="auto", show_default=True,
-              help="Decode backend: cpu = the CPU VM over the compiled task words; reference = plain PyTorch (debugging); cuda = the generated megakernel on the GPU; auto = cuda where a CUDA device is visible, else cpu.")
+              help="Decode backend: cpu = the CPU VM over the compiled task words; reference = plain PyTorch (debugging); cuda = the generated megakernel on the GPU; graphs = per-op kernels in CUDA graphs (the baseline, megac.baselines); auto = cuda where a CUDA device is visible, else cpu.")
 @click.option("--artifact", type=click.Path(exists=True, file_okay=False), default=None,
               help="Serve this compiled artifact (megac compile -o DIR) instead of compiling or loading from the "
                    "cache; it must be built for MODEL.")
