@@ -23,7 +23,6 @@
 #include "common.cuh"
 #include "gemm_epilogues.cuh"
 #include "mbarrier.cuh"
-#include "weight_stream.cuh"
 
 namespace megac {
 namespace rows {
@@ -241,22 +240,11 @@ constexpr int kAhead = kStages > 1 ? kStages - 1 : 1;  // chunks in flight ahead
 #ifndef MEGAC_GEMM_EARLY
 #define MEGAC_GEMM_EARLY 1
 #endif
-// 1: lane 0 of each warp fills the warp's slots with bulk copies (the TMA
-// unit: one copy per feature row piece, completing on a per-slot mbarrier
-// of the warp) instead of every lane's 16-byte cp.async. Primed inside the
-// tile only (a primed bulk copy must not outlive an aborted task).
-#ifndef MEGAC_GEMM_BULK
-#define MEGAC_GEMM_BULK 0
-#endif
-constexpr bool kBulk = MEGAC_GEMM_BULK;
-constexpr bool kEarly = MEGAC_GEMM_EARLY && kStages > 0 && !kBulk;
+constexpr bool kEarly = MEGAC_GEMM_EARLY && kStages > 0;
 constexpr int kChunkU4 = kFeat * kUnroll * 32;  // 16-byte pieces of one chunk of one warp
 
-// Shared memory of the rings of `nwarps` warps (0: the register-fed loop),
-// and in bulk mode their slots' mbarriers after them.
-__host__ __device__ constexpr int pipe_bytes(int nwarps) {
-  return kStages * kChunkU4 * 16 * nwarps + (kBulk ? kStages * 8 * nwarps : 0);
-}
+// Shared memory of the rings of `nwarps` warps (0: the register-fed loop).
+__host__ __device__ constexpr int pipe_bytes(int nwarps) { return kStages * kChunkU4 * 16 * nwarps; }
 
 // A warp's chunk sequence over a tile: chunk i is features
 // (warp + (i / nkb) * nwarps) * kFeat + f, K offsets lane * 8 + (i % nkb) *
@@ -278,35 +266,12 @@ __device__ __forceinline__ uint4* warp_ring(uint8_t* rings) {
   return reinterpret_cast<uint4*>(rings) + (threadIdx.x >> 5) * kStages * kChunkU4;
 }
 
-// This warp's slot mbarriers (bulk mode).
-__device__ __forceinline__ uint64_t* warp_bars(uint8_t* rings) {
-  return reinterpret_cast<uint64_t*>(rings + kStages * kChunkU4 * 16 * (blockDim.x >> 5)) +
-         (threadIdx.x >> 5) * kStages;
-}
-
 // Chunk i of this lane into its slot (nothing past the tile's edges), then
-// one commit group, empty or not, so group i holds chunk i. Bulk mode: lane
-// 0 copies the chunk's feature row pieces ([f][kStepK] in the slot: the
-// same place each lane's pieces land otherwise), completing on the slot's
-// mbarrier.
-__device__ __forceinline__ void issue_chunk(const WeightSpan& s, const PipeWalk& pw, int i, uint4* ring,
-                                            uint64_t* bars) {
+// one commit group, empty or not, so group i holds chunk i. (Lane 0 copying
+// the warp's chunk with bulk copies onto per-slot mbarriers measured 1.0 ms
+// slower at North Mini Code batch 1: docs/perf-notes.md.)
+__device__ __forceinline__ void issue_chunk(const WeightSpan& s, const PipeWalk& pw, int i, uint4* ring) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  if constexpr (kBulk) {
-    if (i >= pw.total) return;
-    __syncwarp();  // every lane is done reading the slot's previous chunk
-    if (lane == 0) {
-      const int c0 = pw.c0(i, warp, nwarps), k0 = (i % pw.nkb) * PipeWalk::kStepK;
-      const int n = min(PipeWalk::kStepK, s.cols - k0), nf = min(kFeat, s.rows - c0);
-      uint64_t* bar = &bars[i % kStages];
-      mbar_arrive_expect_tx(bar, uint32_t(nf * n * 2));
-      for (int f = 0; f < nf; ++f)
-        bulk_load(ring + (i % kStages) * kChunkU4 + f * (PipeWalk::kStepK / 8), s.p + int64_t(c0 + f) * s.ld + k0,
-                  uint32_t(n * 2), bar);
-    }
-    return;
-  }
-  (void)bars;
   if (i < pw.total) {
     const int c0 = pw.c0(i, warp, nwarps), kb = pw.kb(i, lane);
     uint4* slot = ring + (i % kStages) * kChunkU4 + lane;
@@ -327,18 +292,8 @@ __device__ __forceinline__ void issue_chunk(const WeightSpan& s, const PipeWalk&
 __device__ __forceinline__ void prime(const WeightSpan& s, uint8_t* rings) {
   const PipeWalk pw(s.rows, s.cols, threadIdx.x >> 5, blockDim.x >> 5);
   uint4* ring = warp_ring(rings);
-  uint64_t* bars = kBulk ? warp_bars(rings) : nullptr;
-  if constexpr (kBulk) {
-    // fresh barriers per tile: the scratch held other opcodes' data since
-    // the last one (every earlier chunk was waited for)
-    if ((threadIdx.x & 31) == 0) {
-      for (int k = 0; k < kStages; ++k) mbar_init(&bars[k], 1);
-      mbar_init_fence();
-    }
-    __syncwarp();
-  }
 #pragma unroll
-  for (int i = 0; i < kAhead; ++i) issue_chunk(s, pw, i, ring, bars);
+  for (int i = 0; i < kAhead; ++i) issue_chunk(s, pw, i, ring);
 }
 
 // tile() over the rings: same sums in the same order, bit-identical. `primed`:
@@ -349,19 +304,12 @@ __device__ __forceinline__ void tile_piped(const WeightSpan& s, const bf16* xs, 
   if (!primed) prime(s, rings);
   const PipeWalk pw(s.rows, s.cols, warp, nwarps);
   uint4* ring = warp_ring(rings);
-  uint64_t* bars = kBulk ? warp_bars(rings) : nullptr;
   float acc[kFeat][kMaxRows];
   for (int i = 0; i < pw.total; ++i) {
     // the slot refilled now was last read in step i - 1: this lane's own
     // reads, complete since its FMAs consumed them (in-order issue)
-    issue_chunk(s, pw, i + kAhead, ring, bars);
-    if constexpr (kBulk) {
-      // a copy of weights always completes: no watchdog needed here
-      while (!mbar_try_wait(&bars[i % kStages], uint32_t(i / kStages) & 1u)) {
-      }
-    } else {
-      cp_async_wait<kAhead>();  // groups complete in order: chunk i is in
-    }
+    issue_chunk(s, pw, i + kAhead, ring);
+    cp_async_wait<kAhead>();  // groups complete in order: chunk i is in
     const int c0 = pw.c0(i, warp, nwarps), kb = pw.kb(i, lane);
     if (i % pw.nkb == 0) zero(acc);
     const uint4* slot = ring + (i % kStages) * kChunkU4 + lane;
