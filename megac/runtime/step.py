@@ -82,29 +82,33 @@ def seed_rows(tokens: Sequence[int], geo, w_embed: torch.Tensor, w_norm0: torch.
     return x, rms_norm(x, w_norm0, eps, act)
 
 
+_ATTN_COLS = tuple(abi.record_index(abi.Queue.ATTN, f) for f in ("ROW", "KV_HEAD", "SPLIT", "NUM_SPLITS"))
+
+
 def host_words(geo, positions: Sequence[int], targets: np.ndarray, attn_queue: np.ndarray) -> int:
     """Per-row split counts and the attention queue into the host region of
-    ``targets`` and into ``attn_queue``; returns the queue length."""
+    ``targets`` and into ``attn_queue``; returns the queue length. Records
+    run row by row, then kv head, then split (built with numpy: at batch 8
+    and 8K, 512 records written one field at a time cost ~1.5 ms a step)."""
     tw = geo.target_words
     targets[: tw.host_words] = 0
+    seq = [int(positions[i]) + 1 if i < len(positions) else 1 for i in range(geo.rows)]
+    full = [geo.attn_splits(n) for n in seq]
+    for i, n in enumerate(seq):
+        targets[tw.attn_splits_full(i)] = full[i]
+        targets[tw.attn_splits_sliding(i)] = geo.attn_splits(min(n, geo.max_window)) if geo.max_window else 0
     n = 0
-    R = abi.record_index
-    for i in range(geo.rows):
-        seq_len = int(positions[i]) + 1 if i < len(positions) else 1
-        full = geo.attn_splits(seq_len)
-        targets[tw.attn_splits_full(i)] = full
-        targets[tw.attn_splits_sliding(i)] = geo.attn_splits(min(seq_len, geo.max_window)) if geo.max_window else 0
-        if geo.full_layers:
-            for h in range(geo.kv_heads):
-                for s in range(full):
-                    if n >= attn_queue.shape[0]:
-                        raise MegacError("step: attention queue over capacity")
-                    rec = attn_queue[n]
-                    rec[R(abi.Queue.ATTN, "ROW")] = i
-                    rec[R(abi.Queue.ATTN, "KV_HEAD")] = h
-                    rec[R(abi.Queue.ATTN, "SPLIT")] = s
-                    rec[R(abi.Queue.ATTN, "NUM_SPLITS")] = full
-                    n += 1
+    if geo.full_layers:
+        heads = geo.kv_heads
+        n = heads * sum(full)
+        if n > attn_queue.shape[0]:
+            raise MegacError("step: attention queue over capacity")
+        per_row = np.asarray(full, dtype=np.int64) * heads
+        c_row, c_head, c_split, c_num = _ATTN_COLS
+        attn_queue[:n, c_row] = np.repeat(np.arange(geo.rows), per_row)
+        attn_queue[:n, c_head] = np.concatenate([np.repeat(np.arange(heads), f) for f in full])
+        attn_queue[:n, c_split] = np.concatenate([np.tile(np.arange(f), heads) for f in full])
+        attn_queue[:n, c_num] = np.repeat(np.asarray(full, dtype=np.int64), per_row)
     targets[tw.attn_queue_len] = n
     return n
 
