@@ -178,14 +178,7 @@ __device__ __forceinline__ void split(const Split& a, uint8_t* sm) {
 #pragma unroll 4
       for (int d = 0; d < HD; d += 8) {
         float kf[8];
-        const uint4 kv = *reinterpret_cast<const uint4*>(ks + j * S::P + d);
-        const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&kv);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(k2[e]);
-          kf[2 * e] = f.x;
-          kf[2 * e + 1] = f.y;
-        }
+        unpack8(*reinterpret_cast<const uint4*>(ks + j * S::P + d), kf);
 #pragma unroll
         for (int hh = 0; hh < S::HPT; ++hh) {
           const int h = hg + S::NG * hh;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cuda_bf16.h>
 
 #include "generated/megac_abi.h"
 
@@ -43,6 +44,17 @@ __device__ __forceinline__ uint4 ld_stream_u4_l2_256(const void* p) {
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
+}
+
+// Eight bf16 (one 16-byte load) to fp32, in order.
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
 }
 
 // 16-byte async copy (cp.async) into shared memory, through L2 only (L2

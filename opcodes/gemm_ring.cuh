@@ -132,10 +132,7 @@ __device__ __forceinline__ void tile_ring(const WeightSpan& s, const bf16* xs, i
     const int f0 = j * R;
     const int nf = min(R, s.rows - f0);
     float acc[kRingMaxR][kMaxRows];
-#pragma unroll
-    for (int f = 0; f < kRingMaxR; ++f)
-#pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) acc[f][m] = 0.f;
+    zero(acc);
     for (int k = lane * 8; k < klen; k += 32 * 8) {
 #pragma unroll
       for (int f = 0; f < kRingMaxR; ++f) {
@@ -159,20 +156,7 @@ __device__ __forceinline__ void tile_ring(const WeightSpan& s, const bf16* xs, i
     // every lane has read the stage: hand it back to the producer
     __syncwarp();
     if (lane == 0) mbar_arrive(&r->empty[slot]);
-#pragma unroll
-    for (int f = 0; f < kRingMaxR; ++f) {
-      if (f < nf) {
-#pragma unroll
-        for (int m = 0; m < kMaxRows; ++m) {
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) acc[f][m] += __shfl_xor_sync(0xffffffffu, acc[f][m], o);
-        }
-        if (lane == 0) {
-#pragma unroll
-          for (int m = 0; m < kMaxRows; ++m) ys[(f0 + f) * 8 + m] = m < rows ? acc[f][m] : 0.f;
-        }
-      }
-    }
+    reduce_features(acc, f0, f0 + nf, rows, ys);
   }
   __syncthreads();
   if (threadIdx.x == 0) r->base += uint32_t(nstages);

@@ -42,16 +42,6 @@ __device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, in
   __syncthreads();
 }
 
-__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-
 // A tile's weights: `rows` output features of `cols` bf16 each, pitch `ld`
 // elements (cols == ld: one contiguous block). The one description of where
 // a task's weights lie, used by the opcode and by the prefetch ahead of it.
@@ -148,14 +138,15 @@ __device__ __forceinline__ void fma_chunk(const uint4 (&wv)[kFeat][kUnroll], con
   }
 }
 
-// The end of a warp's features c0 .. c0 + kFeat - 1: each lane's partial sums
-// reduced over a fixed xor tree (live rows only: at batch 1 the other seven
-// rows' reductions were most of a feature's instructions), lane 0 writes ys.
-__device__ __forceinline__ void reduce_features(float (&acc)[kFeat][kMaxRows], int c0, int nlen, int rows,
-                                                float* ys) {
+// The end of a warp's features c0 .. c0 + F - 1 (those below nlen): each
+// lane's partial sums reduced over a fixed xor tree (live rows only: at batch
+// 1 the other seven rows' reductions were most of a feature's instructions),
+// lane 0 writes ys. Every weight path of a tile ends here.
+template <int F>
+__device__ __forceinline__ void reduce_features(float (&acc)[F][kMaxRows], int c0, int nlen, int rows, float* ys) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int f = 0; f < kFeat; ++f) {
+  for (int f = 0; f < F; ++f) {
 #pragma unroll
     for (int m = 0; m < kMaxRows; ++m) {
       if (m < rows) {
@@ -170,9 +161,10 @@ __device__ __forceinline__ void reduce_features(float (&acc)[kFeat][kMaxRows], i
   }
 }
 
-__device__ __forceinline__ void zero(float (&acc)[kFeat][kMaxRows]) {
+template <int F>
+__device__ __forceinline__ void zero(float (&acc)[F][kMaxRows]) {
 #pragma unroll
-  for (int f = 0; f < kFeat; ++f)
+  for (int f = 0; f < F; ++f)
 #pragma unroll
     for (int m = 0; m < kMaxRows; ++m) acc[f][m] = 0.f;
 }
