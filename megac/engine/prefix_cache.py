@@ -129,15 +129,12 @@ class PrefixCache:
             e.last_used = self._clock
             found.append(h)
             parts.append(e.blocks)
+        blocks = np.concatenate(parts, axis=1) if parts else np.zeros((self.kv.num_layers, 0), dtype=np.int32)
         # the longest chain whose end every layer can attend from (sliding
         # layers: their window's blocks mapped)
-        bpc = self.blocks_per_chunk
-        while found and not self.kv.attachable(np.concatenate(parts[: len(found)], axis=1)):
+        while found and not self.kv.attachable(blocks[:, : len(found) * self.blocks_per_chunk]):
             found.pop()
-        blocks = (np.concatenate(parts[: len(found)], axis=1) if found
-                  else np.zeros((self.kv.num_layers, 0), dtype=np.int32))
-        assert blocks.shape[1] == len(found) * bpc
-        return found, blocks
+        return found, blocks[:, : len(found) * self.blocks_per_chunk]
 
     def register(self, row: int, tokens: Sequence[int], chunk: int) -> bool:
         """Cache chunk ``chunk`` of ``row`` (its tokens ``tokens[:(chunk+1)*C]``
