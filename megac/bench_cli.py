@@ -93,8 +93,10 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
     if (profile_path or plot_path) and kind != "cuda":
         raise MegacError(f"bench: --profile / --plot time the megakernel's tasks; they need --backend cuda "
                          f"(got {kind})")
-    if plot_path is not None and plot_path.suffix.lower() not in (".png", ".svg"):
-        raise MegacError(f"bench: --plot {plot_path}: write a .png or .svg")
+    if plot_path is not None:
+        from megac.plot import check_plot_path
+
+        check_plot_path(plot_path, "bench: --plot")
     on_gpu = kind == "cuda" or (kind == "graphs" and cuda_visible())
     say = lambda msg: click.echo(f"[megac] {msg}", err=True)  # noqa: E731
     t0 = time.perf_counter()

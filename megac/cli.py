@@ -140,8 +140,10 @@ def schedule_cmd(model, order, batch_size, context, target, as_json, plot, calib
     sched = compile_one(spec, order=order, rows=batch_size, context=ctx)
     report = schedule_report(sched, _verify_report(sched))
     if plot is not None or calibration is not None:
-        if plot is not None and plot.suffix.lower() not in (".png", ".svg"):
-            raise MegacError(f"--plot {plot}: use a .png or .svg file name")
+        if plot is not None:
+            from megac.plot import check_plot_path
+
+            check_plot_path(plot, "--plot")
         from megac.calibration import Calibration, resolve
         from megac.costmodel import simulate
         from megac.plot import plot_timeline

@@ -35,10 +35,13 @@ OP_COLORS = {
 }
 
 
-def _checked_path(path) -> Path:
+def check_plot_path(path, what: str = "plot:") -> Path:
+    """``path`` as a Path when it names a picture this module writes; a
+    one-line error naming ``what`` (e.g. the option) otherwise. Commands
+    call it before any slow work."""
     path = Path(path)
     if path.suffix.lower() not in (".png", ".svg"):
-        raise MegacError(f"plot: {path}: use a .png or .svg file name")
+        raise MegacError(f"{what} {path}: use a .png or .svg file name")
     return path
 
 
@@ -95,7 +98,7 @@ def plot_timeline(result, path, *, title: str | None = None, max_sms: int | None
     """Draw ``result`` (a :class:`megac.costmodel.CostResult`) to ``path``
     (.png or .svg). ``max_sms`` limits the rows drawn (the first SMs);
     ``time_range`` (us) zooms into part of the step."""
-    path = _checked_path(path)
+    path = check_plot_path(path)
     S = result.num_sms if max_sms is None else min(max_sms, result.num_sms)
     keep = result.sm < S
     sm, t0, t1, op = result.sm[keep], result.start[keep], result.end[keep], result.opcode[keep]
@@ -133,7 +136,7 @@ def plot_measured(recs, path, *, title: str, max_sms: int | None = None,
     includes the waits of the records it claimed)."""
     from matplotlib.patches import Patch
 
-    path = _checked_path(path)
+    path = check_plot_path(path)
     recs = list(recs)
     if not recs:
         raise MegacError("plot: no task records (did the step run with a MEGAC_PROFILE build?)")
@@ -153,4 +156,4 @@ def plot_measured(recs, path, *, title: str, max_sms: int | None = None,
     return _save(fig, ax, path, title, handles)
 
 
-__all__ = ["OP_COLORS", "plot_measured", "plot_timeline"]
+__all__ = ["OP_COLORS", "check_plot_path", "plot_measured", "plot_timeline"]
