@@ -124,7 +124,7 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
         schedules, artifact_dir = got.schedules, got.path
     elif opts.artifact is not None and not needs_schedules(kind):
         raise MegacError(f"--artifact: the {kind} backend runs no compiled schedules")
-    device = "cpu"
+    device, free = "cpu", None
     # the megakernel (and the graphs baseline, where a GPU is visible) read
     # bf16 weights and a bf16 KV pool on the GPU: build the pool there, never
     # a host pool first (batch 8 x 128K is ~30 GB)
@@ -132,6 +132,7 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
         import torch
 
         weights, device = weights.to(torch.bfloat16, "cuda"), "cuda"
+        free = int(torch.cuda.mem_get_info()[0])  # what the weights leave for the KV pool
     batch, why = batch_size_for(opts.max_batch_size, schedules)
     if why:
         log.info("%s", why)
@@ -141,11 +142,6 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     else:
         elem = weights.dtype.itemsize
         block_bytes = 2 * bs * spec.num_kv_heads * spec.head_dim * elem
-        free = None
-        if device == "cuda":
-            import torch
-
-            free = int(torch.cuda.mem_get_info()[0])
         budget = kv_budget_bytes(opts.kv_cache_memory_gb, free, opts.gpu_memory_utilization) // block_bytes
         if free is not None:
             # on the GPU the pool bounds the context (a pool larger than the
