@@ -45,10 +45,13 @@ __device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, in
 // A tile's weights: `rows` output features of `cols` bf16 each, pitch `ld`
 // elements (cols == ld: one contiguous block). The one description of where
 // a task's weights lie, used by the opcode and by the prefetch ahead of it.
+// `tiled`: the matrix is in the tiled device layout (gemm_tc.cuh); `p` is the
+// tile's first 16 x 32 block and `ld` the matrix's K.
 struct WeightSpan {
   const bf16* p;
   int rows, cols;
   int64_t ld;
+  bool tiled = false;
 };
 
 // L2 prefetch window: the TMA unit keeps about this many bytes of weight
@@ -93,7 +96,10 @@ __device__ __forceinline__ void prefetch_rows(const WeightSpan& s, int r0, int r
   r1 = min(r1, s.rows);
   if (kWindowBytes == 0 || r0 >= r1) return;
   const uint32_t rb = uint32_t(s.cols) * 2u;
-  if (s.cols == s.ld) {
+  if (s.tiled) {  // a 16-row group's K slice is one contiguous run
+    for (int rg = r0 / 16 + lane; rg < (r1 + 15) / 16; rg += nlanes)
+      prefetch_l2(s.p + int64_t(rg) * 16 * s.ld, rb * 16u);
+  } else if (s.cols == s.ld) {
     constexpr uint32_t kPiece = 16384;
     const char* base = reinterpret_cast<const char*>(s.p + int64_t(r0) * s.ld);
     const int64_t total = int64_t(r1 - r0) * rb;

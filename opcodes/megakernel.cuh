@@ -73,7 +73,10 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
   }
   const int sm = blockIdx.x;
   const int n = ptr<const int32_t>(desc->task_counts)[sm];
-  if (threadIdx.x == 0) rows::ring_init(&ts->ring);  // visible after the loop's first barrier
+  if (threadIdx.x == 0) {  // visible after the loop's first barrier
+    rows::ring_init(&ts->ring);
+    tc::bulk_init(&ts->tc);
+  }
   const int32_t* list = ptr<const int32_t>(desc->tasks) + int64_t(sm) * desc->max_tasks * TASK_WORDS;
   // The next task's words are loaded while this one runs (a load per task
   // on the critical path cost ~0.6 us of dispatch); with MEGAC_PREFETCH 2
@@ -116,7 +119,7 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
 #endif
     // weights never depend on the waits: a static GEMM's first chunks stream
     // while thread 0 waits for its inputs
-    c.primed = rows::kEarly && Dispatch::prime(c, ts->w);
+    c.primed = (rows::kEarly || tc::kBulk) && Dispatch::prime(c, ts->w);
     if (threadIdx.x == 0) {
       ts->task = k;
       ptr<int32_t>(desc->progress)[sm] = k;  // where this CTA is, for the watchdog report
@@ -128,9 +131,13 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
     __syncthreads();
     if (!ts->ok) {
       cp_async_wait<0>();  // no copy of a primed tile outlives the CTA
+      tc::drain(&ts->tc);
       break;
     }
     const bool ok = Dispatch::run(c, op);
+    // this task's generic writes to the scratch before the copy engine
+    // writes the next GEMM's rings there (gemm_tc.cuh)
+    if constexpr (tc::kBulk) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
 #if MEGAC_PROFILE
     if (threadIdx.x == 0 && megakernel_profile != nullptr) {

@@ -29,6 +29,7 @@
 #include "common.cuh"
 #include "counters.cuh"
 #include "gemm_ring.cuh"
+#include "gemm_tc.cuh"
 #include "generated/megac_abi.h"
 
 // Per-task timeline build (megakernel.cuh, megac/gpu/profile.py); here for
@@ -50,6 +51,7 @@ struct TaskShared {
   int32_t task;                // index in this CTA's list
   int32_t claim_signal;        // counter the claimed record signals (-1: none)
   rows::RingState ring;        // the GEMM weight ring's barriers (gemm_ring.cuh), per launch
+  tc::BulkState tc;            // the tensor-core tile's per-warp rings (gemm_tc.cuh), per launch
   uint32_t claims;             // records this claimer task ran (profile)
   uint32_t claim_wait_ns;      // time its record waits took (profile)
   int32_t pad[2];

@@ -1,9 +1,9 @@
 // Device side of the GEMM family (megac/ops/gemm.py): QKV_PROJ, O_PROJ,
 // FFN_UPGATE_ACT, FFN_DOWN, ROUTER_GEMM, LM_HEAD, and the expert tiles the
 // MoE claimers run (megac/ops/moe.py). Each reads its fields through the
-// generated field indices and runs one tile (gemm_rows.cuh) with its
-// epilogue; only rows < the schedule's rows (or an expert tile's routed
-// rows) are written.
+// generated field indices and runs one tile (gemm_tc.cuh over tiled
+// weights, else gemm_rows.cuh) with its epilogue; only rows < the
+// schedule's rows (or an expert tile's routed rows) are written.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,7 @@
 
 #include "gemm_ring.cuh"
 #include "gemm_rows.cuh"
+#include "gemm_tc.cuh"
 #include "mk_core.cuh"
 #include "mk_layout.cuh"
 
@@ -29,22 +30,48 @@ using bf16 = __nv_bfloat16;
 #define MEGAC_GEMM_RING 0
 #endif
 
-// Scratch of a GEMM tile: X staging [8][MAX_KLEN] bf16, ys [MAX_NLEN][8]
-// fp32, then the warps' cp.async rings (rows::kStages > 0) or the bulk-copy
-// ring's stages when the model uses it.
+// 1 (default): a model whose every GEMM tile allows it (M::GEMM_TILED: rows
+// in 16s, K in 32s) reads its weights in the tiled device layout on the
+// tensor cores (gemm_tc.cuh); 0: row-major weights and the CUDA-core row
+// loop (gemm_rows.cuh). The host lays the weights out as the cubin's
+// megakernel_weight_layout says (megac/weights/layout.py).
+#ifndef MEGAC_TC_GEMM
+#define MEGAC_TC_GEMM 1
+#endif
+template <class M>
+constexpr bool kTiled = MEGAC_TC_GEMM && M::GEMM_TILED;
+
+// Scratch of a GEMM tile: X staging [8][MAX_KLEN (+ padding)] bf16, ys
+// [MAX_NLEN][8] fp32, then the tensor-core tile's K-slice partials, the
+// warps' cp.async rings (rows::kStages > 0) or the bulk-copy ring's stages
+// when the model uses one.
 template <class M>
 struct GemmScratch {
-  static constexpr bool kRing = MEGAC_GEMM_RING && M::MAX_KLEN * 2 <= rows::kRingStageBytes;
-  static constexpr int kXBytes = (8 * M::MAX_KLEN * 2 + 127) / 128 * 128;
+  static constexpr bool kTc = kTiled<M>;
+  static constexpr bool kRing = !kTc && MEGAC_GEMM_RING && M::MAX_KLEN * 2 <= rows::kRingStageBytes;
+  static constexpr int kXBytes = (8 * tc::x_pitch(M::MAX_KLEN) * 2 + 127) / 128 * 128;
   static constexpr int kYBytes = (M::MAX_NLEN * 8 * 4 + 127) / 128 * 128;
-  static constexpr bool kPiped = !kRing && rows::kStages > 0;
-  static constexpr int kBytes =
-      kXBytes + kYBytes + (kRing ? rows::kRingBytes : 0) + (kPiped ? rows::pipe_bytes(M::THREADS / 32) : 0);
+  static constexpr bool kPiped = !kTc && !kRing && rows::kStages > 0;
+  static constexpr int kPartBytes = kTc ? tc::part_bytes(M::THREADS / 32) : 0;
+  static constexpr int kBytes = kXBytes + kYBytes + kPartBytes + (kTc ? tc::ring_bytes(M::THREADS / 32) : 0) +
+                                (kRing ? rows::kRingBytes : 0) + (kPiped ? rows::pipe_bytes(M::THREADS / 32) : 0);
   __device__ static bf16* xs(const Ctx& c) { return reinterpret_cast<bf16*>(c.scratch); }
   __device__ static float* ys(const Ctx& c) { return reinterpret_cast<float*>(c.scratch + kXBytes); }
   __device__ static uint8_t* ring(const Ctx& c) { return c.scratch + kXBytes + kYBytes; }
   __device__ static uint8_t* pipes(const Ctx& c) { return c.scratch + kXBytes + kYBytes; }
+  __device__ static float* part(const Ctx& c) { return reinterpret_cast<float*>(c.scratch + kXBytes + kYBytes); }
+  __device__ static uint8_t* tc_ring(const Ctx& c) { return c.scratch + kXBytes + kYBytes + kPartBytes; }
 };
+
+// Rows [n0, n0 + nlen) x columns [k0, k0 + klen) of an [N, K] weight matrix
+// at `mat`, in the model's device layout.
+template <class M>
+__device__ __forceinline__ rows::WeightSpan span(const bf16* mat, int n0, int k0, int nlen, int klen, int k) {
+  if constexpr (kTiled<M>)
+    return {mat + (int64_t(n0 / 16) * (k / 32) + k0 / 32) * tc::kBlockElems, nlen, klen, k, true};
+  else
+    return {mat + int64_t(n0) * k + k0, nlen, klen, k, false};
+}
 
 // One tile: stage X [rows, k0:k0+klen] from x (row pitch ldx), multiply
 // with w (the tile's first weight row at column k0, pitch ldw); the result
@@ -68,46 +95,41 @@ using rows::WeightSpan;
 // static words: callable before the task's waits, on the next task's words).
 template <class M>
 __device__ __forceinline__ WeightSpan qkv_proj_weights(const Ctx& c, const int32_t* w) {
-  return {ptr<const bf16>(c.d->w_qkv) + Layout<M>::w_qkv(w[H_LAYER]) + int64_t(MK_W(qkv_proj, N0)) * M::HIDDEN +
-              MK_W(qkv_proj, K0),
-          MK_W(qkv_proj, N_LEN), MK_W(qkv_proj, K_LEN), M::HIDDEN};
+  return span<M>(ptr<const bf16>(c.d->w_qkv) + Layout<M>::w_qkv(w[H_LAYER]), MK_W(qkv_proj, N0), MK_W(qkv_proj, K0),
+                 MK_W(qkv_proj, N_LEN), MK_W(qkv_proj, K_LEN), M::HIDDEN);
 }
 
 template <class M>
 __device__ __forceinline__ WeightSpan o_proj_weights(const Ctx& c, const int32_t* w) {
-  return {ptr<const bf16>(c.d->w_o) + Layout<M>::w_o(w[H_LAYER]) + int64_t(MK_W(o_proj, N0)) * M::Q_WIDTH +
-              MK_W(o_proj, K0),
-          MK_W(o_proj, N_LEN), MK_W(o_proj, K_LEN), M::Q_WIDTH};
+  return span<M>(ptr<const bf16>(c.d->w_o) + Layout<M>::w_o(w[H_LAYER]), MK_W(o_proj, N0), MK_W(o_proj, K0),
+                 MK_W(o_proj, N_LEN), MK_W(o_proj, K_LEN), M::Q_WIDTH);
 }
 
 template <class M>
 __device__ __forceinline__ WeightSpan ffn_upgate_act_weights(const Ctx& c, const int32_t* w) {
   const int slot = ptr<const int32_t>(c.d->layer_slot)[w[H_LAYER]];
-  return {ptr<const bf16>(c.d->w_upgate) + Layout<M>::w_upgate(slot) +
-              int64_t(MK_W(ffn_upgate_act, N0)) * M::HIDDEN + MK_W(ffn_upgate_act, K0),
-          MK_W(ffn_upgate_act, N_LEN), MK_W(ffn_upgate_act, K_LEN), M::HIDDEN};
+  return span<M>(ptr<const bf16>(c.d->w_upgate) + Layout<M>::w_upgate(slot), MK_W(ffn_upgate_act, N0),
+                 MK_W(ffn_upgate_act, K0), MK_W(ffn_upgate_act, N_LEN), MK_W(ffn_upgate_act, K_LEN), M::HIDDEN);
 }
 
 template <class M>
 __device__ __forceinline__ WeightSpan ffn_down_weights(const Ctx& c, const int32_t* w) {
   const int slot = ptr<const int32_t>(c.d->layer_slot)[w[H_LAYER]];
-  return {ptr<const bf16>(c.d->w_down) + Layout<M>::w_down(slot) + int64_t(MK_W(ffn_down, N0)) * M::DENSE_WIDTH +
-              MK_W(ffn_down, K0),
-          MK_W(ffn_down, N_LEN), MK_W(ffn_down, K_LEN), M::DENSE_WIDTH};
+  return span<M>(ptr<const bf16>(c.d->w_down) + Layout<M>::w_down(slot), MK_W(ffn_down, N0), MK_W(ffn_down, K0),
+                 MK_W(ffn_down, N_LEN), MK_W(ffn_down, K_LEN), M::DENSE_WIDTH);
 }
 
 template <class M>
 __device__ __forceinline__ WeightSpan router_gemm_weights(const Ctx& c, const int32_t* w) {
   const int slot = ptr<const int32_t>(c.d->layer_slot)[w[H_LAYER]];
-  return {ptr<const bf16>(c.d->w_router) + Layout<M>::w_router(slot) + int64_t(MK_W(router_gemm, N0)) * M::HIDDEN +
-              MK_W(router_gemm, K0),
-          MK_W(router_gemm, N_LEN), MK_W(router_gemm, K_LEN), M::HIDDEN};
+  return span<M>(ptr<const bf16>(c.d->w_router) + Layout<M>::w_router(slot), MK_W(router_gemm, N0),
+                 MK_W(router_gemm, K0), MK_W(router_gemm, N_LEN), MK_W(router_gemm, K_LEN), M::HIDDEN);
 }
 
 template <class M>
 __device__ __forceinline__ WeightSpan lm_head_weights(const Ctx& c, const int32_t* w) {
-  return {ptr<const bf16>(c.d->w_lm_head) + int64_t(MK_W(lm_head, N0)) * M::HIDDEN + MK_W(lm_head, K0),
-          MK_W(lm_head, N_LEN), MK_W(lm_head, K_LEN), M::HIDDEN};
+  return span<M>(ptr<const bf16>(c.d->w_lm_head), MK_W(lm_head, N0), MK_W(lm_head, K0), MK_W(lm_head, N_LEN),
+                 MK_W(lm_head, K_LEN), M::HIDDEN);
 }
 
 // A claimed expert tile's weights (record {expert, n_tile, slot0, rows}).
@@ -116,9 +138,8 @@ __device__ __forceinline__ WeightSpan moe_up_weights(const Ctx& c, const int32_t
   const int slot = ptr<const int32_t>(c.d->layer_slot)[c.ts->w[H_LAYER]];
   const int nlen_full = MK_F(moe_upgate_drain, N_LEN);
   const int n0 = rec[rec_moe_up::N_TILE] * nlen_full;
-  return {ptr<const bf16>(c.d->w_moe_upgate) + Layout<M>::w_moe_upgate(slot, rec[rec_moe_up::EXPERT]) +
-              int64_t(n0) * M::HIDDEN,
-          min(nlen_full, 2 * M::EXPERT_WIDTH - n0), M::HIDDEN, M::HIDDEN};
+  return span<M>(ptr<const bf16>(c.d->w_moe_upgate) + Layout<M>::w_moe_upgate(slot, rec[rec_moe_up::EXPERT]), n0, 0,
+                 min(nlen_full, 2 * M::EXPERT_WIDTH - n0), M::HIDDEN, M::HIDDEN);
 }
 
 template <class M>
@@ -126,9 +147,8 @@ __device__ __forceinline__ WeightSpan moe_down_weights(const Ctx& c, const int32
   const int slot = ptr<const int32_t>(c.d->layer_slot)[c.ts->w[H_LAYER]];
   const int nlen_full = MK_F(moe_down_drain, N_LEN);
   const int n0 = rec[rec_moe_down::N_TILE] * nlen_full;
-  return {ptr<const bf16>(c.d->w_moe_down) + Layout<M>::w_moe_down(slot, rec[rec_moe_down::EXPERT]) +
-              int64_t(n0) * M::EXPERT_WIDTH,
-          min(nlen_full, M::HIDDEN - n0), M::EXPERT_WIDTH, M::EXPERT_WIDTH};
+  return span<M>(ptr<const bf16>(c.d->w_moe_down) + Layout<M>::w_moe_down(slot, rec[rec_moe_down::EXPERT]), n0, 0,
+                 min(nlen_full, M::HIDDEN - n0), M::EXPERT_WIDTH, M::EXPERT_WIDTH);
 }
 
 // The first chunks of a static GEMM task's tile into its warps' pipelines,
@@ -136,7 +156,10 @@ __device__ __forceinline__ WeightSpan moe_down_weights(const Ctx& c, const int32
 // True when it primed: the task's gemm() then goes on from there (Ctx::primed).
 template <class M>
 __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s) {
-  if constexpr (GemmScratch<M>::kPiped && rows::kEarly) {
+  if constexpr (GemmScratch<M>::kTc && tc::kBulk) {
+    tc::prime(s, GemmScratch<M>::tc_ring(c), &c.ts->tc);
+    return true;
+  } else if constexpr (GemmScratch<M>::kPiped && rows::kEarly) {
     rows::prime(s, GemmScratch<M>::pipes(c));
     return true;
   }
@@ -144,12 +167,22 @@ __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s) {
 }
 
 // gemm() over a WeightSpan: its rows are the tile's features, its columns
-// K; through the warps' cp.async pipelines (default), the register-fed loop
-// (MEGAC_GEMM_STAGES=0) or the bulk-copy ring. A task's one tile continues
+// K; on the tensor cores over tiled weights (default where the model allows),
+// else through the register-fed loop, the warps' cp.async pipelines
+// (MEGAC_GEMM_STAGES) or the bulk-copy ring (MEGAC_GEMM_RING). A task's one tile continues
 // what the dispatcher primed (c.primed); claimed tiles are never primed.
 template <class M>
 __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const bf16* x, int64_t ldx, int rows) {
-  if constexpr (GemmScratch<M>::kPiped) {
+  if constexpr (GemmScratch<M>::kTc) {
+    bf16* xs = GemmScratch<M>::xs(c);
+    float* ys = GemmScratch<M>::ys(c);
+    tc::stage_x(x, ldx, rows, s.cols, xs);
+    if constexpr (tc::kBulk)
+      tc::tile_bulk(s, xs, rows, ys, GemmScratch<M>::part(c), GemmScratch<M>::tc_ring(c), &c.ts->tc, c.primed);
+    else
+      tc::tile(s.p, int(s.ld / 32), xs, rows, s.rows, s.cols, ys, GemmScratch<M>::part(c));
+    return ys;
+  } else if constexpr (GemmScratch<M>::kPiped) {
     bf16* xs = GemmScratch<M>::xs(c);
     float* ys = GemmScratch<M>::ys(c);
     rows::stage_x(x, ldx, rows, s.cols, xs);

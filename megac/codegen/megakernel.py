@@ -33,6 +33,8 @@ THREADS = 256
 #: the launch's extern "C" names
 ENTRY = "megakernel"
 SMEM_SYMBOL = "megakernel_smem_bytes"
+#: int symbol of the cubin: the device weight layout it reads (megac.weights.layout.LAYOUT_*)
+LAYOUT_SYMBOL = "megakernel_weight_layout"
 
 _GEMM_SHAPES = {  # opcode -> (N_LEN field, K_LEN field) in its words
     Op.QKV_PROJ: ("N_LEN", "K_LEN"), Op.O_PROJ: ("N_LEN", "K_LEN"), Op.FFN_UPGATE_ACT: ("N_LEN", "K_LEN"),
@@ -66,6 +68,33 @@ def _gemm_extents(schedules) -> tuple[int, int]:
     return kmax, nmax
 
 
+def gemm_tiled(schedules) -> bool:
+    """True when every GEMM of the model can read the tiled device layout
+    (opcodes/gemm_tc.cuh): each matrix has rows in 16s and K in 32s, and each
+    task's tile starts and ends on those boundaries."""
+    geo = largest(schedules).geometry
+    rows = [geo.qkv_width, geo.hidden, geo.vocab, 2 * geo.dense_width, geo.num_experts, 2 * geo.expert_width]
+    ks = [geo.hidden, geo.q_width, geo.dense_width, geo.expert_width]
+    if any(n % 16 for n in rows) or any(k % 32 for k in ks):
+        return False
+    for s in schedules:
+        live = np.arange(s.tasks.shape[1])[None, :] < np.asarray(s.task_counts)[:, None]
+        w = s.tasks[live]
+        ops = w[:, H.OPCODE]
+        for op, (nf, kf) in _GEMM_SHAPES.items():
+            m = ops == op
+            if not m.any():
+                continue
+            for f, q in (("N0", 16), (nf, 16), ("K0", 32), (kf, 32)):
+                if (w[m, abi.field_index(op, f)] % q).any():
+                    return False
+        for op in (Op.MOE_UPGATE_DRAIN, Op.MOE_DOWN_DRAIN):
+            m = ops == op
+            if m.any() and (w[m, abi.field_index(op, "N_LEN")] % 16).any():
+                return False
+    return True
+
+
 def check_envelope(spec, geo) -> None:
     """One line when the first megakernel cannot run this model's shapes."""
     why = []
@@ -94,7 +123,7 @@ def model_constants(spec, schedules) -> list[tuple[str, int]]:
         ("EXPERT_WIDTH", geo.expert_width), ("MAX_ROWS", geo.rows), ("MAX_SPLITS", geo.max_splits),
         ("NORM_SLOTS", geo.norm_slots), ("FFN_SPLITS", geo.ffn_splits), ("ROUTER_SPLITS", geo.router_splits),
         ("LM_BN", geo.lm_bn), ("LM_TILES", geo.lm_tiles), ("MAX_KLEN", kmax), ("MAX_NLEN", nmax),
-        ("THREADS", THREADS),
+        ("THREADS", THREADS), ("GEMM_TILED", int(gemm_tiled(schedules))),
     ]
 
 
@@ -228,5 +257,5 @@ def build_megakernel(artifact_dir: Path, *, force: bool = False) -> Path:
         return built
 
 
-__all__ = ["CUBIN", "ENTRY", "SMEM_SYMBOL", "SOURCE", "THREADS", "build_megakernel", "largest", "model_constants",
+__all__ = ["CUBIN", "ENTRY", "LAYOUT_SYMBOL", "SMEM_SYMBOL", "gemm_tiled", "SOURCE", "THREADS", "build_megakernel", "largest", "model_constants",
            "prebuilt_cubin", "render_megakernel", "write_megakernel"]

@@ -74,7 +74,7 @@ class CudaBackend(TorchPrefillMixin):
                  cubin=None) -> None:
         from megac.codegen.megakernel import ENTRY, THREADS, build_megakernel, largest
         from megac.gpu import launch
-        from megac.weights.layout import kernel_weights
+        from megac.weights.layout import LAYOUT_ROW_MAJOR, kernel_weights, relayout_
 
         torch = _torch()
         if not torch.cuda.is_available():
@@ -99,6 +99,9 @@ class CudaBackend(TorchPrefillMixin):
         moe_chunk = max(1, geo.moe_up_bn // 2)
         kw = kernel_weights(self.weights, spec, chunk=chunk, moe_chunk=moe_chunk)
         self.kernel_weights = {k: v.to(self.dev).contiguous() for k, v in kw.items()}
+        # the GEMM weights as this cubin reads them (use_cubin re-lays them out
+        # when a build with another layout is swapped in)
+        relayout_(self.kernel_weights, LAYOUT_ROW_MAJOR, self.layout)
         self.kernel_weights["layer_slot"] = self.kernel_weights["layer_slot"].to(torch.int32)
         self.kernel_weights["rope_inv_freq"] = self.kernel_weights["rope_inv_freq"].to(torch.float32)
         # buffers of the largest key (counters: the most any schedule uses)
@@ -134,12 +137,19 @@ class CudaBackend(TorchPrefillMixin):
     def use_cubin(self, cubin) -> None:
         """Load (or swap in) a build of the megakernel: its module, the
         shared memory it asks for, its prepared launch."""
-        from megac.codegen.megakernel import SMEM_SYMBOL
+        from megac.codegen.megakernel import LAYOUT_SYMBOL, SMEM_SYMBOL
         from megac.gpu import launch
+        from megac.weights.layout import relayout_
 
         self.cubin = cubin
         self.module = launch.load_module(cubin)
         self.smem = int(self._read_symbol(SMEM_SYMBOL))
+        layout = int(self._read_symbol(LAYOUT_SYMBOL))
+        if getattr(self, "kernel_weights", None) is not None and layout != self.layout:
+            relayout_(self.kernel_weights, self.layout, layout)
+            self._desc_cache.clear()  # w_lm_head is a new tensor
+        #: how this cubin reads the GEMM weights (megac.weights.layout.LAYOUT_*)
+        self.layout = layout
         self._launch = launch.Prepared(self.module, self.entry, (self.big.num_sms,), (self.threads,),
                                        shared_mem=self.smem, cooperative=True)
 

@@ -100,6 +100,53 @@ def untile_gemm_weights(w: torch.Tensor, bk: int) -> torch.Tensor:
     return v.permute(0, 1, 4, 5, 2, 3, 6, 7).contiguous().reshape(w.shape)
 
 
+#: The GEMM weights the megakernel's tensor-core tile reads (opcodes/gemm_tc.cuh).
+GEMM_WEIGHT_FIELDS = ("w_qkv", "w_o", "w_upgate", "w_down", "w_router", "w_moe_upgate", "w_moe_down", "w_lm_head")
+
+#: ``megakernel_weight_layout`` (a symbol of the cubin): how the GEMM fields lie.
+LAYOUT_ROW_MAJOR = 0
+LAYOUT_TILED = 1
+
+
+def gemm_tileable(kw: dict[str, torch.Tensor]) -> bool:
+    """True when every GEMM field's ``[N, K]`` has ``N % 16 == 0`` and ``K % 32 == 0``."""
+    return all(kw[f].shape[-2] % 16 == 0 and kw[f].shape[-1] % 32 == 0
+               for f in GEMM_WEIGHT_FIELDS if kw[f].numel())
+
+
+def relayout_(kw: dict[str, torch.Tensor], src: int, dst: int) -> dict[str, torch.Tensor]:
+    """The descriptor's weight tensors ``kw`` from device layout ``src`` into
+    ``dst`` (``LAYOUT_*``), in place where :func:`kernel_weights` made the
+    tensor (the stacks: one matrix at a time, so North Mini Code's 39 GB of
+    experts need no second copy) and as a new tensor for ``w_lm_head``, which
+    may be the caller's embedding (tied). Returns ``kw``.
+
+    ``LAYOUT_TILED``: every GEMM field in 16-row x 32-column blocks of 1 KB in
+    MMA fragment order, ``[..., N/16, K/32, 2, 8, 4, 8]`` (the storage of
+    :func:`tile_gemm_weights`, which does not depend on the stage width: a
+    16-row group's K row is one contiguous run of blocks whatever BK is).
+    ``w_embed`` always stays row-major (the host gathers its rows)."""
+    for lay in (src, dst):
+        if lay not in (LAYOUT_ROW_MAJOR, LAYOUT_TILED):
+            raise MegacError(f"layout: unknown device weight layout {lay}")
+    if src == dst:
+        return kw
+    fn = tile_gemm_weights if dst == LAYOUT_TILED else untile_gemm_weights
+    for f in GEMM_WEIGHT_FIELDS:
+        t = kw[f]
+        if not t.numel():
+            continue
+        if not t.is_contiguous():  # the in-place pass below must write kw's own storage
+            kw[f] = t = t.contiguous()
+        if f == "w_lm_head":
+            kw[f] = fn(t, 32)
+            continue
+        mats = t.reshape(-1, t.shape[-2], t.shape[-1])
+        for i in range(mats.shape[0]):
+            mats[i].copy_(fn(mats[i], 32))
+    return kw
+
+
 def upgate_row_map(width: int, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """int64 ``[2*width]``: interleaved row ``r`` holds row ``map[r]`` of
     ``cat([gate, up])`` (``< width``: a gate row, ``>= width``: up row
@@ -243,6 +290,11 @@ def canonical_from_kernel(kw: dict[str, torch.Tensor], spec: "ModelSpec", *, chu
 
 __all__ = [
     "DEFAULT_CHUNK",
+    "GEMM_WEIGHT_FIELDS",
+    "LAYOUT_ROW_MAJOR",
+    "LAYOUT_TILED",
+    "relayout_",
+    "gemm_tileable",
     "KERNEL_WEIGHT_FIELDS",
     "canonical_from_kernel",
     "deinterleave_gate_up",

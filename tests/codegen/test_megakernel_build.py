@@ -66,3 +66,25 @@ def test_unsupported_shape_gets_no_megakernel(tmp_path):
     m = write_artifact(tmp_path, odd, res.schedules, order="tuned")
     assert not (tmp_path / SOURCE).exists()
     assert "GQA ratio <= 16" in m["megakernel_unsupported"]
+
+
+def test_gemm_layout_is_tiled_exactly_where_every_tile_fits():
+    """SmolLM2's and North Mini Code's GEMM tiles all start and end on
+    16-row / 32-column boundaries, so their megakernel reads tiled weights;
+    tiny-moe's router has 8 rows (8 experts) and keeps row-major weights, as
+    does a model whose hidden size is not a multiple of 32."""
+    from megac.codegen.megakernel import gemm_tiled
+    from megac.spec.loader import spec_from_dict
+
+    for name, tiled in (("smollm2-135m", True), ("north-mini-code", True), ("tiny-moe", False)):
+        spec = load_spec(name)
+        res = compile_schedules(spec, batch_sizes=[1])
+        assert gemm_tiled(res.schedules) == tiled, name
+        assert f"GEMM_TILED = {int(tiled)};" in render_megakernel(spec, res.schedules)
+    data = load_spec("tiny-llama").model_dump()
+    assert data["hidden_size"] % 32 == 0
+    data["hidden_size"] += 16  # rows of 16-byte chunks still, K no longer in 32s
+    odd = spec_from_dict(data)
+    res = compile_schedules(odd, batch_sizes=[1])
+    assert not gemm_tiled(res.schedules)
+    assert "GEMM_TILED = 0;" in render_megakernel(odd, res.schedules)

@@ -693,9 +693,14 @@ def check_speed() -> dict:
 #: issued, MEGAC_L2_WINDOW = bytes of the sliding prefetch window; see
 #: megakernel.cuh and gemm_rows.cuh); "default" is the headers' own setting
 VARIANTS = {
-    "default": {},
-    "piped4": {"MEGAC_GEMM_STAGES": 4},
-    "attn_rows": {"MEGAC_ATTN_TILES": 0},
+    "default": {},  # tensor-core tile, per-warp bulk-copy rings of 2 x 8 KB
+    "rows": {"MEGAC_TC_GEMM": 0},  # row-major weights, the CUDA-core row GEMM
+    "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
+    "regs16": {"MEGAC_TC_BULK": 0, "MEGAC_TC_UNROLL": 16},
+    # other ring shapes: stages x KB per stage
+    "bulk2x10": {"MEGAC_TC_STAGES": 2, "MEGAC_TC_STAGE_BLOCKS": 10},
+    "bulk3x6": {"MEGAC_TC_STAGES": 3, "MEGAC_TC_STAGE_BLOCKS": 6},
+    "nofence": {"MEGAC_TC_STAGE_FENCE": 0},
 }
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
@@ -791,11 +796,10 @@ def check_splits() -> dict:
 
 
 def check_gemm_env() -> dict:
-    """Is the row GEMM's per-SM rate its own or the kernel's? North Mini
-    Code batch 1, 8K: op_profile (each opcode alone, no waits) with the
-    default build (attention tiles: ~110 KB of shared scratch, little L1
-    left) and with the attn_rows build (~40 KB of scratch: the same GEMM code
-    with most of L1 free)."""
+    """Each GEMM opcode alone (op_profile, no waits), North Mini Code batch
+    1, 8K: the default build (tensor-core tile over tiled weights,
+    gemm_tc.cuh) against the rows build (row-major weights, the CUDA-core
+    row loop of gemm_rows.cuh)."""
     import torch
 
     from megac.spec import load_spec
@@ -806,7 +810,7 @@ def check_gemm_env() -> dict:
     eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
     _noise_kv(eng)
     out = {}
-    for v in ("default", "attn_rows"):
+    for v in ("default", "rows", "regs"):
         use_cubin(eng.backend, variant_cubin(spec, VARIANTS[v]))
         out[v] = {"smem_bytes": eng.backend.smem, **op_profile(eng, 1, 8192)}
     del eng, w

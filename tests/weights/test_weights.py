@@ -402,3 +402,33 @@ def test_random_draw_is_the_documented_hash():
     assert float(got.min()) >= -(3.0 ** 0.5) and float(got.max()) < 3.0 ** 0.5
     scaled = rnd.draw(3, "layers.0.q", (n,), std=0.02, mean=1.0)
     assert torch.equal(scaled, (got * torch.tensor(0.02)) + torch.tensor(1.0))
+
+
+def test_relayout_tiles_the_stacks_in_place_and_leaves_the_embedding():
+    """relayout_ puts element (r, k) of every GEMM matrix at block
+    (r // 16) * (K / 32) + k // 32, offset ((r % 16 // 8) * 8 + r % 8) * 32 +
+    (k % 32 // 8) * 8 + k % 8 (the A-fragment order gemm_tc.cuh reads),
+    rewrites the stacked fields in their own storage, gives the tied LM head
+    a copy of its own and restores everything on the way back."""
+    from megac.weights.layout import GEMM_WEIGHT_FIELDS, LAYOUT_ROW_MAJOR, LAYOUT_TILED, relayout_
+
+    g = torch.Generator().manual_seed(11)
+    kw = {f: torch.randn(2, 32, 96, generator=g) for f in GEMM_WEIGHT_FIELDS}
+    kw["w_lm_head"] = kw["w_embed"] = torch.randn(48, 64, generator=g)
+    ref = {f: t.clone() for f, t in kw.items()}
+    ptrs = {f: kw[f].data_ptr() for f in GEMM_WEIGHT_FIELDS if f != "w_lm_head"}
+    relayout_(kw, LAYOUT_ROW_MAJOR, LAYOUT_TILED)
+    assert all(kw[f].data_ptr() == p for f, p in ptrs.items())
+    assert torch.equal(kw["w_embed"], ref["w_embed"]) and kw["w_lm_head"] is not kw["w_embed"]
+    for f in GEMM_WEIGHT_FIELDS:
+        w, t = ref[f].reshape(-1, *ref[f].shape[-2:]), kw[f].reshape(-1, kw[f].shape[-1] * kw[f].shape[-2])
+        n, k = w.shape[-2:]
+        for m in range(w.shape[0]):
+            for r, c in ((0, 0), (5, 37), (9, 8), (15, 31), (n - 1, k - 1), (17, 60)):
+                off = ((r // 16) * (k // 32) + c // 32) * 512 + (((r % 16) // 8) * 8 + r % 8) * 32 + \
+                    ((c % 32) // 8) * 8 + c % 8
+                assert t[m, off] == w[m, r, c], (f, m, r, c)
+    relayout_(kw, LAYOUT_TILED, LAYOUT_ROW_MAJOR)
+    assert all(torch.equal(kw[f], ref[f]) for f in kw)
+    with pytest.raises(MegacError, match="unknown device weight layout 7"):
+        relayout_(kw, LAYOUT_ROW_MAJOR, 7)

@@ -1,0 +1,365 @@
+// A decode GEMM tile on the tensor cores, weights straight from global
+// memory into MMA fragments: Y[rows, n0:n0+nlen] = X[rows, k0:k0+klen] .
+// W[n0:n0+nlen, k0:k0+klen]^T, rows <= 8, nlen % 16 == 0, klen % 32 == 0.
+//
+// Weights are in the tiled device layout (megac/weights/layout.py
+// device_weights): each 16-row group of a [N, K] matrix is one contiguous run
+// of 1 KB blocks, one per 32 columns, each already in the A-fragment order of
+// mma.m16n8k16 (first 512 bytes rows g = 0..7, then rows g + 8; lane
+// g * 4 + t holds columns 8t .. 8t + 7). So a warp reads a block with two
+// fully coalesced 16-byte loads per lane and feeds them to two MMAs without
+// touching shared memory: no producer, no ring, no barrier per stage.
+//
+// Why not the CUDA-core row loop (gemm_rows.cuh): it streamed 11-14 GB/s
+// per SM, a third of an SM's share of HBM, with 4 KB in flight per warp that
+// it drains completely before the next loads go out, and ~25 instructions
+// per 16 weight bytes at batch 1 (~145 at batch 8). Here each warp keeps
+// kUnroll blocks (kUnroll KB) in flight continuously: a block's registers are
+// refilled with the block kUnroll ahead as soon as its MMAs have read them.
+//
+// Operands are swapped as in gemm_tile.cuh: weights are the MMA's 16-row A,
+// tokens the 8-column B (X padded with zeros past `rows`). The K order inside
+// a 32-column block is permuted identically for A and B, so the dot products
+// are exact permutations of each other. Each output depends only on its own
+// token's X column: results do not depend on the batch.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "common.cuh"
+#include "gemm_tile.cuh"
+#include "mbarrier.cuh"
+#include "weight_stream.cuh"
+
+namespace megac {
+namespace tc {
+
+using bf16 = __nv_bfloat16;
+
+// 1 KB weight blocks each warp keeps in flight (Little's law: an SM's share
+// of HBM, ~34 GB/s, at ~1.5 us loaded latency needs ~50 KB per SM; 8 warps
+// x 8 KB = 64 KB).
+#ifndef MEGAC_TC_UNROLL
+#define MEGAC_TC_UNROLL 8
+#endif
+constexpr int kUnroll = MEGAC_TC_UNROLL;
+constexpr int kAcc = 4;  // independent accumulator chains per row group
+constexpr int kBlockElems = 512;  // one 16 x 32 block
+
+// Row pitch (elements) of the staged X: a multiple of 32 columns plus, where
+// needed, 64 bytes, so the two rows a quarter-warp reads hit distinct banks.
+__host__ __device__ constexpr int x_pitch(int klen) { return (klen * 2) % 128 == 64 ? klen : klen + 32; }
+
+// Shared bytes of the K-part partial sums: at most one 16-row group per warp.
+__host__ __device__ constexpr int part_bytes(int nwarps) { return nwarps * 16 * 8 * 4; }
+
+// xs[m * x_pitch(klen) + k] = x[m * ldx + k] for m < rows, k < klen (read
+// through L2 only: other CTAs wrote x). Whole CTA, then a barrier.
+__device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs) {
+  const int per_row = klen / 8, pitch = x_pitch(klen);
+  for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+    const int m = i / per_row, c = i % per_row;
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x + m * ldx) + c);
+    *reinterpret_cast<uint4*>(xs + m * pitch + c * 8) = v;
+  }
+  __syncthreads();
+}
+
+// The tile: `w` is its first block (row group n0 / 16, block k0 / 32 of the
+// matrix), `ldb` the matrix's blocks per row group (K / 32). ys[c * 8 + m]
+// for c < nlen, m < 8 (columns >= rows are 0), as gemm_rows.cuh's tile()
+// leaves it; `part` is part_bytes(nwarps) of scratch. Whole CTA; ends with a
+// barrier.
+//
+// Work: nlen / 16 row groups; when there are fewer than warps, each row
+// group's K is cut into `parts` slices (one per warp) whose sums are added in
+// slice order afterwards, so the result does not depend on timing.
+__device__ __forceinline__ void tile(const bf16* __restrict__ w, int ldb, const bf16* xs, int rows, int nlen,
+                                     int klen, float* ys, float* part) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int groups = nlen / 16, nb = klen / 32;
+  const int parts = groups >= nwarps ? 1 : nwarps / groups;
+  const int g = lane >> 2, t = lane & 3;
+  const bool token = g < rows;  // B rows past the batch are zero padding
+  const uint32_t xa = smem_addr(xs + g * x_pitch(klen) + t * 8);
+  for (int item = warp; item < groups * parts; item += nwarps) {
+    const int rg = item % groups, slice = item / groups;
+    const int b0 = slice * nb / parts, b1 = (slice + 1) * nb / parts;
+    const bf16* wp = w + int64_t(rg) * ldb * kBlockElems + lane * 8;
+    float acc[kAcc][4];
+#pragma unroll
+    for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[a][i] = 0.f;
+    uint4 lo[kUnroll], hi[kUnroll];  // rows g and g + 8 of kUnroll blocks
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (b0 + u < b1) {
+        lo[u] = ld_stream_u4(wp + int64_t(b0 + u) * kBlockElems);
+        hi[u] = ld_stream_u4(wp + int64_t(b0 + u) * kBlockElems + 256);
+      }
+    }
+    for (int b = b0; b < b1; b += kUnroll) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (b + u < b1) {
+          uint4 xv = make_uint4(0, 0, 0, 0);
+          if (token) xv = gemm::lds128(xa + (b + u) * 64);
+          gemm::mma_16816(acc[(2 * u) % kAcc], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv.x, xv.y);
+          gemm::mma_16816(acc[(2 * u + 1) % kAcc], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv.z, xv.w);
+          // the block kUnroll ahead into the registers the MMAs just read
+          const int nb_next = b + u + kUnroll;
+          if (nb_next < b1) {
+            lo[u] = ld_stream_u4(wp + int64_t(nb_next) * kBlockElems);
+            hi[u] = ld_stream_u4(wp + int64_t(nb_next) * kBlockElems + 256);
+          }
+        }
+      }
+    }
+    float d[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[i] = ((acc[0][i] + acc[1][i]) + acc[2][i]) + acc[3][i];
+    // d[0], d[1]: feature rg*16 + g, tokens 2t, 2t+1; d[2], d[3]: feature + 8
+    float* dst = parts == 1 ? ys : part + slice * (groups * 16 * 8);
+    const int row = rg * 16 + g;
+    *reinterpret_cast<float2*>(dst + row * 8 + 2 * t) = make_float2(d[0], d[1]);
+    *reinterpret_cast<float2*>(dst + (row + 8) * 8 + 2 * t) = make_float2(d[2], d[3]);
+  }
+  __syncthreads();
+  if (parts > 1) {
+    const int n = nlen * 8;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      float s = part[i];
+      for (int p = 1; p < parts; ++p) s += part[p * n + i];
+      ys[i] = s;
+    }
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The same tile fed by the copy engine, one ring per warp
+// ---------------------------------------------------------------------------
+//
+// The register-fed tile above streamed ~18 GB/s per SM on the H200 whatever
+// it kept in flight (8 or 16 KB per warp: +5 %): the SM's L1 miss handling,
+// not DRAM, sets the pace of ld.global (the row loop and its cp.async
+// pipelines hit the same wall). Bulk copies bypass it (gemm_tile.cuh reached
+// 95-100 % of the ceiling alone). Here each warp owns kStages slots of
+// kStageBlocks 1 KB blocks and its lane 0 copies the warp's own stages (a
+// stage is a contiguous run of its row group's blocks: one bulk copy) onto
+// the warp's own mbarriers; the warp computes a stage from shared memory
+// exactly as the register-fed loop does from registers (same MMAs in the same
+// order: bit-identical) and its lane 0 refills the slot with the stage
+// kStages ahead. No warp ever waits for another (what sank gemm_ring.cuh).
+// The first kStages stages of a static task's tile may be issued before its
+// waits (prime()), so HBM works while the inputs are not ready.
+//
+// Measured on the H200 (North Mini Code, 8K, kernel ms batch 1 / batch 8,
+// same run): register-fed 5.70 / 19.15; rings of 4 x 4 KB 4.79 / 14.87, 8 x 2
+// KB 5.62 / 18.89, 5 x 4 KB 4.85 / 15.23, 2 x 8 KB 4.44 / 13.65. Fewer,
+// larger copies win; more stages in flight do not: the cost is per stage.
+#ifndef MEGAC_TC_BULK
+#define MEGAC_TC_BULK 1
+#endif
+#ifndef MEGAC_TC_STAGE_BLOCKS
+#define MEGAC_TC_STAGE_BLOCKS 8
+#endif
+#ifndef MEGAC_TC_STAGES
+#define MEGAC_TC_STAGES 2
+#endif
+// 1: a proxy fence before each slot refill (generic reads, then the copy
+// engine's writes). CUTLASS's TMA pipelines order this hand-off by the
+// mbarrier alone; here the refilling lane read the slot itself after a
+// __syncwarp, so the fence is kept on by default and measured off.
+#ifndef MEGAC_TC_STAGE_FENCE
+#define MEGAC_TC_STAGE_FENCE 1
+#endif
+constexpr bool kBulk = MEGAC_TC_BULK != 0;
+constexpr int kStageBlocks = MEGAC_TC_STAGE_BLOCKS;
+constexpr int kStages = MEGAC_TC_STAGES;
+constexpr int kStageBytes = kStageBlocks * 1024;
+constexpr int kMaxWarps = 8;
+static_assert(kStages >= 2, "a warp's ring needs a slot to read and one to fill");
+
+// Shared bytes of the warps' rings.
+__host__ __device__ constexpr int ring_bytes(int nwarps) { return kBulk ? nwarps * kStages * kStageBytes : 0; }
+
+// Per-launch state of the rings (in the task loop's shared state, not in the
+// opcodes' scratch, which other opcodes overwrite): each warp's mbarriers and
+// how many stages it has issued so far (slot and phase follow from it).
+struct BulkState {
+  uint64_t bar[kMaxWarps][kStages];
+  uint32_t seq[kMaxWarps];     // stages issued by the warp since the launch
+  uint32_t primed[kMaxWarps];  // of those, issued by prime() for the coming tile
+};
+
+// Thread 0 at launch; visible after the task loop's first barrier.
+__device__ __forceinline__ void bulk_init(BulkState* st) {
+  if constexpr (kBulk) {
+    for (int w = 0; w < kMaxWarps; ++w) {
+      for (int s = 0; s < kStages; ++s) mbar_init(&st->bar[w][s], 1);
+      st->seq[w] = 0;
+      st->primed[w] = 0;
+    }
+    mbar_init_fence();
+  }
+}
+
+// A warp's stages over a tile: its items (row group x K slice, as tile()
+// deals them) in order, each cut into `per_item` stages of up to
+// kStageBlocks blocks (a short slice's last stages may be empty).
+struct Walk {
+  int groups, parts, nb, per_item, total;
+  __device__ Walk(int nlen, int klen, int warp, int nwarps) {
+    groups = nlen / 16;
+    nb = klen / 32;
+    parts = groups >= nwarps ? 1 : nwarps / groups;
+    const int all = groups * parts;
+    const int items = warp < all ? (all - warp + nwarps - 1) / nwarps : 0;
+    per_item = ((nb + parts - 1) / parts + kStageBlocks - 1) / kStageBlocks;
+    total = items * per_item;
+  }
+  // stage i: its item, first block and block count (0: an empty stage)
+  __device__ void stage(int i, int warp, int nwarps, int& item, int& blk0, int& nblk) const {
+    const int q = i / per_item, j = i % per_item;
+    item = warp + q * nwarps;
+    const int slice = item / groups;
+    const int b1 = (slice + 1) * nb / parts;
+    blk0 = slice * nb / parts + j * kStageBlocks;
+    nblk = max(0, min(kStageBlocks, b1 - blk0));
+  }
+};
+
+// Lane 0: stage i of this warp's walk into its slot. An empty stage still
+// completes its barrier's phase, so slots and phases stay in step.
+__device__ __forceinline__ void issue(const rows::WeightSpan& s, const Walk& wk, int i, uint32_t base,
+                                      uint8_t* ring, BulkState* st, int warp, int nwarps, uint64_t policy) {
+  const uint32_t n = base + i, slot = n % kStages;
+  uint64_t* bar = &st->bar[warp][slot];
+  int item, blk0, nblk;
+  wk.stage(i, warp, nwarps, item, blk0, nblk);
+  if (nblk > 0) {
+    const bf16* src = s.p + (int64_t(item % wk.groups) * (s.ld / 32) + blk0) * kBlockElems;
+    mbar_arrive_expect_tx(bar, uint32_t(nblk) * 1024u);
+    bulk_load_hint(ring + (warp * kStages + slot) * kStageBytes, src, uint32_t(nblk) * 1024u, bar, policy);
+  } else {
+    mbar_arrive(bar);
+  }
+}
+
+// Every thread, before a static task's waits: each warp's lane 0 issues the
+// warp's first kStages stages of the tile `s`. The scratch's earlier generic
+// writes were fenced for the async proxy at the end of the task before
+// (megakernel.cuh).
+__device__ __forceinline__ void prime(const rows::WeightSpan& s, uint8_t* ring, BulkState* st) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (lane != 0) return;
+  const Walk wk(s.rows, s.cols, warp, nwarps);
+  const uint64_t policy = l2_evict_first_policy();
+  const uint32_t base = st->seq[warp];
+  const int n = min(kStages, wk.total);
+  for (int i = 0; i < n; ++i) issue(s, wk, i, base, ring, st, warp, nwarps, policy);
+  st->primed[warp] = n;
+}
+
+// After a primed task's waits gave up: wait for its copies, so none lands in
+// the shared memory of a CTA that has left (they always complete).
+__device__ __forceinline__ void drain(BulkState* st) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if constexpr (kBulk) {
+    if (lane == 0) {
+      const uint32_t base = st->seq[warp];
+      for (uint32_t i = 0; i < st->primed[warp]; ++i) {
+        const uint32_t n = base + i;
+        while (!mbar_try_wait(&st->bar[warp][n % kStages], (n / kStages) & 1u)) {
+        }
+      }
+      st->seq[warp] = base + st->primed[warp];
+      st->primed[warp] = 0;
+    }
+  }
+}
+
+// tile() with the weights through the warps' rings: same arguments, same
+// result bits. `primed`: prime() already issued this tile's first stages.
+__device__ __forceinline__ void tile_bulk(const rows::WeightSpan& s, const bf16* xs, int rows, float* ys, float* part,
+                                          uint8_t* ring, BulkState* st, bool primed) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int nlen = s.rows, klen = s.cols;
+  const Walk wk(nlen, klen, warp, nwarps);
+  const int g = lane >> 2, t = lane & 3;
+  const bool token = g < rows;
+  const uint32_t xa = smem_addr(xs + g * x_pitch(klen) + t * 8);
+  const uint32_t ring_w = smem_addr(ring + warp * kStages * kStageBytes);
+  const uint32_t base = st->seq[warp];
+  const uint64_t policy = lane == 0 ? l2_evict_first_policy() : 0;
+  int issued = primed ? int(st->primed[warp]) : 0;
+  __syncwarp();  // every lane read seq / primed before lane 0 moves them
+  if (lane == 0) {
+    for (; issued < min(kStages, wk.total); ++issued) issue(s, wk, issued, base, ring, st, warp, nwarps, policy);
+  }
+  issued = __shfl_sync(0xffffffffu, issued, 0);
+  float acc[kAcc][4];
+  for (int i = 0; i < wk.total; ++i) {
+    int item, blk0, nblk;
+    wk.stage(i, warp, nwarps, item, blk0, nblk);
+    if (i % wk.per_item == 0) {
+#pragma unroll
+      for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[a][e] = 0.f;
+    }
+    const uint32_t n = base + i, slot = n % kStages;
+    // the copy engine always completes (a wrong address faults the launch):
+    // no watchdog needed on this wait
+    while (!mbar_try_wait(&st->bar[warp][slot], (n / kStages) & 1u)) {
+    }
+    const uint32_t src = ring_w + slot * kStageBytes + lane * 16;
+#pragma unroll
+    for (int b = 0; b < kStageBlocks; ++b) {
+      if (b >= nblk) break;
+      const uint4 lo = gemm::lds128(src + b * 1024);
+      const uint4 hi = gemm::lds128(src + b * 1024 + 512);
+      uint4 xv = make_uint4(0, 0, 0, 0);
+      if (token) xv = gemm::lds128(xa + (blk0 + b) * 64);
+      // block index within the slice picks the accumulator, as tile() does
+      const int u = (blk0 + b - (item / wk.groups) * wk.nb / wk.parts) % kUnroll;
+      gemm::mma_16816(acc[(2 * u) % kAcc], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+      gemm::mma_16816(acc[(2 * u + 1) % kAcc], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+    }
+    // the slot's reads are done (their MMAs consumed them): refill it
+    if (MEGAC_TC_STAGE_FENCE) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (lane == 0 && i + kStages < wk.total) issue(s, wk, i + kStages, base, ring, st, warp, nwarps, policy);
+    if (i % wk.per_item == wk.per_item - 1) {
+      float d[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) d[e] = ((acc[0][e] + acc[1][e]) + acc[2][e]) + acc[3][e];
+      const int rg = item % wk.groups, slice = item / wk.groups;
+      float* dst = wk.parts == 1 ? ys : part + slice * (wk.groups * 16 * 8);
+      const int row = rg * 16 + g;
+      *reinterpret_cast<float2*>(dst + row * 8 + 2 * t) = make_float2(d[0], d[1]);
+      *reinterpret_cast<float2*>(dst + (row + 8) * 8 + 2 * t) = make_float2(d[2], d[3]);
+    }
+  }
+  __syncwarp();
+  if (lane == 0) {
+    st->seq[warp] = base + wk.total;
+    st->primed[warp] = 0;
+  }
+  __syncthreads();
+  if (wk.parts > 1) {
+    const int nn = nlen * 8;
+    for (int i = threadIdx.x; i < nn; i += blockDim.x) {
+      float v = part[i];
+      for (int p = 1; p < wk.parts; ++p) v += part[p * nn + i];
+      ys[i] = v;
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace tc
+}  // namespace megac
