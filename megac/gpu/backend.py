@@ -39,9 +39,13 @@ from megac.runtime.schedules import ScheduleSet
 
 _TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "int32": "int32", "uint32": "int32", "argmax": "int32"}
 #: int32 buffers the host writes before each step (staged on the host)
-_HOST_WORDS = ("page_table", "seq_pos", "row_active", "targets", "attn_queue")
+_HOST_WORDS = ("seq_pos", "row_active", "targets", "attn_queue", "page_table")
 #: int32 buffers every step starts from zero
 _ZEROED = ("counters", "queue_heads", "status", "progress")
+#: their order in the step's one upload: the page tables last, so a step
+#: sends only the part its schedule's context bucket uses (North Mini Code's
+#: full table is 6.4 MB: filling and sending all of it cost ~1.5 ms a step)
+_UPLOAD_ORDER = ("seq_pos", "row_active", "targets", "attn_queue", *_ZEROED, "page_table")
 
 
 class MegakernelHang(MegacError):
@@ -120,6 +124,7 @@ class CudaBackend(TorchPrefillMixin):
                               torch.from_numpy(np.ascontiguousarray(s.task_counts, dtype=np.int32)).to(self.dev))
                       for s in self.schedules.schedules}
         self._desc_cache: dict = {}
+        self._mb_cache: dict = {}
         self.host: dict = {}
         self.reserve_counters(0)
         self._status_host = torch.zeros(tuple(self.buf["status"].shape), dtype=torch.int32).pin_memory()
@@ -159,7 +164,7 @@ class CudaBackend(TorchPrefillMixin):
         counters), so one asynchronous copy per step uploads the step's
         words and resets the counters, cursors, status and progress."""
         torch = _torch()
-        shapes = {name: tuple(int(d) for d in self.buf[name].shape) for name in _HOST_WORDS + _ZEROED}
+        shapes = {name: tuple(int(d) for d in self.buf[name].shape) for name in _UPLOAD_ORDER}
         shapes["counters"] = (max(int(n), shapes["counters"][0]),)
         offs, total = {}, 0
         for name, shape in shapes.items():
@@ -175,7 +180,23 @@ class CudaBackend(TorchPrefillMixin):
             self.buf[name] = self._words[offs[name]: offs[name] + size].view(shape)
             if name in _HOST_WORDS:
                 self.host[name] = staged[offs[name]: offs[name] + size].reshape(shape)
+        self._pt_off = offs["page_table"]
         self._desc_cache.clear()
+
+    def _page_rows(self, sched) -> int:
+        """Page-table row length of ``sched`` (its context bucket's blocks):
+        the device's page tables are ``[layers, max rows, this]`` for the
+        step (the descriptor's ``max_blocks_per_seq``), packed at the start of
+        the largest key's buffer."""
+        got = self._mb_cache.get(id(sched))
+        if got is None:
+            got = self._mb_cache[id(sched)] = int(scalar_values(sched, self.spec)["max_blocks_per_seq"])
+        return got
+
+    def _page_table_host(self, sched) -> np.ndarray:
+        L, R, _ = self.host["page_table"].shape
+        mb = self._page_rows(sched)
+        return self.host["page_table"].reshape(-1)[: L * R * mb].reshape(L, R, mb)
 
     def _read_symbol(self, name: str) -> int:
         cp = __import__("cupy")
@@ -200,7 +221,8 @@ class CudaBackend(TorchPrefillMixin):
         for f in abi.LAUNCH_DESC:
             if f.ctype != "ptr":
                 # buffer sizes are the largest key's; the rows and the task list the schedule's
-                src = scal if f.name in ("rows", "max_tasks", "num_sms", "num_counters") else big_scal
+                src = scal if f.name in ("rows", "max_tasks", "num_sms", "num_counters", "max_blocks_per_seq") \
+                    else big_scal
                 if f.name == "watchdog_ns":
                     src = scal
                 values[f.name] = scalar(src, f.name, f.ctype)
@@ -229,7 +251,8 @@ class CudaBackend(TorchPrefillMixin):
         sched = self.schedules.for_rows(self.kv, rows)
         geo = sched.geometry
         h = self.host
-        positions = host.load_rows(self.kv, rows, geo, h["page_table"], h["seq_pos"], h["row_active"])
+        page_table = self._page_table_host(sched)
+        positions = host.load_rows(self.kv, rows, geo, page_table, h["seq_pos"], h["row_active"])
         host.host_words(geo, positions, h["targets"], h["attn_queue"])  # the queue's tail is never read
         b = self.buf
         if self.poison:
@@ -237,8 +260,10 @@ class CudaBackend(TorchPrefillMixin):
                 b[name].fill_(float("nan") if b[name].is_floating_point() else abi.INT_POISON)
             h["targets"][geo.target_words.host_words:] = abi.INT_POISON
         # the step's words up and counters, cursors, status, progress to zero:
-        # one asynchronous copy from pinned memory
-        self._words.copy_(self._words_host, non_blocking=True)
+        # one asynchronous copy from pinned memory, up to the end of this
+        # schedule's page tables
+        n = self._pt_off + page_table.size
+        self._words[:n].copy_(self._words_host[:n], non_blocking=True)
         x, xn = host.seed_rows(token_ids, geo, self.kernel_weights["w_embed"], self.kernel_weights["w_norm"][0],
                                float(self.spec.norm_eps), torch.bfloat16)
         b["x_resid"][: geo.rows].copy_(x)
