@@ -36,10 +36,10 @@ SMEM_SYMBOL = "megakernel_smem_bytes"
 #: int symbol of the cubin: the device weight layout it reads (megac.weights.layout.LAYOUT_*)
 LAYOUT_SYMBOL = "megakernel_weight_layout"
 
-_GEMM_SHAPES = {  # opcode -> (N_LEN field, K_LEN field) in its words
-    Op.QKV_PROJ: ("N_LEN", "K_LEN"), Op.O_PROJ: ("N_LEN", "K_LEN"), Op.FFN_UPGATE_ACT: ("N_LEN", "K_LEN"),
-    Op.FFN_DOWN: ("N_LEN", "K_LEN"), Op.ROUTER_GEMM: ("N_LEN", "K_LEN"), Op.LM_HEAD: ("N_LEN", "K_LEN"),
-}
+#: opcodes whose task words hold one GEMM tile (N0, N_LEN, K0, K_LEN)
+_GEMM_OPS = (Op.QKV_PROJ, Op.O_PROJ, Op.FFN_UPGATE_ACT, Op.FFN_DOWN, Op.ROUTER_GEMM, Op.LM_HEAD)
+#: claimers whose claimed records are expert tiles of N_LEN rows over the whole K
+_EXPERT_OPS = (Op.MOE_UPGATE_DRAIN, Op.MOE_DOWN_DRAIN)
 
 
 def largest(schedules):
@@ -47,24 +47,29 @@ def largest(schedules):
     return max(schedules, key=lambda s: (s.rows, s.geometry.max_splits, s.context))
 
 
-def _gemm_extents(schedules) -> tuple[int, int]:
-    """(largest K slice, largest N tile) of every GEMM-like task, expert tiles included."""
-    kmax, nmax = 8, 8
+def _gemm_tasks(schedules):
+    """``(schedule, opcode, its tasks' words)`` for every GEMM-like opcode
+    (``_GEMM_OPS`` and ``_EXPERT_OPS``) present in each schedule."""
     for s in schedules:
         live = np.arange(s.tasks.shape[1])[None, :] < np.asarray(s.task_counts)[:, None]
         w = s.tasks[live]
         ops = w[:, H.OPCODE]
-        for op, (nf, kf) in _GEMM_SHAPES.items():
+        for op in (*_GEMM_OPS, *_EXPERT_OPS):
             m = ops == op
             if m.any():
-                nmax = max(nmax, int(w[m, abi.field_index(op, nf)].max()))
-                kmax = max(kmax, int(w[m, abi.field_index(op, kf)].max()))
-        g = s.geometry
-        for op, k in ((Op.MOE_UPGATE_DRAIN, g.hidden), (Op.MOE_DOWN_DRAIN, g.expert_width)):
-            m = ops == op
-            if m.any():
-                nmax = max(nmax, int(w[m, abi.field_index(op, "N_LEN")].max()))
-                kmax = max(kmax, k)
+                yield s, op, w[m]
+
+
+def _gemm_extents(schedules) -> tuple[int, int]:
+    """(largest K slice, largest N tile) of every GEMM-like task, expert tiles included."""
+    kmax, nmax = 8, 8
+    for s, op, w in _gemm_tasks(schedules):
+        nmax = max(nmax, int(w[:, abi.field_index(op, "N_LEN")].max()))
+        if op in _GEMM_OPS:
+            kmax = max(kmax, int(w[:, abi.field_index(op, "K_LEN")].max()))
+        else:
+            g = s.geometry
+            kmax = max(kmax, g.hidden if op == Op.MOE_UPGATE_DRAIN else g.expert_width)
     return kmax, nmax
 
 
@@ -77,21 +82,10 @@ def gemm_tiled(schedules) -> bool:
     ks = [geo.hidden, geo.q_width, geo.dense_width, geo.expert_width]
     if any(n % 16 for n in rows) or any(k % 32 for k in ks):
         return False
-    for s in schedules:
-        live = np.arange(s.tasks.shape[1])[None, :] < np.asarray(s.task_counts)[:, None]
-        w = s.tasks[live]
-        ops = w[:, H.OPCODE]
-        for op, (nf, kf) in _GEMM_SHAPES.items():
-            m = ops == op
-            if not m.any():
-                continue
-            for f, q in (("N0", 16), (nf, 16), ("K0", 32), (kf, 32)):
-                if (w[m, abi.field_index(op, f)] % q).any():
-                    return False
-        for op in (Op.MOE_UPGATE_DRAIN, Op.MOE_DOWN_DRAIN):
-            m = ops == op
-            if m.any() and (w[m, abi.field_index(op, "N_LEN")] % 16).any():
-                return False
+    for _, op, w in _gemm_tasks(schedules):
+        fields = (("N0", 16), ("N_LEN", 16), ("K0", 32), ("K_LEN", 32)) if op in _GEMM_OPS else (("N_LEN", 16),)
+        if any((w[:, abi.field_index(op, f)] % q).any() for f, q in fields):
+            return False
     return True
 
 
