@@ -136,21 +136,7 @@ __device__ __forceinline__ void tile_ring(const WeightSpan& s, const bf16* xs, i
     for (int k = lane * 8; k < klen; k += 32 * 8) {
 #pragma unroll
       for (int f = 0; f < kRingMaxR; ++f) {
-        if (f < nf) {
-          float wf[8];
-          unpack8(*reinterpret_cast<const uint4*>(st + f * rb + k * 2), wf);
-#pragma unroll
-          for (int m = 0; m < kMaxRows; ++m) {
-            if (m < rows) {
-              float xf[8];
-              unpack8(*reinterpret_cast<const uint4*>(xs + m * klen + k), xf);
-              float a = acc[f][m];
-#pragma unroll
-              for (int e = 0; e < 8; ++e) a = fmaf(wf[e], xf[e], a);
-              acc[f][m] = a;
-            }
-          }
-        }
+        if (f < nf) fold8(*reinterpret_cast<const uint4*>(st + f * rb + k * 2), xs, rows, klen, k, acc[f]);
       }
     }
     // every lane has read the stage: hand it back to the producer

@@ -116,6 +116,27 @@ __device__ __forceinline__ void prefetch_head(const WeightSpan& s, int lane, int
   prefetch_rows(s, 0, ahead_features(s.cols, blockDim.x >> 5), lane, nlanes);
 }
 
+// One feature's 8 weights `w` (16 bytes) at K offset k folded into its
+// live rows' sums, each in increasing k. Every CUDA-core weight path (the
+// register-fed loop, its pipelines, the bulk-copy ring) calls it, so they
+// are bit-identical.
+__device__ __forceinline__ void fold8(const uint4& w, const bf16* xs, int rows, int klen, int k,
+                                      float (&acc)[kMaxRows]) {
+  float wf[8];
+  unpack8(w, wf);
+#pragma unroll
+  for (int m = 0; m < kMaxRows; ++m) {
+    if (m < rows) {
+      float xf[8];
+      unpack8(*reinterpret_cast<const uint4*>(xs + m * klen + k), xf);
+      float s = acc[m];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s = fmaf(wf[e], xf[e], s);
+      acc[m] = s;
+    }
+  }
+}
+
 // One step of a warp's feature loop: its kFeat features x kUnroll chunks of
 // 8 weights (16 bytes per lane) at K offset kb + u * 256, folded into acc in
 // increasing k. Both weight paths below call it, so they are bit-identical.
@@ -126,21 +147,7 @@ __device__ __forceinline__ void fma_chunk(const uint4 (&wv)[kFeat][kUnroll], con
     const int k = kb + u * 32 * 8;
     if (k >= klen) break;
 #pragma unroll
-    for (int f = 0; f < kFeat; ++f) {
-      float wf[8];
-      unpack8(wv[f][u], wf);
-#pragma unroll
-      for (int m = 0; m < kMaxRows; ++m) {
-        if (m < rows) {
-          float xf[8];
-          unpack8(*reinterpret_cast<const uint4*>(xs + m * klen + k), xf);
-          float s = acc[f][m];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s = fmaf(wf[e], xf[e], s);
-          acc[f][m] = s;
-        }
-      }
-    }
+    for (int f = 0; f < kFeat; ++f) fold8(wv[f][u], xs, rows, klen, k, acc[f]);
   }
 }
 

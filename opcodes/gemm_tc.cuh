@@ -66,32 +66,84 @@ __device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, in
   __syncthreads();
 }
 
+// How a tile's work is dealt to the warps: nlen / 16 row groups; when there
+// are fewer than warps, each row group's K is cut into `parts` slices (one
+// per warp) whose sums are added in slice order afterwards, so the result
+// does not depend on timing. Item i is row group i % groups of slice
+// i / groups; warp w takes items w, w + nwarps, ...
+struct Deal {
+  int groups, parts, nb;
+  __device__ Deal(int nlen, int klen, int nwarps)
+      : groups(nlen / 16), parts(nlen / 16 >= nwarps ? 1 : nwarps / (nlen / 16)), nb(klen / 32) {}
+  __device__ int items() const { return groups * parts; }
+  __device__ int first_block(int item) const { return (item / groups) * nb / parts; }
+  __device__ int end_block(int item) const { return (item / groups + 1) * nb / parts; }
+};
+
+__device__ __forceinline__ void zero_acc(float (&acc)[kAcc][4]) {
+#pragma unroll
+  for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[a][i] = 0.f;
+}
+
+// One 16 x 32 block: `lo` / `hi` this lane's 16 bytes of rows g and g + 8,
+// `xv` its 16 bytes of X. `rel`, the block's index within its slice, picks
+// the accumulators (the same for both feeds, so their sums are identical).
+__device__ __forceinline__ void mma_block(float (&acc)[kAcc][4], int rel, const uint4& lo, const uint4& hi,
+                                          const uint4& xv) {
+  const int u = rel % kUnroll;
+  gemm::mma_16816(acc[(2 * u) % kAcc], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+  gemm::mma_16816(acc[(2 * u + 1) % kAcc], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+}
+
+// An item's sums, accumulators added in a fixed order: into ys (one slice)
+// or its slice's partial. d[0], d[1]: feature rg * 16 + g, tokens 2t, 2t+1;
+// d[2], d[3]: feature + 8.
+__device__ __forceinline__ void store_item(const float (&acc)[kAcc][4], const Deal& dl, int item, float* ys,
+                                           float* part) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  float d[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = ((acc[0][i] + acc[1][i]) + acc[2][i]) + acc[3][i];
+  float* dst = dl.parts == 1 ? ys : part + (item / dl.groups) * (dl.groups * 16 * 8);
+  const int row = (item % dl.groups) * 16 + g;
+  *reinterpret_cast<float2*>(dst + row * 8 + 2 * t) = make_float2(d[0], d[1]);
+  *reinterpret_cast<float2*>(dst + (row + 8) * 8 + 2 * t) = make_float2(d[2], d[3]);
+}
+
+// Whole CTA, after every item is stored: a barrier, then (sliced tiles) the
+// slices' partials added in slice order into ys and another barrier.
+__device__ __forceinline__ void finish(const Deal& dl, float* ys, const float* part) {
+  __syncthreads();
+  if (dl.parts > 1) {
+    const int n = dl.groups * 16 * 8;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      float v = part[i];
+      for (int p = 1; p < dl.parts; ++p) v += part[p * n + i];
+      ys[i] = v;
+    }
+    __syncthreads();
+  }
+}
+
 // The tile: `w` is its first block (row group n0 / 16, block k0 / 32 of the
 // matrix), `ldb` the matrix's blocks per row group (K / 32). ys[c * 8 + m]
 // for c < nlen, m < 8 (columns >= rows are 0), as gemm_rows.cuh's tile()
 // leaves it; `part` is part_bytes(nwarps) of scratch. Whole CTA; ends with a
 // barrier.
-//
-// Work: nlen / 16 row groups; when there are fewer than warps, each row
-// group's K is cut into `parts` slices (one per warp) whose sums are added in
-// slice order afterwards, so the result does not depend on timing.
 __device__ __forceinline__ void tile(const bf16* __restrict__ w, int ldb, const bf16* xs, int rows, int nlen,
                                      int klen, float* ys, float* part) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int groups = nlen / 16, nb = klen / 32;
-  const int parts = groups >= nwarps ? 1 : nwarps / groups;
+  const Deal dl(nlen, klen, nwarps);
   const int g = lane >> 2, t = lane & 3;
   const bool token = g < rows;  // B rows past the batch are zero padding
   const uint32_t xa = smem_addr(xs + g * x_pitch(klen) + t * 8);
-  for (int item = warp; item < groups * parts; item += nwarps) {
-    const int rg = item % groups, slice = item / groups;
-    const int b0 = slice * nb / parts, b1 = (slice + 1) * nb / parts;
-    const bf16* wp = w + int64_t(rg) * ldb * kBlockElems + lane * 8;
+  for (int item = warp; item < dl.items(); item += nwarps) {
+    const int b0 = dl.first_block(item), b1 = dl.end_block(item);
+    const bf16* wp = w + int64_t(item % dl.groups) * ldb * kBlockElems + lane * 8;
     float acc[kAcc][4];
-#pragma unroll
-    for (int a = 0; a < kAcc; ++a)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[a][i] = 0.f;
+    zero_acc(acc);
     uint4 lo[kUnroll], hi[kUnroll];  // rows g and g + 8 of kUnroll blocks
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -106,8 +158,7 @@ __device__ __forceinline__ void tile(const bf16* __restrict__ w, int ldb, const 
         if (b + u < b1) {
           uint4 xv = make_uint4(0, 0, 0, 0);
           if (token) xv = gemm::lds128(xa + (b + u) * 64);
-          gemm::mma_16816(acc[(2 * u) % kAcc], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv.x, xv.y);
-          gemm::mma_16816(acc[(2 * u + 1) % kAcc], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv.z, xv.w);
+          mma_block(acc, u, lo[u], hi[u], xv);
           // the block kUnroll ahead into the registers the MMAs just read
           const int nb_next = b + u + kUnroll;
           if (nb_next < b1) {
@@ -117,25 +168,9 @@ __device__ __forceinline__ void tile(const bf16* __restrict__ w, int ldb, const 
         }
       }
     }
-    float d[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) d[i] = ((acc[0][i] + acc[1][i]) + acc[2][i]) + acc[3][i];
-    // d[0], d[1]: feature rg*16 + g, tokens 2t, 2t+1; d[2], d[3]: feature + 8
-    float* dst = parts == 1 ? ys : part + slice * (groups * 16 * 8);
-    const int row = rg * 16 + g;
-    *reinterpret_cast<float2*>(dst + row * 8 + 2 * t) = make_float2(d[0], d[1]);
-    *reinterpret_cast<float2*>(dst + (row + 8) * 8 + 2 * t) = make_float2(d[2], d[3]);
+    store_item(acc, dl, item, ys, part);
   }
-  __syncthreads();
-  if (parts > 1) {
-    const int n = nlen * 8;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      float s = part[i];
-      for (int p = 1; p < parts; ++p) s += part[p * n + i];
-      ys[i] = s;
-    }
-    __syncthreads();
-  }
+  finish(dl, ys, part);
 }
 
 // ---------------------------------------------------------------------------
@@ -207,30 +242,31 @@ __device__ __forceinline__ void bulk_init(BulkState* st) {
   }
 }
 
-// A warp's stages over a tile: its items (row group x K slice, as tile()
-// deals them) in order, each cut into `per_item` stages of up to
-// kStageBlocks blocks (a short slice's last stages may be empty).
-struct Walk {
-  int groups, parts, nb, per_item, total;
-  __device__ Walk(int nlen, int klen, int warp, int nwarps) {
-    groups = nlen / 16;
-    nb = klen / 32;
-    parts = groups >= nwarps ? 1 : nwarps / groups;
-    const int all = groups * parts;
-    const int items = warp < all ? (all - warp + nwarps - 1) / nwarps : 0;
+// A warp's stages over a tile: its items (as Deal deals them) in order,
+// each cut into `per_item` stages of up to kStageBlocks blocks (a short
+// slice's last stages may be empty).
+struct Walk : Deal {
+  int per_item, total;
+  __device__ Walk(int nlen, int klen, int warp, int nwarps) : Deal(nlen, klen, nwarps) {
+    const int all = items();
+    const int mine = warp < all ? (all - warp + nwarps - 1) / nwarps : 0;
     per_item = ((nb + parts - 1) / parts + kStageBlocks - 1) / kStageBlocks;
-    total = items * per_item;
+    total = mine * per_item;
   }
   // stage i: its item, first block and block count (0: an empty stage)
   __device__ void stage(int i, int warp, int nwarps, int& item, int& blk0, int& nblk) const {
-    const int q = i / per_item, j = i % per_item;
-    item = warp + q * nwarps;
-    const int slice = item / groups;
-    const int b1 = (slice + 1) * nb / parts;
-    blk0 = slice * nb / parts + j * kStageBlocks;
-    nblk = max(0, min(kStageBlocks, b1 - blk0));
+    item = warp + (i / per_item) * nwarps;
+    blk0 = first_block(item) + (i % per_item) * kStageBlocks;
+    nblk = max(0, min(kStageBlocks, end_block(item) - blk0));
   }
 };
+
+// Until stage n of a warp's ring has landed. The copy engine always
+// completes (a wrong address faults the launch): no watchdog on this wait.
+__device__ __forceinline__ void wait_landed(BulkState* st, int warp, uint32_t n) {
+  while (!mbar_try_wait(&st->bar[warp][n % kStages], (n / kStages) & 1u)) {
+  }
+}
 
 // Lane 0: stage i of this warp's walk into its slot. An empty stage still
 // completes its barrier's phase, so slots and phases stay in step.
@@ -271,11 +307,7 @@ __device__ __forceinline__ void drain(BulkState* st) {
   if constexpr (kBulk) {
     if (lane == 0) {
       const uint32_t base = st->seq[warp];
-      for (uint32_t i = 0; i < st->primed[warp]; ++i) {
-        const uint32_t n = base + i;
-        while (!mbar_try_wait(&st->bar[warp][n % kStages], (n / kStages) & 1u)) {
-        }
-      }
+      for (uint32_t i = 0; i < st->primed[warp]; ++i) wait_landed(st, warp, base + i);
       st->seq[warp] = base + st->primed[warp];
       st->primed[warp] = 0;
     }
@@ -287,78 +319,45 @@ __device__ __forceinline__ void drain(BulkState* st) {
 __device__ __forceinline__ void tile_bulk(const rows::WeightSpan& s, const bf16* xs, int rows, float* ys, float* part,
                                           uint8_t* ring, BulkState* st, bool primed) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int nlen = s.rows, klen = s.cols;
-  const Walk wk(nlen, klen, warp, nwarps);
+  const Walk wk(s.rows, s.cols, warp, nwarps);
   const int g = lane >> 2, t = lane & 3;
   const bool token = g < rows;
-  const uint32_t xa = smem_addr(xs + g * x_pitch(klen) + t * 8);
+  const uint32_t xa = smem_addr(xs + g * x_pitch(s.cols) + t * 8);
   const uint32_t ring_w = smem_addr(ring + warp * kStages * kStageBytes);
   const uint32_t base = st->seq[warp];
-  const uint64_t policy = lane == 0 ? l2_evict_first_policy() : 0;
-  int issued = primed ? int(st->primed[warp]) : 0;
+  const int issued = primed ? int(st->primed[warp]) : 0;
   __syncwarp();  // every lane read seq / primed before lane 0 moves them
-  if (lane == 0) {
-    for (; issued < min(kStages, wk.total); ++issued) issue(s, wk, issued, base, ring, st, warp, nwarps, policy);
-  }
-  issued = __shfl_sync(0xffffffffu, issued, 0);
+  const uint64_t policy = lane == 0 ? l2_evict_first_policy() : 0;
+  if (lane == 0)
+    for (int i = issued; i < min(kStages, wk.total); ++i) issue(s, wk, i, base, ring, st, warp, nwarps, policy);
   float acc[kAcc][4];
   for (int i = 0; i < wk.total; ++i) {
     int item, blk0, nblk;
     wk.stage(i, warp, nwarps, item, blk0, nblk);
-    if (i % wk.per_item == 0) {
-#pragma unroll
-      for (int a = 0; a < kAcc; ++a)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[a][e] = 0.f;
-    }
-    const uint32_t n = base + i, slot = n % kStages;
-    // the copy engine always completes (a wrong address faults the launch):
-    // no watchdog needed on this wait
-    while (!mbar_try_wait(&st->bar[warp][slot], (n / kStages) & 1u)) {
-    }
-    const uint32_t src = ring_w + slot * kStageBytes + lane * 16;
+    if (i % wk.per_item == 0) zero_acc(acc);
+    const uint32_t n = base + i;
+    wait_landed(st, warp, n);
+    const uint32_t src = ring_w + (n % kStages) * kStageBytes + lane * 16;
 #pragma unroll
     for (int b = 0; b < kStageBlocks; ++b) {
       if (b >= nblk) break;
-      const uint4 lo = gemm::lds128(src + b * 1024);
-      const uint4 hi = gemm::lds128(src + b * 1024 + 512);
       uint4 xv = make_uint4(0, 0, 0, 0);
       if (token) xv = gemm::lds128(xa + (blk0 + b) * 64);
-      // block index within the slice picks the accumulator, as tile() does
-      const int u = (blk0 + b - (item / wk.groups) * wk.nb / wk.parts) % kUnroll;
-      gemm::mma_16816(acc[(2 * u) % kAcc], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-      gemm::mma_16816(acc[(2 * u + 1) % kAcc], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+      mma_block(acc, blk0 + b - wk.first_block(item), gemm::lds128(src + b * 1024), gemm::lds128(src + b * 1024 + 512),
+                xv);
     }
     // the slot's reads are done (their MMAs consumed them): refill it
     if (MEGAC_TC_STAGE_FENCE) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
     if (lane == 0 && i + kStages < wk.total) issue(s, wk, i + kStages, base, ring, st, warp, nwarps, policy);
-    if (i % wk.per_item == wk.per_item - 1) {
-      float d[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) d[e] = ((acc[0][e] + acc[1][e]) + acc[2][e]) + acc[3][e];
-      const int rg = item % wk.groups, slice = item / wk.groups;
-      float* dst = wk.parts == 1 ? ys : part + slice * (wk.groups * 16 * 8);
-      const int row = rg * 16 + g;
-      *reinterpret_cast<float2*>(dst + row * 8 + 2 * t) = make_float2(d[0], d[1]);
-      *reinterpret_cast<float2*>(dst + (row + 8) * 8 + 2 * t) = make_float2(d[2], d[3]);
-    }
+    if (i % wk.per_item == wk.per_item - 1) store_item(acc, wk, item, ys, part);
   }
   __syncwarp();
   if (lane == 0) {
     st->seq[warp] = base + wk.total;
     st->primed[warp] = 0;
   }
-  __syncthreads();
-  if (wk.parts > 1) {
-    const int nn = nlen * 8;
-    for (int i = threadIdx.x; i < nn; i += blockDim.x) {
-      float v = part[i];
-      for (int p = 1; p < wk.parts; ++p) v += part[p * nn + i];
-      ys[i] = v;
-    }
-    __syncthreads();
-  }
+  finish(wk, ys, part);
 }
 
 }  // namespace tc
