@@ -3,6 +3,7 @@ and JSON (the measurement itself: :mod:`megac.decode_bench`)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import click
 
 from megac.errors import MegacError
+from megac.routing_skew import ROUTINGS
 
 ORDERS = ("tuned", "interleaved", "attention-first")
 
@@ -51,7 +53,13 @@ def _commit() -> str | None:
 @click.option("--batch-size", "batch_sizes", default="1", show_default=True, help="Comma-separated, e.g. 1,2,4,8.")
 @click.option("--context", "contexts", default="1024", show_default=True,
               help="Comma-separated tokens per row, e.g. 1024,8192.")
-@click.option("--order", type=click.Choice(ORDERS), default="tuned", show_default=True)
+@click.option("--order", type=click.Choice(ORDERS + ("all",)), default="tuned", show_default=True,
+              help="The schedules' wave order; all: every case once per order (an engine each, built in turn, "
+                   "on the same weights) and a ranking of the orders per case.")
+@click.option("--routing", type=click.Choice(ROUTINGS), default="uniform", show_default=True,
+              help="skewed: scale each MoE router's rows so experts are chosen Zipf-like (megac.routing_skew; "
+                   "the 16 most chosen of North Mini Code's 128 take ~50 % of the selections) before any "
+                   "backend sees the weights; the bytes per step count the experts that routing touches.")
 @click.option("--steps", type=click.IntRange(1), default=30, show_default=True, help="Timed decode steps per case.")
 @click.option("--warmup", type=click.IntRange(0), default=5, show_default=True)
 @click.option("--calibration", default=None,
@@ -68,8 +76,8 @@ def _commit() -> str | None:
 @click.option("--threads", type=click.IntRange(0), default=1, show_default=True,
               help="torch CPU threads (0: torch's default). 1 avoids OpenMP stalls on a busy small CPU "
                    "(--backend cpu: 2 threads measured 346 ms per SmolLM2 step against ~90 with 1).")
-def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, steps, warmup, calibration, no_ceiling,
-              json_path, profile_path, plot_path, threads):
+def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, routing, steps, warmup, calibration,
+              no_ceiling, json_path, profile_path, plot_path, threads):
     """Decode-only throughput of MODEL: KV noise instead of prefill, median
     step time per batch size and context, bytes per step, TB/s and % of the
     bandwidth ceiling measured in the same run."""
@@ -78,6 +86,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
     from megac.engine.build import EngineOptions, build_engine
     from megac.kv.paged import blocks_for_tokens
     from megac.loading import load_model
+    from megac.routing_skew import ALPHA, check_routing, selection_probs, skew_router
     from megac.runtime.backends import cuda_visible, resolve_kind
 
     if threads > 0:
@@ -90,6 +99,10 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
     kind = resolve_kind(backend)
     if kind not in ("cuda", "cpu", "graphs"):
         raise MegacError(f"bench: --backend {backend} resolved to {kind}; use cuda, cpu or graphs")
+    orders = ORDERS if order == "all" else (order,)
+    if order == "all" and kind == "graphs":
+        raise MegacError("bench: --order all: the graphs backend runs no compiled schedules, so the order "
+                         "does not change it")
     if (profile_path or plot_path) and kind != "cuda":
         raise MegacError(f"bench: --profile / --plot time the megakernel's tasks; they need --backend cuda "
                          f"(got {kind})")
@@ -107,41 +120,72 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, step
         from megac.weights.random import random_weights as draw
 
         spec = load_spec(model)
+        check_routing(spec, routing)  # before the draw (North Mini Code's is 61 GB)
         dev = "cuda" if on_gpu else "cpu"
         say(f"drawing random weights for {spec.name} on the {dev}")
         weights = draw(spec, 0, torch.bfloat16 if dev == "cuda" else torch.float32, device=dev)
     else:
         loaded = load_model(model, tokenizer=False, progress=say)
         spec, weights = loaded.spec, loaded.weights
+        del loaded  # its copy of the weights would outlive the skewed / GPU copy below
+    # skewed before any engine exists, so every backend and order routes alike
+    weights = skew_router(spec, weights, routing)
+    expert_probs = None
+    if routing == "skewed":
+        expert_probs = selection_probs(weights, spec.moe.top_k)
+        n = max(1, len(expert_probs) // 8)  # North Mini Code: the top 16 of 128
+        say(f"skewed routing (alpha {ALPHA}): the {n} most chosen of {len(expert_probs)} experts take "
+            f"{100 * expert_probs[:n].sum() / spec.moe.top_k:.1f} % of random rows' selections")
+    if on_gpu:  # once, not per engine (build_engine then keeps these tensors)
+        import torch
+
+        weights = weights.to(torch.bfloat16, "cuda")
     # each timed case's rows grow by one token per step
     longest = max(ctxs) + warmup + steps
     if longest > spec.max_context:
         raise MegacError(f"--context {max(ctxs)} + {warmup + steps} steps reaches {longest} tokens per row; "
                          f"{spec.name} holds at most {spec.max_context}")
     rows_blocks = max(batches) * blocks_for_tokens(spec, longest)
-    opts = EngineOptions(backend=kind, order=order, max_batch_size=max(batches), max_model_len=longest,
-                         num_kv_blocks=rows_blocks + 16, prefix_caching=False)
-    engine = build_engine(spec, weights, opts, progress=say)
-    say(f"ready in {time.perf_counter() - t0:.1f} s; filling the KV cache with noise")
-    db.fill_kv_noise(engine.kv)
-    ceiling = None if no_ceiling else db.measure_ceiling("cuda" if on_gpu else "cpu")
-    if ceiling:
-        say(f"streaming-read ceiling: {ceiling / 1e12:.3f} TB/s")
     cases = [(b, c) for b in batches for c in ctxs]
-    with click.progressbar(length=len(cases) * (steps + warmup), label="decoding", file=sys.stderr,
-                           show_pos=True) as bar:
-        done = [0]
+    ceiling, rows = None, []
+    for oi, o in enumerate(orders):
+        opts = EngineOptions(backend=kind, order=o, max_batch_size=max(batches), max_model_len=longest,
+                             num_kv_blocks=rows_blocks + 16, prefix_caching=False)
+        engine = build_engine(spec, weights, opts, progress=say)
+        say(f"{o}: ready in {time.perf_counter() - t0:.1f} s; filling the KV cache with noise")
+        db.fill_kv_noise(engine.kv)
+        if oi == 0 and not no_ceiling:
+            ceiling = db.measure_ceiling("cuda" if on_gpu else "cpu")
+            if ceiling:
+                say(f"streaming-read ceiling: {ceiling / 1e12:.3f} TB/s")
+        with click.progressbar(length=len(cases) * (steps + warmup), label=f"decoding ({o})", file=sys.stderr,
+                               show_pos=True) as bar:
+            done = [0]
 
-        def tick(_label, i, _total):
-            bar.update(i - done[0])
-            done[0] = i
+            def tick(_label, i, _total):
+                bar.update(i - done[0])
+                done[0] = i
 
-        rows = db.run(engine, cases, steps=steps, warmup=warmup, ceiling=ceiling, calibration=cal, progress=tick)
+            got = db.run(engine, cases, steps=steps, warmup=warmup, ceiling=ceiling, calibration=cal,
+                         expert_probs=expert_probs, progress=tick)
+        rows += [{"order": o, "routing": routing, **r} for r in got]
+        if oi == 0 and (profile_path or plot_path):
+            _profile(engine, cases[0], profile_path, plot_path, spec.name, say)
+        # the next order's engine needs the GPU memory this one holds (its KV pool, buffers)
+        del engine
+        gc.collect()
+        if on_gpu:
+            import torch
+
+            torch.cuda.empty_cache()
+        t0 = time.perf_counter()
     click.echo(db.table(rows))
-    if profile_path or plot_path:
-        _profile(engine, cases[0], profile_path, plot_path, spec.name, say)
+    if len(orders) > 1:
+        click.echo("\norders, fastest first (ms/step, x the fastest):")
+        click.echo(db.ranking(rows))
     if json_path is not None:
-        facts = {"model": spec.name, "backend": kind, "order": order, "random_weights": bool(random_weights),
+        facts = {"model": spec.name, "backend": kind, "order": order, "orders": list(orders), "routing": routing,
+                 "routing_alpha": ALPHA if routing == "skewed" else None, "random_weights": bool(random_weights),
                  "steps": steps, "warmup": warmup, "ceiling_bps": ceiling, "calibration": calibration,
                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
                  "host": platform.node(), "device": _device_name("cuda" if on_gpu else "cpu")}

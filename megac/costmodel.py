@@ -18,7 +18,8 @@ every signaller of each counter it waits on is done), with time:
   claimers that reach it while there is work left; the queue's counters
   complete when its last claimed task ends. The number of claimed tasks follows the bucket's
   context (attention splits) and the expected number of active experts under
-  uniform routing (``E * (1 - (1 - k/E) ** rows)``) unless given.
+  uniform routing (``E * (1 - (1 - k/E) ** rows)``), or under the per-expert
+  routing chances ``expert_probs`` (``sum_e 1 - (1 - p_e) ** rows``), unless given.
 
 The model ignores overlap of consecutive tasks on one SM (it is serial per
 SM), caches and compute; it is a planning tool, not a prediction of the
@@ -52,8 +53,11 @@ class CostParams:
     #: tokens per row for attention (default: the schedule's context bucket)
     context: int | None = None
     #: experts with at least one routed row per MoE layer (default: expected
-    #: value under uniform routing)
+    #: value from expert_probs, or under uniform routing)
     active_experts: int | None = None
+    #: chance a row routes to each expert (``[E]``, sums to top_k; e.g.
+    #: megac.routing_skew.selection_probs); None: uniform, k/E each
+    expert_probs: tuple[float, ...] | None = None
     #: measured per-opcode costs (megac.calibration): opcode -> µs per byte
     #: of its (claimed) work, replacing num_sms / bandwidth for that opcode,
     #: and opcode -> µs a task of it costs beyond its bytes (replacing fixed_us)

@@ -17,12 +17,17 @@ reported. Per case:
   launch, sampling on the device, the token ids back), and the host's share;
 * ``bytes``: what the step must move by the cost model's accounting of the
   schedule that ran (weights of the tiles it touches -- the expected active
-  experts under uniform routing at that batch --, KV read, activations and
-  partials), so ``TB/s = bytes / kernel time`` and the percentages of the
+  experts at that batch, under uniform routing or the per-expert routing
+  chances given as ``expert_probs`` (``megac.routing_skew``) --, KV read,
+  activations and partials), so ``TB/s = bytes / kernel time`` and the percentages of the
   streaming ceiling (measured in the same run where there is a GPU) and of
   the datasheet 4.8 TB/s;
 * ``predicted_ms``: the cost model's step, calibrated when a calibration
   is given (``megac.calibration``).
+
+``megac bench`` adds each row's ``order`` and ``routing``; :func:`table`
+shows them when they vary (order) or differ from uniform (routing), and
+:func:`ranking` lists the orders of each case fastest first.
 """
 
 from __future__ import annotations
@@ -78,19 +83,22 @@ def measure_ceiling(device: str, nbytes: int = 4 << 30, repeats: int = 5) -> flo
     return nbytes / statistics.median(out[1:])
 
 
-def step_bytes(schedule, context: int, calibration=None) -> tuple[float, float]:
+def step_bytes(schedule, context: int, calibration=None, expert_probs=None) -> tuple[float, float]:
     """(bytes a step of ``schedule`` moves with rows at ``context`` tokens,
-    predicted µs) by the cost model."""
+    predicted µs) by the cost model; ``expert_probs``: each expert's chance
+    to be in a row's top-k (None: uniform routing)."""
     from megac.costmodel import CostParams, simulate
 
     params = calibration.params(context=context) if calibration is not None else CostParams(context=context)
+    params.expert_probs = None if expert_probs is None else tuple(float(p) for p in expert_probs)
     sim = simulate(schedule, params)
     return sim.total_bytes, sim.step_us
 
 
 def run(engine, cases: Sequence[tuple[int, int]], *, steps: int = 30, warmup: int = 5, ceiling: float | None = None,
-        calibration=None, progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
-    """One row per (batch, context) case (see the module docstring)."""
+        calibration=None, expert_probs=None, progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
+    """One row per (batch, context) case (see the module docstring);
+    ``expert_probs`` as in :func:`step_bytes`."""
     from megac.runtime.backend import decode_and_sample
     from megac.sampling import RowSampling, SamplingParams
 
@@ -127,7 +135,7 @@ def run(engine, cases: Sequence[tuple[int, int]], *, steps: int = 30, warmup: in
                "tok_s_step": round(batch * 1e3 / step_ms, 1),
                "host_fraction": round(max(step_ms - kernel_ms, 0.0) / step_ms, 4)}
         if sched is not None:
-            nbytes, pred_us = step_bytes(sched, context, calibration)
+            nbytes, pred_us = step_bytes(sched, context, calibration, expert_probs)
             tbs = nbytes / (kernel_ms * 1e-3)
             row.update(bytes=int(nbytes), tb_s=round(tbs / 1e12, 3), pct_datasheet=round(100 * tbs / DATASHEET_BPS, 1),
                        predicted_ms=round(pred_us / 1e3, 4))
@@ -138,10 +146,16 @@ def run(engine, cases: Sequence[tuple[int, int]], *, steps: int = 30, warmup: in
 
 
 def table(rows: list[dict]) -> str:
-    cols = [("batch", "batch"), ("context", "context"), ("kernel_ms", "ms/step"), ("tok_s", "tok/s"),
-            ("step_ms", "step ms"), ("host_fraction", "host %"), ("bytes", "GB"), ("tb_s", "TB/s"),
-            ("pct_ceiling", "% ceiling"), ("pct_datasheet", "% 4.8 TB/s"), ("predicted_ms", "model ms")]
+    cols = [("order", "order"), ("routing", "routing"), ("batch", "batch"), ("context", "context"),
+            ("kernel_ms", "ms/step"), ("tok_s", "tok/s"), ("step_ms", "step ms"), ("host_fraction", "host %"),
+            ("bytes", "GB"), ("tb_s", "TB/s"), ("pct_ceiling", "% ceiling"), ("pct_datasheet", "% 4.8 TB/s"),
+            ("predicted_ms", "model ms")]
     cols = [(k, h) for k, h in cols if any(k in r for r in rows)]
+    # one order, or uniform routing, is said once in the run's facts, not per row
+    if len({r.get("order") for r in rows}) < 2:
+        cols = [(k, h) for k, h in cols if k != "order"]
+    if all(r.get("routing", "uniform") == "uniform" for r in rows):
+        cols = [(k, h) for k, h in cols if k != "routing"]
 
     def fmt(k, v):
         if v is None:
@@ -159,4 +173,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["DATASHEET_BPS", "fill_kv_noise", "measure_ceiling", "rows_at", "run", "step_bytes", "table"]
+def ranking(rows: list[dict]) -> str:
+    """Per (batch, context), the orders fastest first (``kernel_ms``) with
+    each one's time as a multiple of the fastest."""
+    cases: dict[tuple[int, int], list[dict]] = {}
+    for r in rows:
+        cases.setdefault((r["batch"], r["context"]), []).append(r)
+    lines = []
+    for (batch, context), rs in cases.items():
+        rs = sorted(rs, key=lambda r: r["kernel_ms"])
+        best = rs[0]["kernel_ms"]
+        ranked = ", ".join(f"{r['order']} {r['kernel_ms']} ms ({r['kernel_ms'] / best:.2f}x)" for r in rs)
+        lines.append(f"batch {batch}, context {context}: {ranked}")
+    return "\n".join(lines)
+
+
+__all__ = ["DATASHEET_BPS", "fill_kv_noise", "measure_ceiling", "ranking", "rows_at", "run", "step_bytes", "table"]

@@ -51,14 +51,22 @@ def _routed_slots(vm, d: OpDef, layer: int, rows: np.ndarray, buffer: str) -> np
 
 
 def expected_active_experts(geo, params) -> int:
-    """Experts with at least one routed row per MoE layer: ``params.active_experts``
-    or the expected value under uniform routing ``E * (1 - (1 - k/E) ** rows)``."""
+    """Experts with at least one routed row per MoE layer: ``params.active_experts``;
+    else the expected value over ``rows`` independent rows, ``sum_e 1 - (1 - p_e) ** rows``
+    with ``p_e`` the chance a row routes to expert ``e``: ``params.expert_probs``
+    when given (skewed routing), else uniform routing's ``k/E`` for every expert,
+    ``E * (1 - (1 - k/E) ** rows)``."""
     if params.active_experts is not None:
         return int(params.active_experts)
     E, k, R = geo.num_experts, geo.top_k, geo.rows
     if not E:
         return 0
-    return max(min(k, E), int(round(E * (1.0 - (1.0 - k / E) ** R))))
+    p = params.expert_probs
+    if p is None:
+        touched = E * (1.0 - (1.0 - k / E) ** R)
+    else:
+        touched = float(np.sum(1.0 - (1.0 - np.asarray(p, dtype=np.float64)) ** R))
+    return max(min(k, E), int(round(touched)))
 
 
 class RouterTopk(OpDef):
