@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 
 #include "attention.cuh"
+#include "attn_mma.cuh"
 #include "attn_rows.cuh"
 #include "attn_tiles.cuh"
 #include "mk_core.cuh"
@@ -21,17 +22,24 @@ namespace mk {
 
 using bf16 = __nv_bfloat16;
 
-// 1: a split runs in key tiles through shared memory (attn_tiles.cuh); 0:
+// (When attn_mma does not apply) 1: a split runs in key tiles through shared memory (attn_tiles.cuh); 0:
 // a key per warp at a time (attn_rows.cuh, ~60 us per 512-key split of North
 // Mini Code on the H200).
 #ifndef MEGAC_ATTN_TILES
 #define MEGAC_ATTN_TILES 1
 #endif
+// 1: where the shape allows (attn_mma::supported), a split runs on the tensor
+// cores, each warp on its own 16-key chunks (attn_mma.cuh); 0: attn_tiles.
+#ifndef MEGAC_ATTN_MMA
+#define MEGAC_ATTN_MMA 1
+#endif
 
 template <class M>
 struct AttnScratch {
   static constexpr int kDpl = (M::HEAD_DIM + 31) / 32;
-  static constexpr int kSplitBytes = MEGAC_ATTN_TILES
+  static constexpr bool kMma = MEGAC_ATTN_MMA && attn_mma::supported<M::HEAD_DIM, M::GQA>();
+  static constexpr int kSplitBytes = kMma ? attn_mma::smem_bytes<M::HEAD_DIM, M::GQA, M::THREADS>()
+                                     : MEGAC_ATTN_TILES
                                          ? attn_tiles::smem_bytes<M::HEAD_DIM, M::GQA, M::THREADS>()
                                          : attn_rows::smem_floats(M::THREADS / 32, M::GQA, M::HEAD_DIM) * 4;
   static constexpr int kCombineBytes = attn::combine_min_bytes<M::HEAD_DIM, M::GQA>(M::MAX_SPLITS) + 4096;
@@ -53,10 +61,13 @@ __device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, i
   }
   float* o = ptr<float>(d->attn_o_part) + Lay::o_part_attn(layer, split, row, kvh * M::GQA);
   float* lse = ptr<float>(d->attn_lse_part) + Lay::lse_part(layer, split, row, kvh * M::GQA);
-  if constexpr (MEGAC_ATTN_TILES) {
+  if constexpr (AttnScratch<M>::kMma || MEGAC_ATTN_TILES) {
     const attn_tiles::Split a{q, ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), pt, M::KV_HEADS, kvh,
                               d->kv_block_size, begin, end, d->attn_scale, o, lse};
-    attn_tiles::split<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch);
+    if constexpr (AttnScratch<M>::kMma)
+      attn_mma::split<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch);
+    else
+      attn_tiles::split<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch);
   } else {
     attn_rows::Split a;
     a.q = q;

@@ -689,18 +689,14 @@ def check_speed() -> dict:
 
 
 #: device-code variants the speed push compares (compile-time switches of
-#: opcodes/: MEGAC_PREFETCH = where the L2 prefetch of a task's weights is
-#: issued, MEGAC_L2_WINDOW = bytes of the sliding prefetch window; see
-#: megakernel.cuh and gemm_rows.cuh); "default" is the headers' own setting
+#: opcodes/, MEGAC_* macros; see docs/perf-notes.md); "default" is the
+#: headers' own setting
 VARIANTS = {
-    "default": {},  # tensor-core tile, per-warp bulk-copy rings of 2 x 8 KB
+    "default": {},  # tensor-core GEMM (bulk-copy rings 2 x 8 KB), tensor-core attention splits
     "rows": {"MEGAC_TC_GEMM": 0},  # row-major weights, the CUDA-core row GEMM
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
-    "regs16": {"MEGAC_TC_BULK": 0, "MEGAC_TC_UNROLL": 16},
-    # other ring shapes: stages x KB per stage
-    "bulk2x10": {"MEGAC_TC_STAGES": 2, "MEGAC_TC_STAGE_BLOCKS": 10},
-    "bulk3x6": {"MEGAC_TC_STAGES": 3, "MEGAC_TC_STAGE_BLOCKS": 6},
-    "nofence": {"MEGAC_TC_STAGE_FENCE": 0},
+    "attn_tiles": {"MEGAC_ATTN_MMA": 0},  # attention splits on the CUDA cores (attn_tiles.cuh)
+    "attn3": {"MEGAC_ATTN_MMA_STAGES": 3},  # tensor-core splits, 2 chunks in flight per warp
 }
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}

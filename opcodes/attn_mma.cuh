@@ -1,0 +1,280 @@
+// One attention split on the tensor cores, each warp streaming its own keys:
+// the partial (normalised output and log-sum-exp) of the G query heads of
+// one (row, kv head) over the keys [begin, end) of one split, paged K/V
+// bf16. Same contract as attn_tiles::split (an empty split or an inactive
+// row writes o = 0, lse = -inf, which merges exactly); its faster form.
+//
+// Why: attn_tiles computes on the CUDA cores with three CTA barriers per
+// 64-key tile; the profiled North Mini Code step showed a 512-key split at
+// ~42 us (~3 GB/s per SM), issue-bound, the slowest work per byte in the
+// step. Here:
+//
+//   * the split's keys are cut into 16-key chunks and chunk c belongs to
+//     warp c % WARPS (fixed, so the result does not depend on timing);
+//   * each warp copies its own chunks (K and V rows, 16-byte cp.async, the
+//     page-table entries one chunk ahead) into its own STAGES-deep slots and
+//     waits only on its own copies: no CTA barrier until the final merge;
+//   * scores S = Q K^T and O += P V are mma.m16n8k16: the GQA heads are the
+//     16-row side (rows past G are zeros), keys / head dims the 8 columns;
+//     Q stays in registers for the whole split; P goes from the score
+//     accumulators straight into the A operand of P V (same fragment
+//     layout), rounded to bf16 like the V it multiplies; the online softmax
+//     runs in fp32 in the log2 domain;
+//   * at the end the warps' (m, l, O) are merged in warp order through
+//     shared memory, in fp32.
+//
+// K/V rows sit in shared memory HD*2 + 16 bytes apart, so the 8 rows an
+// ldmatrix reads fall in 8 different 16-byte bank groups.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "attention.cuh"
+#include "attn_tiles.cuh"
+#include "common.cuh"
+
+namespace megac {
+namespace attn_mma {
+
+using bf16 = __nv_bfloat16;
+using attn_tiles::Split;
+
+// Chunks in flight per warp + the one computed.
+#ifndef MEGAC_ATTN_MMA_STAGES
+#define MEGAC_ATTN_MMA_STAGES 2
+#endif
+
+// Shapes this form takes; others use attn_tiles.
+template <int HD, int G>
+constexpr bool supported() {
+  return HD % 16 == 0 && HD <= 128 && G >= 1 && G <= 16;
+}
+
+template <int HD, int G, int THREADS>
+struct Shape {
+  static constexpr int W = THREADS / 32;            // warps
+  static constexpr int KPC = 16;                    // keys per chunk: one k step of P V
+  static constexpr int S = MEGAC_ATTN_MMA_STAGES;
+  static constexpr int PITCH = HD * 2 + 16;         // bytes between K (V) rows in a slot
+  static constexpr int kTile = KPC * PITCH;         // a chunk's K (or V)
+  static constexpr int kStage = 2 * kTile;          // K then V
+  static constexpr int kMerge = (G * HD + 2 * G) * 4;  // a warp's O, m, l (fp32)
+  static constexpr int kWarp = S * kStage > kMerge ? S * kStage : (kMerge + 15) / 16 * 16;
+  static constexpr int kBytes = W * kWarp;
+  static constexpr int PPL = KPC * (HD / 8) / 32;   // 16-byte pieces per lane per chunk (K; V alike)
+  static constexpr int KK = HD / 16;                // k steps of Q K^T
+  static constexpr int NT = HD / 8;                 // 8-dim column tiles of O
+  static_assert(S >= 2, "a chunk computed and one in flight");
+  static_assert(KPC * (HD / 8) % 32 == 0, "whole pieces per lane");
+};
+
+template <int HD, int G, int THREADS>
+__host__ __device__ constexpr int smem_bytes() {
+  return Shape<HD, G, THREADS>::kBytes;
+}
+
+// Lane j < 16: the physical block of key key0 + j (0 past the split).
+__device__ __forceinline__ int page_entry(const Split& a, int key0, int lane) {
+  const int key = key0 + (lane & 15);
+  return (lane < 16 && key < a.end) ? __ldg(a.pt + key / a.block_size) : 0;
+}
+
+// This lane's copies of the chunk at key0 into slot `slot` (K at +0, V at
+// +kTile), then one commit group (empty when !live), so group i holds the
+// warp's chunk i. Keys past the split read as zeros: never a stale page's
+// NaN in an mma.
+template <int HD, int G, int THREADS>
+__device__ __forceinline__ void issue(const Split& a, int key0, int blk, uint32_t slot, int lane, bool live) {
+  using Sh = Shape<HD, G, THREADS>;
+  if (live) {
+    constexpr int kPieces = HD / 8;
+#pragma unroll
+    for (int r = 0; r < Sh::PPL; ++r) {
+      const int p = lane + 32 * r, j = p / kPieces, c = p % kPieces, key = key0 + j;
+      const int b = __shfl_sync(0xffffffffu, blk, j);
+      const bool in = key < a.end;
+      const int64_t tok = (int64_t(b) * a.block_size + (in ? key % a.block_size : 0)) * a.kv_heads + a.kvh;
+      const uint32_t dst = slot + j * Sh::PITCH + c * 16;
+      cp_async16(dst, a.k_pool + tok * HD + c * 8, in ? 16 : 0);
+      cp_async16(dst + Sh::kTile, a.v_pool + tok * HD + c * 8, in ? 16 : 0);
+    }
+  }
+  cp_async_commit();
+}
+
+template <int HD, int G, int THREADS>
+__device__ __forceinline__ void split(const Split& a, uint8_t* sm) {
+  using Sh = Shape<HD, G, THREADS>;
+  constexpr int W = Sh::W, S = Sh::S, KPC = Sh::KPC;
+  constexpr bool kHi = G > 8;  // rows gid + 8 hold heads too
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, t4 = lane & 3;
+  uint8_t* mine = sm + warp * Sh::kWarp;
+  const uint32_t base = smem_addr(mine);
+  const int nkeys = a.end > a.begin ? a.end - a.begin : 0;
+  const int nchunks = (nkeys + KPC - 1) / KPC;
+  const int count = nchunks > warp ? (nchunks - warp + W - 1) / W : 0;  // this warp's chunks
+  auto key0_of = [&](int i) { return a.begin + (warp + i * W) * KPC; };
+
+  // first chunks out before anything else
+  {
+    int blk[S];
+#pragma unroll
+    for (int i = 0; i < S; ++i) blk[i] = i < count ? page_entry(a, key0_of(i), lane) : 0;
+#pragma unroll
+    for (int i = 0; i < S; ++i) issue<HD, G, THREADS>(a, key0_of(i), blk[i], base + i * Sh::kStage, lane, i < count);
+  }
+
+  // Q as the A operand, rows gid (and gid + 8), in registers for the split;
+  // written by another CTA of this launch: through L2
+  uint32_t q[Sh::KK][4];
+  {
+    const uint32_t* q32 = reinterpret_cast<const uint32_t*>(a.q);
+#pragma unroll
+    for (int kk = 0; kk < Sh::KK; ++kk) {
+      const int c = kk * 16 + 2 * t4;
+      q[kk][0] = gid < G ? __ldcg(q32 + (gid * HD + c) / 2) : 0u;
+      q[kk][2] = gid < G ? __ldcg(q32 + (gid * HD + c + 8) / 2) : 0u;
+      q[kk][1] = kHi && gid + 8 < G ? __ldcg(q32 + ((gid + 8) * HD + c) / 2) : 0u;
+      q[kk][3] = kHi && gid + 8 < G ? __ldcg(q32 + ((gid + 8) * HD + c + 8) / 2) : 0u;
+    }
+  }
+  const float sl2 = a.scale * attn::kLog2e;
+
+  float o[Sh::NT][4];
+#pragma unroll
+  for (int n = 0; n < Sh::NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;  // l: this thread's keys only
+
+  // ldmatrix lane addresses within a slot: K (non-transposed: key rows are
+  // the B columns) and V (transposed: key rows are the B k-side)
+  const int mtx = lane >> 3, r8 = lane & 7;
+  const uint32_t k_lane = (r8 + 8 * (mtx >> 1)) * Sh::PITCH + (mtx & 1) * 16;
+  const uint32_t v_lane = Sh::kTile + (r8 + 8 * (mtx & 1)) * Sh::PITCH + (mtx >> 1) * 16;
+
+  for (int i = 0; i < count; ++i) {
+    const int nb = i + S < count ? page_entry(a, key0_of(i + S), lane) : 0;  // in flight while chunk i computes
+    cp_async_wait<S - 1>();  // this lane's copies of chunk i are in
+    __syncwarp();            // and every lane's
+    const uint32_t slot = base + (i % S) * Sh::kStage;
+    const int key0 = key0_of(i);
+
+    // S = Q K^T: keys key0 + 0..7 (s[0]) and 8..15 (s[1])
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < Sh::KK; ++kk) {
+      uint32_t b0, b1, b2, b3;
+      attn::ldsm_x4(slot + k_lane + kk * 32, b0, b1, b2, b3);
+      attn::mma_bf16(s[0], q[kk][0], q[kk][1], q[kk][2], q[kk][3], b0, b1);
+      attn::mma_bf16(s[1], q[kk][0], q[kk][1], q[kk][2], q[kk][3], b2, b3);
+    }
+    // scale into the log2 domain; keys past the split: -inf
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = key0 + n * 8 + 2 * t4 + (e & 1) < a.end ? s[n][e] * sl2 : -INFINITY;
+
+    // online softmax per row; the chunk holds key0 < end, so m_new is finite
+    auto step = [&](float& m, float& l, int e0, float& r) {
+      float mx = fmaxf(fmaxf(s[0][e0], s[0][e0 + 1]), fmaxf(s[1][e0], s[1][e0 + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mn = fmaxf(m, mx);
+      r = exp2f(m - mn);  // 0 on the warp's first chunk
+      float ps = 0.f;
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = e0; e < e0 + 2; ++e) {
+          s[n][e] = exp2f(s[n][e] - mn);
+          ps += s[n][e];
+        }
+      l = l * r + ps;
+      m = mn;
+    };
+    float r_lo, r_hi = 1.f;
+    step(m_lo, l_lo, 0, r_lo);
+    if constexpr (kHi) step(m_hi, l_hi, 2, r_hi);
+#pragma unroll
+    for (int n = 0; n < Sh::NT; ++n) {
+      o[n][0] *= r_lo;
+      o[n][1] *= r_lo;
+      if constexpr (kHi) {
+        o[n][2] *= r_hi;
+        o[n][3] *= r_hi;
+      }
+    }
+
+    // O += P V: the score fragments are the A operand as they are
+    const uint32_t pa0 = attn::pack_bf16(s[0][0], s[0][1]), pa2 = attn::pack_bf16(s[1][0], s[1][1]);
+    const uint32_t pa1 = kHi ? attn::pack_bf16(s[0][2], s[0][3]) : 0u;
+    const uint32_t pa3 = kHi ? attn::pack_bf16(s[1][2], s[1][3]) : 0u;
+#pragma unroll
+    for (int np = 0; np < Sh::NT / 2; ++np) {
+      uint32_t b0, b1, b2, b3;
+      attn::ldsm_x4_t(slot + v_lane + np * 32, b0, b1, b2, b3);
+      attn::mma_bf16(o[2 * np], pa0, pa1, pa2, pa3, b0, b1);
+      attn::mma_bf16(o[2 * np + 1], pa0, pa1, pa2, pa3, b2, b3);
+    }
+    __syncwarp();  // every lane is done with the slot before it is refilled
+    issue<HD, G, THREADS>(a, key0_of(i + S), nb, slot, lane, i + S < count);
+  }
+  cp_async_wait<0>();  // only empty groups can remain
+  __syncwarp();
+
+  // this warp's (O unnormalised, m, l) into its own region, heads < G only
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+  if constexpr (kHi) {
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  }
+  float* wo = reinterpret_cast<float*>(mine);
+  float* wm = wo + G * HD;
+  float* wl = wm + G;
+#pragma unroll
+  for (int n = 0; n < Sh::NT; ++n) {
+    const int d = n * 8 + 2 * t4;
+    if (gid < G) *reinterpret_cast<float2*>(wo + gid * HD + d) = make_float2(o[n][0], o[n][1]);
+    if (kHi && gid + 8 < G) *reinterpret_cast<float2*>(wo + (gid + 8) * HD + d) = make_float2(o[n][2], o[n][3]);
+  }
+  if (t4 == 0) {
+    if (gid < G) {
+      wm[gid] = m_lo;
+      wl[gid] = l_lo;
+    }
+    if (kHi && gid + 8 < G) {
+      wm[gid + 8] = m_hi;
+      wl[gid + 8] = l_hi;
+    }
+  }
+  __syncthreads();
+
+  // merge in warp order: o = sum_w 2^(m_w - M) O_w / L, lse = ln(L) + M ln 2;
+  // every warp empty (an empty split): o = 0, lse = -inf
+  for (int idx = tid; idx < G * HD; idx += THREADS) {
+    const int h = idx / HD, d = idx % HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, reinterpret_cast<const float*>(sm + w * Sh::kWarp)[G * HD + h]);
+    float l = 0.f, acc = 0.f;
+    if (mx > -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float* rw = reinterpret_cast<const float*>(sm + w * Sh::kWarp);
+        const float f = exp2f(rw[G * HD + h] - mx);  // an empty warp: exp2(-inf) = 0
+        l += rw[G * HD + G + h] * f;
+        acc += rw[h * HD + d] * f;
+      }
+    }
+    a.o[idx] = l > 0.f ? acc / l : 0.f;
+    if (d == 0) a.lse[h] = l > 0.f ? (mx + log2f(l)) * attn::kLn2 : -INFINITY;
+  }
+  __syncthreads();  // the scratch is free for the next task
+}
+
+}  // namespace attn_mma
+}  // namespace megac
