@@ -143,7 +143,7 @@ class Geometry:
         unknown = set(tile_overrides) - set(DEFAULT_TILES)
         if unknown:
             raise ValueError(f"unknown tile override(s): {sorted(unknown)}")
-        t = {**DEFAULT_TILES, **tile_overrides}
+        t = {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {}), **tile_overrides}
         if rows < 1:
             raise ValueError(f"rows must be >= 1 (got {rows})")
         if context < 1:

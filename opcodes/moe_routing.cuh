@@ -51,22 +51,35 @@ __device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
 }
 
 // This lane's logits (expert lane + 32 j): the router split-K partials
-// added in split order. Experts >= E start out taken.
+// added in split order. Experts >= E start out taken. Up to kSplitsAtOnce
+// splits' loads are issued before the first add: the partials come from
+// other SMs through L2, and one split at a time left ROUTER_TOPK at ~10 us
+// on every MoE layer's critical path (a loaded L2 round trip per split).
+constexpr int kSplitsAtOnce = 8;
 template <int VPL>
 __device__ __forceinline__ void load_logits(const float* parts, size_t split_stride, int num_splits,
                                             int E, float (&v)[VPL], bool (&taken)[VPL]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int j = 0; j < VPL; ++j) {
-    const int e = lane + 32 * j;
-    taken[j] = e >= E;
-    float x = -INFINITY;
-    if (e < E) {
-      // Partials come from other tasks of this launch: coherent loads.
-      x = __ldcg(parts + e);
-      for (int s = 1; s < num_splits; ++s) x = x + __ldcg(parts + s * split_stride + e);
-    }
-    v[j] = x;
+    taken[j] = lane + 32 * j >= E;
+    v[j] = -INFINITY;
+  }
+  for (int s0 = 0; s0 < num_splits; s0 += kSplitsAtOnce) {
+    // Partials come from other tasks of this launch: coherent loads.
+    float p[kSplitsAtOnce][VPL];
+#pragma unroll
+    for (int s = 0; s < kSplitsAtOnce; ++s)
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        const int e = lane + 32 * j;
+        p[s][j] = (s0 + s < num_splits && e < E) ? __ldcg(parts + (s0 + s) * split_stride + e) : 0.f;
+      }
+#pragma unroll
+    for (int s = 0; s < kSplitsAtOnce; ++s)
+#pragma unroll
+      for (int j = 0; j < VPL; ++j)
+        if (s0 + s < num_splits && lane + 32 * j < E) v[j] = s0 + s == 0 ? p[s][j] : v[j] + p[s][j];
   }
 }
 

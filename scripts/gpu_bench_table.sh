@@ -1,21 +1,50 @@
 #!/usr/bin/env bash
-# On the GPU machine: the decode-throughput table of BENCHMARKS.md, the
-# megakernel and the graphs baseline back to back in one call (random
-# weights), then one profiled North Mini Code step with its timeline:
-#   bash scripts/gpu_bench_table.sh "$OUT"
+# On the GPU machine: the decode-throughput tables of BENCHMARKS.md (random
+# weights), the megakernel and the graphs baseline back to back in one call.
+#   bash scripts/gpu_bench_table.sh "$OUT" [table|long|smollm2|ablation|profile ...]
+# table:    North Mini Code, batch 1-8 x context 1K, 8K, 32K, both backends
+# long:     North Mini Code at 128K, batch 1-2 (what fits beside two weight copies)
+# smollm2:  SmolLM2-135M's shape, batch 1-8 x 1K, 4K, both backends
+# ablation: the three wave orders, uniform and skewed routing, batch 1 and 8 at 8K
+# profile:  one profiled North Mini Code step (bs1, 8K) and its timeline
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 out="${1:?output folder}"
+shift
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(table long smollm2 ablation profile)
 megac() { python3 -c "from megac.cli import main; main()" "$@"; }
-for model in north-mini-code smollm2-135m; do
-  ctx=1024,8192
-  [ "$model" = smollm2-135m ] && ctx=1024,4096  # its context ends at 8192
-  for backend in cuda graphs; do
-    echo "== $model $backend"
-    megac bench "$model" --backend "$backend" --random-weights --batch-size 1,2,4,8 --context "$ctx" \
-      --steps 30 --json "$out/bench-$model-$backend.json" 2>&1 | grep -v "it/s\]" | tail -14
-  done
+bench() {  # name, then megac bench arguments
+  local name=$1
+  shift
+  echo "== $name"
+  megac bench "$@" --random-weights --json "$out/bench-$name.json" 2>&1 | grep -v "it/s\]" | tail -22
+}
+for part in "${parts[@]}"; do
+  case $part in
+    table)
+      for b in cuda graphs; do
+        bench "nmc-$b" north-mini-code --backend $b --batch-size 1,2,4,8 --context 1024,8192,32768 --steps 30
+      done ;;
+    long)
+      for b in cuda graphs; do
+        bench "nmc-128k-$b" north-mini-code --backend $b --batch-size 1,2 --context 131072 --steps 20
+      done ;;
+    smollm2)
+      for b in cuda graphs; do
+        bench "smollm2-$b" smollm2-135m --backend $b --batch-size 1,2,4,8 --context 1024,4096 --steps 30
+      done ;;
+    ablation)
+      for r in uniform skewed; do
+        bench "nmc-orders-$r" north-mini-code --backend cuda --batch-size 1,8 --context 8192 --order all \
+          --routing $r --steps 20 --no-ceiling
+      done
+      bench "nmc-graphs-skewed" north-mini-code --backend graphs --batch-size 1,8 --context 8192 \
+        --routing skewed --steps 20 --no-ceiling ;;
+    profile)
+      echo "== profile"
+      megac bench north-mini-code --backend cuda --random-weights --batch-size 1 --context 8192 --steps 10 \
+        --profile "$out/profile-nmc-bs1-8k.json" --plot "$out/timeline-nmc-bs1-8k.png" 2>&1 | tail -12 ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+  esac
 done
-echo "== profile"
-megac bench north-mini-code --backend cuda --random-weights --batch-size 1 --context 8192 --steps 10 \
-  --profile "$out/profile-nmc-bs1-8k.json" --plot "$out/timeline-nmc-bs1-8k.png" 2>&1 | tail -12

@@ -155,6 +155,26 @@ class TargetSpec(BaseModel):
     #: None: powers of two from 1024 up to max_context, always ending at
     #: max_context (see ModelSpec.resolved_context_buckets).
     context_buckets: list[int] | None = None
+    #: Tile sizes for this target (keys of megac.geometry.DEFAULT_TILES, e.g.
+    #: moe_up_bn, router_splits); unnamed ones keep their defaults. Clamped to
+    #: the model's dimensions like the defaults.
+    tiles: dict[str, int] | None = None
+
+    @field_validator("tiles")
+    @classmethod
+    def _tiles(cls, v: dict[str, int] | None) -> dict[str, int] | None:
+        if v is None:
+            return v
+        from megac.geometry import DEFAULT_TILES
+
+        for k, x in v.items():
+            if k not in DEFAULT_TILES:
+                raise ValueError(f"unknown tile {k!r} (known: {', '.join(sorted(DEFAULT_TILES))})")
+            if not 1 <= x <= 65536:
+                raise ValueError(f"{k} must be in 1..65536 (got {x})")
+            if k in ("upgate_bn", "moe_up_bn") and x % 2:
+                raise ValueError(f"{k} must be even: a tile holds gate and up rows in pairs (got {x})")
+        return dict(sorted(v.items()))
 
     @field_validator("batch_sizes")
     @classmethod

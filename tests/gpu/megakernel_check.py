@@ -411,7 +411,8 @@ def prebuild() -> None:
     full = load_spec("north-mini-code")
     specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
         full, variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)]),
-        *scale.config_specs(), scale.context_spec(), *[scale.split_spec(t, m) for t, m in scale.SPLITS]]
+        *scale.config_specs(), scale.context_spec(), *[scale.split_spec(t, m) for t, m in scale.SPLITS],
+        *[scale.tile_spec(n, t) for n, t in scale.TILES.items()]]
     for spec in specs:
         if spec.name in scale.VARIANT_MODELS:
             for v, defines in {**scale.VARIANTS, "profile": scale.PROFILE}.items():

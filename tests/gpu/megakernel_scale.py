@@ -765,30 +765,61 @@ def split_spec(tokens: int, max_splits: int):
     return variant(spec, f"nmc-split{tokens}", target=target)
 
 
-def check_splits() -> dict:
-    """North Mini Code with smaller attention splits (more, shorter
-    ATTN_DECODE / ATTN_DRAIN tasks): median kernel ms at batch 1 and 8, 8K,
-    one engine after the other on the same random weights."""
+def _kernel_ms_of(specs: dict, steps: int = 15) -> dict:
+    """Median kernel ms at batch 1 and 8, 8K, of each North Mini Code spec
+    variant in ``specs`` (name -> spec), one engine after the other on the
+    same random weights (the variants share every weight shape)."""
+    import gc
+
     import torch
 
     from megac.weights import random_weights
 
     out = {}
     w = None
-    for tokens, mx in SPLITS:
-        spec = split_spec(tokens, mx)
+    for name, spec in specs.items():
         if w is None:
             w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
         eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
         _noise_kv(eng)
-        out[f"{tokens}x{mx}"] = {f"bs{b}": _step_times(eng, b, 8192, steps=15)["kernel_ms"] for b in (1, 8)}
-        print(json.dumps({f"{tokens}x{mx}": out[f"{tokens}x{mx}"]}), flush=True)
+        out[name] = {f"bs{b}": _step_times(eng, b, 8192, steps=steps)["kernel_ms"] for b in (1, 8)}
+        print(json.dumps({name: out[name]}), flush=True)
         del eng
-        import gc
-
         gc.collect()
         torch.cuda.empty_cache()
     return out
+
+
+def check_splits() -> dict:
+    """North Mini Code with smaller attention splits (more, shorter
+    ATTN_DECODE / ATTN_DRAIN tasks): median kernel ms at batch 1 and 8, 8K."""
+    return _kernel_ms_of({f"{t}x{m}": split_spec(t, m) for t, m in SPLITS})
+
+
+#: North Mini Code tile settings compared by check_tiles (target.tiles)
+TILES = {
+    "default": {},
+    "up96": {"moe_up_bn": 96},  # 16 expert up/gate tiles: 128 claims at batch 1, one per SM
+    "up64": {"moe_up_bn": 64},
+    "r16": {"router_splits": 16},  # router GEMM over 16 SMs instead of 4
+    "up96_r16": {"moe_up_bn": 96, "router_splits": 16},
+}
+
+
+def tile_spec(name: str, tiles: dict):
+    from megac.spec import load_spec
+    from models import variant
+
+    spec = load_spec("north-mini-code")
+    if not tiles:
+        return spec
+    return variant(spec, f"nmc-{name}", target={**spec.target.model_dump(), "tiles": tiles})
+
+
+def check_tiles() -> dict:
+    """North Mini Code with other tile sizes (target.tiles): median kernel ms
+    at batch 1 and 8, 8K."""
+    return _kernel_ms_of({name: tile_spec(name, t) for name, t in TILES.items()})
 
 
 def check_gemm_env() -> dict:
@@ -846,5 +877,5 @@ def check_profile() -> dict:
     return out
 
 
-CHECKS = {"opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
+CHECKS = {"tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
           "speed": check_speed, "gemm_env": check_gemm_env}
