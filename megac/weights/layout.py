@@ -52,7 +52,7 @@ it. Requirements: ``N % 16 == 0``, ``K % BK == 0``, ``BK % 32 == 0``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
@@ -209,10 +209,21 @@ def norm_slot_final(spec: "ModelSpec") -> int:
 # ------------------------------------------------------------------ whole model
 
 
-def _stack(ts: list[torch.Tensor], empty_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    if not ts:
+def _stack(items: Iterable[torch.Tensor], n: int, empty_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.stack`` of the ``n`` tensors ``items`` yields, filled one at a
+    time into one allocation: a list of interleaved copies plus the stack
+    held North Mini Code's expert weights twice over (72 GB beside the 61 GB
+    canonical copy) and ran the GPU out of memory once the KV pool was
+    large; this way the peak is the result plus one layer."""
+    out = None
+    for i, t in enumerate(items):
+        if out is None:
+            out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
+        out[i].copy_(t)
+        del t
+    if out is None:
         return torch.empty((0, *empty_shape), dtype=dtype)
-    return torch.stack(ts).contiguous()
+    return out
 
 
 def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEFAULT_CHUNK,
@@ -241,14 +252,15 @@ def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEF
         "w_embed": weights.embed,
         "w_lm_head": weights.lm_head_weight,
         "w_norm": norm,
-        "w_qkv": torch.stack([torch.cat([lw.q, lw.k, lw.v], dim=0) for lw in weights.layers]).contiguous(),
-        "w_o": torch.stack([lw.o for lw in weights.layers]).contiguous(),
-        "w_upgate": _stack([interleave_gate_up(lw.gate, lw.up, chunk) for lw in dense], (2 * dw, d), dt),
-        "w_down": _stack([lw.down for lw in dense], (d, dw), dt),
-        "w_router": _stack([lw.router for lw in moe], (E, d), dt),
-        "w_moe_upgate": _stack([interleave_gate_up(lw.experts_gate, lw.experts_up, moe_chunk) for lw in moe],
-                               (E, 2 * ew, d), dt),
-        "w_moe_down": _stack([lw.experts_down for lw in moe], (E, d, ew), dt),
+        "w_qkv": _stack((torch.cat([lw.q, lw.k, lw.v], dim=0) for lw in weights.layers), L,
+                        (spec.q_width + 2 * spec.kv_width, d), dt),
+        "w_o": _stack((lw.o for lw in weights.layers), L, (d, spec.q_width), dt),
+        "w_upgate": _stack((interleave_gate_up(lw.gate, lw.up, chunk) for lw in dense), len(dense), (2 * dw, d), dt),
+        "w_down": _stack((lw.down for lw in dense), len(dense), (d, dw), dt),
+        "w_router": _stack((lw.router for lw in moe), len(moe), (E, d), dt),
+        "w_moe_upgate": _stack((interleave_gate_up(lw.experts_gate, lw.experts_up, moe_chunk) for lw in moe),
+                               len(moe), (E, 2 * ew, d), dt),
+        "w_moe_down": _stack((lw.experts_down for lw in moe), len(moe), (E, d, ew), dt),
         "layer_slot": layer_slots(spec),
         "rope_inv_freq": rope_inv_freq(spec),
     }
