@@ -45,13 +45,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from megac.baselines._triton import next_pow2, use_triton
+from megac.baselines._triton import use_triton
 from megac.baselines.elementwise import residual_rms_norm, rope_cos_sin_dev, rope_store, silu_mul
 from megac.baselines.flash_decode import paged_decode_attention, splits_for
 from megac.baselines.gemv import LinearPicker
 from megac.baselines.moe import moe_ffn
 from megac.errors import MegacError
 from megac.runtime.backend import TorchPrefillMixin
+from megac.runtime.step import page_rows
 from megac.weights.layout import rope_inv_freq
 
 
@@ -218,8 +219,7 @@ class GraphsBackend(TorchPrefillMixin):
         for r in rows:
             kv.append_slot(r)  # idempotent: the engine has usually reserved it
         pos = kv.seq_pos[rows].astype(np.int64)
-        need = int(pos.max()) // kv.block_size + 1
-        pages = min(max(self.min_pages, next_pow2(need)), kv.max_blocks_per_seq)
+        pages = page_rows(pos.tolist(), kv.block_size, kv.max_blocks_per_seq, floor=self.min_pages)
         bufs = self._buffers(B, pages)
         st = bufs[0].numpy()
         st[:B] = toks

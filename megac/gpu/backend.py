@@ -193,9 +193,10 @@ class CudaBackend(TorchPrefillMixin):
             got = self._mb_cache[id(sched)] = int(scalar_values(sched, self.spec)["max_blocks_per_seq"])
         return got
 
-    def _page_table_host(self, sched) -> np.ndarray:
+    def _page_table_host(self, mb: int) -> np.ndarray:
+        """The step's page tables ``[layers, max rows, mb]``, packed at the
+        start of the staging buffer (rows ``mb`` pages long)."""
         L, R, _ = self.host["page_table"].shape
-        mb = self._page_rows(sched)
         return self.host["page_table"].reshape(-1)[: L * R * mb].reshape(L, R, mb)
 
     def _read_symbol(self, name: str) -> int:
@@ -206,15 +207,18 @@ class CudaBackend(TorchPrefillMixin):
         return int(out[0])
 
     # ------------------------------------------------------------------ descriptor
-    def _descriptor(self, sched):
-        """The launch descriptor of ``sched`` on the GPU (built once per
-        schedule; ``_desc_cache.clear()`` after changing a buffer)."""
+    def _descriptor(self, sched, page_rows: int | None = None):
+        """The launch descriptor of ``sched`` on the GPU whose page-table
+        rows are ``page_rows`` pages long (default: the schedule's bucket);
+        built once per (schedule, row length); ``_desc_cache.clear()`` after
+        changing a buffer."""
         torch = _torch()
-        key = id(sched)
+        page_rows = self._page_rows(sched) if page_rows is None else int(page_rows)
+        key = (id(sched), page_rows)
         got = self._desc_cache.get(key)
         if got is not None:
             return got
-        tasks, counts = self.tasks[key]
+        tasks, counts = self.tasks[id(sched)]
         values = {}
         scal = scalar_values(sched, self.spec, watchdog_ns=self.watchdog_ns)
         big_scal = scalar_values(self.big, self.spec)
@@ -236,6 +240,7 @@ class CudaBackend(TorchPrefillMixin):
                 values[f.name] = self.kernel_weights[f.name].data_ptr()
             else:
                 values[f.name] = self.buf[f.name].data_ptr()
+        values["max_blocks_per_seq"] = page_rows  # the page tables' row length this step
         packed = torch.frombuffer(bytearray(abi.pack_descriptor(values)), dtype=torch.uint8).to(self.dev)
         self._desc_cache[key] = packed
         return packed
@@ -251,8 +256,10 @@ class CudaBackend(TorchPrefillMixin):
         sched = self.schedules.for_rows(self.kv, rows)
         geo = sched.geometry
         h = self.host
-        page_table = self._page_table_host(sched)
-        positions = host.load_rows(self.kv, rows, geo, page_table, h["seq_pos"], h["row_active"])
+        positions = host.reserve_rows(self.kv, rows, geo)
+        mb = host.page_rows(positions, self.kv.block_size, self._page_rows(sched))
+        page_table = self._page_table_host(mb)
+        host.fill_tables(self.kv, rows, positions, page_table, h["seq_pos"], h["row_active"])
         host.host_words(geo, positions, h["targets"], h["attn_queue"])  # the queue's tail is never read
         b = self.buf
         if self.poison:
@@ -268,7 +275,7 @@ class CudaBackend(TorchPrefillMixin):
                                float(self.spec.norm_eps), torch.bfloat16)
         b["x_resid"][: geo.rows].copy_(x)
         b["x_norm"][0, : geo.rows].copy_(xn)
-        desc = self._descriptor(sched)
+        desc = self._descriptor(sched, mb)
         start, end = self._events
         start.record()
         if sched.num_sms == self.big.num_sms:

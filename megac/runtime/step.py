@@ -9,7 +9,8 @@ visible). Around the kernel, each step:
    (``append_slot``: maps the block of the new position, releases
    sliding-window blocks) and copy the page tables / positions into the
    step's tables (``page_table``, ``seq_pos`` = position of the current
-   token, ``row_active``);
+   token, ``row_active``); the CUDA backend runs its two halves apart and
+   sizes the page-table rows to the step (:func:`page_rows`) in between;
 2. :func:`seed_rows`: the embedding gather into ``x_resid`` (fp32) and the
    first RMSNorm into ``x_norm[0]``;
 3. the per-step reset of every buffer in ``plan.reset`` (counters, queue
@@ -39,10 +40,9 @@ from megac.errors import MegacError
 from megac.ops.norm import rms_norm
 
 
-def load_rows(kv, kv_rows: Sequence[int], geo, page_table: np.ndarray, seq_pos: np.ndarray,
-              row_active: np.ndarray) -> list[int]:
-    """Reserve the current slot of every row and fill the KV tables; returns
-    each row's position (the current token's)."""
+def reserve_rows(kv, kv_rows: Sequence[int], geo) -> list[int]:
+    """Reserve the current slot of every row (``append_slot``); returns each
+    row's position (the current token's)."""
     n = len(kv_rows)
     if n > geo.rows:
         raise MegacError(f"step: {n} rows for a schedule of {geo.rows}")
@@ -51,6 +51,26 @@ def load_rows(kv, kv_rows: Sequence[int], geo, page_table: np.ndarray, seq_pos: 
         if p + 1 > geo.context:
             raise MegacError(f"step: row {r} reaches {p + 1} tokens, beyond the schedule's context bucket "
                              f"({geo.context})")
+    return positions
+
+
+def page_rows(positions: Sequence[int], block_size: int, cap: int, floor: int = 16) -> int:
+    """Page-table row length for a step whose rows sit at ``positions``: the
+    pages the longest row reaches (its current token's included), rounded up
+    to a power of two (few distinct lengths, so few descriptors), at least
+    ``floor``, at most ``cap`` (the schedule's context bucket). One schedule
+    serves every context from 4K to 256K for North Mini Code, so its own
+    row length (4096 pages) made every step fill and send 6.4 MB of page
+    tables."""
+    need = max((int(p) // block_size + 1 for p in positions), default=1)
+    return min(max(floor, 1 << (need - 1).bit_length()), cap)
+
+
+def fill_tables(kv, kv_rows: Sequence[int], positions: Sequence[int], page_table: np.ndarray, seq_pos: np.ndarray,
+                row_active: np.ndarray) -> None:
+    """The step's KV tables: each row's first ``page_table.shape[2]`` pages
+    (-1 past them and for rows past ``kv_rows``), positions and activity."""
+    n = len(kv_rows)
     page_table[...] = -1
     mb = min(page_table.shape[2], kv.max_blocks_per_seq)
     if n:
@@ -59,6 +79,14 @@ def load_rows(kv, kv_rows: Sequence[int], geo, page_table: np.ndarray, seq_pos: 
     row_active[...] = 0
     seq_pos[:n] = positions
     row_active[:n] = 1
+
+
+def load_rows(kv, kv_rows: Sequence[int], geo, page_table: np.ndarray, seq_pos: np.ndarray,
+              row_active: np.ndarray) -> list[int]:
+    """:func:`reserve_rows` then :func:`fill_tables`; returns each row's
+    position (the current token's)."""
+    positions = reserve_rows(kv, kv_rows, geo)
+    fill_tables(kv, kv_rows, positions, page_table, seq_pos, row_active)
     return positions
 
 
@@ -139,4 +167,5 @@ def greedy_from_records(records: torch.Tensor) -> torch.Tensor:
     return torch.where(cand, idx, torch.full_like(idx, big)).amin(dim=-1)
 
 
-__all__ = ["check_tokens", "finish_rows", "greedy_from_records", "host_words", "load_rows", "seed_rows"]
+__all__ = ["check_tokens", "fill_tables", "finish_rows", "greedy_from_records", "host_words", "load_rows", "page_rows",
+           "reserve_rows", "seed_rows"]
