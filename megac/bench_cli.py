@@ -45,9 +45,11 @@ def _commit() -> str | None:
 
 @click.command("bench")
 @click.argument("model")
-@click.option("--backend", type=click.Choice(["auto", "cuda", "cpu", "graphs"]), default="auto", show_default=True,
+@click.option("--backend", type=click.Choice(["auto", "cuda", "cpu", "graphs", "waves"]), default="auto",
+              show_default=True,
               help="cuda: the megakernel; cpu: the VM over the same task words; graphs: the per-op CUDA-graph "
-                   "baseline (megac.baselines.graphs); auto: cuda when a GPU is visible.")
+                   "baseline (megac.baselines.graphs); waves: the megakernel's opcodes one launch per wave in a "
+                   "CUDA graph (megac.gpu.waves); auto: cuda when a GPU is visible.")
 @click.option("--random-weights", is_flag=True,
               help="Counter-based random weights (drawn on the GPU with --backend cuda); else MODEL's own weights.")
 @click.option("--batch-size", "batch_sizes", default="1", show_default=True, help="Comma-separated, e.g. 1,2,4,8.")
@@ -97,8 +99,8 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     ctxs = parse_list(contexts, "--context", lo=2)
     cal = Calibration.load(resolve(calibration)) if calibration else None
     kind = resolve_kind(backend)
-    if kind not in ("cuda", "cpu", "graphs"):
-        raise MegacError(f"bench: --backend {backend} resolved to {kind}; use cuda, cpu or graphs")
+    if kind not in ("cuda", "cpu", "graphs", "waves"):
+        raise MegacError(f"bench: --backend {backend} resolved to {kind}; use cuda, cpu, graphs or waves")
     orders = ORDERS if order == "all" else (order,)
     if order == "all" and kind == "graphs":
         raise MegacError("bench: --order all: the graphs backend runs no compiled schedules, so the order "
@@ -110,7 +112,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
         from megac.plot import check_plot_path
 
         check_plot_path(plot_path, "bench: --plot")
-    on_gpu = kind == "cuda" or (kind == "graphs" and cuda_visible())
+    on_gpu = kind in ("cuda", "waves") or (kind == "graphs" and cuda_visible())
     say = lambda msg: click.echo(f"[megac] {msg}", err=True)  # noqa: E731
     t0 = time.perf_counter()
     if random_weights:

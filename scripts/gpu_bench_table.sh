@@ -2,7 +2,7 @@
 # On the GPU machine: the decode-throughput tables of BENCHMARKS.md (random
 # weights), the megakernel and the graphs baseline back to back in one call.
 #   bash scripts/gpu_bench_table.sh "$OUT" [table|long|smollm2|ablation|profile ...]
-# table:    North Mini Code, batch 1-8 x context 1K, 8K, 32K, both backends
+# table:    North Mini Code, batch 1-8 x context 1K, 8K, 32K: cuda, graphs, waves
 # long:     North Mini Code at 128K, batch 1-2 (what fits beside two weight copies)
 # smollm2:  SmolLM2-135M's shape, batch 1-8 x 1K, 4K, both backends
 # ablation: the three wave orders, uniform and skewed routing, batch 1 and 8 at 8K
@@ -23,7 +23,7 @@ bench() {  # name, then megac bench arguments
 for part in "${parts[@]}"; do
   case $part in
     table)
-      for b in cuda graphs; do
+      for b in cuda graphs waves; do
         bench "nmc-$b" north-mini-code --backend $b --batch-size 1,2,4,8 --context 1024,8192,32768 --steps 30
       done ;;
     long)

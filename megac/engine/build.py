@@ -128,7 +128,7 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     # the megakernel (and the graphs baseline, where a GPU is visible) read
     # bf16 weights and a bf16 KV pool on the GPU: build the pool there, never
     # a host pool first (batch 8 x 128K is ~30 GB)
-    if kind == "cuda" or (kind == "graphs" and cuda_visible()):
+    if kind in ("cuda", "waves") or (kind == "graphs" and cuda_visible()):
         import torch
 
         weights, device = weights.to(torch.bfloat16, "cuda"), "cuda"

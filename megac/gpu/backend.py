@@ -123,6 +123,8 @@ class CudaBackend(TorchPrefillMixin):
         self.tasks = {id(s): (torch.from_numpy(np.ascontiguousarray(s.tasks, dtype=np.int32)).to(self.dev),
                               torch.from_numpy(np.ascontiguousarray(s.task_counts, dtype=np.int32)).to(self.dev))
                       for s in self.schedules.schedules}
+        #: per schedule, other task lists the same buffers run with (the waves baseline)
+        self.parts: dict = {}
         self._desc_cache: dict = {}
         self._mb_cache: dict = {}
         self.host: dict = {}
@@ -207,18 +209,20 @@ class CudaBackend(TorchPrefillMixin):
         return int(out[0])
 
     # ------------------------------------------------------------------ descriptor
-    def _descriptor(self, sched, page_rows: int | None = None):
+    def _descriptor(self, sched, page_rows: int | None = None, part: int | None = None):
         """The launch descriptor of ``sched`` on the GPU whose page-table
         rows are ``page_rows`` pages long (default: the schedule's bucket);
         built once per (schedule, row length); ``_desc_cache.clear()`` after
-        changing a buffer."""
+        changing a buffer. ``part``: the task lists are ``self.parts[id(sched)]
+        [part]`` (tasks, counts) instead of the schedule's (the waves
+        baseline's launches)."""
         torch = _torch()
         page_rows = self._page_rows(sched) if page_rows is None else int(page_rows)
-        key = (id(sched), page_rows)
+        key = (id(sched), page_rows, part)
         got = self._desc_cache.get(key)
         if got is not None:
             return got
-        tasks, counts = self.tasks[id(sched)]
+        tasks, counts = self.tasks[id(sched)] if part is None else self.parts[id(sched)][part]
         values = {}
         scal = scalar_values(sched, self.spec, watchdog_ns=self.watchdog_ns)
         big_scal = scalar_values(self.big, self.spec)
@@ -241,6 +245,8 @@ class CudaBackend(TorchPrefillMixin):
             else:
                 values[f.name] = self.buf[f.name].data_ptr()
         values["max_blocks_per_seq"] = page_rows  # the page tables' row length this step
+        if part is not None:
+            values["max_tasks"] = int(tasks.shape[1])
         packed = torch.frombuffer(bytearray(abi.pack_descriptor(values)), dtype=torch.uint8).to(self.dev)
         self._desc_cache[key] = packed
         return packed
@@ -249,8 +255,6 @@ class CudaBackend(TorchPrefillMixin):
     def _step(self, rows: list[int], token_ids: Sequence[int]) -> None:
         """One launch over ``rows``; raises MegakernelHang on a watchdog abort."""
         torch = _torch()
-        from megac.gpu import launch
-
         if len(token_ids) != len(rows):
             raise MegacError(f"cuda: {len(token_ids)} tokens for {len(rows)} rows")
         sched = self.schedules.for_rows(self.kv, rows)
@@ -275,14 +279,9 @@ class CudaBackend(TorchPrefillMixin):
                                float(self.spec.norm_eps), torch.bfloat16)
         b["x_resid"][: geo.rows].copy_(x)
         b["x_norm"][0, : geo.rows].copy_(xn)
-        desc = self._descriptor(sched, mb)
         start, end = self._events
         start.record()
-        if sched.num_sms == self.big.num_sms:
-            self._launch((desc,))
-        else:
-            launch.launch(self.module, self.entry, (sched.num_sms,), (self.threads,), (desc,),
-                          shared_mem=self.smem, cooperative=True)
+        self._run(sched, mb)
         end.record()
         self._status_host.copy_(b["status"], non_blocking=True)
         torch.cuda.current_stream().synchronize()  # the kernel and the status copy
@@ -291,6 +290,18 @@ class CudaBackend(TorchPrefillMixin):
         status = self._status_host.numpy()
         if status[abi.STATUS_ABORT]:
             raise self._hang(sched, status)
+
+    def _run(self, sched, page_rows: int) -> None:
+        """Launch the step's kernel work (asynchronous): the megakernel once,
+        persistent, one CTA per SM."""
+        from megac.gpu import launch
+
+        desc = self._descriptor(sched, page_rows)
+        if sched.num_sms == self.big.num_sms:
+            self._launch((desc,))
+        else:
+            launch.launch(self.module, self.entry, (sched.num_sms,), (self.threads,), (desc,),
+                          shared_mem=self.smem, cooperative=True)
 
     def decode(self, rows: Sequence[int], token_ids: Sequence[int]):
         rows = [int(r) for r in rows]

@@ -199,9 +199,10 @@ class Prepared:
         if cooperative:
             self.kwargs["enable_cooperative_groups"] = True
 
-    def __call__(self, args: Sequence[Any]) -> None:
-        """Launch on the current (default) stream. Asynchronous."""
-        self.func(self.grid, self.block, tuple(_as_arg(a) for a in args), **self.kwargs)
+    def __call__(self, args: Sequence[Any], stream=None) -> None:
+        """Launch on ``stream`` (default: the current stream). Asynchronous."""
+        kw = self.kwargs if stream is None else {**self.kwargs, "stream": stream}
+        self.func(self.grid, self.block, tuple(_as_arg(a) for a in args), **kw)
 
 
 def launch(

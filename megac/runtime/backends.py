@@ -9,6 +9,9 @@
 * ``graphs``: the model as per-op kernels in CUDA graphs
   (:class:`megac.baselines.graphs.GraphsBackend`; eager PyTorch on the CPU),
   the baseline ``megac bench`` compares against;
+* ``waves``: the megakernel's opcodes launched one kernel per wave in a
+  CUDA graph (:class:`megac.gpu.waves.WavesBackend`): what the persistent
+  schedule gains;
 * ``auto``: ``cuda`` when a CUDA device is visible, otherwise ``cpu``.
 """
 
@@ -21,7 +24,7 @@ from megac.vm.backend import VMBackend
 
 def needs_schedules(kind: str) -> bool:
     """Whether the backend runs compiled task words."""
-    return kind in ("cpu", "auto", "cuda")
+    return kind in ("cpu", "auto", "cuda", "waves")
 
 
 def cuda_visible() -> bool:
@@ -44,8 +47,8 @@ def resolve_kind(kind: str) -> str:
 def check_kind(kind: str) -> None:
     if kind not in BACKEND_KINDS:
         raise MegacError(f"--backend {kind}: choose one of {', '.join(BACKEND_KINDS)}")
-    if kind == "cuda" and not cuda_visible():
-        raise MegacError("--backend cuda: no CUDA device visible (use --backend cpu)")
+    if kind in ("cuda", "waves") and not cuda_visible():
+        raise MegacError(f"--backend {kind}: no CUDA device visible (use --backend cpu)")
 
 
 def make_backend(kind: str, spec, weights, kv, *, schedules=None, artifact_dir=None, max_batch_size: int = 64,
@@ -63,11 +66,15 @@ def make_backend(kind: str, spec, weights, kv, *, schedules=None, artifact_dir=N
         return GraphsBackend(spec, weights, kv, max_batch_size=max_batch_size)
     if schedules is None:
         raise MegacError(f"--backend {kind}: needs compiled schedules")
-    if kind == "cuda":
+    if kind in ("cuda", "waves"):
+        if artifact_dir is None:
+            raise MegacError(f"--backend {kind}: needs the artifact directory (its megakernel)")
+        if kind == "waves":
+            from megac.gpu.waves import WavesBackend
+
+            return WavesBackend(spec, weights, kv, schedules, artifact_dir)
         from megac.gpu.backend import CudaBackend
 
-        if artifact_dir is None:
-            raise MegacError("--backend cuda: needs the artifact directory (its megakernel)")
         return CudaBackend(spec, weights, kv, schedules, artifact_dir)
     return VMBackend(spec, weights, kv, schedules, dtype=weights.dtype, mode=mode, policy=policy, seed=seed)
 

@@ -2,6 +2,6 @@
 command line builds its help from them, and ``megac --help`` must not wait
 for torch (about 2.5 s here) to print it."""
 
-BACKEND_KINDS = ("cpu", "cuda", "auto", "reference", "graphs")
+BACKEND_KINDS = ("cpu", "cuda", "auto", "reference", "graphs", "waves")
 
 __all__ = ["BACKEND_KINDS"]

@@ -299,6 +299,32 @@ def check_orders() -> dict:
                        for a, b in zip(ref, outs)) for order, outs in got.items()}
 
 
+def check_waves() -> dict:
+    """The waves baseline (one launch per wave, megac.gpu.waves) runs the
+    same tiles as the persistent megakernel, whose every sum has a fixed
+    order: identical tokens and logits (tiny-moe, three orders, batch 2),
+    and North Mini Code's step time both ways (batch 1 and 8, 8K)."""
+    import torch
+
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("tiny-moe")
+    w = random_weights(spec, seed=11, dtype=torch.bfloat16)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6] * 7]
+    out = {}
+    for order in ("tuned", "interleaved", "attention-first"):
+        ref = scale.generate_all(scale.engine(spec, w, "cuda", order=order, max_batch_size=2, max_model_len=128),
+                                 prompts, 8)
+        eng = scale.engine(spec, w, "waves", order=order, max_batch_size=2, max_model_len=128)
+        got = scale.generate_all(eng, prompts, 8)
+        out[order] = all(a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+                         for a, b in zip(ref, got))
+        out[f"{order}_graph_mode"] = eng.backend.graph_mode
+    out["nmc"] = scale.waves_step_times()
+    return out
+
+
 def check_rng() -> dict:
     """The counter-based weights are the same bits on the CPU and the GPU."""
     import torch
@@ -393,7 +419,7 @@ def check_graphs() -> dict:
 
 
 CHECKS = {"serve": check_serve, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
-          "sampling": check_sampling, "graphs": check_graphs,
+          "sampling": check_sampling, "graphs": check_graphs, "waves": check_waves,
           "orders": check_orders, "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 
 

@@ -790,6 +790,30 @@ def _kernel_ms_of(specs: dict, steps: int = 15) -> dict:
     return out
 
 
+def waves_step_times() -> dict:
+    """North Mini Code at 8K, batch 1 and 8: median kernel ms of the
+    persistent megakernel and of the waves baseline (one launch per wave, in
+    a CUDA graph), the same random weights, one engine after the other."""
+    import gc
+
+    import torch
+
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    out = {}
+    for backend in ("cuda", "waves"):
+        eng = engine(spec, w, backend, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
+        _noise_kv(eng)
+        out[backend] = {f"bs{b}": _step_times(eng, b, 8192, steps=15)["kernel_ms"] for b in (1, 8)}
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
 def check_splits() -> dict:
     """North Mini Code with smaller attention splits (more, shorter
     ATTN_DECODE / ATTN_DRAIN tasks): median kernel ms at batch 1 and 8, 8K."""

@@ -149,6 +149,15 @@ def test_smollm2_greedy_text_matches_transformers(tmp_path):
             assert tie or x["fp32_margin_ref_over_megakernel"] < 0.1, x
 
 
+def test_waves_baseline_equals_the_megakernel(tmp_path):
+    """One launch per wave (megac.gpu.waves) gives the persistent
+    megakernel's bits: the tiles and their sums are the same, only the
+    launches differ."""
+    r = _run("waves", tmp_path)
+    for order in ("tuned", "interleaved", "attention-first"):
+        assert r[order], (order, r)
+
+
 def test_serve_with_the_cuda_backend(tmp_path):
     r = _run("serve", tmp_path)
     assert r["mentions_paris"], r

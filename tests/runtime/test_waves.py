@@ -1,0 +1,82 @@
+"""The waves baseline's task lists (runtime.waves.split_waves): every SM's
+list cut into one list per launch, in order, and no launch waits on a
+counter that only it or a later launch signals."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from megac import abi
+from megac.abi import H
+from megac.errors import MegacError
+from megac.passes.pipeline import compile_one
+from megac.runtime.waves import split_waves
+from megac.spec import load_spec
+
+
+@pytest.fixture(scope="module", params=[("tiny-moe", "tuned", 4), ("tiny-moe", "interleaved", 2),
+                                        ("tiny-llama", "attention-first", 1), ("smollm2-135m", "tuned", 2)])
+def sched(request):
+    name, order, rows = request.param
+    return compile_one(load_spec(name), order, rows, 1024)
+
+
+def test_waves_partition_every_sm_list_in_order(sched):
+    waves = split_waves(sched)
+    for s in range(sched.num_sms):
+        joined = np.concatenate([w.tasks[s, : w.counts[s]] for w in waves])
+        assert np.array_equal(joined, sched.tasks[s, : sched.task_counts[s]])
+    assert waves[-1].name == "lm_head"
+
+
+def test_static_waits_are_met_by_earlier_waves(sched):
+    """Replays the header signals wave by wave (from the task words alone):
+    every static header wait is met before its wave starts."""
+    signals = np.zeros(sched.num_counters, dtype=np.int64)
+    checked = 0
+    for w in split_waves(sched):
+        live = [w.tasks[s, k] for s in range(sched.num_sms) for k in range(w.counts[s])]
+        for t in live:
+            for c, tgt in ((t[H.WAIT0], t[H.TARGET0]), (t[H.WAIT1], t[H.TARGET1])):
+                if c >= 0 and not abi.is_dyn(int(tgt)):
+                    assert signals[c] >= tgt, (w.name, int(c), int(signals[c]), int(tgt))
+                    checked += 1
+        for t in live:
+            if t[H.SIGNAL] >= 0:
+                signals[t[H.SIGNAL]] += 1
+    assert checked > 0
+
+
+def test_out_of_order_lists_and_forward_waits_are_refused():
+    s = compile_one(load_spec("tiny-moe"), "tuned", 1, 1024)
+    sm = int(np.argmax(s.task_counts))
+    n = int(s.task_counts[sm])
+    tasks = s.tasks.copy()
+    tasks[sm, [0, n - 1]] = tasks[sm, [n - 1, 0]]  # the LM head first, the first layer's task last
+    order = s.global_order.copy()
+    pick = [np.flatnonzero((order[:, 0] == sm) & (order[:, 1] == k))[0] for k in (0, n - 1)]
+    order[pick[0], 1], order[pick[1], 1] = n - 1, 0
+    with pytest.raises(MegacError, match="not in wave order"):
+        split_waves(dataclasses.replace(s, tasks=tasks, global_order=order))
+    # a first-wave task waiting on the LM head's inputs (the last norm's counter)
+    last_norm = max(i for i, c in enumerate(s.counters) if c.producer.endswith(".norm"))
+    tasks = s.tasks.copy()
+    first = np.flatnonzero(s.task_counts)[0]
+    tasks[first, 0, H.WAIT1] = last_norm
+    tasks[first, 0, H.TARGET1] = 1
+    with pytest.raises(MegacError, match="own or a later wave"):
+        split_waves(dataclasses.replace(s, tasks=tasks))
+
+
+def test_bench_waves_without_a_gpu_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the waves backend would run")
+    from megac.bench_cli import bench_cmd
+
+    r = CliRunner().invoke(bench_cmd, ["tiny-moe", "--backend", "waves", "--random-weights"])
+    assert isinstance(r.exception, MegacError) and "--backend waves: no CUDA device visible" in str(r.exception)
+    assert "drawing random weights" not in r.output
