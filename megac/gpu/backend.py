@@ -24,6 +24,8 @@ Imports torch and cupy lazily: the module loads on a machine without a GPU.
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -36,6 +38,8 @@ from megac.runtime import step as host
 from megac.runtime.backend import TorchPrefillMixin
 from megac.runtime.descriptor import scalar, scalar_values
 from megac.runtime.schedules import ScheduleSet
+
+log = logging.getLogger("megac.gpu")
 
 _TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "int32": "int32", "uint32": "int32", "argmax": "int32"}
 #: int32 buffers the host writes before each step (staged on the host)
@@ -123,8 +127,14 @@ class CudaBackend(TorchPrefillMixin):
         self.tasks = {id(s): (torch.from_numpy(np.ascontiguousarray(s.tasks, dtype=np.int32)).to(self.dev),
                               torch.from_numpy(np.ascontiguousarray(s.task_counts, dtype=np.int32)).to(self.dev))
                       for s in self.schedules.schedules}
-        #: per schedule, other task lists the same buffers run with (the waves baseline)
+        #: (id(schedule), part) -> other task lists the same buffers run with
+        #: (the waves baseline's, an injected fault's)
         self.parts: dict = {}
+        #: MEGAC_FAULT_HANG_STEPS=3,40: those decode steps (counted from 0 by
+        #: this backend) launch with one static wait target raised by one, so
+        #: the real watchdog fires and MegakernelHang reaches the engine: how
+        #: the GPU checks provoke a hang while serving
+        self.fault_steps = {int(x) for x in os.environ.get("MEGAC_FAULT_HANG_STEPS", "").split(",") if x.strip()}
         self._desc_cache: dict = {}
         self._mb_cache: dict = {}
         self.host: dict = {}
@@ -213,16 +223,16 @@ class CudaBackend(TorchPrefillMixin):
         """The launch descriptor of ``sched`` on the GPU whose page-table
         rows are ``page_rows`` pages long (default: the schedule's bucket);
         built once per (schedule, row length); ``_desc_cache.clear()`` after
-        changing a buffer. ``part``: the task lists are ``self.parts[id(sched)]
-        [part]`` (tasks, counts) instead of the schedule's (the waves
-        baseline's launches)."""
+        changing a buffer. ``part``: the task lists are ``self.parts[(id(sched),
+        part)]`` (tasks, counts) instead of the schedule's (the waves
+        baseline's launches, an injected fault)."""
         torch = _torch()
         page_rows = self._page_rows(sched) if page_rows is None else int(page_rows)
         key = (id(sched), page_rows, part)
         got = self._desc_cache.get(key)
         if got is not None:
             return got
-        tasks, counts = self.tasks[id(sched)] if part is None else self.parts[id(sched)][part]
+        tasks, counts = self.tasks[id(sched)] if part is None else self.parts[(id(sched), part)]
         values = {}
         scal = scalar_values(sched, self.spec, watchdog_ns=self.watchdog_ns)
         big_scal = scalar_values(self.big, self.spec)
@@ -296,12 +306,29 @@ class CudaBackend(TorchPrefillMixin):
         persistent, one CTA per SM."""
         from megac.gpu import launch
 
-        desc = self._descriptor(sched, page_rows)
+        part = self._fault_part(sched) if self.steps in self.fault_steps else None
+        desc = self._descriptor(sched, page_rows, part)
         if sched.num_sms == self.big.num_sms:
             self._launch((desc,))
         else:
             launch.launch(self.module, self.entry, (sched.num_sms,), (self.threads,), (desc,),
                           shared_mem=self.smem, cooperative=True)
+
+    def _fault_part(self, sched) -> str:
+        """``sched``'s task lists with the middle static header wait's target
+        raised by one (MEGAC_FAULT_HANG_STEPS): that wait can never be met."""
+        torch = _torch()
+        key = (id(sched), "fault")
+        if key not in self.parts:
+            t = np.ascontiguousarray(sched.tasks, dtype=np.int32).copy()
+            live = [(s, j) for s in range(t.shape[0]) for j in range(int(sched.task_counts[s]))
+                    if t[s, j, abi.H.WAIT0] >= 0 and not abi.is_dyn(int(t[s, j, abi.H.TARGET0]))]
+            s, j = live[len(live) // 2]
+            t[s, j, abi.H.TARGET0] += 1
+            log.warning("fault injection: step %d's launch waits on counter %d with its target raised by one "
+                        "(SM %d task %d)", self.steps, int(t[s, j, abi.H.WAIT0]), s, j)
+            self.parts[key] = (torch.from_numpy(t).to(self.dev), self.tasks[id(sched)][1])
+        return "fault"
 
     def decode(self, rows: Sequence[int], token_ids: Sequence[int]):
         rows = [int(r) for r in rows]

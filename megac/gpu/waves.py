@@ -46,8 +46,9 @@ class WavesBackend(CudaBackend):
                                  f"the kernel for {self.big.num_sms}")
             ws = split_waves(s)
             self.waves[id(s)] = [w.name for w in ws]
-            self.parts[id(s)] = [(torch.from_numpy(w.tasks).to(self.dev), torch.from_numpy(w.counts).to(self.dev))
-                                 for w in ws]
+            for i, w in enumerate(ws):
+                self.parts[(id(s), i)] = (torch.from_numpy(w.tasks).to(self.dev),
+                                          torch.from_numpy(w.counts).to(self.dev))
         self._graphs: dict = {}
         self.graph_mode = "graph"
 
@@ -72,7 +73,7 @@ class WavesBackend(CudaBackend):
         key = (id(sched), page_rows)
         graph = self._graphs.get(key)
         if graph is None:
-            descs = [self._descriptor(sched, page_rows, part=i) for i in range(len(self.parts[id(sched)]))]
+            descs = [self._descriptor(sched, page_rows, part=i) for i in range(len(self.waves[id(sched)]))]
             if self.graph_mode == "graph":
                 graph = self._capture(descs)
             if graph is None:

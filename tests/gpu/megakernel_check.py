@@ -359,56 +359,20 @@ def check_nmc_slice() -> dict:
 
 
 def check_serve() -> dict:
-    """``megac serve --backend cuda`` (SmolLM2, real weights) answers a
-    greedy chat completion, plain and streamed, and stops cleanly."""
-    import signal
-    import subprocess
-    import urllib.request
+    """``megac serve --backend cuda`` (SmolLM2, real weights): plain and
+    streamed chat, the openai client, 8 concurrent requests against each
+    alone (gpu.serve_check)."""
+    from gpu.serve_check import check_serve as run
 
-    import tempfile
+    return run()
 
-    port = 8731
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # a pipe could fill and stall the server
-    proc = subprocess.Popen([sys.executable, "-c", "from megac.cli import main; main()", "serve", "--backend", "cuda",
-                             "--port", str(port), "--max-batch-size", "4", "--max-model-len", "2048"],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
-    try:
-        while time.perf_counter() - t0 < 240:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited: " + Path(log.name).read_text()[-3000:])
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1.0)
-        ready = time.perf_counter() - t0
-        body = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 24,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 
-        def post(payload):
-            req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(payload).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return r.read().decode()
+def check_serve_fault() -> dict:
+    """A watchdog hang provoked mid-serving (MEGAC_FAULT_HANG_STEPS): that
+    request errors, the server recovers (gpu.serve_check)."""
+    from gpu.serve_check import check_serve_fault as run
 
-        plain = json.loads(post(body))["choices"][0]["message"]["content"]
-        chunks = [json.loads(ln[6:]) for ln in post({**body, "stream": True}).splitlines()
-                  if ln.startswith("data: {")]
-        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
-        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-        return {"ready_s": round(ready, 1), "log_tail": Path(log.name).read_text()[-1500:], "answer": plain,
-                "streamed_equals_plain": streamed == plain, "mentions_paris": "Paris" in plain,
-                "metrics_lines": len(metrics.splitlines())}
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    return run()
 
 
 def check_graphs() -> dict:
@@ -418,7 +382,7 @@ def check_graphs() -> dict:
     return run()
 
 
-CHECKS = {"serve": check_serve, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
+CHECKS = {"serve": check_serve, "serve_fault": check_serve_fault, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
           "sampling": check_sampling, "graphs": check_graphs, "waves": check_waves,
           "orders": check_orders, "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 
@@ -430,6 +394,7 @@ def prebuild() -> None:
     from megac.codegen.megakernel import SOURCE
     from megac.gpu.build import build_cubin
     from megac.resources import opcodes_dir
+    from megac.passes.order import ORDERS
     from megac.runtime.artifacts import load_or_compile
     from megac.spec import load_spec
     from models import variant
@@ -444,11 +409,13 @@ def prebuild() -> None:
             for v, defines in {**scale.VARIANTS, "profile": scale.PROFILE}.items():
                 if defines:
                     print(f"{spec.name} [{v}]: {scale.variant_cubin(spec, defines)}", flush=True)
-        t0 = time.perf_counter()
-        got = load_or_compile(spec, "tuned")
-        # into the build/cubin cache (what travels), even where the artifact has its own
-        cubin = build_cubin(got.path / SOURCE, include_dirs=[opcodes_dir(), got.path])
-        print(f"{spec.name}: {cubin} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        # the orders and waves checks (tiny-moe) and megac bench --order all (NMC) run every order
+        for order in ORDERS if spec.name in ("tiny-moe", "north-mini-code") else ("tuned",):
+            t0 = time.perf_counter()
+            got = load_or_compile(spec, order)
+            # into the build/cubin cache (what travels), even where the artifact has its own
+            cubin = build_cubin(got.path / SOURCE, include_dirs=[opcodes_dir(), got.path])
+            print(f"{spec.name} ({order}): {cubin} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
 def _release_gpu_memory() -> None:

@@ -159,9 +159,24 @@ def test_waves_baseline_equals_the_megakernel(tmp_path):
 
 
 def test_serve_with_the_cuda_backend(tmp_path):
+    """SmolLM2 served from the GPU: plain and streamed chat agree, the
+    official openai client streams chat (the same text) and completions, and
+    8 concurrent greedy requests each get the text they get alone."""
     r = _run("serve", tmp_path)
     assert r["mentions_paris"], r
     assert r["streamed_equals_plain"], r
+    assert r["openai_chat_stream_equals_plain"] and r["openai_completion_stream"].strip(), r
+    assert all(r["concurrent_equal_alone"]) and len(r["concurrent_equal_alone"]) == 8, r
+
+
+def test_a_hang_while_serving_fails_only_its_request(tmp_path):
+    """A decode step launched with a broken task list (MEGAC_FAULT_HANG_STEPS):
+    its request ends with an error, /health answers, the requests after it
+    are served, and the log carries the hang record."""
+    r = _run("serve_fault", tmp_path)
+    assert len(r["failed"]) == 1, r
+    assert r["health_after"] == 200 and r["served_after_fault"], r
+    assert r["log_names_the_hang"], r
 
 
 def test_every_opcode_output_matches_the_checked_vm(tmp_path):

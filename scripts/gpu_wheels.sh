@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Here (not on the GPU machine): the wheels the GPU machine lacks, into
+# .whl (git-ignored; carried to the device, installed there by gpu_env.sh):
+# the server's stack, the GGUF reader, pytest and the openai client the GPU
+# serving checks drive. Python 3.12 x86_64 wheels from the configured index.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pip=.venv/bin/pip
+[ -x "$pip" ] || pip="python3 -m pip"
+mkdir -p .whl
+$pip download -q --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+  fastapi starlette uvicorn h11 anyio idna sniffio pydantic pydantic-core typing-inspection annotated-types \
+  annotated-doc gguf pytest pluggy iniconfig \
+  openai httpx httpcore jiter distro tqdm certifi
+du -sh .whl
