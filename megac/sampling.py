@@ -204,6 +204,8 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling | None], *,
     if n == 0:
         return []
     plain = [i for i, r in enumerate(rows) if r is not None and not needs_logits(r.params, r.output_ids, r.grammar)]
+    if greedy is not None and len(plain) == n:
+        return greedy[:n].tolist()  # every row plain greedy: the records' tokens, one copy
     plain_set = set(plain)
     out = torch.full((n,), -1, dtype=torch.int64, device=logits.device if greedy is None else greedy.device)
     if plain:

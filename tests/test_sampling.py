@@ -157,6 +157,10 @@ def test_sample_rows_takes_plain_greedy_rows_from_the_given_tokens():
             RowSampling(SamplingParams(temperature=0.0), None)]
     got = sample_rows(x, rows, greedy=torch.tensor([11, 12, 13]))
     assert got == [11, 0, 13]
+    # every row plain greedy (the common decode step): exactly the given tokens, as ints
+    plain = [rows[0], rows[2], rows[0]]
+    got = sample_rows(x, plain, greedy=torch.tensor([7, 8, 9]))
+    assert got == [7, 8, 9] and all(type(t) is int for t in got)
 
 
 def _records(values: np.ndarray, tile: int) -> np.ndarray:

@@ -43,13 +43,16 @@ log = logging.getLogger("megac.gpu")
 
 _TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "int32": "int32", "uint32": "int32", "argmax": "int32"}
 #: int32 buffers the host writes before each step (staged on the host)
-_HOST_WORDS = ("seq_pos", "row_active", "targets", "attn_queue", "page_table")
+_HOST_WORDS = ("seq_pos", "row_active", "targets", "attn_queue", "token_ids", "page_table")
 #: int32 buffers every step starts from zero
 _ZEROED = ("counters", "queue_heads", "status", "progress")
 #: their order in the step's one upload: the page tables last, so a step
 #: sends only the part its schedule's context bucket uses (North Mini Code's
 #: full table is 6.4 MB: filling and sending all of it cost ~1.5 ms a step)
-_UPLOAD_ORDER = ("seq_pos", "row_active", "targets", "attn_queue", *_ZEROED, "page_table")
+_UPLOAD_ORDER = ("seq_pos", "row_active", "targets", "attn_queue", *_ZEROED, "token_ids", "page_table")
+#: not a descriptor buffer: the step's token ids, which the step graph's seed
+#: reads on the device (MEGAC_STEP_GRAPH)
+_TOKEN_IDS = "token_ids"
 
 
 class MegakernelHang(MegacError):
@@ -135,6 +138,13 @@ class CudaBackend(TorchPrefillMixin):
         #: the real watchdog fires and MegakernelHang reaches the engine: how
         #: the GPU checks provoke a hang while serving
         self.fault_steps = {int(x) for x in os.environ.get("MEGAC_FAULT_HANG_STEPS", "").split(",") if x.strip()}
+        #: MEGAC_STEP_GRAPH=1: the seed (embedding gather and first norm, from
+        #: the uploaded token ids) and the launch replay as one CUDA graph per
+        #: (schedule, page-row length, rows) instead of ~12 separate
+        #: launches; kernel_ms then includes the seed. Off until measured on
+        #: the H200 (GPU check step_graph).
+        self.step_graph = os.environ.get("MEGAC_STEP_GRAPH", "0") == "1"
+        self._step_graphs: dict = {}
         self._desc_cache: dict = {}
         self._mb_cache: dict = {}
         self.host: dict = {}
@@ -176,11 +186,12 @@ class CudaBackend(TorchPrefillMixin):
         counters), so one asynchronous copy per step uploads the step's
         words and resets the counters, cursors, status and progress."""
         torch = _torch()
-        shapes = {name: tuple(int(d) for d in self.buf[name].shape) for name in _UPLOAD_ORDER}
+        shapes = {name: tuple(int(d) for d in self.buf["seq_pos" if name == _TOKEN_IDS else name].shape)
+                  for name in _UPLOAD_ORDER}
         shapes["counters"] = (max(int(n), shapes["counters"][0]),)
         offs, total = {}, 0
         for name, shape in shapes.items():
-            if self.buf[name].dtype != torch.int32:
+            if name != _TOKEN_IDS and self.buf[name].dtype != torch.int32:
                 raise MegacError(f"cuda backend: {name} must be int32 to share the step's upload")
             offs[name] = total
             total += -(-int(np.prod(shape)) // 64) * 64  # 256-byte aligned pieces
@@ -189,11 +200,16 @@ class CudaBackend(TorchPrefillMixin):
         staged = self._words_host.numpy()
         for name, shape in shapes.items():
             size = int(np.prod(shape))
-            self.buf[name] = self._words[offs[name]: offs[name] + size].view(shape)
+            view = self._words[offs[name]: offs[name] + size].view(shape)
+            if name == _TOKEN_IDS:
+                self._tok = view
+            else:
+                self.buf[name] = view
             if name in _HOST_WORDS:
                 self.host[name] = staged[offs[name]: offs[name] + size].reshape(shape)
         self._pt_off = offs["page_table"]
         self._desc_cache.clear()
+        self._step_graphs = {}  # they hold the old buffers
 
     def _page_rows(self, sched) -> int:
         """Page-table row length of ``sched`` (its context bucket's blocks):
@@ -283,16 +299,26 @@ class CudaBackend(TorchPrefillMixin):
         # the step's words up and counters, cursors, status, progress to zero:
         # one asynchronous copy from pinned memory, up to the end of this
         # schedule's page tables
+        graph = None
+        if self.step_graph and not self.poison and self.steps not in self.fault_steps:
+            ids = host.check_tokens(token_ids, geo.vocab)
+            h[_TOKEN_IDS][: len(ids)] = ids.numpy()
+            graph = self._step_graph(sched, mb, len(ids))
         n = self._pt_off + page_table.size
         self._words[:n].copy_(self._words_host[:n], non_blocking=True)
-        x, xn = host.seed_rows(token_ids, geo, self.kernel_weights["w_embed"], self.kernel_weights["w_norm"][0],
-                               float(self.spec.norm_eps), torch.bfloat16)
-        b["x_resid"][: geo.rows].copy_(x)
-        b["x_norm"][0, : geo.rows].copy_(xn)
         start, end = self._events
-        start.record()
-        self._run(sched, mb)
-        end.record()
+        if graph is not None:
+            start.record()
+            graph.replay()
+            end.record()
+        else:
+            x, xn = host.seed_rows(token_ids, geo, self.kernel_weights["w_embed"], self.kernel_weights["w_norm"][0],
+                                   float(self.spec.norm_eps), torch.bfloat16)
+            b["x_resid"][: geo.rows].copy_(x)
+            b["x_norm"][0, : geo.rows].copy_(xn)
+            start.record()
+            self._run(sched, mb)
+            end.record()
         self._status_host.copy_(b["status"], non_blocking=True)
         torch.cuda.current_stream().synchronize()  # the kernel and the status copy
         self.kernel_ms.append(start.elapsed_time(end))
@@ -313,6 +339,45 @@ class CudaBackend(TorchPrefillMixin):
         else:
             launch.launch(self.module, self.entry, (sched.num_sms,), (self.threads,), (desc,),
                           shared_mem=self.smem, cooperative=True)
+
+    def _seed_device(self, geo, n: int) -> None:
+        """host.seed_rows from the uploaded token ids, written in place: the
+        same gather, casts and norm, so the same bits."""
+        torch = _torch()
+        from megac.ops.norm import rms_norm
+
+        x = self.buf["x_resid"][: geo.rows]
+        x.zero_()
+        if n:
+            x[:n] = self.kernel_weights["w_embed"].index_select(0, self._tok[:n].long()).to(torch.float32)
+        xn = rms_norm(x, self.kernel_weights["w_norm"][0], float(self.spec.norm_eps), torch.bfloat16)
+        self.buf["x_norm"][0, : geo.rows].copy_(xn)
+
+    def _step_graph(self, sched, page_rows: int, n: int):
+        """The step's seed and launch as one CUDA graph (cached per schedule,
+        page-row length and live rows), or None, and the step graph off from
+        then on, where capture is refused."""
+        key = (id(sched), page_rows, n)
+        graph = self._step_graphs.get(key)
+        if graph is not None:
+            return graph
+        torch = _torch()
+        cp = __import__("cupy")
+        desc = self._descriptor(sched, page_rows)
+        if sched.num_sms != self.big.num_sms:
+            return None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+                self._seed_device(sched.geometry, n)
+                self._launch((desc,), stream=cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
+        except Exception as err:  # noqa: BLE001 -- any refusal: the separate launches, as without the option
+            log.warning("step graph: CUDA graph capture refused (%s); seeding and launching separately", err)
+            self.step_graph = False
+            return None
+        self._step_graphs[key] = graph
+        return graph
 
     def _fault_part(self, sched) -> str:
         """``sched``'s task lists with the middle static header wait's target

@@ -814,6 +814,49 @@ def waves_step_times() -> dict:
     return out
 
 
+def check_step_graph() -> dict:
+    """MEGAC_STEP_GRAPH (the seed and the launch as one CUDA graph): tokens
+    and logits bit-identical to the separate launches (tiny-moe, batch 2),
+    and North Mini Code's kernel and whole-step ms both ways at 8K, batch 1
+    and 8 (megac bench's loop: decode_bench.run)."""
+    import gc
+
+    import torch
+
+    from megac import decode_bench as db
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("tiny-moe")
+    w = random_weights(spec, seed=11, dtype=torch.bfloat16)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6] * 7]
+    out = {}
+    eng = engine(spec, w, "cuda", max_batch_size=2, max_model_len=128)
+    ref = generate_all(eng, prompts, 8)
+    eng.backend.step_graph = True
+    got = generate_all(eng, prompts, 8)
+    out["bit_identical"] = all(a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+                               for a, b in zip(ref, got))
+    out["graphs_captured"] = len(eng.backend._step_graphs)
+    out["still_on"] = eng.backend.step_graph
+    del eng
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
+    _noise_kv(eng)
+    for on in (False, True, False, True):
+        eng.backend.step_graph = on
+        rows = db.run(eng, [(1, 8192), (8, 8192)], steps=20, warmup=5)
+        for r in rows:
+            out.setdefault(f"{'graph' if on else 'separate'}_bs{r['batch']}", []).append(
+                {k: r[k] for k in ("kernel_ms", "step_ms", "host_fraction")})
+        print(json.dumps({"step_graph": on, "rows": rows}), flush=True)
+    del eng, w
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def check_splits() -> dict:
     """North Mini Code with smaller attention splits (more, shorter
     ATTN_DECODE / ATTN_DRAIN tasks): median kernel ms at batch 1 and 8, 8K."""
@@ -901,5 +944,5 @@ def check_profile() -> dict:
     return out
 
 
-CHECKS = {"tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
+CHECKS = {"step_graph": check_step_graph, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
           "speed": check_speed, "gemm_env": check_gemm_env}

@@ -158,6 +158,13 @@ def test_waves_baseline_equals_the_megakernel(tmp_path):
         assert r[order], (order, r)
 
 
+def test_step_graph_gives_the_same_bits(tmp_path):
+    """MEGAC_STEP_GRAPH: the seed and the launch replayed as one CUDA graph
+    give the separate launches' tokens and logits exactly."""
+    r = _run("step_graph", tmp_path)
+    assert r["bit_identical"] and r["graphs_captured"] > 0 and r["still_on"], r
+
+
 def test_serve_with_the_cuda_backend(tmp_path):
     """SmolLM2 served from the GPU: plain and streamed chat agree, the
     official openai client streams chat (the same text) and completions, and
