@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from megac.errors import MegacError
-from megac.routing_skew import ROUTINGS
+from megac.runtime.kinds import ROUTINGS
 
 ORDERS = ("tuned", "interleaved", "attention-first")
 

@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from megac.errors import MegacError
+from megac.runtime.kinds import ROUTINGS  # defined torch-free for the command line's help
 
-ROUTINGS = ("uniform", "skewed")
 #: the Zipf-like exponent of the router row scales (see the module docstring)
 ALPHA = 0.5
 
