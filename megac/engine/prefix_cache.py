@@ -108,9 +108,16 @@ class PrefixCache:
         """Blocks the cache references (shared with rows or not)."""
         return sum(int((e.blocks >= 0).sum()) for e in list(self._entries.values()))
 
+    def _only_cached(self, e: _Entry) -> np.ndarray:
+        """Mask of ``e``'s blocks that only the cache references."""
+        m = e.blocks >= 0
+        m[m] = self.kv.refcounts(e.blocks[m]) == 1
+        return m
+
     def num_evictable_blocks(self) -> int:
-        """Blocks that only the cache references (free after eviction)."""
-        return sum(int((e.blocks >= 0).sum()) for e in list(self._entries.values()) if self._evictable(e))
+        """Blocks that only the cache references (free after eviction: whole
+        entries, or the sliding-layer blocks of entries a row shares)."""
+        return sum(int(self._only_cached(e).sum()) for e in list(self._entries.values()))
 
     # ------------------------------------------------------------------ use
 
@@ -134,7 +141,16 @@ class PrefixCache:
         # layers: their window's blocks mapped)
         while found and not self.kv.attachable(blocks[:, : len(found) * self.blocks_per_chunk]):
             found.pop()
-        return found, blocks[:, : len(found) * self.blocks_per_chunk]
+        out = blocks[:, : len(found) * self.blocks_per_chunk].copy()
+        # a sliding layer's blocks before its window at the hit's end are
+        # never read again: handed out they would be held by the row for
+        # nothing (North Mini Code's sliding layers: most of a long prefix),
+        # and in a small pool the row could hold every block and never get
+        # one to write (a request alone re-admitted and preempted forever)
+        pos = out.shape[1] * self.kv.block_size
+        for layer in np.flatnonzero(self.kv.windows > 0):
+            out[layer, : self.kv.window_start(int(layer), pos) // self.kv.block_size] = -1
+        return found, out
 
     def register(self, row: int, tokens: Sequence[int], chunk: int) -> bool:
         """Cache chunk ``chunk`` of ``row`` (its tokens ``tokens[:(chunk+1)*C]``
@@ -163,8 +179,14 @@ class PrefixCache:
 
     def evict(self, blocks_needed: int) -> int:
         """Drop least recently used evictable entries until at least
-        ``blocks_needed`` blocks went back to the pool (or none is left);
-        returns the number freed."""
+        ``blocks_needed`` blocks went back to the pool; then, if still short,
+        the blocks only the cache holds in entries a row shares (their
+        sliding-layer blocks, which the row did not take: ``match`` gives a
+        row only its window's); returns the number freed.
+
+        An entry without some of its sliding blocks still serves chains that
+        go past it (their windows start later); ``match`` cuts a chain that
+        would end where a window's blocks are gone (``attachable``)."""
         freed = 0
         if blocks_needed <= 0 or not self._entries:
             return 0
@@ -176,6 +198,16 @@ class PrefixCache:
                 continue
             freed += self.kv.release(e.blocks)
             del self._entries[key]
+        for key, e in order:
+            if freed >= blocks_needed:
+                break
+            if key not in self._entries:
+                continue
+            m = self._only_cached(e)
+            if not m.any():
+                continue
+            freed += self.kv.release(e.blocks[m])
+            e.blocks[m] = -1
         return freed
 
     def check(self) -> None:

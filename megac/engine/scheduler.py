@@ -290,7 +290,7 @@ class Engine:
             hashes, blocks = self.prefix_cache.match(req.prompt_ids, max_chunks)
             self.kv.attach_shared(row, blocks)
             hit = len(hashes) * C
-            need = self.blocks_needed(req.num_tokens + 1) - blocks.size
+            need = self.blocks_needed(req.num_tokens + 1) - int((blocks >= 0).sum())  # -1: released, not held
             others = len(self.running) > 0
             if need + (self.watermark_blocks if others else 0) > self._available_blocks():
                 self.kv.free_row(row)  # the attached blocks go back to the cache alone

@@ -375,6 +375,14 @@ def check_serve_fault() -> dict:
     return run()
 
 
+def check_prefix_turns() -> dict:
+    """A 10-turn conversation on North Mini Code with a 6K-token shared
+    prefix, with and without the prefix cache (gpu.prefix_check)."""
+    from gpu.prefix_check import check_prefix_turns as run
+
+    return run()
+
+
 def check_graphs() -> dict:
     """The ``graphs`` baseline's own check (tests/gpu/graphs_check.py)."""
     from gpu.graphs_check import check_graphs as run
@@ -382,7 +390,7 @@ def check_graphs() -> dict:
     return run()
 
 
-CHECKS = {"serve": check_serve, "serve_fault": check_serve_fault, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
+CHECKS = {"serve": check_serve, "serve_fault": check_serve_fault, "prefix_turns": check_prefix_turns, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
           "sampling": check_sampling, "graphs": check_graphs, "waves": check_waves,
           "orders": check_orders, "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 

@@ -165,6 +165,14 @@ def test_step_graph_gives_the_same_bits(tmp_path):
     assert r["bit_identical"] and r["graphs_captured"] > 0 and r["still_on"], r
 
 
+def test_cached_prefix_turns_prefill_only_new_tokens(tmp_path):
+    """Ten turns over a 6K-token shared prefix on North Mini Code (sliding
+    and full layers): each turn after the first finds the last prompt's full
+    chunks and its text equals an engine without the cache's."""
+    r = _run("prefix_turns", tmp_path, timeout=900)
+    assert r["all_equal"] and r["hits_as_expected"] and r["every_turn_hit"], r
+
+
 def test_serve_with_the_cuda_backend(tmp_path):
     """SmolLM2 served from the GPU: plain and streamed chat agree, the
     official openai client streams chat (the same text) and completions, and
