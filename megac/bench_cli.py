@@ -86,7 +86,6 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     from megac import decode_bench as db
     from megac.calibration import Calibration, resolve
     from megac.engine.build import EngineOptions, build_engine
-    from megac.kv.paged import blocks_for_tokens
     from megac.loading import load_model
     from megac.routing_skew import ALPHA, check_routing, selection_probs, skew_router
     from megac.runtime.backends import cuda_visible, resolve_kind
@@ -147,7 +146,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     if longest > spec.max_context:
         raise MegacError(f"--context {max(ctxs)} + {warmup + steps} steps reaches {longest} tokens per row; "
                          f"{spec.name} holds at most {spec.max_context}")
-    rows_blocks = max(batches) * blocks_for_tokens(spec, longest)
+    rows_blocks = db.pool_blocks(spec, max(batches), longest)
     cases = [(b, c) for b in batches for c in ctxs]
     ceiling, rows = None, []
     for oi, o in enumerate(orders):

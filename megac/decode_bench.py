@@ -50,12 +50,29 @@ def fill_kv_noise(kv, seed: int = 0) -> None:
         pool.normal_(0.0, 0.01, generator=g)
 
 
+#: tokens rows_at reserves at a time (prefill-sized pieces)
+FILL_PIECE = 512
+
+
+def pool_blocks(spec, rows: int, longest: int) -> int:
+    """KV blocks ``rows`` rows need to reach ``longest`` tokens through
+    rows_at and decode steps: each row's steady state plus, per sliding
+    layer, what one fill piece maps before the window lets it go (a window
+    shorter than a piece holds the whole piece for a moment)."""
+    from megac.kv.paged import blocks_for_tokens
+
+    bs = spec.target.kv_block_size
+    piece = -(-min(FILL_PIECE, longest) // bs) + 1
+    sliding = sum(1 for layer in spec.layers if layer.window is not None)
+    return rows * (blocks_for_tokens(spec, longest) + sliding * piece)
+
+
 def rows_at(kv, batch: int, context: int) -> list[int]:
     """``batch`` fresh KV rows holding ``context - 1`` tokens (the step adds the last)."""
     rows = [kv.allocate_row() for _ in range(batch)]
     for r in rows:  # in prefill-sized pieces: sliding layers release blocks as they go
-        for a in range(0, context - 1, 512):
-            n = min(512, context - 1 - a)
+        for a in range(0, context - 1, FILL_PIECE):
+            n = min(FILL_PIECE, context - 1 - a)
             kv.reserve(r, n)
             kv.advance(r, n)
     return rows
@@ -188,4 +205,5 @@ def ranking(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["DATASHEET_BPS", "fill_kv_noise", "measure_ceiling", "ranking", "rows_at", "run", "step_bytes", "table"]
+__all__ = ["DATASHEET_BPS", "FILL_PIECE", "fill_kv_noise", "measure_ceiling", "pool_blocks", "ranking", "rows_at",
+           "run", "step_bytes", "table"]

@@ -58,3 +58,25 @@ def test_a_batch_over_the_backend_is_refused(engine):
 
     with pytest.raises(MegacError, match="exceeds"):
         db.run(engine, [(99, 64)], steps=1, warmup=0)
+
+
+@pytest.mark.parametrize("context", [40, 700])
+def test_the_bench_pool_holds_rows_filled_in_pieces(context):
+    """rows_at fills a row in 512-token pieces; a sliding window shorter
+    than a piece holds the whole piece for a moment, so the steady-state
+    count alone ran `megac bench tiny-moe --batch-size 8 --context 40` out of
+    blocks. pool_blocks rows fill a pool of exactly that size, then step."""
+    from megac import decode_bench as db
+    from megac.kv.paged import PagedKVCache
+    from megac.spec import load_spec
+
+    spec = load_spec("tiny-moe")
+    steps = 5
+    kv = PagedKVCache(spec, max_rows=8, num_blocks=db.pool_blocks(spec, 8, context + steps),
+                      max_context=context + steps)
+    rows = db.rows_at(kv, 8, context)
+    for _ in range(steps):
+        for r in rows:
+            kv.append_slot(r)
+            kv.advance(r, 1)
+    assert all(int(kv.seq_pos[r]) == context - 1 + steps for r in rows)
