@@ -100,8 +100,8 @@ class PrefixCache:
         return len(self._entries)
 
     def _evictable(self, e: _Entry) -> bool:
-        held = e.blocks[e.blocks >= 0]
-        return bool((self.kv.refcounts(held) == 1).all())
+        """Every block of ``e`` is the cache's alone."""
+        return bool(np.array_equal(self._only_cached(e), e.blocks >= 0))
 
     @property
     def num_blocks_held(self) -> int:

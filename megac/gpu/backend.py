@@ -70,6 +70,23 @@ class MegakernelHang(MegacError):
         self.record, self.counters, self.missing = record, counters, missing
 
 
+def capture_graph(record, what: str):
+    """``record(stream)``'s work (torch ops on the current stream, cupy
+    launches on ``stream``) captured as one ``torch.cuda.CUDAGraph``, or None
+    where capture is refused (logged, naming ``what``)."""
+    torch = _torch()
+    cp = __import__("cupy")
+    graph = torch.cuda.CUDAGraph()
+    try:
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+            record(cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
+    except Exception as err:  # noqa: BLE001 -- any refusal: the caller launches directly
+        log.warning("%s: CUDA graph capture refused (%s); launching directly", what, err)
+        return None
+    return graph
+
+
 def _torch():
     import torch  # noqa: PLC0415
 
@@ -312,10 +329,7 @@ class CudaBackend(TorchPrefillMixin):
             graph.replay()
             end.record()
         else:
-            x, xn = host.seed_rows(token_ids, geo, self.kernel_weights["w_embed"], self.kernel_weights["w_norm"][0],
-                                   float(self.spec.norm_eps), torch.bfloat16)
-            b["x_resid"][: geo.rows].copy_(x)
-            b["x_norm"][0, : geo.rows].copy_(xn)
+            self._seed(geo, host.check_tokens(token_ids, geo.vocab).to(self.dev))
             start.record()
             self._run(sched, mb)
             end.record()
@@ -340,18 +354,18 @@ class CudaBackend(TorchPrefillMixin):
             launch.launch(self.module, self.entry, (sched.num_sms,), (self.threads,), (desc,),
                           shared_mem=self.smem, cooperative=True)
 
-    def _seed_device(self, geo, n: int) -> None:
-        """host.seed_rows from the uploaded token ids, written in place: the
-        same gather, casts and norm, so the same bits."""
+    def _seed(self, geo, ids) -> None:
+        """The seed (host.seed_ids: embedding gather, first norm) of the token
+        ids ``ids`` (on the GPU) into x_resid and x_norm[0]."""
         torch = _torch()
-        from megac.ops.norm import rms_norm
-
-        x = self.buf["x_resid"][: geo.rows]
-        x.zero_()
-        if n:
-            x[:n] = self.kernel_weights["w_embed"].index_select(0, self._tok[:n].long()).to(torch.float32)
-        xn = rms_norm(x, self.kernel_weights["w_norm"][0], float(self.spec.norm_eps), torch.bfloat16)
+        x, xn = host.seed_ids(ids, geo, self.kernel_weights["w_embed"], self.kernel_weights["w_norm"][0],
+                              float(self.spec.norm_eps), torch.bfloat16)
+        self.buf["x_resid"][: geo.rows].copy_(x)
         self.buf["x_norm"][0, : geo.rows].copy_(xn)
+
+    def _seed_device(self, geo, n: int) -> None:
+        """The seed of the uploaded token ids (the step graph's)."""
+        self._seed(geo, self._tok[:n].long())
 
     def _step_graph(self, sched, page_rows: int, n: int):
         """The step's seed and launch as one CUDA graph (cached per schedule,
@@ -359,22 +373,17 @@ class CudaBackend(TorchPrefillMixin):
         then on, where capture is refused."""
         key = (id(sched), page_rows, n)
         graph = self._step_graphs.get(key)
-        if graph is not None:
+        if graph is not None or sched.num_sms != self.big.num_sms:
             return graph
-        torch = _torch()
-        cp = __import__("cupy")
         desc = self._descriptor(sched, page_rows)
-        if sched.num_sms != self.big.num_sms:
-            return None
-        graph = torch.cuda.CUDAGraph()
-        try:
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph, capture_error_mode="relaxed"):
-                self._seed_device(sched.geometry, n)
-                self._launch((desc,), stream=cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
-        except Exception as err:  # noqa: BLE001 -- any refusal: the separate launches, as without the option
-            log.warning("step graph: CUDA graph capture refused (%s); seeding and launching separately", err)
-            self.step_graph = False
+
+        def record(stream):
+            self._seed_device(sched.geometry, n)
+            self._launch((desc,), stream=stream)
+
+        graph = capture_graph(record, "step graph")
+        if graph is None:
+            self.step_graph = False  # the separate launches, as without the option
             return None
         self._step_graphs[key] = graph
         return graph

@@ -22,13 +22,9 @@ drained). A watchdog report names the task by its index in its wave's list.
 
 from __future__ import annotations
 
-import logging
-
 from megac.errors import MegacError
-from megac.gpu.backend import CudaBackend, _torch
+from megac.gpu.backend import CudaBackend, _torch, capture_graph
 from megac.runtime.waves import split_waves
-
-log = logging.getLogger("megac.gpu")
 
 
 class WavesBackend(CudaBackend):
@@ -85,17 +81,9 @@ class WavesBackend(CudaBackend):
     def _capture(self, descs):
         """The wave launches as one CUDA graph, or None (direct launches from
         now on) where capture is refused."""
-        torch = _torch()
-        cp = __import__("cupy")
-        graph = torch.cuda.CUDAGraph()
-        try:
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph, capture_error_mode="relaxed"):
-                self._launch_waves(descs, stream=cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
-        except Exception as err:  # noqa: BLE001 -- any refusal: fall back to direct launches
-            log.warning("waves: CUDA graph capture refused (%s); launching the waves directly", err)
+        graph = capture_graph(lambda stream: self._launch_waves(descs, stream=stream), "waves")
+        if graph is None:
             self.graph_mode = "direct"
-            return None
         return graph
 
 

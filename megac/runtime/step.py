@@ -102,11 +102,17 @@ def seed_rows(tokens: Sequence[int], geo, w_embed: torch.Tensor, w_norm0: torch.
     """``(x_resid [rows, hidden] fp32, x_norm0 [rows, hidden] act)``: the
     embedding rows of ``tokens`` (zero for inactive rows) and their first
     RMSNorm with gamma ``w_norm0``."""
-    ids = check_tokens(tokens, geo.vocab)
+    return seed_ids(check_tokens(tokens, geo.vocab).to(w_embed.device), geo, w_embed, w_norm0, eps, act)
+
+
+def seed_ids(ids: torch.Tensor, geo, w_embed: torch.Tensor, w_norm0: torch.Tensor, eps: float,
+             act: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`seed_rows` of checked int64 ids already on ``w_embed``'s device
+    (the CUDA backend's step graph reads them from the step's upload)."""
     n = len(ids)
     x = torch.zeros((geo.rows, geo.hidden), dtype=torch.float32, device=w_embed.device)
     if n:
-        x[:n] = w_embed[ids.to(w_embed.device)].to(torch.float32)
+        x[:n] = w_embed[ids].to(torch.float32)
     return x, rms_norm(x, w_norm0, eps, act)
 
 
@@ -168,4 +174,4 @@ def greedy_from_records(records: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["check_tokens", "fill_tables", "finish_rows", "greedy_from_records", "host_words", "load_rows", "page_rows",
-           "reserve_rows", "seed_rows"]
+           "reserve_rows", "seed_ids", "seed_rows"]
