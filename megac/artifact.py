@@ -6,7 +6,9 @@ opcode table, and per schedule key (batch size, context bucket) the counter
 table, task counts, waves, the buffer plan and the sha256 of every array.
 ``schedule.npz`` holds the arrays, named ``<key>/tasks`` and
 ``<key>/task_counts``, plus ``<key>/global_order`` (the topological list the
-cost model and tools use). ``megac_layout.h`` is every planned buffer's
+cost model and tools use) and ``<key>/task_node`` (each global task's op
+node, an index into the schedule's ``node_names`` in the manifest: the
+``waves`` baseline cuts a loaded schedule into launches by it). ``megac_layout.h`` is every planned buffer's
 shape and strides per key, ``megakernel.cu`` the model's generated
 megakernel (``megac.codegen.megakernel``; its cubin is built by nvcc where
 nvcc exists, cached by content).
@@ -101,6 +103,7 @@ def write_artifact(out_dir: Path, spec, schedules, *, order: str, pass_log=()) -
             f"{key}/tasks": np.ascontiguousarray(s.tasks, dtype=np.int32),
             f"{key}/task_counts": np.ascontiguousarray(s.task_counts, dtype=np.int32),
             f"{key}/global_order": np.ascontiguousarray(s.global_order, dtype=np.int32),
+            f"{key}/task_node": np.ascontiguousarray(s.task_node, dtype=np.int32),
         }
         arrays.update(mine)
         entries.append(
@@ -117,6 +120,7 @@ def write_artifact(out_dir: Path, spec, schedules, *, order: str, pass_log=()) -
                 "tasks_per_sm": dict(s.tasks_per_sm),
                 "waves": {k: [list(w) for w in v] for k, v in s.waves.items()},
                 "layer_kinds": list(s.layer_kinds),
+                "node_names": list(s.node_names),
                 # [index, name, producer, static count or null, count word or null]
                 "counters": [[c.index, c.name, c.producer, c.count, c.count_word] for c in s.counters],
                 "plan": _plan_json(s.plan),
@@ -169,6 +173,7 @@ class LoadedSchedule:
     tasks: np.ndarray
     task_counts: np.ndarray
     global_order: np.ndarray
+    task_node: np.ndarray
 
 
 @dataclass
@@ -208,7 +213,7 @@ class Artifact:
                 waves={k: [tuple(w) for w in v] for k, v in m["waves"].items()}, layer_kinds=list(m["layer_kinds"]),
                 tasks_per_opcode=dict(m["tasks_per_opcode"]), tasks_per_sm=dict(m["tasks_per_sm"]),
                 plan=BufferPlan(buffers, {}, list(plan["reset"])), geometry=geo, global_order=ls.global_order,
-                task_node=np.zeros(len(ls.global_order), dtype=np.int32), node_names=[]))
+                task_node=ls.task_node, node_names=list(m["node_names"])))
         return out
 
 
@@ -233,9 +238,13 @@ def load_artifact(path: Path) -> Artifact:
     schedules = {}
     with np.load(npz_path, allow_pickle=False) as npz:
         for meta in manifest["schedules"]:
+            if "task_node" not in meta["arrays"] or "node_names" not in meta:
+                raise MegacError(f"{path}: written by an older megac (schedule {meta['key']} has no task_node); "
+                                 "recompile")
             arrs = {field: npz[name] for field, name in meta["arrays"].items()}
             for field, a in arrs.items():
                 if _array_hash(a) != meta["hashes"][field]:
                     raise MegacError(f"{npz_path}: array {meta['key']}/{field} does not match its hash")
-            schedules[meta["key"]] = LoadedSchedule(meta["key"], meta, arrs["tasks"], arrs["task_counts"], arrs["global_order"])
+            schedules[meta["key"]] = LoadedSchedule(meta["key"], meta, arrs["tasks"], arrs["task_counts"], arrs["global_order"],
+                                                    arrs["task_node"])
     return Artifact(path, manifest, schedules)

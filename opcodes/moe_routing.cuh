@@ -145,9 +145,10 @@ __device__ __forceinline__ float routing_weight(float logit, int K, int32_t flag
 // ROUTER_TOPK for one row, by ONE warp (all 32 lanes). parts points at the
 // row's logits in split 0; split s is split_stride floats further. MAX_E is
 // the largest expert count the kernel is built for (<= 32 * 8); E <= MAX_E
-// at run time, K <= min(E, 32). Lane j < K writes entry j.
+// at run time, K <= min(E, 32). Lane j < K writes entry j and returns its
+// expert id (other lanes return -1).
 template <int MAX_E>
-__device__ __forceinline__ void topk_row_warp(const float* __restrict__ parts, size_t split_stride,
+__device__ __forceinline__ int topk_row_warp(const float* __restrict__ parts, size_t split_stride,
                                               int num_splits, int E, int K, int32_t flags,
                                               int32_t* __restrict__ ids_out,
                                               float* __restrict__ w_out) {
@@ -165,6 +166,7 @@ __device__ __forceinline__ void topk_row_warp(const float* __restrict__ parts, s
     ids_out[lane] = my_id;
     w_out[lane] = w;
   }
+  return lane < K ? my_id : -1;
 }
 
 struct FinalizeArgs {

@@ -16,9 +16,51 @@ namespace mk {
 
 template <class M>
 struct MoeScratch {
-  // finalize_cta: 3 E + 1 + entries words; gather / combine: 64 words
+  // finalize_cta: 3 E + 1 + entries words; gather / combine / top-k: 64 words
   static constexpr int kBytes = (3 * M::NUM_EXPERTS + 1 + M::MAX_ROWS * M::TOP_K + 64) * 4;
 };
+
+// Expert weights toward L2 from ROUTER_TOPK, as soon as a row's experts are
+// known: the first MEGAC_TOPK_PREFETCH_UP_KB of every 16-row group of each
+// selected expert's gate/up matrix (each warp of an up claim streams one row
+// group from its start) and MEGAC_TOPK_PREFETCH_DOWN_KB of each down row
+// group. HBM then fetches the claims' first stages while ROUTE_FINALIZE and
+// MOE_GATHER run (~8 us per layer on the critical path during which no expert
+// byte moves). The TMA unit does the fetching: a few bulk-prefetch
+// instructions per thread, nothing waits for them. 0: off.
+#ifndef MEGAC_TOPK_PREFETCH_UP_KB
+#define MEGAC_TOPK_PREFETCH_UP_KB 0
+#endif
+#ifndef MEGAC_TOPK_PREFETCH_DOWN_KB
+#define MEGAC_TOPK_PREFETCH_DOWN_KB 0
+#endif
+
+// Whole CTA: `ids` (shared memory) holds the row's TOP_K experts.
+template <class M>
+__device__ __forceinline__ void prefetch_expert_heads(const Ctx& c, const int32_t* ids) {
+  constexpr int kUpKb = MEGAC_TOPK_PREFETCH_UP_KB, kDownKb = MEGAC_TOPK_PREFETCH_DOWN_KB;
+  if constexpr (kTiled<M> && (kUpKb > 0 || kDownKb > 0)) {
+    using Lay = Layout<M>;
+    // a 16-row group is one contiguous run in the tiled layout (ops_gemm.cuh span)
+    constexpr int kUpGroups = kUpKb > 0 ? 2 * M::EXPERT_WIDTH / 16 : 0;
+    constexpr int kDownGroups = kDownKb > 0 ? M::HIDDEN / 16 : 0;
+    constexpr uint32_t kUpGroupBytes = 16u * M::HIDDEN * 2u, kDownGroupBytes = 16u * M::EXPERT_WIDTH * 2u;
+    constexpr uint32_t kUp = kUpKb * 1024u < kUpGroupBytes ? kUpKb * 1024u : kUpGroupBytes;
+    constexpr uint32_t kDown = kDownKb * 1024u < kDownGroupBytes ? kDownKb * 1024u : kDownGroupBytes;
+    constexpr int kPer = kUpGroups + kDownGroups;
+    const int slot = ptr<const int32_t>(c.d->layer_slot)[c.ts->w[H_LAYER]];
+    for (int i = threadIdx.x; i < M::TOP_K * kPer; i += blockDim.x) {
+      const int e = ids[i / kPer], g = i % kPer;
+      if (g < kUpGroups)
+        prefetch_l2(ptr<const bf16>(c.d->w_moe_upgate) + Lay::w_moe_upgate(slot, e) + int64_t(g) * 16 * M::HIDDEN,
+                    kUp);
+      else
+        prefetch_l2(ptr<const bf16>(c.d->w_moe_down) + Lay::w_moe_down(slot, e) +
+                        int64_t(g - kUpGroups) * 16 * M::EXPERT_WIDTH,
+                    kDown);
+    }
+  }
+}
 
 template <class M>
 __device__ __forceinline__ void router_topk(const Ctx& c) {
@@ -26,12 +68,21 @@ __device__ __forceinline__ void router_topk(const Ctx& c) {
   if constexpr (M::NUM_EXPERTS > 0) {
     const LaunchDesc* d = c.d;
     const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_router_topk::ROW];
-    if (threadIdx.x < 32)
-      moe::topk_row_warp<M::NUM_EXPERTS>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, row),
+    int32_t* ids = reinterpret_cast<int32_t*>(c.scratch);  // the row's experts, for the prefetch
+    if (threadIdx.x < 32) {
+      const int e = moe::topk_row_warp<M::NUM_EXPERTS>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, row),
                                          size_t(M::MAX_ROWS) * M::NUM_EXPERTS, c.ts->w[f_router_topk::NUM_SPLITS],
                                          M::NUM_EXPERTS, M::TOP_K, c.ts->w[H_FLAGS],
                                          ptr<int32_t>(d->topk_ids) + Lay::topk(layer, row),
                                          ptr<float>(d->topk_w) + Lay::topk(layer, row));
+      if constexpr (MEGAC_TOPK_PREFETCH_UP_KB > 0 || MEGAC_TOPK_PREFETCH_DOWN_KB > 0)
+        if (threadIdx.x < M::TOP_K) ids[threadIdx.x] = e;
+      (void)e;
+    }
+    if constexpr (MEGAC_TOPK_PREFETCH_UP_KB > 0 || MEGAC_TOPK_PREFETCH_DOWN_KB > 0) {
+      __syncthreads();
+      prefetch_expert_heads<M>(c, ids);
+    }
   }
 }
 

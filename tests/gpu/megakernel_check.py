@@ -414,7 +414,7 @@ def prebuild() -> None:
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()]]
     for spec in specs:
         if spec.name in scale.VARIANT_MODELS:
-            for v, defines in {**scale.VARIANTS, "profile": scale.PROFILE}.items():
+            for v, defines in {**scale.variants_for(spec), "profile": scale.PROFILE}.items():
                 if defines:
                     print(f"{spec.name} [{v}]: {scale.variant_cubin(spec, defines)}", flush=True)
         # the orders and waves checks (tiny-moe) and megac bench --order all (NMC) run every order

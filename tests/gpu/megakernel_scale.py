@@ -697,10 +697,29 @@ VARIANTS = {
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
     "attn_tiles": {"MEGAC_ATTN_MMA": 0},  # attention splits on the CUDA cores (attn_tiles.cuh)
     "attn3": {"MEGAC_ATTN_MMA_STAGES": 3},  # tensor-core splits, 2 chunks in flight per warp
+    # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
+    "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
+    "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
+    "pf_up64": {"MEGAC_TOPK_PREFETCH_UP_KB": 64},
+    "pf_up32_dn24": {"MEGAC_TOPK_PREFETCH_UP_KB": 32, "MEGAC_TOPK_PREFETCH_DOWN_KB": 24},
 }
+#: variants that change nothing in a dense model (not built for one)
+MOE_ONLY_VARIANTS = {"pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
+
+
+def variants_for(spec) -> dict:
+    """The VARIANTS a check builds for ``spec``: MEGAC_VARIANTS (comma list)
+    narrows them (``default`` always stays, the baseline of the comparison)."""
+    import os
+
+    pick = os.environ.get("MEGAC_VARIANTS")
+    names = [v for v in VARIANTS if not pick or v == "default" or v in pick.split(",")]
+    if not spec.moe:
+        names = [v for v in names if v not in MOE_ONLY_VARIANTS]
+    return {v: VARIANTS[v] for v in names}
 
 
 def variant_cubin(spec, defines):
@@ -732,11 +751,11 @@ def check_variants() -> dict:
     out = {}
     for model, cases in (("north-mini-code", ((1, 8192), (8, 8192))), ("smollm2-135m", ((1, 1024),))):
         spec = load_spec(model)
-        cubins = {v: variant_cubin(spec, d) for v, d in VARIANTS.items()}
+        cubins = {v: variant_cubin(spec, d) for v, d in variants_for(spec).items()}
         w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
         eng = engine(spec, w, max_batch_size=8, max_model_len=min(8192 + 64, spec.max_context), num_kv_blocks=40000)
         _noise_kv(eng)
-        times: dict = {v: {f"bs{b}_ctx{ctx}": [] for b, ctx in cases} for v in VARIANTS}
+        times: dict = {v: {f"bs{b}_ctx{ctx}": [] for b, ctx in cases} for v in cubins}
         for _ in range(2):
             for v, cubin in cubins.items():
                 use_cubin(eng.backend, cubin)

@@ -80,3 +80,19 @@ def test_bench_waves_without_a_gpu_is_one_line():
     r = CliRunner().invoke(bench_cmd, ["tiny-moe", "--backend", "waves", "--random-weights"])
     assert isinstance(r.exception, MegacError) and "--backend waves: no CUDA device visible" in str(r.exception)
     assert "drawing random weights" not in r.output
+
+
+def test_a_schedule_loaded_from_an_artifact_splits_the_same(tmp_path):
+    """The GPU backend gets its schedules from the artifact (load_or_compile),
+    so the artifact must keep each task's op node: the first GPU run of the
+    waves baseline found a loaded schedule with no node names."""
+    from megac.artifact import load_artifact, write_artifact
+
+    s = compile_one(load_spec("tiny-moe"), "interleaved", 2, 1024)
+    write_artifact(tmp_path / "art", load_spec("tiny-moe"), [s], order="interleaved")
+    (loaded,) = load_artifact(tmp_path / "art").to_schedules()
+    assert loaded.node_names == s.node_names
+    got, want = split_waves(loaded), split_waves(s)
+    assert [w.name for w in got] == [w.name for w in want]
+    for a, b in zip(got, want):
+        assert np.array_equal(a.counts, b.counts) and np.array_equal(a.tasks, b.tasks)
