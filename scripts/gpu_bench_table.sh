@@ -7,7 +7,7 @@
 # smollm2:  SmolLM2-135M's shape, batch 1-8 x 1K, 4K, both backends
 # ablation: the three wave orders, uniform and skewed routing, batch 1 and 8 at 8K
 # profile:  one profiled North Mini Code step (bs1, 8K) and its timeline
-# stepgraph: the cuda rows again with MEGAC_STEP_GRAPH=1 (seed + launch as one CUDA graph)
+# stepgraph: the cuda rows again with MEGAC_STEP_GRAPH=0 (separate seed and launch, no step graph)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 out="${1:?output folder}"
@@ -43,7 +43,7 @@ for part in "${parts[@]}"; do
       bench "nmc-graphs-skewed" north-mini-code --backend graphs --batch-size 1,8 --context 8192 \
         --routing skewed --steps 20 --no-ceiling ;;
     stepgraph)
-      MEGAC_STEP_GRAPH=1 bench "nmc-cuda-stepgraph" north-mini-code --backend cuda --batch-size 1,2,4,8 \
+      MEGAC_STEP_GRAPH=0 bench "nmc-cuda-nostepgraph" north-mini-code --backend cuda --batch-size 1,2,4,8 \
         --context 1024,8192 --steps 30 ;;
     profile)
       echo "== profile"

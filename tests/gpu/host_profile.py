@@ -21,7 +21,8 @@ import statistics
 import time
 
 
-def profile_steps(model: str, backend: str, batch: int, context: int, steps: int, step_graph: bool) -> dict:
+def profile_steps(model: str, backend: str, batch: int, context: int, steps: int) -> list[dict]:
+    """The bench loop profiled without, then with the step graph (one engine)."""
     import torch
 
     from megac.decode_bench import fill_kv_noise, rows_at
@@ -31,7 +32,6 @@ def profile_steps(model: str, backend: str, batch: int, context: int, steps: int
     from megac.spec import load_spec
     from megac.weights import random_weights
 
-    os.environ["MEGAC_STEP_GRAPH"] = "1" if step_graph else "0"
     spec = load_spec(model)
     dev = "cuda" if backend == "cuda" else "cpu"
     w = random_weights(spec, seed=0, dtype=torch.bfloat16 if dev == "cuda" else torch.float32, device=dev)
@@ -51,29 +51,35 @@ def profile_steps(model: str, backend: str, batch: int, context: int, steps: int
         tokens, _ = decode_and_sample(be, rows, tokens, greedy)
         return (time.perf_counter() - t0) * 1e3
 
-    for _ in range(5):
-        step()
-    own = getattr(be, "kernel_ms", None)
-    if own is not None:
-        own.clear()
-    prof = cProfile.Profile()
-    prof.enable()
-    wall = [step() for _ in range(steps)]
-    prof.disable()
-    text = io.StringIO()
-    st = pstats.Stats(prof, stream=text)
-    st.sort_stats("tottime").print_stats(25)
-    st.sort_stats("cumulative").print_stats(35)
-    kernel = statistics.median(own) if own else None
-    out = {"model": model, "batch": batch, "context": context, "step_graph": step_graph,
-           "step_ms": round(statistics.median(wall), 4), "kernel_ms": None if kernel is None else round(kernel, 4),
-           "profile": text.getvalue()}
+    res = []
+    for graph in (False, True):
+        if hasattr(be, "step_graph"):
+            be.step_graph = graph
+        for _ in range(5):
+            step()
+        own = getattr(be, "kernel_ms", None)
+        if own is not None:
+            own.clear()
+        prof = cProfile.Profile()
+        prof.enable()
+        wall = [step() for _ in range(steps)]
+        prof.disable()
+        text = io.StringIO()
+        st = pstats.Stats(prof, stream=text)
+        st.sort_stats("tottime").print_stats(25)
+        st.sort_stats("cumulative").print_stats(35)
+        kernel = statistics.median(own) if own else None
+        res.append({"model": model, "batch": batch, "context": context, "step_graph": graph,
+                    "step_ms": round(statistics.median(wall), 4),
+                    "kernel_ms": None if kernel is None else round(kernel, 4), "profile": text.getvalue()})
+        print(f"== step graph {graph}: step {res[-1]['step_ms']} ms, kernel {res[-1]['kernel_ms']} ms", flush=True)
+        print(res[-1]["profile"], flush=True)
     for r in rows:
         kv.free_row(r)
     del eng, be, kv, w
     if dev == "cuda":
         torch.cuda.empty_cache()
-    return out
+    return res
 
 
 def main() -> None:
@@ -85,12 +91,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default=None, help="directory for host_profile.json")
     a = ap.parse_args()
-    res = []
-    for graph in (False, True):
-        r = profile_steps(a.model, a.backend, a.batch, a.context, a.steps, graph)
-        print(f"== step graph {graph}: step {r['step_ms']} ms, kernel {r['kernel_ms']} ms", flush=True)
-        print(r["profile"], flush=True)
-        res.append(r)
+    res = profile_steps(a.model, a.backend, a.batch, a.context, a.steps)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "host_profile.json"), "w") as f:

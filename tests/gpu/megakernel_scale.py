@@ -834,7 +834,7 @@ def waves_step_times() -> dict:
 
 
 def check_step_graph() -> dict:
-    """MEGAC_STEP_GRAPH (the seed and the launch as one CUDA graph): tokens
+    """The step graph (the seed and the launch as one CUDA graph): tokens
     and logits bit-identical to the separate launches (tiny-moe, batch 2),
     and North Mini Code's kernel and whole-step ms both ways at 8K, batch 1
     and 8 (megac bench's loop: decode_bench.run)."""
@@ -851,6 +851,7 @@ def check_step_graph() -> dict:
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6] * 7]
     out = {}
     eng = engine(spec, w, "cuda", max_batch_size=2, max_model_len=128)
+    eng.backend.step_graph = False
     ref = generate_all(eng, prompts, 8)
     eng.backend.step_graph = True
     got = generate_all(eng, prompts, 8)

@@ -1,5 +1,5 @@
 """A long shared prefix, turn after turn (issue 13): North Mini Code with
-random weights on ``--backend cuda``, a 6K-token conversation prefix grown
+random weights on ``--backend cuda``, a 2K-token conversation prefix grown
 by a new question and the answer each turn. With the prefix cache every
 turn after the first must find the previous prompt's full chunks (sliding
 and full layers alike) and prefill only the rest, and give the text of an
@@ -15,8 +15,8 @@ import json
 import time
 
 
-def check_prefix_turns(model: str = "north-mini-code", backend: str = "cuda", turns: int = 10,
-                       prefix_tokens: int = 6144, answer_tokens: int = 16, chunk: int = 256) -> dict:
+def check_prefix_turns(model: str = "north-mini-code", backend: str = "cuda", turns: int = 3,
+                       prefix_tokens: int = 2048, answer_tokens: int = 16, chunk: int = 256) -> dict:
     import numpy as np
     import torch
 
@@ -109,8 +109,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="gpu.prefix_check")
     ap.add_argument("--model", default="north-mini-code")
     ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--prefix", type=int, default=6144)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=256)
     a = ap.parse_args()
     print(json.dumps(check_prefix_turns(a.model, a.backend, a.turns, a.prefix, chunk=a.chunk), indent=1))
