@@ -3,7 +3,8 @@ cache and returns each row's last-position logits.
 
 ``prefill(weights, spec, kv, prompts, rows=None)`` runs each prompt (ragged
 lengths; one row at a time, so rows never influence each other) through every
-layer with the same ops and precision as :mod:`megac.reference`, writes every
+layer with the ops and precision of :mod:`megac.reference` (the routed experts
+as grouped GEMMs: :func:`grouped_moe_ffn`), writes every
 layer's K/V of the new tokens into the row's pages, advances ``seq_pos`` and
 returns ``Prefilled(rows, logits)``: fp32 logits ``[len(prompts), vocab]``
 (times ``logit_scale``) of each prompt's last token.
@@ -22,7 +23,9 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import torch
 
 from megac.errors import MegacError
-from megac.reference import apply_rope, attention, layer_forward, lm_logits, rope_cos_sin
+import torch.nn.functional as F
+
+from megac.reference import apply_rope, attention, dense_ffn, layer_forward, lm_logits, rope_cos_sin, route
 from megac.weights.canonical import ModelWeights
 
 if TYPE_CHECKING:
@@ -33,6 +36,51 @@ if TYPE_CHECKING:
 class Prefilled(NamedTuple):
     rows: list[int]
     logits: torch.Tensor  # fp32 [len(rows), vocab]
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x[group e], w[e])`` for every group of consecutive rows
+    (``offs[e]``: the end of group ``e``; ``w`` ``[E, out, in]``): one grouped
+    GEMM where torch has one for these tensors (CUDA bf16, CPU), else one GEMM
+    per non-empty group."""
+    if hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 if x.is_cuda else x.dtype == torch.float32):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    out = x.new_empty((x.shape[0], w.shape[1]))
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], w[e])
+        start = end
+    return out
+
+
+def grouped_moe_ffn(h: torch.Tensor, lw, moe) -> torch.Tensor:
+    """The routed experts of a prefill chunk as three grouped GEMMs over the
+    (token, expert) pairs sorted by expert (the reference's per-expert loop
+    issues ~10 small operations per active expert and layer: a 256-token
+    chunk of North Mini Code prefilled at ~130 tokens/s on the H200). The
+    reference's routing; each token's k expert outputs weighed and summed
+    in k order in fp32 or wider (deterministic: no atomics, no dependence on the
+    other tokens' routing)."""
+    ids, w = route(h, lw.router, moe)
+    n, k = ids.shape
+    sorted_ids, order = torch.sort(ids.flatten(), stable=True)
+    experts = torch.arange(lw.experts_gate.shape[0], device=h.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+    xs = h.index_select(0, order // k)
+    act = F.silu(grouped_linear(xs, lw.experts_gate, offs)) * grouped_linear(xs, lw.experts_up, offs)
+    y = grouped_linear(act, lw.experts_down, offs)
+    z = torch.empty_like(y)
+    z[order] = y  # back to (token, j) order
+    acc = torch.promote_types(h.dtype, torch.float32)
+    return (z.view(n, k, -1).to(acc) * w.to(acc)[..., None]).sum(1).to(h.dtype)
+
+
+def prefill_ffn(h: torch.Tensor, lw, spec: "ModelSpec") -> torch.Tensor:
+    """The prefill's FFN: grouped experts on MoE layers, SwiGLU elsewhere."""
+    if lw.is_moe:
+        return grouped_moe_ffn(h, lw, spec.moe)
+    return dense_ffn(h, lw.gate, lw.up, lw.down)
 
 
 def prefill_row(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", row: int,
@@ -75,7 +123,7 @@ def prefill_row(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", ro
             k_pos = torch.cat([torch.arange(start, p0, device=dev), positions])
             return attention(q, keys, vals, positions, k_pos, ls.window, scale)
 
-        x = layer_forward(x, lw, spec, i, attend)
+        x = layer_forward(x, lw, spec, i, attend, ffn_fn=prefill_ffn)
     logits = lm_logits(x[-1:], weights, spec)[0]
     kv.advance(row, n)
     return logits
@@ -96,4 +144,4 @@ def prefill(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache",
     return Prefilled(rows, logits)
 
 
-__all__ = ["Prefilled", "prefill", "prefill_row"]
+__all__ = ["Prefilled", "grouped_linear", "grouped_moe_ffn", "prefill", "prefill_row"]

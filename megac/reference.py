@@ -144,10 +144,13 @@ def lm_logits(h: torch.Tensor, weights: ModelWeights, spec: "ModelSpec") -> torc
 
 
 def layer_forward(x: torch.Tensor, lw: LayerWeights, spec: "ModelSpec", layer: int,
-                  attend) -> torch.Tensor:
+                  attend, ffn_fn=None) -> torch.Tensor:
     """One decoder layer over ``x`` ``[n, hidden]``. ``attend(q, k, v)`` (q
     ``[n, H, hd]``, k/v ``[n, KVH, hd]`` of the new tokens, RoPE applied)
-    stores K/V and returns the attention output ``[n, q_width]``."""
+    stores K/V and returns the attention output ``[n, q_width]``.
+    ``ffn_fn(h, lw, spec)``: the FFN (default :func:`ffn`; the prefill runs
+    its experts as grouped GEMMs)."""
+    ffn_fn = ffn_fn or ffn
     n = x.shape[0]
     H, KVH, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     h = hf_rms_norm(x, lw.input_norm, spec.norm_eps)
@@ -156,9 +159,9 @@ def layer_forward(x: torch.Tensor, lw: LayerWeights, spec: "ModelSpec", layer: i
     v = F.linear(h, lw.v).view(n, KVH, hd)
     a = F.linear(attend(q, k, v), lw.o)
     if spec.block == "parallel":
-        return x + a + ffn(h, lw, spec)
+        return x + a + ffn_fn(h, lw, spec)
     x = x + a
-    return x + ffn(hf_rms_norm(x, lw.post_attn_norm, spec.norm_eps), lw, spec)
+    return x + ffn_fn(hf_rms_norm(x, lw.post_attn_norm, spec.norm_eps), lw, spec)
 
 
 # ------------------------------------------------------------------ decode
