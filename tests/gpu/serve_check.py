@@ -38,12 +38,15 @@ class Server:
     """``megac serve`` in a subprocess on 127.0.0.1:``port``, its log in a
     file (a pipe could fill and stall it); stopped with SIGINT."""
 
-    def __init__(self, port: int, backend: str = "cuda", env: dict | None = None, max_batch: int = 8) -> None:
+    def __init__(self, port: int, backend: str = "cuda", env: dict | None = None, max_batch: int = 8,
+                 extra: list[str] | tuple = ()) -> None:
+        """``extra``: more ``megac serve`` arguments (a model, options; a
+        repeated option overrides the defaults here)."""
         self.port, self.base = port, f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from megac.cli import main; main()", "serve", "--backend", backend,
-             "--port", str(port), "--max-batch-size", str(max_batch), "--max-model-len", "2048"],
+             "--port", str(port), "--max-batch-size", str(max_batch), "--max-model-len", "2048", *extra],
             stdout=self.log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
 
     def __enter__(self) -> "Server":
