@@ -114,33 +114,50 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     on_gpu = kind in ("cuda", "waves") or (kind == "graphs" and cuda_visible())
     say = lambda msg: click.echo(f"[megac] {msg}", err=True)  # noqa: E731
     t0 = time.perf_counter()
+    spec, loaded_weights = None, None
     if random_weights:
-        import torch
-
         from megac.spec import load_spec
-        from megac.weights.random import random_weights as draw
 
         spec = load_spec(model)
         check_routing(spec, routing)  # before the draw (North Mini Code's is 61 GB)
-        dev = "cuda" if on_gpu else "cpu"
-        say(f"drawing random weights for {spec.name} on the {dev}")
-        weights = draw(spec, 0, torch.bfloat16 if dev == "cuda" else torch.float32, device=dev)
     else:
         loaded = load_model(model, tokenizer=False, progress=say)
-        spec, weights = loaded.spec, loaded.weights
+        spec, loaded_weights = loaded.spec, loaded.weights
         del loaded  # its copy of the weights would outlive the skewed / GPU copy below
-    # skewed before any engine exists, so every backend and order routes alike
-    weights = skew_router(spec, weights, routing)
+
+    def get_weights():
+        """The weights every engine of this run decodes with: drawn (again)
+        or loaded, the router skewed before any engine exists (so every
+        backend and order routes alike), on the GPU in bf16 there."""
+        nonlocal loaded_weights
+        if random_weights:
+            import torch
+
+            from megac.weights.random import random_weights as draw
+
+            dev = "cuda" if on_gpu else "cpu"
+            say(f"drawing random weights for {spec.name} on the {dev}")
+            w = draw(spec, 0, torch.bfloat16 if dev == "cuda" else torch.float32, device=dev)
+        else:
+            w, loaded_weights = loaded_weights, None
+        w = skew_router(spec, w, routing)
+        if on_gpu:  # once per engine at most (build_engine then keeps these tensors)
+            import torch
+
+            w = w.to(torch.bfloat16, "cuda")
+        return w
+
+    weights = get_weights()
+    # decode only: the megakernel's engines run on their kernel-layout copy; the
+    # canonical one is the prefill's. Random weights can be drawn again, so each
+    # engine gives it back and batch 8 at 128K fits beside one copy.
+    release = kind in ("cuda", "waves") and random_weights
     expert_probs = None
     if routing == "skewed":
         expert_probs = selection_probs(weights, spec.moe.top_k)
         n = max(1, len(expert_probs) // 8)  # North Mini Code: the top 16 of 128
         say(f"skewed routing (alpha {ALPHA}): the {n} most chosen of {len(expert_probs)} experts take "
             f"{100 * expert_probs[:n].sum() / spec.moe.top_k:.1f} % of random rows' selections")
-    if on_gpu:  # once, not per engine (build_engine then keeps these tensors)
-        import torch
-
-        weights = weights.to(torch.bfloat16, "cuda")
     # each timed case's rows grow by one token per step
     longest = max(ctxs) + warmup + steps
     if longest > spec.max_context:
@@ -152,7 +169,16 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     for oi, o in enumerate(orders):
         opts = EngineOptions(backend=kind, order=o, max_batch_size=max(batches), max_model_len=longest,
                              num_kv_blocks=rows_blocks + 16, prefix_caching=False)
+        if weights is None:
+            weights = get_weights()
         engine = build_engine(spec, weights, opts, progress=say)
+        if release:
+            engine.backend.release_prefill_weights()
+            weights = None
+            gc.collect()
+            import torch
+
+            torch.cuda.empty_cache()
         say(f"{o}: ready in {time.perf_counter() - t0:.1f} s; filling the KV cache with noise")
         db.fill_kv_noise(engine.kv)
         if oi == 0 and not no_ceiling:

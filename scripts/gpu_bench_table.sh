@@ -3,7 +3,8 @@
 # weights), the megakernel and the graphs baseline back to back in one call.
 #   bash scripts/gpu_bench_table.sh "$OUT" [table|long|smollm2|ablation|profile ...]
 # table:    North Mini Code, batch 1-8 x context 1K, 8K, 32K: cuda, graphs, waves
-# long:     North Mini Code at 128K, batch 1-2 (what fits beside two weight copies)
+# long:     North Mini Code at 128K, batch 1-8 (one weight copy each: bench's cuda engines give the
+#           canonical copy back, graphs never had a second)
 # smollm2:  SmolLM2-135M's shape, batch 1-8 x 1K, 4K, both backends
 # ablation: the three wave orders, uniform and skewed routing, batch 1 and 8 at 8K
 # profile:  one profiled North Mini Code step (bs1, 8K) and its timeline
@@ -29,7 +30,7 @@ for part in "${parts[@]}"; do
       done ;;
     long)
       for b in cuda graphs; do
-        bench "nmc-128k-$b" north-mini-code --backend $b --batch-size 1,2 --context 131072 --steps 20
+        bench "nmc-128k-$b" north-mini-code --backend $b --batch-size 1,2,4,8 --context 131072 --steps 20
       done ;;
     smollm2)
       for b in cuda graphs; do

@@ -242,3 +242,19 @@ def test_grouped_experts_match_the_reference_loop(name, dtype):
         alone = grouped_moe_ffn(h[i:i + 1], lw, spec.moe)[0]
         assert (alone - got[i]).abs().max() <= tol * want.abs().max()
     assert torch.equal(grouped_moe_ffn(h, lw, spec.moe), got)  # deterministic
+
+
+def test_a_backend_without_canonical_weights_refuses_to_prefill():
+    """`megac bench` gives a decode-only GPU engine's canonical weights back
+    (CudaBackend.release_prefill_weights); a prefill then ends in one clear
+    error, not an AttributeError deep in the reference layers."""
+    from megac.runtime.backend import ReferenceBackend
+
+    spec = _spec("tiny-llama")
+    kv = PagedKVCache(spec, max_rows=2, num_blocks=40, dtype=torch.float32)
+    be = ReferenceBackend(spec, random_weights(spec, seed=2), kv)
+    row = kv.allocate_row()
+    assert be.prefill(row, [1, 2, 3]).shape == (spec.vocab_size,)
+    be.weights = None
+    with pytest.raises(MegacError, match="gave its canonical weights back"):
+        be.prefill(row, [4, 5])

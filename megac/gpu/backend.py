@@ -181,6 +181,14 @@ class CudaBackend(TorchPrefillMixin):
                          if self.big.plan.buffers[n].kind in ("activation", "scratch")
                          or n in ("moe_up_queue", "moe_down_queue")]
 
+    def release_prefill_weights(self) -> None:
+        """Drop this backend's reference to the canonical weights: decode
+        runs on the kernel-layout copy, only prefill reads them. ``megac
+        bench`` (decode only, KV filled with noise) calls it so that one
+        weight copy stays on the GPU and batch 8 at 128K fits; a prefill
+        then raises MegacError."""
+        self.weights = None
+
     def use_cubin(self, cubin) -> None:
         """Load (or swap in) a build of the megakernel: its module, the
         shared memory it asks for, its prepared launch."""

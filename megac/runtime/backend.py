@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from megac.errors import MegacError
 from megac.runtime.kinds import BACKEND_KINDS  # re-exported: the kinds live where --help reads them
 
 if TYPE_CHECKING:
@@ -91,6 +92,9 @@ class TorchPrefillMixin:
     def prefill(self, row: int, token_ids: Sequence[int]) -> torch.Tensor:
         from megac.prefill import prefill_row
 
+        if self.weights is None:
+            raise MegacError("prefill: this backend gave its canonical weights back (a decode-only `megac bench` "
+                             "engine); build another engine to prefill")
         return prefill_row(self.weights, self.spec, self.kv, row, list(token_ids))
 
 
