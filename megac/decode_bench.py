@@ -11,10 +11,14 @@ to the context (a row's K/V bits do not change the bytes a step moves), then
 reported. Per case:
 
 * ``kernel_ms``: the backend's own time per step where it keeps one (the
-  CUDA backend: the launch and its completion, timed on the host, so it
-  includes ~0.09 ms of launch and synchronisation), else the step's;
-* ``step_ms``: the whole step as the engine sees it (host words, seed,
-  launch, sampling on the device, the token ids back), and the host's share;
+  CUDA backends: CUDA events around the launch, the seed included where the
+  step graph holds it), else the step's;
+* ``step_ms``: the time between consecutive steps' tokens reaching the host
+  in greedy decoding where each step's tokens feed the next
+  (:func:`megac.runtime.backend.run_greedy`: host words, seed, launch,
+  sampling on the device, the token ids back; the megakernel pipelines it,
+  queuing step i+1 before the host reads step i's tokens), and the host's
+  share (``step_ms - kernel_ms``, what the kernel does not hide);
 * ``bytes``: what the step must move by the cost model's accounting of the
   schedule that ran (weights of the tiles it touches -- the expected active
   experts at that batch, under uniform routing or the per-expert routing
@@ -33,7 +37,6 @@ shows them when they vary (order) or differ from uniform (routing), and
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable, Sequence
 
 from megac.errors import MegacError
@@ -116,11 +119,9 @@ def run(engine, cases: Sequence[tuple[int, int]], *, steps: int = 30, warmup: in
         calibration=None, expert_probs=None, progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
     """One row per (batch, context) case (see the module docstring);
     ``expert_probs`` as in :func:`step_bytes`."""
-    from megac.runtime.backend import decode_and_sample
-    from megac.sampling import RowSampling, SamplingParams
+    from megac.runtime.backend import run_greedy
 
     be, kv = engine.backend, engine.kv
-    greedy = SamplingParams(temperature=0.0)
     out = []
     for ci, (batch, context) in enumerate(cases):
         if batch > be.max_batch_size:
@@ -131,17 +132,15 @@ def run(engine, cases: Sequence[tuple[int, int]], *, steps: int = 30, warmup: in
             own = getattr(be, "kernel_ms", None)
             if own is not None:
                 own.clear()
-            wall = []
-            tokens = [1 + r for r in rows]
-            for i in range(warmup + steps):
-                for r in rows:
-                    kv.append_slot(r)
-                t0 = time.perf_counter()
-                tokens, _ = decode_and_sample(be, rows, tokens, [RowSampling(greedy, None)] * len(rows))
-                wall.append((time.perf_counter() - t0) * 1e3)
+
+            def tick(i, ci=ci, batch=batch, context=context):
                 if progress is not None:
-                    progress(f"batch {batch}, context {context}", ci * (warmup + steps) + i + 1,
+                    progress(f"batch {batch}, context {context}", ci * (warmup + steps) + i,
                              len(cases) * (warmup + steps))
+
+            # the engine's steady decoding: each step's tokens feed the next
+            # (pipelined on the megakernel: the host part hides behind the kernel)
+            _tokens, wall = run_greedy(be, rows, [1 + r for r in rows], warmup + steps, tick)
         finally:
             for r in rows:
                 kv.free_row(r)

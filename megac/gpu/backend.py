@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -452,6 +453,97 @@ class CudaBackend(TorchPrefillMixin):
         tokens = sample_rows(logits, samples, greedy=greedy)
         return tokens, (logits.float().cpu() if keep_logits else None)
 
+
+    def decode_greedy_run(self, rows: Sequence[int], token_ids: Sequence[int], steps: int, progress=None):
+        """``steps`` greedy steps of the fixed ``rows``, pipelined: step i+1's
+        host words are prepared and its launch queued while step i runs, its
+        tokens go from step i's argmax records to step i+1's seed on the
+        device, and the host reads step i's tokens only after step i+1 is
+        queued, so the host part hides behind the kernel instead of adding
+        to it (:func:`megac.runtime.backend.run_greedy`, which ``megac bench``
+        times). Returns each step's tokens and the wall ms between
+        consecutive steps' tokens reaching the host. Needs the step graph
+        (its seed reads the device's token ids); without it, or in the
+        checking modes (poison, injected faults), the steps run one by one."""
+        from megac.runtime.backend import run_greedy_steps
+
+        torch = _torch()
+        rows = [int(r) for r in rows]
+        n = len(rows)
+        if not (self.step_graph and not self.poison and not self.fault_steps and n and steps > 0
+                and float(self.spec.logit_scale) > 0):
+            return run_greedy_steps(self, rows, token_ids, steps, progress)
+        first = host.check_tokens(token_ids, self.big.geometry.vocab)
+        if len(first) != n:
+            raise MegacError(f"cuda: {len(first)} tokens for {n} rows")
+        # step i+1's seed reads this: step i's greedy tokens, never leaving the device
+        fed = torch.empty(n, dtype=self._tok.dtype, device=self.dev)
+        uploaded = torch.cuda.Event()  # the staging buffer's last copy is done with it
+        slots = [{"start": torch.cuda.Event(enable_timing=True), "end": torch.cuda.Event(enable_timing=True),
+                  "done": torch.cuda.Event(), "tok": torch.zeros(n, dtype=fed.dtype).pin_memory(),
+                  "status": torch.zeros_like(self._status_host).pin_memory()} for _ in range(2)]
+        out: list[list[int]] = []
+        walls: list[float] = []
+        t_last = time.perf_counter()
+
+        def collect(slot, sched) -> None:
+            nonlocal t_last
+            slot["done"].synchronize()
+            status = slot["status"].numpy()
+            if status[abi.STATUS_ABORT]:
+                torch.cuda.current_stream().synchronize()
+                raise self._hang(sched, status)
+            self.kernel_ms.append(slot["start"].elapsed_time(slot["end"]))
+            out.append(slot["tok"].tolist())
+            now = time.perf_counter()
+            walls.append((now - t_last) * 1e3)
+            t_last = now
+            if progress is not None:
+                progress(len(out))
+
+        pending = None
+        for i in range(steps):
+            sched = self.schedules.for_rows(self.kv, rows)
+            geo = sched.geometry
+            positions = host.reserve_rows(self.kv, rows, geo)
+            mb = host.page_rows(positions, self.kv.block_size, self._page_rows(sched))
+            graph = self._step_graph(sched, mb, n)
+            if graph is None:  # capture refused: the rest one by one, after what is queued
+                if pending is not None:
+                    collect(*pending)
+                # (run_greedy_steps reserves this step's slots again: idempotent)
+                more, more_walls = run_greedy_steps(self, rows, out[-1] if out else first.tolist(), steps - i,
+                                                    progress)
+                return out + more, walls + more_walls
+            if i > 0:
+                uploaded.synchronize()  # long done: it preceded the step now running
+            h = self.host
+            page_table = self._page_table_host(mb)
+            host.fill_tables(self.kv, rows, positions, page_table, h["seq_pos"], h["row_active"])
+            host.host_words(geo, positions, h["targets"], h["attn_queue"])
+            if i == 0:
+                h[_TOKEN_IDS][:n] = first.numpy()
+            nw = self._pt_off + page_table.size
+            self._words[:nw].copy_(self._words_host[:nw], non_blocking=True)
+            uploaded.record()
+            if i > 0:
+                self._tok[:n].copy_(fed)  # over the staged (stale) ids: the last step's tokens
+            slot = slots[i % 2]
+            slot["start"].record()
+            graph.replay()
+            slot["end"].record()
+            fed.copy_(host.greedy_from_records(self.buf["argmax_part"][:n]))
+            slot["tok"].copy_(fed, non_blocking=True)
+            slot["status"].copy_(self.buf["status"], non_blocking=True)
+            slot["done"].record()
+            for r in rows:
+                self.kv.advance(r, 1)
+            self.steps += 1
+            if pending is not None:
+                collect(*pending)
+            pending = (slot, sched)
+        collect(*pending)
+        return out, walls
 
     def prefill(self, row: int, token_ids: Sequence[int]):
         """The last token's fp32 logits, left on the GPU (the engine samples there)."""

@@ -41,6 +41,7 @@ identical; see :mod:`megac.engine.scheduler`), never on other rows.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -81,6 +82,38 @@ def decode_and_sample(backend, rows: Sequence[int], token_ids: Sequence[int], sa
     return sample_rows(logits, samples), (logits.float().cpu() if keep_logits else None)
 
 
+def run_greedy_steps(backend, rows: Sequence[int], token_ids: Sequence[int], steps: int, progress=None):
+    """``steps`` greedy decode steps of the fixed ``rows`` one after the
+    other, each step's tokens the next one's input: ``(tokens per step, wall
+    ms per step)``."""
+    from megac.sampling import RowSampling, SamplingParams
+
+    greedy = [RowSampling(SamplingParams(temperature=0.0), None)] * len(rows)
+    out: list[list[int]] = []
+    walls: list[float] = []
+    tokens = list(token_ids)
+    for i in range(steps):
+        t0 = time.perf_counter()
+        tokens, _ = decode_and_sample(backend, rows, tokens, greedy)
+        walls.append((time.perf_counter() - t0) * 1e3)
+        out.append([int(t) for t in tokens])
+        if progress is not None:
+            progress(i + 1)
+    return out, walls
+
+
+def run_greedy(backend, rows: Sequence[int], token_ids: Sequence[int], steps: int, progress=None):
+    """:func:`run_greedy_steps`, pipelined where the backend can
+    (``decode_greedy_run``: the CUDA backend queues step i+1 before the host
+    reads step i's tokens, which reach step i+1 on the device). The walls
+    are then the time between consecutive steps' tokens reaching the host:
+    a steady decoder's time per step. ``progress(i)`` after step i."""
+    fn = getattr(backend, "decode_greedy_run", None)
+    if fn is not None:
+        return fn(rows, token_ids, steps, progress)
+    return run_greedy_steps(backend, rows, token_ids, steps, progress)
+
+
 class TorchPrefillMixin:
     """``prefill`` through :func:`megac.prefill.prefill_row` (the shared path)."""
 
@@ -116,4 +149,5 @@ class ReferenceBackend(TorchPrefillMixin):
         return decode_step(self.weights, self.spec, self.kv, list(token_ids), list(rows))
 
 
-__all__ = ["BACKEND_KINDS", "Backend", "ReferenceBackend", "TorchPrefillMixin", "decode_and_sample"]
+__all__ = ["BACKEND_KINDS", "Backend", "ReferenceBackend", "TorchPrefillMixin", "decode_and_sample", "run_greedy",
+           "run_greedy_steps"]

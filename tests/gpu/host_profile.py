@@ -22,7 +22,8 @@ import time
 
 
 def profile_steps(model: str, backend: str, batch: int, context: int, steps: int) -> list[dict]:
-    """The bench loop profiled without, then with the step graph (one engine)."""
+    """The bench loop profiled without, then with the step graph (one engine);
+    then the pipelined loop (decode_greedy_run) timed."""
     import torch
 
     from megac.decode_bench import fill_kv_noise, rows_at
@@ -74,6 +75,15 @@ def profile_steps(model: str, backend: str, batch: int, context: int, steps: int
                     "kernel_ms": None if kernel is None else round(kernel, 4), "profile": text.getvalue()})
         print(f"== step graph {graph}: step {res[-1]['step_ms']} ms, kernel {res[-1]['kernel_ms']} ms", flush=True)
         print(res[-1]["profile"], flush=True)
+    if hasattr(be, "decode_greedy_run"):  # the pipelined loop megac bench times
+        be.step_graph = True
+        be.kernel_ms.clear()
+        got, walls = be.decode_greedy_run(rows, tokens, steps + 5)
+        kernel = statistics.median(be.kernel_ms[5:])
+        res.append({"model": model, "batch": batch, "context": context, "step_graph": True, "pipelined": True,
+                    "step_ms": round(statistics.median(walls[5:]), 4), "kernel_ms": round(kernel, 4),
+                    "profile": ""})
+        print(f"== pipelined: step {res[-1]['step_ms']} ms, kernel {res[-1]['kernel_ms']} ms", flush=True)
     for r in rows:
         kv.free_row(r)
     del eng, be, kv, w

@@ -877,6 +877,62 @@ def check_step_graph() -> dict:
     return out
 
 
+def check_pipeline() -> dict:
+    """The pipelined greedy loop (CudaBackend.decode_greedy_run: step i+1
+    queued before the host reads step i's tokens, which reach step i+1 on
+    the device): the tokens of the same steps run one by one (tiny-moe,
+    prompts prefilled twice into separate rows, batch 1 and 3), and North
+    Mini Code's kernel and step ms both ways at 8K, batch 1 and 8."""
+    import functools
+    import gc
+
+    import torch
+
+    from megac.runtime.backend import run_greedy_steps
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("tiny-moe")
+    w = random_weights(spec, seed=11, dtype=torch.bfloat16)
+    eng = engine(spec, w, "cuda", max_batch_size=8, max_model_len=256)
+    be, kv = eng.backend, eng.kv
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6] * 7, [7] * 12]
+    out: dict = {}
+    for n in (1, 3):
+        a, b = [kv.allocate_row() for _ in range(n)], [kv.allocate_row() for _ in range(n)]
+        first = []
+        for i in range(n):
+            first.append(int(be.prefill(a[i], prompts[i]).argmax()))
+            be.prefill(b[i], prompts[i])
+        piped, _ = be.decode_greedy_run(a, first, 12)
+        plain, _ = run_greedy_steps(be, b, first, 12)
+        out[f"bs{n}_equal"] = piped == plain
+        out[f"bs{n}_tokens"] = piped[:4]
+        for r in a + b:
+            kv.free_row(r)
+    del eng, be, kv
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
+    _noise_kv(eng)
+    be, kv = eng.backend, eng.kv
+    for batch in (1, 8):
+        for mode in ("one_by_one", "pipelined", "one_by_one", "pipelined"):
+            rows = _rows_at(kv, batch, 8192)
+            be.kernel_ms.clear()
+            run = be.decode_greedy_run if mode == "pipelined" else functools.partial(run_greedy_steps, be)
+            _, walls = run(rows, [1 + r for r in rows], 25)
+            out.setdefault(f"{mode}_bs{batch}", []).append(
+                {"kernel_ms": round(median(be.kernel_ms[5:]), 4), "step_ms": round(median(walls[5:]), 4)})
+            for r in rows:
+                kv.free_row(r)
+    print(json.dumps(out), flush=True)
+    del eng, be, kv, w
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def check_splits() -> dict:
     """North Mini Code with smaller attention splits (more, shorter
     ATTN_DECODE / ATTN_DRAIN tasks): median kernel ms at batch 1 and 8, 8K."""
@@ -964,5 +1020,5 @@ def check_profile() -> dict:
     return out
 
 
-CHECKS = {"step_graph": check_step_graph, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
+CHECKS = {"step_graph": check_step_graph, "pipeline": check_pipeline, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
           "speed": check_speed, "gemm_env": check_gemm_env}
