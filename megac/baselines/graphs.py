@@ -273,6 +273,61 @@ class GraphsBackend(TorchPrefillMixin):
             self.kernel_ms.append((time.perf_counter() - t0) * 1e3)
         return tokens, (logits.float().cpu() if keep_logits else None)
 
+    @torch.no_grad()
+    def decode_greedy_run(self, rows: Sequence[int], token_ids: Sequence[int], steps: int, progress=None):
+        """``steps`` greedy steps of the fixed ``rows``, pipelined as the
+        megakernel's (:mod:`megac.gpu.pipeline`): step i+1 is staged, copied
+        up and replayed before the host reads step i's tokens, which reach
+        step i+1's input on the device (the argmax of the logits, as
+        ``sample_rows`` takes it). Eager (no graphs): one by one."""
+        from megac.gpu.pipeline import GreedyPipeline
+        from megac.runtime.backend import run_greedy_steps
+
+        rows = [int(r) for r in rows]
+        B = len(rows)
+        if not self.use_graphs or not B or steps <= 0:
+            return run_greedy_steps(self, rows, token_ids, steps, progress)
+        toks = [int(t) for t in token_ids]
+        if len(toks) != B or not 0 < B <= self.max_batch_size:
+            raise MegacError(f"graphs: {len(toks)} tokens for {B} rows (at most {self.max_batch_size})")
+        if any(not 0 <= t < self.spec.vocab_size for t in toks):
+            raise MegacError(f"token id outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        kv = self.kv
+        fed = torch.empty(B, dtype=torch.int64, device=self.dev)
+        uploaded = torch.cuda.Event()
+        pipe = GreedyPipeline(B, torch.int64, self.kernel_ms, progress)
+        for i in range(steps):
+            for r in rows:
+                kv.append_slot(r)
+            pos = kv.seq_pos[rows].astype(np.int64)
+            pages = page_rows(pos.tolist(), kv.block_size, kv.max_blocks_per_seq, floor=self.min_pages)
+            bufs = self._buffers(B, pages)
+            if i > 0:
+                uploaded.synchronize()  # the staging buffer's last copy is done with it
+            st = bufs[0].numpy()
+            if i == 0:  # later steps' tokens are the last step's, copied in on the device
+                st[:B] = toks
+            st[B: 2 * B] = pos
+            np.take(kv.page_table[:, :, :pages], rows, axis=1, out=st[2 * B:].reshape(self.spec.num_layers, B, pages))
+            bufs[1].copy_(bufs[0], non_blocking=True)
+            uploaded.record()
+            if i > 0:
+                bufs[1][:B].copy_(fed)
+            if bufs[2] is None:
+                self._capture(bufs, B, pages)
+            slot = pipe.slot(i)
+            slot.start.record()
+            bufs[2].replay()
+            slot.end.record()
+            fed.copy_(torch.argmax(bufs[3][:B], dim=-1))
+            slot.tok.copy_(fed, non_blocking=True)
+            slot.done.record()
+            for r in rows:
+                kv.advance(r, 1)
+            self.steps += 1
+            pipe.queued(slot)
+        return pipe.finish()
+
     def prefill(self, row: int, token_ids: Sequence[int]):
         """The last token's fp32 logits (on the device), through the shared PyTorch prefill."""
         return super().prefill(row, token_ids).float()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -465,6 +464,7 @@ class CudaBackend(TorchPrefillMixin):
         consecutive steps' tokens reaching the host. Needs the step graph
         (its seed reads the device's token ids); without it, or in the
         checking modes (poison, injected faults), the steps run one by one."""
+        from megac.gpu.pipeline import GreedyPipeline
         from megac.runtime.backend import run_greedy_steps
 
         torch = _torch()
@@ -479,29 +479,15 @@ class CudaBackend(TorchPrefillMixin):
         # step i+1's seed reads this: step i's greedy tokens, never leaving the device
         fed = torch.empty(n, dtype=self._tok.dtype, device=self.dev)
         uploaded = torch.cuda.Event()  # the staging buffer's last copy is done with it
-        slots = [{"start": torch.cuda.Event(enable_timing=True), "end": torch.cuda.Event(enable_timing=True),
-                  "done": torch.cuda.Event(), "tok": torch.zeros(n, dtype=fed.dtype).pin_memory(),
-                  "status": torch.zeros_like(self._status_host).pin_memory()} for _ in range(2)]
-        out: list[list[int]] = []
-        walls: list[float] = []
-        t_last = time.perf_counter()
+        pipe = GreedyPipeline(n, fed.dtype, self.kernel_ms, progress,
+                              extra=lambda: {"status": torch.zeros_like(self._status_host).pin_memory()})
 
-        def collect(slot, sched) -> None:
-            nonlocal t_last
-            slot["done"].synchronize()
-            status = slot["status"].numpy()
+        def check(slot, sched):
+            status = slot.extra["status"].numpy()
             if status[abi.STATUS_ABORT]:
                 torch.cuda.current_stream().synchronize()
                 raise self._hang(sched, status)
-            self.kernel_ms.append(slot["start"].elapsed_time(slot["end"]))
-            out.append(slot["tok"].tolist())
-            now = time.perf_counter()
-            walls.append((now - t_last) * 1e3)
-            t_last = now
-            if progress is not None:
-                progress(len(out))
 
-        pending = None
         for i in range(steps):
             sched = self.schedules.for_rows(self.kv, rows)
             geo = sched.geometry
@@ -509,8 +495,7 @@ class CudaBackend(TorchPrefillMixin):
             mb = host.page_rows(positions, self.kv.block_size, self._page_rows(sched))
             graph = self._step_graph(sched, mb, n)
             if graph is None:  # capture refused: the rest one by one, after what is queued
-                if pending is not None:
-                    collect(*pending)
+                out, walls = pipe.finish()
                 # (run_greedy_steps reserves this step's slots again: idempotent)
                 more, more_walls = run_greedy_steps(self, rows, out[-1] if out else first.tolist(), steps - i,
                                                     progress)
@@ -528,22 +513,19 @@ class CudaBackend(TorchPrefillMixin):
             uploaded.record()
             if i > 0:
                 self._tok[:n].copy_(fed)  # over the staged (stale) ids: the last step's tokens
-            slot = slots[i % 2]
-            slot["start"].record()
+            slot = pipe.slot(i)
+            slot.start.record()
             graph.replay()
-            slot["end"].record()
+            slot.end.record()
             fed.copy_(host.greedy_from_records(self.buf["argmax_part"][:n]))
-            slot["tok"].copy_(fed, non_blocking=True)
-            slot["status"].copy_(self.buf["status"], non_blocking=True)
-            slot["done"].record()
+            slot.tok.copy_(fed, non_blocking=True)
+            slot.extra["status"].copy_(self.buf["status"], non_blocking=True)
+            slot.done.record()
             for r in rows:
                 self.kv.advance(r, 1)
             self.steps += 1
-            if pending is not None:
-                collect(*pending)
-            pending = (slot, sched)
-        collect(*pending)
-        return out, walls
+            pipe.queued(slot, lambda sl, sched=sched: check(sl, sched))
+        return pipe.finish()
 
     def prefill(self, row: int, token_ids: Sequence[int]):
         """The last token's fp32 logits, left on the GPU (the engine samples there)."""

@@ -880,8 +880,9 @@ def check_step_graph() -> dict:
 def check_pipeline() -> dict:
     """The pipelined greedy loop (CudaBackend.decode_greedy_run: step i+1
     queued before the host reads step i's tokens, which reach step i+1 on
-    the device): the tokens of the same steps run one by one (tiny-moe,
-    prompts prefilled twice into separate rows, batch 1 and 3), and North
+    the device; the graphs baseline's likewise): the tokens of the same
+    steps run one by one (tiny-moe, prompts prefilled twice into separate
+    rows, batch 1 and 3), and North
     Mini Code's kernel and step ms both ways at 8K, batch 1 and 8."""
     import functools
     import gc
@@ -894,23 +895,25 @@ def check_pipeline() -> dict:
 
     spec = load_spec("tiny-moe")
     w = random_weights(spec, seed=11, dtype=torch.bfloat16)
-    eng = engine(spec, w, "cuda", max_batch_size=8, max_model_len=256)
-    be, kv = eng.backend, eng.kv
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6] * 7, [7] * 12]
     out: dict = {}
-    for n in (1, 3):
-        a, b = [kv.allocate_row() for _ in range(n)], [kv.allocate_row() for _ in range(n)]
-        first = []
-        for i in range(n):
-            first.append(int(be.prefill(a[i], prompts[i]).argmax()))
-            be.prefill(b[i], prompts[i])
-        piped, _ = be.decode_greedy_run(a, first, 12)
-        plain, _ = run_greedy_steps(be, b, first, 12)
-        out[f"bs{n}_equal"] = piped == plain
-        out[f"bs{n}_tokens"] = piped[:4]
-        for r in a + b:
-            kv.free_row(r)
-    del eng, be, kv
+    for kind in ("cuda", "graphs"):
+        eng = engine(spec, w, kind, max_batch_size=8, max_model_len=256)
+        be, kv = eng.backend, eng.kv
+        for n in (1, 3):
+            a, b = [kv.allocate_row() for _ in range(n)], [kv.allocate_row() for _ in range(n)]
+            first = []
+            for i in range(n):
+                first.append(int(be.prefill(a[i], prompts[i]).argmax()))
+                be.prefill(b[i], prompts[i])
+            piped, _ = be.decode_greedy_run(a, first, 12)
+            plain, _ = run_greedy_steps(be, b, first, 12)
+            key = f"bs{n}" if kind == "cuda" else f"graphs_bs{n}"
+            out[f"{key}_equal"] = piped == plain
+            out[f"{key}_tokens"] = piped[:4]
+            for r in a + b:
+                kv.free_row(r)
+        del eng, be, kv
     spec = load_spec("north-mini-code")
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
     eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)

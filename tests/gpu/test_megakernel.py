@@ -215,6 +215,8 @@ def test_every_opcode_output_matches_the_checked_vm(tmp_path):
 def test_pipelined_greedy_decoding_gives_the_same_tokens(tmp_path):
     """CudaBackend.decode_greedy_run (step i+1 queued before the host reads
     step i's tokens; tokens fed back on the device) gives the tokens of the
-    same steps run one by one, at batch 1 and 3."""
+    same steps run one by one, at batch 1 and 3; so does the graphs
+    baseline's pipelined loop."""
     r = _run("pipeline", tmp_path)
     assert r["bs1_equal"] and r["bs3_equal"], r
+    assert r["graphs_bs1_equal"] and r["graphs_bs3_equal"], r
