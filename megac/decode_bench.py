@@ -133,7 +133,7 @@ def run(engine, cases: Sequence[tuple[int, int]], *, steps: int = 30, warmup: in
             if own is not None:
                 own.clear()
 
-            def tick(i, ci=ci, batch=batch, context=context):
+            def tick(i, _tokens=None, ci=ci, batch=batch, context=context):
                 if progress is not None:
                     progress(f"batch {batch}, context {context}", ci * (warmup + steps) + i,
                              len(cases) * (warmup + steps))

@@ -40,6 +40,8 @@ class EngineOptions:
     prefill_chunk: int | None = None
     max_num_batched_tokens: int | None = None
     prefix_caching: bool = True
+    #: greedy decode steps run back to back on a steady batch (EngineConfig.decode_burst; 1: off)
+    decode_burst: int = 1
     #: VM only: fast | checked (interleaved SM queues, happens-before checked)
     mode: str = "fast"
     policy: str = "round_robin"
@@ -163,7 +165,8 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
         progress(f"{backend.name} backend ready in {time.perf_counter() - t0:.1f} s")
     batch = min(batch, backend.max_batch_size)
     econf = EngineConfig(max_batch_size=batch, max_model_len=mml, chunk_tokens=chunk,
-                         prefill_budget=opts.max_num_batched_tokens or chunk, prefix_caching=opts.prefix_caching)
+                         prefill_budget=opts.max_num_batched_tokens or chunk, prefix_caching=opts.prefix_caching,
+                         decode_burst=opts.decode_burst)
     engine = Engine(backend, econf, observer=observer)
     log.info("KV cache: %d blocks of %d tokens (%s; %.1f full-length requests of %d tokens); prefill chunk %d; "
              "prefix caching %s", num_blocks, bs, str(weights.dtype).replace("torch.", ""), num_blocks / per_request,

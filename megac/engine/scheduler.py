@@ -45,8 +45,8 @@ from megac.engine.prefix_cache import PrefixCache
 from megac.engine.request import Phase, Request, Status
 from megac.errors import MegacError
 from megac.kv.paged import KVOutOfBlocks, blocks_for_tokens
-from megac.runtime.backend import decode_and_sample
-from megac.sampling import RowSampling, sample_row
+from megac.runtime.backend import decode_and_sample, run_greedy
+from megac.sampling import RowSampling, needs_logits, sample_row
 
 if TYPE_CHECKING:
     from megac.runtime.backend import Backend
@@ -64,6 +64,13 @@ class EngineConfig:
     #: prompt tokens prefilled per iteration (at least one chunk runs)
     prefill_budget: int = 256
     prefix_caching: bool = True
+    #: greedy decode steps run back to back while the batch is steady (every
+    #: row plain greedy, nothing waiting or prefilling, each row K tokens from
+    #: its end): the GPU backends pipeline them (step i+1 queued before the
+    #: host reads step i's tokens), so the host part hides behind the kernel.
+    #: Tokens still stream step by step; a row that ends inside a burst is
+    #: finished (and its KV row freed) after it. 1: off
+    decode_burst: int = 1
 
 
 class EngineObserver:
@@ -365,6 +372,9 @@ class Engine:
         samples = [RowSampling(r.params, r.stream, r.output_ids, r.eos_ids, r.grammar) if r.phase is Phase.DECODE
                    else None for r in batch]
         keep = any(r.keep_logits and s is not None for r, s in zip(batch, samples))
+        burst = self._burst_steps(batch, samples, keep)
+        if burst > 1:
+            return self._decode_burst(batch, burst)
         timed = len(getattr(self.backend, "kernel_ms", ()))
         t0 = time.perf_counter()
         try:
@@ -383,6 +393,62 @@ class Engine:
             if samples[i] is not None:
                 self._accept(req, tokens[i], logits[i] if keep else None)
         return len(batch)
+
+    def _burst_steps(self, batch: list[Request], samples, keep: bool) -> int:
+        """How many greedy steps ``batch`` can run back to back (1: one step
+        as usual): a steady batch only, and only as far as every row's token
+        budget and the KV pool reach."""
+        k = self.config.decode_burst
+        if k <= 1 or keep or self.waiting or any(r.phase is not Phase.DECODE for r in self.running):
+            return 1
+        for r, s in zip(batch, samples):
+            if s is None or s.grammar is not None or needs_logits(s.params, s.output_ids, s.grammar):
+                return 1
+            k = min(k, r.params.max_tokens - len(r.output_ids), self.config.max_model_len - r.num_tokens)
+        if k <= 1:
+            return 1
+        try:  # every row's K slots now: the burst cannot run out of blocks halfway
+            for r in batch:
+                self.kv.reserve(r.row, k)
+        except KVOutOfBlocks:
+            return 1
+        return k
+
+    def _decode_burst(self, batch: list[Request], steps: int) -> int:
+        """``steps`` greedy steps of ``batch`` through
+        :func:`megac.runtime.backend.run_greedy` (pipelined on the GPU). Each
+        step's tokens are accepted as they reach the host (streamed); a row
+        that ends is finished after the burst, when no step still writes its
+        KV row."""
+        ended: list[tuple[Request, str, object]] = []
+        live = set(range(len(batch)))
+        timed = len(getattr(self.backend, "kernel_ms", ()))
+
+        def accept(_k, tokens):
+            for i in sorted(live):
+                req = batch[i]
+                req.num_computed += 1
+                out = self._accept(req, int(tokens[i]), defer=True)
+                if req.finish_reason is not None:
+                    live.discard(i)
+                    ended.append((req, req.finish_reason, out))
+
+        try:
+            _tokens, walls = run_greedy(self.backend, [r.row for r in batch], [r.next_input() for r in batch], steps,
+                                        accept)
+        except Exception as err:  # noqa: BLE001 -- a recoverable device fault fails this burst's requests only
+            if not getattr(err, "recoverable", False):
+                raise
+            for req, reason, out in ended:
+                self._finish(req, reason, out)
+            self._fail_step([batch[i] for i in sorted(live)], err)
+            return 0
+        device = _device_ms_since(self.backend, timed)
+        for w in walls:
+            self.observer.on_decode_step(len(batch), w / 1e3, None if device is None else device / len(walls))
+        for req, reason, out in ended:
+            self._finish(req, reason, out)
+        return len(batch) * steps
 
     # ------------------------------------------------------------------ prefill
 
@@ -425,7 +491,10 @@ class Engine:
         tok = sample_row(logits, req.params, req.stream, req.output_ids, req.eos_ids, req.grammar)
         self._accept(req, tok, logits)
 
-    def _accept(self, req: Request, tok: int, logits=None) -> None:
+    def _accept(self, req: Request, tok: int, logits=None, defer: bool = False):
+        """``tok`` joins ``req``'s output and streams; an ending request is
+        finished here, or (``defer``: a burst still runs on its KV row) left
+        for the caller: its final event is returned unsent."""
         if req.keep_logits:
             req.logits.append(logits.float().cpu())
         now = time.monotonic()
@@ -437,9 +506,12 @@ class Engine:
             self.observer.on_token(req, now - (req.last_token_time or now))
         req.last_token_time = now
         if req.finish_reason is not None:
+            if defer:
+                return out
             self._finish(req, req.finish_reason, out)
         else:
             req.send(out)
+        return None
 
     def _fail_step(self, batch: list[Request], err: Exception) -> None:
         """A recoverable fault of one decode step (the megakernel's watchdog:

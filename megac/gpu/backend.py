@@ -497,8 +497,9 @@ class CudaBackend(TorchPrefillMixin):
             if graph is None:  # capture refused: the rest one by one, after what is queued
                 out, walls = pipe.finish()
                 # (run_greedy_steps reserves this step's slots again: idempotent)
-                more, more_walls = run_greedy_steps(self, rows, out[-1] if out else first.tolist(), steps - i,
-                                                    progress)
+                more, more_walls = run_greedy_steps(
+                    self, rows, out[-1] if out else first.tolist(), steps - i,
+                    None if progress is None else (lambda k, t, done=len(out): progress(done + k, t)))
                 return out + more, walls + more_walls
             if i > 0:
                 uploaded.synchronize()  # long done: it preceded the step now running

@@ -39,8 +39,8 @@ class Slot:
 
 class GreedyPipeline:
     """See the module docstring. ``kernel_ms``: the backend's list of device
-    times (each step's start-to-end events); ``progress(k)`` after the k-th
-    step's tokens reached the host."""
+    times (each step's start-to-end events); ``progress(k, tokens)`` after
+    the k-th step's tokens reached the host (the next step already queued)."""
 
     def __init__(self, n: int, token_dtype, kernel_ms: list, progress: Callable[[int], None] | None = None,
                  extra: Callable[[], dict] | None = None) -> None:
@@ -80,7 +80,7 @@ class GreedyPipeline:
         self.walls.append((now - self._t) * 1e3)
         self._t = now
         if self.progress is not None:
-            self.progress(len(self.tokens))
+            self.progress(len(self.tokens), self.tokens[-1])
 
     def finish(self) -> tuple[list[list[int]], list[float]]:
         self.flush()

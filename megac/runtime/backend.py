@@ -98,7 +98,7 @@ def run_greedy_steps(backend, rows: Sequence[int], token_ids: Sequence[int], ste
         walls.append((time.perf_counter() - t0) * 1e3)
         out.append([int(t) for t in tokens])
         if progress is not None:
-            progress(i + 1)
+            progress(i + 1, out[-1])
     return out, walls
 
 
@@ -107,7 +107,8 @@ def run_greedy(backend, rows: Sequence[int], token_ids: Sequence[int], steps: in
     (``decode_greedy_run``: the CUDA backend queues step i+1 before the host
     reads step i's tokens, which reach step i+1 on the device). The walls
     are then the time between consecutive steps' tokens reaching the host:
-    a steady decoder's time per step. ``progress(i)`` after step i."""
+    a steady decoder's time per step. ``progress(i, tokens)`` once step i's
+    tokens reached the host."""
     fn = getattr(backend, "decode_greedy_run", None)
     if fn is not None:
         return fn(rows, token_ids, steps, progress)

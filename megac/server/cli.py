@@ -83,6 +83,10 @@ def _setup_logging(level: str) -> None:
 @click.option("--max-num-batched-tokens", type=click.IntRange(1), default=None,
               help="Prompt tokens prefilled per engine iteration (default: one chunk).")
 @click.option("--no-prefix-caching", "no_prefix_caching", is_flag=True, help="Disable prefix caching.")
+@click.option("--decode-burst", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Greedy decode steps run back to back while the batch is steady (nothing waiting or "
+                   "prefilling, every row plain greedy); on the GPU they are pipelined, hiding the host part "
+                   "of a step behind the kernel. 1: off.")
 @click.option("--tool-call-parser", default=None, help="Tool-call parser (default: per model family; hermes).")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Jinja chat template file replacing the model's.")
@@ -95,7 +99,7 @@ def _setup_logging(level: str) -> None:
 def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_model_len, served_model_name, api_key,
               metrics_without_key, max_request_bytes, dtype, weights, random_weights, seed, tokenizer, num_kv_blocks, kv_cache_memory_gb,
               gpu_memory_utilization, prefill_chunk,
-              max_num_batched_tokens, no_prefix_caching, tool_call_parser, chat_template, threads,
+              max_num_batched_tokens, no_prefix_caching, decode_burst, tool_call_parser, chat_template, threads,
               log_stats_interval, log_level):
     """Serve MODEL behind an OpenAI-compatible API (default: SmolLM2-135M-Instruct on the CPU)."""
     import uvicorn
@@ -119,7 +123,8 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
                       num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
                       gpu_memory_utilization=gpu_memory_utilization,
                       prefill_chunk=prefill_chunk, max_num_batched_tokens=max_num_batched_tokens,
-                      prefix_caching=not no_prefix_caching, tool_call_parser=tool_call_parser,
+                      prefix_caching=not no_prefix_caching, decode_burst=decode_burst,
+                      tool_call_parser=tool_call_parser,
                       chat_template=chat_template, log_stats_interval=log_stats_interval, log_level=log_level,
                       threads=threads)
     from megac.runtime.backends import check_kind

@@ -42,6 +42,8 @@ class ServeConfig:
     prefill_chunk: int | None = None
     max_num_batched_tokens: int | None = None
     prefix_caching: bool = True
+    #: greedy decode steps run back to back on a steady batch (EngineConfig.decode_burst)
+    decode_burst: int = 1
     tool_call_parser: str | None = None
     chat_template: str | None = None
     log_stats_interval: float = 10.0

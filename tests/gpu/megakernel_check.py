@@ -372,6 +372,14 @@ def check_serve() -> dict:
     return run()
 
 
+def check_serve_burst() -> dict:
+    """``serve`` with ``--decode-burst 4``: steady greedy batches decode 4
+    pipelined steps at a time (the engine's burst path on the GPU)."""
+    from gpu.serve_check import check_serve as run
+
+    return run(port=8733, extra=("--decode-burst", "4"))
+
+
 def check_serve_fault() -> dict:
     """A watchdog hang provoked mid-serving (MEGAC_FAULT_HANG_STEPS): that
     request errors, the server recovers (gpu.serve_check)."""
@@ -397,7 +405,7 @@ def check_graphs() -> dict:
     return run()
 
 
-CHECKS = {"serve": check_serve, "serve_fault": check_serve_fault, "prefix_turns": check_prefix_turns, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
+CHECKS = {"serve": check_serve, "serve_burst": check_serve_burst, "serve_fault": check_serve_fault, "prefix_turns": check_prefix_turns, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
           "sampling": check_sampling, "graphs": check_graphs, "waves": check_waves,
           "orders": check_orders, "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 

@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--parts", nargs="*", default=["levels", "interfere"])
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--decode-burst", type=int, default=1, help="megac serve --decode-burst for every case")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +135,7 @@ def main() -> None:
         t0 = time.perf_counter()
         got: dict = {}
         try:
-            with Server(8740, backend, extra=serve_args) as srv:
+            with Server(8740, backend, extra=[*serve_args, "--decode-burst", str(a.decode_burst)]) as srv:
                 got["ready_s"] = srv.ready_s
                 m = re.search(r"prefill chunk (\d+)", srv.log_text())
                 chunk = int(m.group(1)) if m else None

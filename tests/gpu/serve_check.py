@@ -98,11 +98,11 @@ def _text(body: str) -> str:
     return json.loads(body)["choices"][0]["message"]["content"]
 
 
-def check_serve(backend: str = "cuda", port: int = 8731) -> dict:
-    """See the module docstring."""
+def check_serve(backend: str = "cuda", port: int = 8731, extra: tuple = ()) -> dict:
+    """See the module docstring (``extra``: more ``megac serve`` arguments)."""
     import openai
 
-    with Server(port, backend) as srv:
+    with Server(port, backend, extra=extra) as srv:
         code, body = srv.post("/v1/chat/completions", _chat(PROMPTS[0]))
         plain = _text(body)
         code_s, raw = srv.post("/v1/chat/completions", _chat(PROMPTS[0], stream=True))

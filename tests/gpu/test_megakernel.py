@@ -220,3 +220,12 @@ def test_pipelined_greedy_decoding_gives_the_same_tokens(tmp_path):
     r = _run("pipeline", tmp_path)
     assert r["bs1_equal"] and r["bs3_equal"], r
     assert r["graphs_bs1_equal"] and r["graphs_bs3_equal"], r
+
+
+def test_serve_with_decode_bursts(tmp_path):
+    """The serve check with --decode-burst 4 (the engine runs steady greedy
+    batches 4 pipelined steps at a time): the same guarantees, 8 concurrent
+    greedy requests each the text it gets alone."""
+    r = _run("serve_burst", tmp_path)
+    assert r["mentions_paris"] and r["streamed_equals_plain"], r
+    assert all(r["concurrent_equal_alone"]) and len(r["concurrent_equal_alone"]) == 8, r
