@@ -204,8 +204,7 @@ class GraphsBackend(TorchPrefillMixin):
         bufs[2], bufs[3] = g, out
 
     # ------------------------------------------------------------------ one step
-    def _step(self, rows: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
-        rows = [int(r) for r in rows]
+    def _checked_tokens(self, rows: list[int], token_ids: Sequence[int]) -> np.ndarray:
         B = len(rows)
         if B != len(token_ids):
             raise MegacError(f"graphs: {len(token_ids)} tokens for {B} rows")
@@ -215,16 +214,35 @@ class GraphsBackend(TorchPrefillMixin):
         if (toks < 0).any() or (toks >= self.spec.vocab_size).any():
             bad = int(toks[(toks < 0) | (toks >= self.spec.vocab_size)][0])
             raise MegacError(f"token id {bad} outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        return toks
+
+    def _reserve(self, rows: list[int]) -> tuple[np.ndarray, int]:
+        """The rows' slots for this step: (positions, page-table row length)."""
         kv = self.kv
         for r in rows:
             kv.append_slot(r)  # idempotent: the engine has usually reserved it
         pos = kv.seq_pos[rows].astype(np.int64)
-        pages = page_rows(pos.tolist(), kv.block_size, kv.max_blocks_per_seq, floor=self.min_pages)
-        bufs = self._buffers(B, pages)
+        return pos, page_rows(pos.tolist(), kv.block_size, kv.max_blocks_per_seq, floor=self.min_pages)
+
+    def _stage(self, bufs, rows: list[int], pos: np.ndarray, pages: int, toks: np.ndarray | None) -> None:
+        """The step's input into the pinned staging buffer ``bufs[0]``: the
+        tokens (``None``: left as they are), positions and page-table rows."""
+        B = len(rows)
         st = bufs[0].numpy()
-        st[:B] = toks
+        if toks is not None:
+            st[:B] = toks
         st[B: 2 * B] = pos
-        np.take(kv.page_table[:, :, :pages], rows, axis=1, out=st[2 * B:].reshape(self.spec.num_layers, B, pages))
+        np.take(self.kv.page_table[:, :, :pages], rows, axis=1,
+                out=st[2 * B:].reshape(self.spec.num_layers, B, pages))
+
+    def _step(self, rows: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+        rows = [int(r) for r in rows]
+        B = len(rows)
+        toks = self._checked_tokens(rows, token_ids)
+        kv = self.kv
+        pos, pages = self._reserve(rows)
+        bufs = self._buffers(B, pages)
+        self._stage(bufs, rows, pos, pages, toks)
         if not self.use_graphs:
             bufs[1].copy_(bufs[0])
             logits = self._forward(bufs[1], B, pages)
@@ -287,28 +305,18 @@ class GraphsBackend(TorchPrefillMixin):
         B = len(rows)
         if not self.use_graphs or not B or steps <= 0:
             return run_greedy_steps(self, rows, token_ids, steps, progress)
-        toks = [int(t) for t in token_ids]
-        if len(toks) != B or not 0 < B <= self.max_batch_size:
-            raise MegacError(f"graphs: {len(toks)} tokens for {B} rows (at most {self.max_batch_size})")
-        if any(not 0 <= t < self.spec.vocab_size for t in toks):
-            raise MegacError(f"token id outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        toks = self._checked_tokens(rows, token_ids)
         kv = self.kv
         fed = torch.empty(B, dtype=torch.int64, device=self.dev)
         uploaded = torch.cuda.Event()
         pipe = GreedyPipeline(B, torch.int64, self.kernel_ms, progress)
         for i in range(steps):
-            for r in rows:
-                kv.append_slot(r)
-            pos = kv.seq_pos[rows].astype(np.int64)
-            pages = page_rows(pos.tolist(), kv.block_size, kv.max_blocks_per_seq, floor=self.min_pages)
+            pos, pages = self._reserve(rows)
             bufs = self._buffers(B, pages)
             if i > 0:
                 uploaded.synchronize()  # the staging buffer's last copy is done with it
-            st = bufs[0].numpy()
-            if i == 0:  # later steps' tokens are the last step's, copied in on the device
-                st[:B] = toks
-            st[B: 2 * B] = pos
-            np.take(kv.page_table[:, :, :pages], rows, axis=1, out=st[2 * B:].reshape(self.spec.num_layers, B, pages))
+            # later steps' tokens are the last step's, copied in on the device
+            self._stage(bufs, rows, pos, pages, toks if i == 0 else None)
             bufs[1].copy_(bufs[0], non_blocking=True)
             uploaded.record()
             if i > 0:

@@ -316,11 +316,8 @@ class CudaBackend(TorchPrefillMixin):
         sched = self.schedules.for_rows(self.kv, rows)
         geo = sched.geometry
         h = self.host
-        positions = host.reserve_rows(self.kv, rows, geo)
-        mb = host.page_rows(positions, self.kv.block_size, self._page_rows(sched))
-        page_table = self._page_table_host(mb)
-        host.fill_tables(self.kv, rows, positions, page_table, h["seq_pos"], h["row_active"])
-        host.host_words(geo, positions, h["targets"], h["attn_queue"])  # the queue's tail is never read
+        positions, mb = self._reserve(rows, sched)
+        n = self._stage_words(rows, positions, geo, mb)
         b = self.buf
         if self.poison:
             for name in self._written:
@@ -334,7 +331,6 @@ class CudaBackend(TorchPrefillMixin):
             ids = host.check_tokens(token_ids, geo.vocab)
             h[_TOKEN_IDS][: len(ids)] = ids.numpy()
             graph = self._step_graph(sched, mb, len(ids))
-        n = self._pt_off + page_table.size
         self._words[:n].copy_(self._words_host[:n], non_blocking=True)
         start, end = self._events
         if graph is not None:
@@ -355,6 +351,23 @@ class CudaBackend(TorchPrefillMixin):
         status = self._status_host.numpy()
         if status[abi.STATUS_ABORT]:
             raise self._hang(sched, status)
+
+    def _reserve(self, rows: list[int], sched) -> tuple[list[int], int]:
+        """The rows' slots for this step: (each row's position, the step's
+        page-table row length)."""
+        positions = host.reserve_rows(self.kv, rows, sched.geometry)
+        return positions, host.page_rows(positions, self.kv.block_size, self._page_rows(sched))
+
+    def _stage_words(self, rows: list[int], positions: list[int], geo, mb: int) -> int:
+        """The step's host words into the pinned staging buffer: page tables
+        (rows ``mb`` pages long), positions, activity, split counts, the
+        attention queue. Returns how many words the upload sends (up to the
+        end of the page tables)."""
+        h = self.host
+        page_table = self._page_table_host(mb)
+        host.fill_tables(self.kv, rows, positions, page_table, h["seq_pos"], h["row_active"])
+        host.host_words(geo, positions, h["targets"], h["attn_queue"])  # the queue's tail is never read
+        return self._pt_off + page_table.size
 
     def _run(self, sched, page_rows: int) -> None:
         """Launch the step's kernel work (asynchronous): the megakernel once,
@@ -452,7 +465,6 @@ class CudaBackend(TorchPrefillMixin):
         tokens = sample_rows(logits, samples, greedy=greedy)
         return tokens, (logits.float().cpu() if keep_logits else None)
 
-
     def decode_greedy_run(self, rows: Sequence[int], token_ids: Sequence[int], steps: int, progress=None):
         """``steps`` greedy steps of the fixed ``rows``, pipelined: step i+1's
         host words are prepared and its launch queued while step i runs, its
@@ -490,9 +502,7 @@ class CudaBackend(TorchPrefillMixin):
 
         for i in range(steps):
             sched = self.schedules.for_rows(self.kv, rows)
-            geo = sched.geometry
-            positions = host.reserve_rows(self.kv, rows, geo)
-            mb = host.page_rows(positions, self.kv.block_size, self._page_rows(sched))
+            positions, mb = self._reserve(rows, sched)
             graph = self._step_graph(sched, mb, n)
             if graph is None:  # capture refused: the rest one by one, after what is queued
                 out, walls = pipe.finish()
@@ -503,13 +513,9 @@ class CudaBackend(TorchPrefillMixin):
                 return out + more, walls + more_walls
             if i > 0:
                 uploaded.synchronize()  # long done: it preceded the step now running
-            h = self.host
-            page_table = self._page_table_host(mb)
-            host.fill_tables(self.kv, rows, positions, page_table, h["seq_pos"], h["row_active"])
-            host.host_words(geo, positions, h["targets"], h["attn_queue"])
+            nw = self._stage_words(rows, positions, sched.geometry, mb)
             if i == 0:
-                h[_TOKEN_IDS][:n] = first.numpy()
-            nw = self._pt_off + page_table.size
+                self.host[_TOKEN_IDS][:n] = first.numpy()
             self._words[:nw].copy_(self._words_host[:nw], non_blocking=True)
             uploaded.record()
             if i > 0:

@@ -42,7 +42,7 @@ class GreedyPipeline:
     times (each step's start-to-end events); ``progress(k, tokens)`` after
     the k-th step's tokens reached the host (the next step already queued)."""
 
-    def __init__(self, n: int, token_dtype, kernel_ms: list, progress: Callable[[int], None] | None = None,
+    def __init__(self, n: int, token_dtype, kernel_ms: list, progress: Callable[[int, list], None] | None = None,
                  extra: Callable[[], dict] | None = None) -> None:
         import torch
 
