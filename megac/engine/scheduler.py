@@ -397,12 +397,16 @@ class Engine:
     def _burst_steps(self, batch: list[Request], samples, keep: bool) -> int:
         """How many greedy steps ``batch`` can run back to back (1: one step
         as usual): a steady batch only, and only as far as every row's token
-        budget and the KV pool reach."""
+        budget and the KV pool reach; the slots of those steps are reserved
+        here."""
         k = self.config.decode_burst
         if k <= 1 or keep or self.waiting or any(r.phase is not Phase.DECODE for r in self.running):
             return 1
         for r, s in zip(batch, samples):
-            if s is None or s.grammar is not None or needs_logits(s.params, s.output_ids, s.grammar):
+            # plain greedy now and after this step's token (penalties start
+            # with the first output token; min_tokens only ever ends)
+            if s is None or needs_logits(s.params, s.output_ids, s.grammar) or \
+                    needs_logits(s.params, [*s.output_ids, 0], s.grammar):
                 return 1
             k = min(k, r.params.max_tokens - len(r.output_ids), self.config.max_model_len - r.num_tokens)
         if k <= 1:

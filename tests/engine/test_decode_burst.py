@@ -100,3 +100,29 @@ def test_an_abort_during_bursts_ends_only_its_request():
     assert len(a.output_ids) == 200
     eng.prefix_cache.evict(eng.kv.num_blocks)
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_logit_processing_keeps_a_row_out_of_bursts_while_it_applies():
+    """A row whose logits are processed (min_tokens masks EOS for its first
+    tokens; a presence penalty from its first output token on) is never
+    decoded from the argmax records: the batch runs one step at a time while
+    that applies, and bursts once it stops, with the one-step engine's
+    outputs throughout."""
+    def both(burst):
+        eng = make_engine(burst)
+        reqs = []
+        for i, p in enumerate((SamplingParams(temperature=0.0, max_tokens=30, min_tokens=12),
+                               SamplingParams(temperature=0.0, max_tokens=20, presence_penalty=0.5),
+                               SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))):
+            outs: list = []
+            req = Request(TOK.encode(PROMPTS[i + 2]), p, request_id=f"p{i}", tokenizer=TOK, eos_ids=[2],
+                          sink=outs.append)
+            eng.submit(req)
+            reqs.append((req, outs))
+        eng.run_until_idle()
+        return [(list(r.output_ids), outs[-1].finish_reason) for r, outs in reqs]
+
+    want = both(1)
+    Counting.bursts = 0
+    assert both(4) == want
+    assert Counting.bursts > 0  # once the penalised row ended and min_tokens was met
