@@ -25,7 +25,7 @@ import torch
 from megac.errors import MegacError
 import torch.nn.functional as F
 
-from megac.reference import apply_rope, attention, dense_ffn, layer_forward, lm_logits, rope_cos_sin, route
+from megac.reference import apply_rope, attention, dense_ffn, layer_forward, lm_logits, rope_cos_sin
 from megac.weights.canonical import ModelWeights
 
 if TYPE_CHECKING:
@@ -38,22 +38,6 @@ class Prefilled(NamedTuple):
     logits: torch.Tensor  # fp32 [len(rows), vocab]
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x[group e], w[e])`` for every group of consecutive rows
-    (``offs[e]``: the end of group ``e``; ``w`` ``[E, out, in]``): one grouped
-    GEMM where torch has one for these tensors (CUDA bf16, CPU), else one GEMM
-    per non-empty group."""
-    if hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 if x.is_cuda else x.dtype == torch.float32):
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-    out = x.new_empty((x.shape[0], w.shape[1]))
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = F.linear(x[start:end], w[e])
-        start = end
-    return out
-
-
 def grouped_moe_ffn(h: torch.Tensor, lw, moe) -> torch.Tensor:
     """The routed experts of a prefill chunk as three grouped GEMMs over the
     (token, expert) pairs sorted by expert (the reference's per-expert loop
@@ -62,18 +46,13 @@ def grouped_moe_ffn(h: torch.Tensor, lw, moe) -> torch.Tensor:
     reference's routing; each token's k expert outputs weighed and summed
     in k order in fp32 or wider (deterministic: no atomics, no dependence on the
     other tokens' routing)."""
-    ids, w = route(h, lw.router, moe)
-    n, k = ids.shape
-    sorted_ids, order = torch.sort(ids.flatten(), stable=True)
-    experts = torch.arange(lw.experts_gate.shape[0], device=h.device, dtype=sorted_ids.dtype)
-    offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
-    xs = h.index_select(0, order // k)
-    act = F.silu(grouped_linear(xs, lw.experts_gate, offs)) * grouped_linear(xs, lw.experts_up, offs)
-    y = grouped_linear(act, lw.experts_down, offs)
-    z = torch.empty_like(y)
-    z[order] = y  # back to (token, j) order
-    acc = torch.promote_types(h.dtype, torch.float32)
-    return (z.view(n, k, -1).to(acc) * w.to(acc)[..., None]).sum(1).to(h.dtype)
+    from megac.baselines.elementwise import WeightedRows
+    from megac.baselines.moe import grouped_linear, route as sorted_route
+
+    r = sorted_route(h, lw.router, moe, triton_ok=False)  # the reference's choices, pairs sorted by expert
+    xs = h.index_select(0, r.src)
+    act = F.silu(grouped_linear(xs, lw.experts_gate, r.offs)) * grouped_linear(xs, lw.experts_up, r.offs)
+    return WeightedRows(grouped_linear(act, lw.experts_down, r.offs), r.dest, r.weights).sum()
 
 
 def prefill_ffn(h: torch.Tensor, lw, spec: "ModelSpec") -> torch.Tensor:
@@ -144,4 +123,4 @@ def prefill(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache",
     return Prefilled(rows, logits)
 
 
-__all__ = ["Prefilled", "grouped_linear", "grouped_moe_ffn", "prefill", "prefill_row"]
+__all__ = ["Prefilled", "grouped_moe_ffn", "prefill", "prefill_row"]

@@ -36,10 +36,11 @@ class WeightedRows:
     weights: torch.Tensor  # [rows, k]
 
     def sum(self) -> torch.Tensor:
-        """The delta itself (summed in fp32)."""
+        """The delta itself (summed in k order in fp32, or wider for wider z)."""
         B, K = self.dest.shape
-        zz = self.z[self.dest.flatten()].view(B, K, -1).float()
-        return (zz * self.weights.float()[..., None]).sum(1).to(self.z.dtype)
+        acc = torch.promote_types(self.z.dtype, torch.float32)
+        zz = self.z[self.dest.flatten()].view(B, K, -1).to(acc)
+        return (zz * self.weights.to(acc)[..., None]).sum(1).to(self.z.dtype)
 
 
 def residual_rms_norm(x: torch.Tensor, deltas: list, gamma: torch.Tensor, eps: float,

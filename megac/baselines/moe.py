@@ -16,7 +16,7 @@ expert: a stable sort), ``offs[e]`` the end of expert ``e``'s group,
 (a program per 16 experts) and the last program to finish does the top-k,
 the weights and the counting sort; elsewhere :func:`megac.reference.route`
 plus a stable ``torch.sort``. The GEMMs are ``torch._grouped_mm`` over the stacked
-expert weights (transposed views: no copy), empty experts cost nothing.
+expert weights (:func:`grouped_linear`; transposed views: no copy), empty experts cost nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from megac.baselines._triton import next_pow2, tl, triton
 from megac.baselines.elementwise import WeightedRows, silu_mul
@@ -77,16 +78,19 @@ def route(h: torch.Tensor, router: torch.Tensor, moe: "MoESpec", triton_ok: bool
     return Routing(offs, src, dest, w, expert)
 
 
-def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``x[group rows] @ w_t[e]`` per expert group (``w_t`` ``[E, K, N]``)."""
-    if hasattr(torch, "_grouped_mm"):
-        return torch._grouped_mm(x, w_t, offs=offs)
-    # torch without grouped GEMMs: one GEMM per expert (host sync; eager only)
-    out = x.new_empty((x.shape[0], w_t.shape[2]))
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x[group e], w[e])`` for every group of consecutive rows
+    (``offs[e]``: the end of group ``e``; ``w`` ``[E, out, in]``, read through
+    a transposed view: no copy): one grouped GEMM where torch has one for
+    these tensors (CUDA bf16, CPU fp32), else one GEMM per non-empty group
+    (a host synchronisation: eager only)."""
+    if hasattr(torch, "_grouped_mm") and (x.dtype == torch.bfloat16 if x.is_cuda else x.dtype == torch.float32):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    out = x.new_empty((x.shape[0], w.shape[1]))
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            out[start:end] = x[start:end] @ w_t[e]
+            out[start:end] = F.linear(x[start:end], w[e])
         start = end
     return out
 
@@ -98,8 +102,8 @@ def experts(h: torch.Tensor, r: Routing, gate_up: torch.Tensor, down: torch.Tens
     if triton_ok and _kernels_fit(h, gate_up, down):
         return _triton_experts(h, r, gate_up, down)
     xs = h.index_select(0, r.src)
-    y = grouped_mm(xs, gate_up.transpose(1, 2), r.offs)
-    return grouped_mm(silu_mul(y, triton_ok), down.transpose(1, 2), r.offs)
+    y = grouped_linear(xs, gate_up, r.offs)
+    return grouped_linear(silu_mul(y, triton_ok), down, r.offs)
 
 
 #: the expert kernels' tiles (weight rows per program, reduction step, warps, pipeline stages); an
@@ -265,4 +269,4 @@ if triton is not None:
             tl.store(Z + (s + m)[:, None] * D + n[None, :], acc.to(Z.dtype.element_ty), mask=mv[:, None])
 
 
-__all__ = ["Routing", "experts", "grouped_mm", "moe_ffn", "route"]
+__all__ = ["Routing", "experts", "grouped_linear", "moe_ffn", "route"]
