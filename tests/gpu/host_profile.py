@@ -37,7 +37,7 @@ def profile_steps(model: str, backend: str, batch: int, context: int, steps: int
     dev = "cuda" if backend == "cuda" else "cpu"
     w = random_weights(spec, seed=0, dtype=torch.bfloat16 if dev == "cuda" else torch.float32, device=dev)
     eng = build_engine(spec, w, EngineOptions(backend=backend, max_batch_size=max(batch, 1),
-                                              max_model_len=min(context + 64 + steps, spec.max_context)))
+                                              max_model_len=min(context + 64 + 3 * steps + 32, spec.max_context)))
     fill_kv_noise(eng.kv)
     be, kv = eng.backend, eng.kv
     rows = rows_at(kv, batch, context)

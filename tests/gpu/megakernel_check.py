@@ -388,6 +388,14 @@ def check_serve_fault() -> dict:
     return run()
 
 
+def check_serve_fault_burst() -> dict:
+    """The serve_fault check with --decode-burst 4: the hang falls inside a
+    burst; its requests error, the rest are served."""
+    from gpu.serve_check import check_serve_fault as run
+
+    return run(port=8734, extra=("--decode-burst", "4"))
+
+
 def check_prefix_turns() -> dict:
     """A 3-turn conversation on North Mini Code with a 2K-token shared
     prefix, with and without the prefix cache (gpu.prefix_check). Small
@@ -398,6 +406,15 @@ def check_prefix_turns() -> dict:
     return run(turns=3, prefix_tokens=2048)
 
 
+def check_prefix_turns10() -> dict:
+    """Issue 13's full case: a 10-turn conversation over a 6K-token shared
+    prefix on North Mini Code, cached against uncached (the grouped-GEMM
+    prefill makes the uncached side affordable)."""
+    from gpu.prefix_check import check_prefix_turns as run
+
+    return run(turns=10, prefix_tokens=6144)
+
+
 def check_graphs() -> dict:
     """The ``graphs`` baseline's own check (tests/gpu/graphs_check.py)."""
     from gpu.graphs_check import check_graphs as run
@@ -405,7 +422,7 @@ def check_graphs() -> dict:
     return run()
 
 
-CHECKS = {"serve": check_serve, "serve_burst": check_serve_burst, "serve_fault": check_serve_fault, "prefix_turns": check_prefix_turns, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
+CHECKS = {"serve": check_serve, "serve_burst": check_serve_burst, "serve_fault": check_serve_fault, "serve_fault_burst": check_serve_fault_burst, "prefix_turns": check_prefix_turns, "prefix_turns10": check_prefix_turns10, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
           "sampling": check_sampling, "graphs": check_graphs, "waves": check_waves,
           "orders": check_orders, "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 

@@ -35,7 +35,7 @@ def check_prefix_turns(model: str = "north-mini-code", backend: str = "cuda", tu
     longest = prefix_tokens + turns * (64 + answer_tokens) + 64
 
     def engine(prefix: bool):
-        return build_engine(spec, w, EngineOptions(backend=backend, max_batch_size=1, max_model_len=longest,
+        return build_engine(spec, w, EngineOptions(backend=backend, max_batch_size=2, max_model_len=longest,
                                                    prefill_chunk=chunk, prefix_caching=prefix))
 
     def run(eng, ids, i):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -36,7 +37,10 @@ from gpu.serve_check import Server
 
 #: (name, backend, serve arguments, bench-serve arguments)
 SMOLLM2 = ["--max-model-len", "8192"]
-NMC = ["north-mini-code", "--random-weights", "--tokenizer", "smollm2", "--max-model-len", "9216"]
+#: NMC's tokenizer: SmolLM2's, from the GGUF, or (MEGAC_NMC_TOKENIZER) a directory
+#: saved from it, which travels to the GPU machine without the 94 MB GGUF
+NMC = ["north-mini-code", "--random-weights", "--tokenizer", os.environ.get("MEGAC_NMC_TOKENIZER", "smollm2"),
+       "--max-model-len", "9216"]
 SMOLLM2_LOAD = ["--dataset", "builtin", "--num-prompts", "24"]
 NMC_LOAD = ["--endpoint-type", "openai", "--dataset", "random", "--num-prompts", "16", "--random-input-len", "4096",
             "--random-range-ratio", "0.75", "--random-output-len", "128"]

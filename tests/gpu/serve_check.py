@@ -138,10 +138,11 @@ def check_serve(backend: str = "cuda", port: int = 8731, extra: tuple = ()) -> d
                 "log_tail": srv.log_text()[-1500:]}
 
 
-def check_serve_fault(port: int = 8732, fault_step: int = 30) -> dict:
-    """See the module docstring."""
+def check_serve_fault(port: int = 8732, fault_step: int = 30, extra: tuple = ()) -> dict:
+    """See the module docstring. ``extra``: more ``megac serve`` arguments
+    (``--decode-burst 4``: the hang inside a burst)."""
     env = {"MEGAC_FAULT_HANG_STEPS": str(fault_step)}
-    with Server(port, "cuda", env=env, max_batch=4) as srv:
+    with Server(port, "cuda", env=env, max_batch=4, extra=extra) as srv:
         results = []
         for i in range(6):  # 24 tokens each: the fault step falls in the second request
             code, body = srv.post("/v1/chat/completions", _chat(PROMPTS[i % len(PROMPTS)]))

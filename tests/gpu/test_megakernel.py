@@ -174,6 +174,15 @@ def test_cached_prefix_turns_prefill_only_new_tokens(tmp_path):
     assert r["all_equal"] and r["hits_as_expected"] and r["every_turn_hit"], r
 
 
+def test_ten_turns_over_a_6k_prefix_prefill_only_new_tokens(tmp_path):
+    """Issue 13's case: 10 turns over a 6K-token shared prefix on North Mini
+    Code; every turn after the first hits the cache on sliding and full
+    layers and gives the uncached engine's text."""
+    r = _run("prefix_turns10", tmp_path, timeout=900)
+    assert r["all_equal"] and r["hits_as_expected"] and r["every_turn_hit"], r
+    assert len(r["rows"]) == 10, r
+
+
 def test_serve_with_the_cuda_backend(tmp_path):
     """SmolLM2 served from the GPU: plain and streamed chat agree, the
     official openai client streams chat (the same text) and completions, and
@@ -192,6 +201,15 @@ def test_a_hang_while_serving_fails_only_its_request(tmp_path):
     r = _run("serve_fault", tmp_path)
     assert len(r["failed"]) == 1, r
     assert r["health_after"] == 200 and r["served_after_fault"], r
+    assert r["log_names_the_hang"], r
+
+
+def test_a_hang_inside_a_decode_burst_fails_only_its_requests(tmp_path):
+    """serve_fault with --decode-burst 4: the provoked hang falls inside a
+    burst; the requests in that burst error, /health answers, later
+    requests are served, and the log carries the hang record."""
+    r = _run("serve_fault_burst", tmp_path)
+    assert r["failed"] and r["health_after"] == 200 and r["served_after_fault"], r
     assert r["log_names_the_hang"], r
 
 
