@@ -150,7 +150,8 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     weights = get_weights()
     # decode only: the megakernel's engines run on their kernel-layout copy; the
     # canonical one is the prefill's. Random weights can be drawn again, so each
-    # engine gives it back and batch 8 at 128K fits beside one copy.
+    # engine consumes them into its layout (one copy at the peak: batch 8 at
+    # 128K fits) and the next order draws them anew.
     release = kind in ("cuda", "waves") and random_weights
     expert_probs = None
     if routing == "skewed":
@@ -168,12 +169,11 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     ceiling, rows = None, []
     for oi, o in enumerate(orders):
         opts = EngineOptions(backend=kind, order=o, max_batch_size=max(batches), max_model_len=longest,
-                             num_kv_blocks=rows_blocks + 16, prefix_caching=False)
+                             num_kv_blocks=rows_blocks + 16, prefix_caching=False, decode_only=release)
         if weights is None:
             weights = get_weights()
         engine = build_engine(spec, weights, opts, progress=say)
         if release:
-            engine.backend.release_prefill_weights()
             weights = None
             gc.collect()
             import torch

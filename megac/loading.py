@@ -104,11 +104,13 @@ def _check_same_geometry(named, loaded, source: str) -> None:
 
 def load_model(model: str | None, *, weights: str | None = None, random_weights: bool = False, seed: int = 0,
                dtype: torch.dtype = torch.float32, target_overrides: dict | None = None,
-               tokenizer: bool = True, progress: Say | None = None) -> LoadedModel:
+               tokenizer: bool = True, progress: Say | None = None, device: str = "cpu") -> LoadedModel:
     """See the module docstring. ``target_overrides`` (gpu, num_sms, ...) apply
     to the resolved spec whatever its source, since a checkpoint carries no
     target. ``progress`` is told each phase with its seconds (default: this
-    module's log)."""
+    module's log). ``device``: where random weights are drawn (a GPU backend
+    draws them in place: North Mini Code's 30B parameters drawn on the host
+    in fp32 would take 120 GB and minutes)."""
     say = progress or (lambda msg: log.info("%s", msg))
     from megac.spec import load_spec
     from megac.spec.loader import apply_overrides
@@ -123,7 +125,7 @@ def load_model(model: str | None, *, weights: str | None = None, random_weights:
 
         spec = load_spec(model, target_overrides=target_overrides)
         with phase(say, f"drew random weights for {spec.name} (seed {seed})"):
-            loaded = LoadedModel(spec.name, spec, draw(spec, seed, dtype), None)
+            loaded = LoadedModel(spec.name, spec, draw(spec, seed, dtype, device=device), None)
     elif weights is not None:
         wp = Path(weights)
         if wp.suffix == ".gguf" and wp.is_file():

@@ -77,14 +77,18 @@ def prefill_row(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", ro
     dev = weights.embed.device
     ids = ids.to(dev)
     p0 = int(kv.seq_pos[row])
+    L = spec.num_layers
     # Cached keys the new tokens can see, read before the reservation (which
-    # may release sliding blocks the first new token still needs).
-    cached = []
-    for i in range(spec.num_layers):
-        start = max(kv.first_held(i, row), kv.window_start(i, p0)) if p0 else 0
-        k_old, v_old = kv.gather(i, row, start, p0)
-        cached.append((start, k_old.to(dtype), v_old.to(dtype)))
+    # may release sliding blocks the first new token still needs). Every
+    # layer's pool slots go up in one copy (each upload waits for the GPU).
+    starts = [max(kv.first_held(i, row), kv.window_start(i, p0)) if p0 else 0 for i in range(L)]
+    old = kv.slots(row, [(i, starts[i], p0) for i in range(L)])
+    cached = [(starts[i], *(t.to(dtype) for t in kv.read_slots(old[i]))) for i in range(L)]
     kv.reserve(row, n)
+    # where each layer stores the new tokens (a sliding layer skips those no
+    # later query sees): again one upload for every layer
+    skips = [kv.write_skip(i, row, p0, n) for i in range(L)]
+    new = kv.slots(row, [(i, p0 + skips[i], p0 + n) for i in range(L)], write=True)
 
     positions = torch.arange(p0, p0 + n, dtype=torch.int64, device=dev)
     cos, sin = rope_cos_sin(spec, positions, dtype)
@@ -95,7 +99,8 @@ def prefill_row(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", ro
         def attend(q, k, v, i=i, ls=ls):
             if ls.rope:
                 q, k = apply_rope(q, cos, sin, spec.rope_style), apply_rope(k, cos, sin, spec.rope_style)
-            kv.write(i, row, p0, k, v)
+            if skips[i] < n:
+                kv.write_slots(new[i], k[skips[i]:], v[skips[i]:])
             start, k_old, v_old = cached[i]
             keys = torch.cat([k_old, k], dim=0)
             vals = torch.cat([v_old, v], dim=0)

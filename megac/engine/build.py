@@ -42,6 +42,10 @@ class EngineOptions:
     prefix_caching: bool = True
     #: greedy decode steps run back to back on a steady batch (EngineConfig.decode_burst; 1: off)
     decode_burst: int = 1
+    #: decode only (``megac bench``): the GPU backends lay out their kernel
+    #: copy from the canonical weights and drop them as they go (one copy of
+    #: the model at the peak, so batch 8 at 128K fits); prefill then raises
+    decode_only: bool = False
     #: VM only: fast | checked (interleaved SM queues, happens-before checked)
     mode: str = "fast"
     policy: str = "round_robin"
@@ -160,7 +164,8 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
                       dtype=weights.dtype, block_size=bs, device=device)
     t0 = time.perf_counter()
     backend = make_backend(kind, spec, weights, kv, schedules=schedules, artifact_dir=artifact_dir,
-                           max_batch_size=max(64, batch), mode=opts.mode, policy=opts.policy, seed=opts.seed)
+                           max_batch_size=max(64, batch), mode=opts.mode, policy=opts.policy, seed=opts.seed,
+                           decode_only=opts.decode_only)
     if progress is not None:
         progress(f"{backend.name} backend ready in {time.perf_counter() - t0:.1f} s")
     batch = min(batch, backend.max_batch_size)

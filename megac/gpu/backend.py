@@ -99,7 +99,7 @@ class CudaBackend(TorchPrefillMixin):
     name = "cuda"
 
     def __init__(self, spec, weights, kv, schedules, artifact_dir, *, watchdog_ns: int = abi.DEFAULT_WATCHDOG_NS,
-                 cubin=None) -> None:
+                 cubin=None, decode_only: bool = False) -> None:
         from megac.codegen.megakernel import ENTRY, THREADS, build_megakernel, largest
         from megac.gpu import launch
         from megac.weights.layout import LAYOUT_ROW_MAJOR, kernel_weights, relayout_
@@ -125,7 +125,11 @@ class CudaBackend(TorchPrefillMixin):
         geo = self.big.geometry
         chunk = max(1, geo.upgate_bn // 2)
         moe_chunk = max(1, geo.moe_up_bn // 2)
-        kw = kernel_weights(self.weights, spec, chunk=chunk, moe_chunk=moe_chunk)
+        # decode only: the canonical layers are emptied as their kernel copy is
+        # made, so the peak is one copy of the model, not two
+        kw = kernel_weights(self.weights, spec, chunk=chunk, moe_chunk=moe_chunk, consume=decode_only)
+        if decode_only:
+            self.weights = None
         self.kernel_weights = {k: v.to(self.dev).contiguous() for k, v in kw.items()}
         # the GEMM weights as this cubin reads them (use_cubin re-lays them out
         # when a build with another layout is swapped in)
@@ -180,14 +184,6 @@ class CudaBackend(TorchPrefillMixin):
         self._written = [n for n, t in self.buf.items()
                          if self.big.plan.buffers[n].kind in ("activation", "scratch")
                          or n in ("moe_up_queue", "moe_down_queue")]
-
-    def release_prefill_weights(self) -> None:
-        """Drop this backend's reference to the canonical weights: decode
-        runs on the kernel-layout copy, only prefill reads them. ``megac
-        bench`` (decode only, KV filled with noise) calls it so that one
-        weight copy stays on the GPU and batch 8 at 128K fits; a prefill
-        then raises MegacError."""
-        self.weights = None
 
     def use_cubin(self, cubin) -> None:
         """Load (or swap in) a build of the megakernel: its module, the

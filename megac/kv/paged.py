@@ -428,10 +428,47 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ data
 
-    def _locate(self, layer: int, row: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        pos = np.arange(start, end)
-        blocks = self.page_table[layer, row, pos // self.block_size]
-        return blocks, pos % self.block_size
+    def write_skip(self, layer: int, row: int, start: int, n: int) -> int:
+        """How many of ``n`` positions from ``start`` ``layer`` does not store
+        (below :meth:`first_held`: out of every future window)."""
+        return max(0, min(n, int(self._floor[layer, row]) - start))
+
+    def slots(self, row: int, spans, *, write: bool = False) -> list[torch.Tensor]:
+        """Flat pool slots (``block * block_size + offset``, int64 on the
+        pool's device) of each ``(layer, start, end)`` span of ``row``, in
+        token order, uploaded in one copy: an upload from NumPy waits for the
+        GPU's queue, and a prefill chunk used to make two per layer and pass.
+        Reads must lie between :meth:`first_held` and the reservation; writes
+        (``write``) also at or past ``seq_pos``."""
+        self._check_row(row)
+        bs, parts = self.block_size, []
+        for layer, start, end in spans:
+            if write and (start < self.seq_pos[row] or end > self._reserved[row]):
+                raise MegacError(f"KV cache: row {row}: write of positions {start}..{end - 1} outside the "
+                                 f"reservation {int(self.seq_pos[row])}..{int(self._reserved[row]) - 1}")
+            if start < self._floor[layer, row]:
+                raise MegacError(f"KV cache: row {row} layer {layer}: position {start} was released "
+                                 f"(first held: {self.first_held(layer, row)})")
+            if end > self._reserved[row] or start > end:
+                raise MegacError(f"KV cache: row {row}: gather {start}..{end - 1} outside "
+                                 f"0..{int(self._reserved[row]) - 1}")
+            pos = np.arange(start, end)
+            blocks = self.page_table[layer, row, pos // bs].astype(np.int64)
+            if (blocks < 0).any():  # pragma: no cover - reserve maps everything >= floor
+                raise MegacError(f"KV cache: row {row} layer {layer}: unmapped reserved position")
+            parts.append(blocks * bs + pos % bs)
+        sizes = [len(x) for x in parts]
+        flat = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(self.k_pool.device)
+        return list(torch.split(flat, sizes)) if parts else []
+
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[len(slots), kv_heads, head_dim]`` at pool ``slots``."""
+        return self.k_pool.flatten(0, 1)[slots], self.v_pool.flatten(0, 1)[slots]
+
+    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[len(slots), kv_heads, head_dim]`` at pool ``slots``."""
+        self.k_pool.flatten(0, 1)[slots] = k.to(self.k_pool.dtype)
+        self.v_pool.flatten(0, 1)[slots] = v.to(self.v_pool.dtype)
 
     def write(self, layer: int, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` at positions
@@ -439,20 +476,13 @@ class PagedKVCache:
         :meth:`first_held` (out of every future window) are skipped."""
         self._check_row(row)
         n = k.shape[0]
-        end = start + n
-        if start < self.seq_pos[row] or end > self._reserved[row]:
-            raise MegacError(f"KV cache: row {row}: write of positions {start}..{end - 1} outside the "
+        if start < self.seq_pos[row] or start + n > self._reserved[row]:
+            raise MegacError(f"KV cache: row {row}: write of positions {start}..{start + n - 1} outside the "
                              f"reservation {int(self.seq_pos[row])}..{int(self._reserved[row]) - 1}")
-        skip = max(0, min(n, int(self._floor[layer, row]) - start))
-        if skip == n:
-            return
-        blocks, offs = self._locate(layer, row, start + skip, end)
-        if (blocks < 0).any():  # pragma: no cover - reserve maps everything >= floor
-            raise MegacError(f"KV cache: row {row} layer {layer}: unmapped reserved position")
-        bi = torch.from_numpy(blocks.astype(np.int64)).to(self.k_pool.device)
-        oi = torch.from_numpy(offs.astype(np.int64)).to(self.k_pool.device)
-        self.k_pool[bi, oi] = k[skip:].to(self.k_pool.dtype)
-        self.v_pool[bi, oi] = v[skip:].to(self.v_pool.dtype)
+        skip = self.write_skip(layer, row, start, n)
+        if skip < n:
+            (where,) = self.slots(row, [(layer, start + skip, start + n)], write=True)
+            self.write_slots(where, k[skip:], v[skip:])
 
     def gather(self, layer: int, row: int, start: int | None = None,
                end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -462,15 +492,8 @@ class PagedKVCache:
         self._check_row(row)
         start = self.first_held(layer, row) if start is None else start
         end = int(self.seq_pos[row]) if end is None else end
-        if start < self._floor[layer, row]:
-            raise MegacError(f"KV cache: row {row} layer {layer}: position {start} was released "
-                             f"(first held: {self.first_held(layer, row)})")
-        if end > self._reserved[row] or start > end:
-            raise MegacError(f"KV cache: row {row}: gather {start}..{end - 1} outside 0..{int(self._reserved[row]) - 1}")
-        blocks, offs = self._locate(layer, row, start, end)
-        bi = torch.from_numpy(blocks.astype(np.int64)).to(self.k_pool.device)
-        oi = torch.from_numpy(offs.astype(np.int64)).to(self.k_pool.device)
-        return self.k_pool[bi, oi], self.v_pool[bi, oi]
+        (where,) = self.slots(row, [(layer, start, end)])
+        return self.read_slots(where)
 
     # ------------------------------------------------------------------ checks
 

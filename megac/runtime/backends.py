@@ -52,11 +52,13 @@ def check_kind(kind: str) -> None:
 
 
 def make_backend(kind: str, spec, weights, kv, *, schedules=None, artifact_dir=None, max_batch_size: int = 64,
-                 mode: str = "fast", policy: str = "round_robin", seed: int = 0) -> Backend:
+                 mode: str = "fast", policy: str = "round_robin", seed: int = 0,
+                 decode_only: bool = False) -> Backend:
     """The backend ``kind`` over the engine's cache ``kv``; ``schedules``
     (``megac.runtime.artifacts.load_or_compile``) for those that run task
     words, and the artifact directory they came from (its megakernel) for
-    ``cuda``."""
+    ``cuda``. ``decode_only``: the cuda and waves backends consume the
+    canonical weights into their kernel layout (see EngineOptions)."""
     kind = resolve_kind(kind)
     if kind == "reference":
         return ReferenceBackend(spec, weights, kv, max_batch_size=max_batch_size)
@@ -72,10 +74,10 @@ def make_backend(kind: str, spec, weights, kv, *, schedules=None, artifact_dir=N
         if kind == "waves":
             from megac.gpu.waves import WavesBackend
 
-            return WavesBackend(spec, weights, kv, schedules, artifact_dir)
+            return WavesBackend(spec, weights, kv, schedules, artifact_dir, decode_only=decode_only)
         from megac.gpu.backend import CudaBackend
 
-        return CudaBackend(spec, weights, kv, schedules, artifact_dir)
+        return CudaBackend(spec, weights, kv, schedules, artifact_dir, decode_only=decode_only)
     return VMBackend(spec, weights, kv, schedules, dtype=weights.dtype, mode=mode, policy=policy, seed=seed)
 
 

@@ -40,16 +40,7 @@ from megac import abi
 from megac.errors import MegacError
 from megac.runtime.descriptor import scalar, scalar_values
 from megac.weights.canonical import ModelWeights
-from megac.weights.layout import (
-    KERNEL_WEIGHT_FIELDS,
-    kernel_weights,
-    layer_slots,
-    norm_slot_final,
-    norm_slot_input,
-    norm_slot_post_attn,
-    rope_inv_freq,
-    upgate_row_map,
-)
+from megac.weights.layout import KERNEL_WEIGHT_FIELDS, kernel_weights
 
 #: descriptor buffers that are weights (bound from VMWeights, never allocated here)
 WEIGHT_FIELDS = KERNEL_WEIGHT_FIELDS
@@ -100,9 +91,8 @@ class VMWeights:
 
         ``consume=True`` builds the stacks one layer at a time and drops each
         layer's canonical tensors from ``weights`` as soon as they are copied
-        (``weights`` is left without its layer tensors): peak memory is the
-        canonical weights plus one layer, instead of twice the model. The
-        result is identical to :func:`megac.weights.layout.kernel_weights`."""
+        (``weights`` is left without its layer tensors): peak memory is about
+        one copy of the model, not two (:func:`kernel_weights`' ``consume``)."""
         dtype = act_dtype_of(dtype or weights.dtype)
         chunk = max(1, geometry.upgate_bn // 2)
         moe_chunk = max(1, geometry.moe_up_bn // 2)
@@ -110,10 +100,7 @@ class VMWeights:
             if consume:
                 raise MegacError("vm: consume=True needs weights already in the VM dtype")
             weights = weights.to(dtype)
-        if not consume:
-            kw = kernel_weights(weights, spec, chunk=chunk, moe_chunk=moe_chunk)
-        else:
-            kw = _kernel_weights_consuming(weights, spec, chunk=chunk, moe_chunk=moe_chunk)
+        kw = kernel_weights(weights, spec, chunk=chunk, moe_chunk=moe_chunk, consume=consume)
         return cls(kw, spec, dtype=dtype, chunk=chunk, moe_chunk=moe_chunk)
 
     # ------------------------------------------------------------ access
@@ -134,69 +121,6 @@ class VMWeights:
         if geo.num_experts and geo.moe_up_bn // 2 != self.moe_chunk:
             raise MegacError(f"vm: expert weights interleaved in chunks of {self.moe_chunk}, schedule tiles "
                              f"moe_up_bn/2 = {geo.moe_up_bn // 2}")
-
-
-def _kernel_weights_consuming(weights: ModelWeights, spec, *, chunk: int, moe_chunk: int) -> dict:
-    """:func:`kernel_weights` built layer by layer, freeing canonical tensors."""
-    weights.validate(spec)
-    dt = weights.dtype
-    d, L = spec.hidden_size, spec.num_layers
-    dw = spec.dense_intermediate_size or 0
-    E = spec.moe.num_experts if spec.moe else 0
-    ew = spec.moe.expert_intermediate_size if spec.moe else 0
-    dense, moe = spec.dense_layers, spec.moe_layers
-    out = {
-        "w_embed": weights.embed,
-        "w_lm_head": weights.lm_head_weight,
-        "w_norm": torch.ones((2 * L + 1, d), dtype=dt),
-        "w_qkv": torch.empty((L, spec.qkv_width, d), dtype=dt),
-        "w_o": torch.empty((L, d, spec.q_width), dtype=dt),
-        "w_upgate": torch.empty((len(dense), 2 * dw, d), dtype=dt),
-        "w_down": torch.empty((len(dense), d, dw), dtype=dt),
-        "w_router": torch.empty((len(moe), E, d), dtype=dt),
-        "w_moe_upgate": torch.empty((len(moe), E, 2 * ew, d), dtype=dt),
-        "w_moe_down": torch.empty((len(moe), E, d, ew), dtype=dt),
-        "layer_slot": layer_slots(spec),
-        "rope_inv_freq": rope_inv_freq(spec),
-    }
-    out["w_norm"][norm_slot_final(spec)] = weights.final_norm
-    q, kv = spec.q_width, spec.kv_width
-    def positions(width, ch):
-        """Interleaved rows holding gate rows 0..W-1 and up rows 0..W-1 (both
-        ascending: the interleave keeps each matrix's row order)."""
-        rmap = upgate_row_map(width, ch)
-        g = torch.nonzero(rmap < width).flatten()
-        u = torch.nonzero(rmap >= width).flatten()
-        assert torch.equal(rmap[g], torch.arange(width)) and torch.equal(rmap[u], torch.arange(width, 2 * width))
-        return g, u
-
-    gpos_d, upos_d = positions(dw, chunk) if dw else (None, None)
-    gpos_m, upos_m = positions(ew, moe_chunk) if ew else (None, None)
-    for i, lw in enumerate(weights.layers):
-        out["w_norm"][norm_slot_input(spec, i)] = lw.input_norm
-        if lw.post_attn_norm is not None:
-            out["w_norm"][norm_slot_post_attn(spec, i)] = lw.post_attn_norm
-        out["w_qkv"][i, :q] = lw.q
-        out["w_qkv"][i, q:q + kv] = lw.k
-        out["w_qkv"][i, q + kv:] = lw.v
-        out["w_o"][i] = lw.o
-        if spec.layers[i].ffn == "dense":
-            s = dense.index(i)
-            dst = out["w_upgate"][s]
-            dst[gpos_d] = lw.gate
-            dst[upos_d] = lw.up
-            out["w_down"][s] = lw.down
-            lw.gate = lw.up = lw.down = None
-        else:
-            s = moe.index(i)
-            out["w_router"][s] = lw.router
-            dst = out["w_moe_upgate"][s]
-            dst[:, gpos_m] = lw.experts_gate
-            dst[:, upos_m] = lw.experts_up
-            out["w_moe_down"][s] = lw.experts_down
-            lw.router = lw.experts_gate = lw.experts_up = lw.experts_down = None
-        lw.q = lw.k = lw.v = lw.o = None
-    return out
 
 
 # ---------------------------------------------------------------------------

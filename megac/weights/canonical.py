@@ -83,6 +83,16 @@ class LayerWeights:
         return replace(self, **{n: fn(t) for n, t in self.tensors()})
 
 
+def _same_device(want: str | torch.device, have: torch.device) -> bool:
+    """``want`` names ``have`` (an index-less ``cuda`` means the current device)."""
+    want = torch.device(want)
+    if want.type != have.type:
+        return False
+    if want.index is None:
+        return want.type != "cuda" or have.index == torch.cuda.current_device()
+    return want.index == have.index
+
+
 @dataclass
 class ModelWeights:
     """All weights of one model (see the module docstring for shapes)."""
@@ -135,8 +145,10 @@ class ModelWeights:
         )
 
     def to(self, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> "ModelWeights":
-        """A copy in ``dtype`` (and/or on ``device``); self when nothing changes."""
-        if (dtype is None or dtype == self.dtype) and (device is None or torch.device(device) == self.embed.device):
+        """A copy in ``dtype`` (and/or on ``device``); self when nothing changes
+        (``"cuda"`` names the current device: weights on ``cuda:0`` moved
+        "to cuda" are the same object, so whoever consumes them frees them)."""
+        if (dtype is None or dtype == self.dtype) and (device is None or _same_device(device, self.embed.device)):
             return self
         return self.map(lambda t: t.to(device=device, dtype=dtype))
 

@@ -227,11 +227,24 @@ def _stack(items: Iterable[torch.Tensor], n: int, empty_shape: tuple[int, ...], 
 
 
 def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEFAULT_CHUNK,
-                   moe_chunk: int | None = None) -> dict[str, torch.Tensor]:
+                   moe_chunk: int | None = None, consume: bool = False) -> dict[str, torch.Tensor]:
     """The descriptor's weight tensors (:data:`KERNEL_WEIGHT_FIELDS`) for
     ``weights``; ``chunk`` / ``moe_chunk`` (default: ``chunk``) are the gate/up
-    interleave of dense and expert layers."""
+    interleave of dense and expert layers. ``consume``: each layer tensor of
+    ``weights`` is emptied once copied (a decode-only engine: the peak is
+    about one copy of the model, not two; ``weights`` is unusable after)."""
     weights.validate(spec)
+
+    def taking(layers, make, *names):
+        """``make(lw)`` for each layer; with ``consume`` its source tensors
+        ``names`` are dropped right after (the last reference, freed at once)."""
+        for lw in layers:
+            t = make(lw)
+            if consume:
+                for n in names:
+                    setattr(lw, n, None)
+            yield t
+
     moe_chunk = chunk if moe_chunk is None else moe_chunk
     dt = weights.dtype
     d, L = spec.hidden_size, spec.num_layers
@@ -252,15 +265,16 @@ def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEF
         "w_embed": weights.embed,
         "w_lm_head": weights.lm_head_weight,
         "w_norm": norm,
-        "w_qkv": _stack((torch.cat([lw.q, lw.k, lw.v], dim=0) for lw in weights.layers), L,
+        "w_qkv": _stack(taking(weights.layers, lambda lw: torch.cat([lw.q, lw.k, lw.v], dim=0), "q", "k", "v"), L,
                         (spec.q_width + 2 * spec.kv_width, d), dt),
-        "w_o": _stack((lw.o for lw in weights.layers), L, (d, spec.q_width), dt),
-        "w_upgate": _stack((interleave_gate_up(lw.gate, lw.up, chunk) for lw in dense), len(dense), (2 * dw, d), dt),
-        "w_down": _stack((lw.down for lw in dense), len(dense), (d, dw), dt),
-        "w_router": _stack((lw.router for lw in moe), len(moe), (E, d), dt),
-        "w_moe_upgate": _stack((interleave_gate_up(lw.experts_gate, lw.experts_up, moe_chunk) for lw in moe),
-                               len(moe), (E, 2 * ew, d), dt),
-        "w_moe_down": _stack((lw.experts_down for lw in moe), len(moe), (E, d, ew), dt),
+        "w_o": _stack(taking(weights.layers, lambda lw: lw.o, "o"), L, (d, spec.q_width), dt),
+        "w_upgate": _stack(taking(dense, lambda lw: interleave_gate_up(lw.gate, lw.up, chunk), "gate", "up"),
+                           len(dense), (2 * dw, d), dt),
+        "w_down": _stack(taking(dense, lambda lw: lw.down, "down"), len(dense), (d, dw), dt),
+        "w_router": _stack(taking(moe, lambda lw: lw.router, "router"), len(moe), (E, d), dt),
+        "w_moe_upgate": _stack(taking(moe, lambda lw: interleave_gate_up(lw.experts_gate, lw.experts_up, moe_chunk),
+                                      "experts_gate", "experts_up"), len(moe), (E, 2 * ew, d), dt),
+        "w_moe_down": _stack(taking(moe, lambda lw: lw.experts_down, "experts_down"), len(moe), (E, d, ew), dt),
         "layer_slot": layer_slots(spec),
         "rope_inv_freq": rope_inv_freq(spec),
     }

@@ -337,9 +337,14 @@ def test_weights_layout_and_consuming_build():
     w = random_weights(spec, seed=4)
     geo = compile_one(spec, "tuned", rows=1, context=64).geometry
     ref = kernel_weights(w, spec, chunk=geo.upgate_bn // 2, moe_chunk=geo.moe_up_bn // 2)
-    vw = VMWeights.from_weights(random_weights(spec, seed=4), spec, geo, consume=True)
+    consumed = random_weights(spec, seed=4)
+    vw = VMWeights.from_weights(consumed, spec, geo, consume=True)
     for k, t in ref.items():
         assert torch.equal(vw.tensors[k], t), k
+    # the canonical layers were given up as they were copied (one copy at the peak)
+    assert all(lw.q is None and lw.o is None for lw in consumed.layers)
+    assert all(consumed.layers[i].experts_gate is None and consumed.layers[i].experts_down is None
+               for i in spec.moe_layers) and spec.moe_layers
     bf = VMWeights.from_weights(w, spec, geo, dtype=torch.bfloat16)
     assert bf.tensors["w_qkv"].dtype == torch.bfloat16 and bf.compute("w_qkv").dtype == torch.float32
 
