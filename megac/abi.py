@@ -23,7 +23,9 @@ import numpy as np
 # 4: attention partials split-major per layer ([L, splits, rows, heads, hd]: the device's combine
 #    layout); buffer shapes are the plan's (megac/buffers.py), not the descriptor's doc strings;
 #    `progress` (each CTA's current task, for the watchdog report)
-ABI_VERSION = 4
+# 5: ROUTE_FINALIZE.TOPK_SPLITS (> 0: the finalize task ranks every row's experts from the router
+#    partials itself, no ROUTER_TOPK tasks; SOFTMAX_ROUTER / RENORMALIZE flags on it then)
+ABI_VERSION = 5
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -116,8 +118,8 @@ class Flag(enum.IntFlag):
     SLIDING = 1 << 2  # attention: window applies
     ADD_ATTN = 1 << 3  # ADD_RMSNORM: add the O-proj partials
     ADD_FFN = 1 << 4  # ADD_RMSNORM: add the FFN partials (dense down or MoE combine)
-    SOFTMAX_ROUTER = 1 << 5  # ROUTER_TOPK: softmax weights (else sigmoid)
-    RENORMALIZE = 1 << 6  # ROUTER_TOPK: renormalise the top-k weights to sum 1
+    SOFTMAX_ROUTER = 1 << 5  # ROUTER_TOPK (or a top-k ranking ROUTE_FINALIZE): softmax weights (else sigmoid)
+    RENORMALIZE = 1 << 6  # ROUTER_TOPK (or a top-k ranking ROUTE_FINALIZE): renormalise the top-k weights
     LAST_LAYER = 1 << 7  # ADD_RMSNORM: the final norm of the model
 
 
@@ -186,6 +188,8 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
         ("UP_QUEUE", "Queue id of the up queue"),
         ("DOWN_QUEUE", "Queue id of the down queue"),
         ("NUM_ROWS", "batch rows routed"),
+        ("TOPK_SPLITS", "> 0: rank rows 0..NUM_ROWS-1 here from this many router split-K partials "
+                        "(as ROUTER_TOPK, one warp per row); 0: ROUTER_TOPK tasks wrote topk_ids/topk_w"),
     ),
     Op.MOE_GATHER: (
         ("ROW", "batch row"),

@@ -71,6 +71,9 @@ DEFAULT_TILES = {
     "moe_up_bn": 128,
     "moe_down_bn": 128,
     "lm_bn": 256,
+    # 1: ROUTE_FINALIZE ranks every row's experts itself (one warp per row),
+    # no ROUTER_TOPK tasks and one hop less per MoE layer; 0: a top-k task per row
+    "fused_topk": 0,
 }
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
@@ -136,6 +139,8 @@ class Geometry:
     rope_half: bool = False
     router_softmax: bool = False
     router_renormalize: bool = False
+    #: ROUTE_FINALIZE does the top-k (DEFAULT_TILES' fused_topk)
+    fused_topk: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -228,6 +233,7 @@ class Geometry:
             rope_half=spec.rope_style == "half",
             router_softmax=bool(moe and moe.router == "softmax"),
             router_renormalize=bool(moe and moe.renormalize),
+            fused_topk=bool(experts and t["fused_topk"]),
         )
 
     def with_context(self, context: int) -> "Geometry":

@@ -9,7 +9,8 @@ Nodes, in program order (``g.graph["order"]``, a topological order):
 * per layer ``l``: ``L{l}.qkv``, ``L{l}.attn``, ``L{l}.attn_combine``,
   ``L{l}.o_proj``; a dense FFN: ``L{l}.ffn_upgate``, ``L{l}.ffn_down``;
   a MoE FFN: ``L{l}.router``, ``.topk``, ``.route_finalize``, ``.moe_gather``,
-  ``.moe_upgate``, ``.moe_down``, ``.moe_combine``; sequential blocks
+  ``.moe_upgate``, ``.moe_down``, ``.moe_combine`` (no ``.topk`` with the
+  target's ``fused_topk``: the finalize node writes ``topk`` too); sequential blocks
   (Llama) also ``L{l}.norm_attn`` (post-attention residual add + norm);
   every layer ``L{l}.norm`` (residual add + the next norm);
 * then ``lm_head``.
@@ -79,12 +80,22 @@ def node_name(layer: int | None, kind: str) -> str:
     return kind if layer is None else f"L{layer}.{kind}"
 
 
+def fused_topk_of(spec) -> bool:
+    """Whether ROUTE_FINALIZE ranks the rows itself (the target's
+    ``fused_topk`` tile; :class:`megac.geometry.Geometry` reads the same)."""
+    from megac.geometry import DEFAULT_TILES
+
+    tiles = getattr(spec.target, "tiles", None) or {}
+    return bool(spec.moe and tiles.get("fused_topk", DEFAULT_TILES["fused_topk"]))
+
+
 def build_graph(spec) -> nx.DiGraph:
     L = spec.num_layers
     D = spec.hidden_size
     R = "rows"
     moe = spec.moe
-    g = nx.DiGraph(spec_name=spec.name, num_layers=L, block=spec.block)
+    fused_topk = fused_topk_of(spec)
+    g = nx.DiGraph(spec_name=spec.name, num_layers=L, block=spec.block, fused_topk=fused_topk)
     tensors: dict[str, Tensor] = {}
     order: list[str] = []
     last_writer: dict[str, str] = {}
@@ -143,8 +154,11 @@ def build_graph(spec) -> nx.DiGraph:
             mo = tensor(f"moe_out[{l}]", "scratch", (E, R, K, D), "fp32")
             fpart = tensor(f"ffn_part[{l}]", "scratch", (1, R, D), "fp32")
             add(p + "router", "router", l, [ffn_in], [rpart], [w("w_router")])
-            add(p + "topk", "topk", l, [rpart], [topk])
-            add(p + "route_finalize", "route_finalize", l, [topk], [route])
+            if fused_topk:  # the finalize task ranks the rows itself: one hop less
+                add(p + "route_finalize", "route_finalize", l, [rpart], [topk, route])
+            else:
+                add(p + "topk", "topk", l, [rpart], [topk])
+                add(p + "route_finalize", "route_finalize", l, [topk], [route])
             add(p + "moe_gather", "moe_gather", l, [ffn_in, route], [mx])
             add(p + "moe_upgate", "moe_upgate", l, [mx, route], [ma], [w("w_moe_upgate")])
             add(p + "moe_down", "moe_down", l, [ma, route], [mo], [w("w_moe_down")])

@@ -12,7 +12,10 @@
 //             (exp(l_j - l_0), summed in k order). FLAG_RENORMALIZE (either
 //             mode): divide by the fp64 sum, in k order, of the rounded fp32
 //             weights and round once more.
-//   FINALIZE  counts per expert, exclusive offsets; expert e's entries take
+//   FINALIZE  with topk_splits > 0 it first ranks rows 0..rows-1 as TOPK does
+//             (warp w takes rows w, w + warps, ...; ids kept in shared memory,
+//             weights written to topk_w), then:
+//             counts per expert, exclusive offsets; expert e's entries take
 //             slots offsets[e] + 0, 1, ... in (row, k) order (route_slot).
 //             Each queue gets one record {expert, n_tile, slot0, rows} per
 //             (active expert ascending, n tile ascending), rows = every entry
@@ -170,7 +173,7 @@ __device__ __forceinline__ int topk_row_warp(const float* __restrict__ parts, si
 }
 
 struct FinalizeArgs {
-  const int32_t* topk_ids;  // [rows * k]
+  const int32_t* topk_ids;  // [rows * k] (unused when topk_splits > 0)
   int32_t rows, k, num_experts;
   int32_t up_tiles, down_tiles;  // records per active expert in each queue
   int32_t queue_cap;             // records each queue holds
@@ -179,12 +182,23 @@ struct FinalizeArgs {
   int4* down_queue;              // [queue_cap]
   int32_t* up_len;               // target word: up-queue length
   int32_t* down_len;             // target word: down-queue length
+  // the top-k inside (topk_splits > 0): row r's split s logits at
+  // router_part + s * split_stride + r * num_experts
+  const float* router_part = nullptr;
+  size_t split_stride = 0;
+  int32_t topk_splits = 0, flags = 0;
+  float* topk_w = nullptr;  // [rows * k]
 };
 
-// Shared memory for finalize_cta, in int32 words.
+// Shared memory for finalize_cta, in int32 words (the ranked ids of a
+// top-k-ranking finalize take `entries` more, after these).
 __host__ __device__ __forceinline__ int finalize_smem_words(int num_experts, int entries) {
   return 3 * num_experts + 1 + entries;
 }
+
+// An expert id of the routing: in shared memory (ranked by this CTA) or in
+// global memory (written by other tasks of this launch: a coherent load).
+__device__ __forceinline__ int load_id(const int32_t* p, bool shared) { return shared ? *p : __ldcg(p); }
 
 // Both expert queues share one record layout, so one builder serves both.
 static_assert(rec_moe_up::EXPERT == rec_moe_down::EXPERT && rec_moe_up::N_TILE == rec_moe_down::N_TILE &&
@@ -203,12 +217,13 @@ __device__ __forceinline__ int4 expert_record(int expert, int n_tile, int slot0,
 // Warp 0: rank[i] = index of entry i among the entries of its expert (index
 // order), cnt[e] = entries of expert e. A warp match over 32 entries at a
 // time; cnt carries the counts across chunks. cnt starts at zero.
-__device__ __forceinline__ void rank_entries(const int32_t* ids, int n, int32_t* cnt, int32_t* rank) {
+__device__ __forceinline__ void rank_entries(const int32_t* ids, bool ids_shared, int n, int32_t* cnt,
+                                             int32_t* rank) {
   const int lane = threadIdx.x & 31;
   const unsigned lt = (1u << lane) - 1u;
   for (int c = 0; c < n; c += 32) {
     const int i = c + lane;
-    const int e = i < n ? __ldcg(ids + i) : -1 - lane;  // unique: never matches
+    const int e = i < n ? load_id(ids + i, ids_shared) : -1 - lane;  // unique: never matches
     const unsigned same = __match_any_sync(kFullMask, e);
     const int base = i < n ? cnt[e] : 0;
     __syncwarp();
@@ -258,7 +273,9 @@ __device__ __forceinline__ void write_queue(int4* q, int tiles, int nact, const 
 
 // ROUTE_FINALIZE, by one whole CTA (any size >= 32). Returns false, having
 // written nothing and raised kErrQueueOverflow (reported as `site`'s task),
-// when a queue would need more than queue_cap records.
+// when a queue would need more than queue_cap records. MAX_E: as
+// topk_row_warp's (the ranking finalize).
+template <int MAX_E>
 __device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* smem, const WaitSite& site) {
   const int E = a.num_experts;
   const int n = a.rows * a.k;
@@ -267,10 +284,22 @@ __device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* sme
   int32_t* act = off + E;     // [E]
   int32_t* nact = act + E;    // [1]
   int32_t* rank = nact + 1;   // [n]
+  const bool ranked = a.topk_splits > 0;
+  const int32_t* ids = a.topk_ids;
+  if (ranked) {
+    // one hop less per MoE layer: no ROUTER_TOPK tasks, the rows' top-k here,
+    // one warp per row (the rows of a batch <= the warps of a CTA: one round)
+    int32_t* ids_s = smem + finalize_smem_words(E, n);  // [n]
+    const int warps = blockDim.x >> 5;
+    for (int r = threadIdx.x >> 5; r < a.rows; r += warps)
+      topk_row_warp<MAX_E>(a.router_part + size_t(r) * E, a.split_stride, a.topk_splits, E, a.k, a.flags,
+                           ids_s + r * a.k, a.topk_w + r * a.k);
+    ids = ids_s;
+  }
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
   if (threadIdx.x < 32) {
-    rank_entries(a.topk_ids, n, cnt, rank);
+    rank_entries(ids, ranked, n, cnt, rank);
     scan_experts(cnt, E, off, act, nact);
   }
   __syncthreads();
@@ -282,7 +311,7 @@ __device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* sme
       report_error(site.status, site.task, site.opcode, -1, need, a.queue_cap, site.layer, kErrQueueOverflow);
     return false;
   }
-  for (int i = threadIdx.x; i < n; i += blockDim.x) a.route_slot[i] = off[__ldcg(a.topk_ids + i)] + rank[i];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) a.route_slot[i] = off[load_id(ids + i, ranked)] + rank[i];
   write_queue(a.up_queue, a.up_tiles, na, act, off, cnt);
   write_queue(a.down_queue, a.down_tiles, na, act, off, cnt);
   if (threadIdx.x == 0) {

@@ -16,8 +16,9 @@ namespace mk {
 
 template <class M>
 struct MoeScratch {
-  // finalize_cta: 3 E + 1 + entries words; gather / combine / top-k: 64 words
-  static constexpr int kBytes = (3 * M::NUM_EXPERTS + 1 + M::MAX_ROWS * M::TOP_K + 64) * 4;
+  // finalize_cta: 3 E + 1 + entries words, + entries (ranked ids) when it
+  // does the top-k; gather / combine / top-k: 64 words
+  static constexpr int kBytes = (3 * M::NUM_EXPERTS + 1 + 2 * M::MAX_ROWS * M::TOP_K + 64) * 4;
 };
 
 // Expert weights toward L2 from ROUTER_TOPK, as soon as a row's experts are
@@ -104,7 +105,14 @@ __device__ __forceinline__ bool route_finalize(const Ctx& c) {
   a.down_queue = ptr<int4>(d->moe_down_queue) + int64_t(layer) * d->moe_queue_cap;
   a.up_len = ptr<int32_t>(d->targets) + c.ts->w[f_route_finalize::UP_COUNT_WORD];
   a.down_len = ptr<int32_t>(d->targets) + c.ts->w[f_route_finalize::DOWN_COUNT_WORD];
-  const bool ok = moe::finalize_cta(a, reinterpret_cast<int32_t*>(c.scratch), c.site);
+  a.topk_splits = c.ts->w[f_route_finalize::TOPK_SPLITS];
+  a.router_part = ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0);
+  a.split_stride = size_t(M::MAX_ROWS) * M::NUM_EXPERTS;
+  a.flags = c.ts->w[H_FLAGS];
+  a.topk_w = ptr<float>(d->topk_w) + Lay::topk(layer, 0);
+  bool ok = true;
+  if constexpr (M::NUM_EXPERTS > 0)  // a dense model has no MoE task (and no top-k to size)
+    ok = moe::finalize_cta<M::NUM_EXPERTS>(a, reinterpret_cast<int32_t*>(c.scratch), c.site);
   __syncthreads();
   return ok;
 }

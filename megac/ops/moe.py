@@ -80,8 +80,7 @@ class RouterTopk(OpDef):
     device_fn = "router_topk"
 
     def flags(self, nt, geo):
-        return int((Flag.SOFTMAX_ROUTER if geo.router_softmax else 0)
-                   | (Flag.RENORMALIZE if geo.router_renormalize else 0))
+        return _router_flags(geo)
 
     def field_rules(self, lim):
         return [("ROW", 0, lim.geo.rows, False), ("NUM_SPLITS", 1, BIG, False)]
@@ -98,35 +97,57 @@ class RouterTopk(OpDef):
         return field(w, self.op, "NUM_SPLITS") * E * FP32 + 3 * K * FP32
 
     def run(self, vm, words):
-        op, st, geo = self.op, vm.st, vm.geo
+        op = self.op
         vm.require_ffn(words, self)
-        K = geo.top_k
         for (layer, nsp, flags), ti in vm.groups(words, op, ("NUM_SPLITS",), flags=True):
-            rows = field(words[ti], op, "ROW")
-            if not 1 <= nsp <= st["router_part"].shape[1]:
-                raise BadTaskError("ROUTER_TOPK: NUM_SPLITS outside router_part", layer=layer)
-            rt = idx(rows)
-            for r in rows:
-                vm.tr.read("router_part", (layer, slice(0, nsp), int(r), slice(None)))
-            logit = routing.sum_splits(st["router_part"][layer, :nsp][:, rt])
-            ids, wts = routing.topk(logit, K, softmax=bool(flags & Flag.SOFTMAX_ROUTER),
-                                    renormalize=bool(flags & Flag.RENORMALIZE))
-            for r in rows:
-                vm.tr.write("topk_ids", (layer, int(r), slice(None)))
-                vm.tr.write("topk_w", (layer, int(r), slice(None)))
-            st["topk_ids"][layer, rt] = ids.to(torch.int32)
-            st["topk_w"][layer, rt] = wts
+            _rank_rows(vm, "ROUTER_TOPK", layer, field(words[ti], op, "ROW"), nsp, flags)
+
+
+def _router_flags(geo) -> int:
+    return int((Flag.SOFTMAX_ROUTER if geo.router_softmax else 0)
+               | (Flag.RENORMALIZE if geo.router_renormalize else 0))
+
+
+def _rank_rows(vm, who: str, layer: int, rows: np.ndarray, nsp: int, flags: int,
+               write_ids: bool = True) -> np.ndarray:
+    """``topk_ids`` / ``topk_w`` of ``rows``: their router logits (the first
+    ``nsp`` split-K partials summed in split order) ranked (megac.routing).
+    ROUTER_TOPK per row; or ROUTE_FINALIZE for every row with fused_topk,
+    which keeps the ids to itself (``write_ids=False``: nothing after it reads
+    them). Returns the ids ``[len(rows), K]`` (int64)."""
+    st, K = vm.st, vm.geo.top_k
+    if not 1 <= nsp <= st["router_part"].shape[1]:
+        raise BadTaskError(f"{who}: NUM_SPLITS outside router_part", layer=layer)
+    rt = idx(rows)
+    for r in rows:
+        vm.tr.read("router_part", (layer, slice(0, nsp), int(r), slice(None)))
+    logit = routing.sum_splits(st["router_part"][layer, :nsp][:, rt])
+    ids, wts = routing.topk(logit, K, softmax=bool(flags & Flag.SOFTMAX_ROUTER),
+                            renormalize=bool(flags & Flag.RENORMALIZE))
+    for r in rows:
+        if write_ids:
+            vm.tr.write("topk_ids", (layer, int(r), slice(None)))
+        vm.tr.write("topk_w", (layer, int(r), slice(None)))
+    if write_ids:
+        st["topk_ids"][layer, rt] = ids.to(torch.int32)
+    st["topk_w"][layer, rt] = wts
+    return ids.numpy().astype(np.int64)
 
 
 class RouteFinalize(OpDef):
     """Per layer, on the device: per-expert counts -> offsets -> slot map ->
-    the MoE up/down queues and their lengths (target words)."""
+    the MoE up/down queues and their lengths (target words). With
+    TOPK_SPLITS > 0 (the target's fused_topk) it first ranks every row's
+    experts from the router partials, as ROUTER_TOPK would."""
 
     op = Op.ROUTE_FINALIZE
     node_kinds = ("route_finalize",)
     ffn_kind = "moe"
     header = "moe_routing.cuh"
     device_fn = "route_finalize"
+
+    def flags(self, nt, geo):
+        return _router_flags(geo) if geo.fused_topk else 0
 
     def field_rules(self, lim):
         g, tw = lim.geo, lim.tw
@@ -150,12 +171,18 @@ class RouteFinalize(OpDef):
             ("UP_QUEUE", int(Queue.MOE_UP), int(Queue.MOE_UP) + 1, False),
             ("DOWN_QUEUE", int(Queue.MOE_DOWN), int(Queue.MOE_DOWN) + 1, False),
             ("NUM_ROWS", 1, g.rows + 1, False),
+            ("TOPK_SPLITS", g.router_splits if g.fused_topk else 0,
+             (g.router_splits if g.fused_topk else 0) + 1, False),
         ]
 
     def access(self, acc, w, ix, layer, geo):
-        _, K = _ek(geo)
+        E, K = _ek(geo)
         n = field(w, self.op, "NUM_ROWS")
-        acc.add("topk_ids", False, ix, at(layer), (0, n), span(K))
+        if geo.fused_topk:  # ranks the rows first (TOPK_SPLITS: the router's split count)
+            acc.add("router_part", False, ix, at(layer), (0, field(w, self.op, "TOPK_SPLITS")), (0, n), span(E))
+            acc.add("topk_w", True, ix, at(layer), (0, n), span(K))  # the ids stay in the task
+        else:  # the top-k tasks' output
+            acc.add("topk_ids", False, ix, at(layer), (0, n), span(K))
         acc.add("route_slot", True, ix, at(layer), (0, n), span(K))
         acc.add("moe_up_queue", True, ix, at(layer))
         acc.add("moe_down_queue", True, ix, at(layer))
@@ -163,9 +190,10 @@ class RouteFinalize(OpDef):
         acc.add("target_word", True, ix, at(field(w, self.op, "DOWN_COUNT_WORD")))
 
     def task_bytes(self, w, geo, params):
-        _, K = _ek(geo)
-        return np.full(len(w), geo.rows * K * 3 * FP32 + 2 * abi.QUEUE_RECORD_WORDS * 4 * geo.moe_queue_cap,
-                       dtype=np.float64)
+        E, K = _ek(geo)
+        ranked = geo.rows * (field(w, self.op, "TOPK_SPLITS") * E * FP32 + K * FP32)
+        return ranked + np.full(len(w), geo.rows * K * 3 * FP32 + 2 * abi.QUEUE_RECORD_WORDS * 4 * geo.moe_queue_cap,
+                                dtype=np.float64)
 
     def run(self, vm, words):
         op, st, geo = self.op, vm.st, vm.geo
@@ -180,12 +208,20 @@ class RouteFinalize(OpDef):
             uw, dw = int(field(w, op, "UP_COUNT_WORD")[0]), int(field(w, op, "DOWN_COUNT_WORD")[0])
             if not 0 <= n <= vm.R:
                 raise BadTaskError("ROUTE_FINALIZE: NUM_ROWS outside the batch", layer=layer)
+            nsp = int(field(w, op, "TOPK_SPLITS")[0])
+            ranked = None
+            if nsp:
+                ranked = _rank_rows(vm, "ROUTE_FINALIZE", layer, np.arange(n), nsp, int(w[0, H.FLAGS]),
+                                    write_ids=False)
             for word in (uw, dw):
                 if not st.tw.host_words <= word < len(vm.targets):
                     raise BadTaskError(f"ROUTE_FINALIZE: count word {word} outside the device target words",
                                        layer=layer)
-            vm.tr.read("topk_ids", (layer, slice(0, n), slice(None)))
-            flat = st.np["topk_ids"][layer, :n].reshape(-1).astype(np.int64)
+            if ranked is None:
+                vm.tr.read("topk_ids", (layer, slice(0, n), slice(None)))
+                flat = st.np["topk_ids"][layer, :n].reshape(-1).astype(np.int64)
+            else:
+                flat = ranked.reshape(-1)
             if ((flat < 0) | (flat >= E)).any():
                 raise BadTaskError("ROUTE_FINALIZE: expert id out of range", layer=layer, buffer="topk_ids")
             route = routing.finalize(flat.reshape(n, K), E)

@@ -127,12 +127,19 @@ def run(lw: Lowering) -> str:
     g_node, g_task, g_cl = [], [], []
     waves: dict[str, list[tuple[str, int]]] = {}
     lw.layer_kinds = []
+    # the order files name every node kind; one the graph leaves out (top-k
+    # ranked inside ROUTE_FINALIZE: geometry's fused_topk) has no wave
+    absent = {"topk"} if geo.fused_topk else set()
 
     def emit(wave_list, prefix, key):
         record = key not in waves
         rec = []
         for w in wave_list:
-            parts = [w] if isinstance(w, str) else list(w)
+            parts = [p for p in ([w] if isinstance(w, str) else list(w)) if p not in absent]
+            if not parts:
+                continue
+            if len(parts) == 1 and not isinstance(w, str):
+                w = parts[0]
             ents = []
             for kind in parts:
                 nt = lw.by_name[f"{prefix}{kind}" if prefix else kind]

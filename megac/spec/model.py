@@ -170,7 +170,10 @@ class TargetSpec(BaseModel):
         for k, x in v.items():
             if k not in DEFAULT_TILES:
                 raise ValueError(f"unknown tile {k!r} (known: {', '.join(sorted(DEFAULT_TILES))})")
-            if not 1 <= x <= 65536:
+            if k == "fused_topk":
+                if x not in (0, 1):
+                    raise ValueError(f"fused_topk is 0 or 1 (got {x})")
+            elif not 1 <= x <= 65536:
                 raise ValueError(f"{k} must be in 1..65536 (got {x})")
             if k in ("upgate_bn", "moe_up_bn") and x % 2:
                 raise ValueError(f"{k} must be even: a tile holds gate and up rows in pairs (got {x})")

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 4
+#define MEGAC_ABI_VERSION 5
 
 namespace megac {
 
@@ -133,6 +133,7 @@ constexpr int DOWN_COUNT_WORD = 11;
 constexpr int UP_QUEUE = 12;
 constexpr int DOWN_QUEUE = 13;
 constexpr int NUM_ROWS = 14;
+constexpr int TOPK_SPLITS = 15;
 }  // namespace f_route_finalize
 namespace f_moe_gather {
 constexpr int ROW = 8;

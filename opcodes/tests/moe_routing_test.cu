@@ -55,7 +55,7 @@ __device__ __forceinline__ void moe_route_body(
       if (!megac::cta_wait_counter(counters + 0, (g + 1) * (uint32_t)rows, 0, site)) return;
       const megac::moe::FinalizeArgs fa{topk_ids, rows, K, E, up_tiles, down_tiles, queue_cap,
                                         route_slot, up_queue, down_queue, queue_len, queue_len + 1};
-      if (!megac::moe::finalize_cta(fa, smem_words, site)) return;
+      if (!megac::moe::finalize_cta<MAX_E>(fa, smem_words, site)) return;
       megac::cta_signal_counter(counters + 1);
     }
     // GATHER / COMBINE: row r on CTA (r + 1) % grid, away from the finaliser.

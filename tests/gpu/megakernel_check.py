@@ -54,38 +54,87 @@ PROMPTS = [
 ]
 
 
+def _tiny_vs_vm(spec) -> dict:
+    """A small model on the GPU against the CPU VM: greedy tokens, logits'
+    cosine, repeat and batch invariance."""
+    import torch
+
+    from megac.weights import random_weights
+
+    w = random_weights(spec, seed=7, dtype=torch.bfloat16)
+    prompts = [[(17 * i + 3 * j) % spec.vocab_size for j in range(n)] for i, n in enumerate((5, 37, 12))]
+    t0 = time.perf_counter()
+    gpu = scale.engine(spec, w, "cuda", max_batch_size=8, max_model_len=256)
+    a = scale.generate_all(gpu, prompts, 8)
+    b = scale.generate_all(gpu, prompts, 8)
+    alone = [scale.generate_all(gpu, [p], 8)[0] for p in prompts]
+    vm = scale.generate_all(scale.engine(spec, w, "cpu", max_batch_size=8, max_model_len=256), prompts, 8)
+    cos, same_tok = [], []
+    for g, v in zip(a, vm):
+        same_tok.append(g.tokens == v.tokens)
+        for x, y in zip(g.logits, v.logits):
+            cos.append(scale.cosine(x, y))
+    return {
+        "tokens_equal_vm": same_tok,
+        "min_cos_vs_vm": min(cos),
+        "repeat_bit_identical": all(torch.equal(x, y) for g, h in zip(a, b) for x, y in zip(g.logits, h.logits)),
+        "alone_equals_batch": all(torch.equal(x, y) for g, h in zip(a, alone) for x, y in zip(g.logits, h.logits)),
+        "gpu_tokens": [g.tokens for g in a],
+        "vm_tokens": [v.tokens for v in vm],
+        "kernel_ms_median": scale.median(gpu.backend.kernel_ms),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
 def check_tiny() -> dict:
+    from megac.spec import load_spec
+
+    return {name: _tiny_vs_vm(load_spec(name)) for name in ("tiny-llama", "tiny-moe")}
+
+
+def fused_topk_spec(name: str):
+    """``name`` with the top-k ranked inside ROUTE_FINALIZE (target tile
+    fused_topk: no ROUTER_TOPK tasks)."""
+    from megac.spec import load_spec
+    from models import variant
+
+    spec = load_spec(name)
+    tiles = {**(spec.target.tiles or {}), "fused_topk": 1}
+    return variant(spec, f"{name}-fused-topk", target={**spec.target.model_dump(), "tiles": tiles})
+
+
+def check_fused_topk() -> dict:
+    """The top-k inside ROUTE_FINALIZE (one hop less per MoE layer):
+    tiny-moe against the VM as check_tiny; North Mini Code's greedy tokens
+    and logits equal the default build's bit for bit (the same sums in the
+    same order, only the task that does them differs); both builds' median
+    kernel ms at batch 1 and 8, 8K."""
+    import gc
+
     import torch
 
     from megac.spec import load_spec
     from megac.weights import random_weights
 
-    out = {}
-    for name in ("tiny-llama", "tiny-moe"):
-        spec = load_spec(name)
-        w = random_weights(spec, seed=7, dtype=torch.bfloat16)
-        prompts = [[(17 * i + 3 * j) % spec.vocab_size for j in range(n)] for i, n in enumerate((5, 37, 12))]
-        t0 = time.perf_counter()
-        gpu = scale.engine(spec, w, "cuda", max_batch_size=8, max_model_len=256)
-        a = scale.generate_all(gpu, prompts, 8)
-        b = scale.generate_all(gpu, prompts, 8)
-        alone = [scale.generate_all(gpu, [p], 8)[0] for p in prompts]
-        vm = scale.generate_all(scale.engine(spec, w, "cpu", max_batch_size=8, max_model_len=256), prompts, 8)
-        cos, same_tok = [], []
-        for g, v in zip(a, vm):
-            same_tok.append(g.tokens == v.tokens)
-            for x, y in zip(g.logits, v.logits):
-                cos.append(scale.cosine(x, y))
-        out[name] = {
-            "tokens_equal_vm": same_tok,
-            "min_cos_vs_vm": min(cos),
-            "repeat_bit_identical": all(torch.equal(x, y) for g, h in zip(a, b) for x, y in zip(g.logits, h.logits)),
-            "alone_equals_batch": all(torch.equal(x, y) for g, h in zip(a, alone) for x, y in zip(g.logits, h.logits)),
-            "gpu_tokens": [g.tokens for g in a],
-            "vm_tokens": [v.tokens for v in vm],
-            "kernel_ms_median": scale.median(gpu.backend.kernel_ms),
-            "seconds": round(time.perf_counter() - t0, 2),
-        }
+    out = {"tiny_moe": _tiny_vs_vm(fused_topk_spec("tiny-moe"))}
+    base, fused = load_spec("north-mini-code"), fused_topk_spec("north-mini-code")
+    w = random_weights(base, seed=0, dtype=torch.bfloat16, device=scale.DEV)
+    prompts = [[(31 * i + 7 * j) % 1000 + 3 for j in range(n)] for i, n in enumerate((9, 40, 17))]
+    got = {}
+    for name, spec in (("default", base), ("fused", fused)):
+        eng = scale.engine(spec, w, max_batch_size=8, max_model_len=256)
+        got[name] = scale.generate_all(eng, prompts, 8)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    a, b = got["default"], got["fused"]
+    out["nmc_tokens_equal"] = [x.tokens == y.tokens for x, y in zip(a, b)]
+    out["nmc_logits_bit_identical"] = all(torch.equal(x, y) for g, h in zip(a, b) for x, y in zip(g.logits, h.logits))
+    out["nmc_tokens"] = [x.tokens for x in b]
+    del got, a, b, w
+    gc.collect()
+    torch.cuda.empty_cache()
+    out["kernel_ms"] = scale._kernel_ms_of({"default": base, "fused": fused})
     return out
 
 
@@ -422,7 +471,7 @@ def check_graphs() -> dict:
     return run()
 
 
-CHECKS = {"serve": check_serve, "serve_burst": check_serve_burst, "serve_fault": check_serve_fault, "serve_fault_burst": check_serve_fault_burst, "prefix_turns": check_prefix_turns, "prefix_turns10": check_prefix_turns10, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
+CHECKS = {"serve": check_serve, "serve_burst": check_serve_burst, "serve_fault": check_serve_fault, "serve_fault_burst": check_serve_fault_burst, "prefix_turns": check_prefix_turns, "prefix_turns10": check_prefix_turns10, "fused_topk": check_fused_topk, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
           "sampling": check_sampling, "graphs": check_graphs, "waves": check_waves,
           "orders": check_orders, "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 
@@ -445,7 +494,8 @@ def prebuild(only: list[str] | None = None) -> None:
     specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
         full, variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)]),
         *scale.config_specs(), scale.context_spec(), *[scale.split_spec(t, m) for t, m in scale.SPLITS],
-        *[scale.tile_spec(n, t) for n, t in scale.TILES.items()]]
+        *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
+        fused_topk_spec("tiny-moe"), fused_topk_spec("north-mini-code")]
     for spec in specs:
         if only and spec.name not in only:
             continue

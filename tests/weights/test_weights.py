@@ -203,6 +203,9 @@ def test_model_weights_basics(moe_spec, llama_spec):
         b = w.to(torch.bfloat16)
         assert b.dtype == torch.bfloat16 and w.dtype == torch.float32
         assert w.to(torch.float32) is w
+        # the same device named another way is no move either (a decode-only
+        # engine frees the weights it consumes only if nobody holds a twin)
+        assert w.to(torch.float32, "cpu") is w and w.to(device=torch.device("cpu")) is w
         assert b.lm_head_weight is b.embed
     w = random_weights(moe_spec, seed=1)
     w.layers[2].k = w.layers[2].k[:, :10]
@@ -432,3 +435,17 @@ def test_relayout_tiles_the_stacks_in_place_and_leaves_the_embedding():
     assert all(torch.equal(kw[f], ref[f]) for f in kw)
     with pytest.raises(MegacError, match="unknown device weight layout 7"):
         relayout_(kw, LAYOUT_ROW_MAJOR, 7)
+
+
+def test_cuda_without_an_index_names_the_current_device(monkeypatch):
+    """``weights.to(device="cuda")`` of weights already on ``cuda:0`` must be
+    a no-op (it built a second ModelWeights over the same tensors, so a
+    consuming layout freed nothing): "cuda" names the current device."""
+    from megac.weights.canonical import _same_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _same_device("cuda", torch.device("cuda", 0))
+    assert _same_device("cuda:0", torch.device("cuda", 0))
+    assert not _same_device("cuda:1", torch.device("cuda", 0))
+    assert not _same_device("cuda", torch.device("cpu"))
+    assert _same_device("cpu", torch.device("cpu"))
