@@ -230,7 +230,7 @@ def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt
     from megac.engine.build import EngineOptions, build_engine
     from megac.engine.generate import generate
     from megac.loading import dtype_of, load_model
-    from megac.runtime.backends import check_kind
+    from megac.runtime.backends import check_kind, random_weights_placement
 
     check_kind(backend)
     if threads > 0:
@@ -244,8 +244,11 @@ def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt
         raise MegacError("give either --prompt TEXT or --prompt-ids 1,2,3 (each may repeat)")
     ids_given = [_parse_ids(t) for t in prompt_ids]
     t0 = time.perf_counter()
-    loaded = load_model(model, weights=weights, random_weights=random_weights, seed=seed, dtype=dtype_of(dtype),
-                        progress=_progress)
+    wdtype, wdevice = dtype_of(dtype), "cpu"
+    if random_weights:
+        wdtype, wdevice = random_weights_placement(backend, wdtype)
+    loaded = load_model(model, weights=weights, random_weights=random_weights, seed=seed, dtype=wdtype,
+                        progress=_progress, device=wdevice)
     spec, tok = loaded.spec, loaded.tokenizer
     batch = ids_given or _encode_prompts(tok, prompts, chat)
     for ids in batch:

@@ -44,6 +44,25 @@ def resolve_kind(kind: str) -> str:
     return kind
 
 
+def runs_on_gpu(kind: str) -> bool:
+    """Whether backend ``kind`` keeps its weights on the GPU (bf16): cuda and
+    waves always, graphs where a GPU is visible, ``auto`` where it picks cuda."""
+    kind = resolve_kind(kind)
+    return kind in ("cuda", "waves") or (kind == "graphs" and cuda_visible())
+
+
+def random_weights_placement(kind: str, dtype):
+    """``(dtype, device)`` to draw ``--random-weights`` in for backend ``kind``:
+    a GPU backend's in bf16 on the GPU, where it would convert them anyway
+    (North Mini Code's 30B parameters drawn on the host in fp32 would take
+    120 GB and minutes); else ``dtype`` on the CPU."""
+    if runs_on_gpu(kind):
+        import torch
+
+        return torch.bfloat16, "cuda"
+    return dtype, "cpu"
+
+
 def check_kind(kind: str) -> None:
     if kind not in BACKEND_KINDS:
         raise MegacError(f"--backend {kind}: choose one of {', '.join(BACKEND_KINDS)}")
@@ -81,4 +100,5 @@ def make_backend(kind: str, spec, weights, kv, *, schedules=None, artifact_dir=N
     return VMBackend(spec, weights, kv, schedules, dtype=weights.dtype, mode=mode, policy=policy, seed=seed)
 
 
-__all__ = ["check_kind", "cuda_visible", "make_backend", "needs_schedules", "resolve_kind"]
+__all__ = ["check_kind", "cuda_visible", "make_backend", "needs_schedules", "random_weights_placement", "resolve_kind",
+           "runs_on_gpu"]

@@ -46,26 +46,16 @@ def _tokenizer_for(cfg: ServeConfig, spec, default=None) -> Tokenizer:
                      eos_token_ids=spec.eos_token_ids)
 
 
-def _runs_on_gpu(kind: str) -> bool:
-    from megac.runtime.backends import cuda_visible, resolve_kind
-
-    kind = resolve_kind(kind)
-    return kind in ("cuda", "waves") or (kind == "graphs" and cuda_visible())
-
-
 def load_served_model(cfg: ServeConfig) -> ServedModel:
     """Resolve MODEL (:mod:`megac.loading`) to spec, weights and the server's tokenizer."""
     from megac.loading import dtype_of
     from megac.loading import load_model as resolve
+    from megac.runtime.backends import random_weights_placement
 
     t0 = time.perf_counter()
     dtype, device = dtype_of(cfg.dtype), "cpu"
-    if cfg.random_weights and _runs_on_gpu(cfg.backend):
-        # the GPU backends read bf16 weights on the device (engine.build
-        # converts there anyway): draw them there, in bf16, at once
-        import torch
-
-        dtype, device = torch.bfloat16, "cuda"
+    if cfg.random_weights:
+        dtype, device = random_weights_placement(cfg.backend, dtype)
     m = resolve(cfg.model, weights=cfg.weights, random_weights=cfg.random_weights, seed=cfg.seed, dtype=dtype,
                 tokenizer=cfg.tokenizer is None, device=device)
     loaded = ServedModel(m.name, m.spec, m.weights, _tokenizer_for(cfg, m.spec, m.tokenizer))
