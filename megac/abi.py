@@ -24,7 +24,8 @@ import numpy as np
 #    layout); buffer shapes are the plan's (megac/buffers.py), not the descriptor's doc strings;
 #    `progress` (each CTA's current task, for the watchdog report)
 # 5: ROUTE_FINALIZE.TOPK_SPLITS (> 0: the finalize task ranks every row's experts from the router
-#    partials itself, no ROUTER_TOPK tasks; SOFTMAX_ROUTER / RENORMALIZE flags on it then)
+#    partials itself, no ROUTER_TOPK tasks; SOFTMAX_ROUTER / RENORMALIZE flags on it then) and
+#    ROUTE_FINALIZE.X_SLOT (>= 0: it copies the rows to their routed moe_x slots, no MOE_GATHER tasks)
 ABI_VERSION = 5
 
 TASK_WORDS = 32
@@ -190,6 +191,8 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
         ("NUM_ROWS", "batch rows routed"),
         ("TOPK_SPLITS", "> 0: rank rows 0..NUM_ROWS-1 here from this many router split-K partials "
                         "(as ROUTER_TOPK, one warp per row); 0: ROUTER_TOPK tasks wrote topk_ids/topk_w"),
+        ("X_SLOT", ">= 0: copy rows 0..NUM_ROWS-1 of this x_norm slot to their routed moe_x slots "
+                   "(as MOE_GATHER); -1: MOE_GATHER tasks do"),
     ),
     Op.MOE_GATHER: (
         ("ROW", "batch row"),

@@ -74,6 +74,9 @@ DEFAULT_TILES = {
     # 1: ROUTE_FINALIZE ranks every row's experts itself (one warp per row),
     # no ROUTER_TOPK tasks and one hop less per MoE layer; 0: a top-k task per row
     "fused_topk": 0,
+    # 1: ROUTE_FINALIZE also copies the rows to their routed slots, no
+    # MOE_GATHER tasks (the up claims wait on the finalize task itself)
+    "fused_gather": 0,
 }
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
@@ -141,6 +144,8 @@ class Geometry:
     router_renormalize: bool = False
     #: ROUTE_FINALIZE does the top-k (DEFAULT_TILES' fused_topk)
     fused_topk: bool = False
+    #: ROUTE_FINALIZE does the gather (DEFAULT_TILES' fused_gather)
+    fused_gather: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -234,6 +239,7 @@ class Geometry:
             router_softmax=bool(moe and moe.router == "softmax"),
             router_renormalize=bool(moe and moe.renormalize),
             fused_topk=bool(experts and t["fused_topk"]),
+            fused_gather=bool(experts and t["fused_gather"]),
         )
 
     def with_context(self, context: int) -> "Geometry":

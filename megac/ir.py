@@ -10,7 +10,8 @@ Nodes, in program order (``g.graph["order"]``, a topological order):
   ``L{l}.o_proj``; a dense FFN: ``L{l}.ffn_upgate``, ``L{l}.ffn_down``;
   a MoE FFN: ``L{l}.router``, ``.topk``, ``.route_finalize``, ``.moe_gather``,
   ``.moe_upgate``, ``.moe_down``, ``.moe_combine`` (no ``.topk`` with the
-  target's ``fused_topk``: the finalize node writes ``topk`` too); sequential blocks
+  target's ``fused_topk``, no ``.moe_gather`` with ``fused_gather``: the
+  finalize node writes their outputs too); sequential blocks
   (Llama) also ``L{l}.norm_attn`` (post-attention residual add + norm);
   every layer ``L{l}.norm`` (residual add + the next norm);
 * then ``lm_head``.
@@ -80,13 +81,14 @@ def node_name(layer: int | None, kind: str) -> str:
     return kind if layer is None else f"L{layer}.{kind}"
 
 
-def fused_topk_of(spec) -> bool:
-    """Whether ROUTE_FINALIZE ranks the rows itself (the target's
-    ``fused_topk`` tile; :class:`megac.geometry.Geometry` reads the same)."""
+def fused_routing_of(spec) -> tuple[bool, bool]:
+    """Whether ROUTE_FINALIZE ranks the rows itself and whether it gathers
+    them (the target's ``fused_topk`` / ``fused_gather`` tiles;
+    :class:`megac.geometry.Geometry` reads the same)."""
     from megac.geometry import DEFAULT_TILES
 
     tiles = getattr(spec.target, "tiles", None) or {}
-    return bool(spec.moe and tiles.get("fused_topk", DEFAULT_TILES["fused_topk"]))
+    return tuple(bool(spec.moe and tiles.get(k, DEFAULT_TILES[k])) for k in ("fused_topk", "fused_gather"))
 
 
 def build_graph(spec) -> nx.DiGraph:
@@ -94,8 +96,9 @@ def build_graph(spec) -> nx.DiGraph:
     D = spec.hidden_size
     R = "rows"
     moe = spec.moe
-    fused_topk = fused_topk_of(spec)
-    g = nx.DiGraph(spec_name=spec.name, num_layers=L, block=spec.block, fused_topk=fused_topk)
+    fused_topk, fused_gather = fused_routing_of(spec)
+    g = nx.DiGraph(spec_name=spec.name, num_layers=L, block=spec.block, fused_topk=fused_topk,
+                   fused_gather=fused_gather)
     tensors: dict[str, Tensor] = {}
     order: list[str] = []
     last_writer: dict[str, str] = {}
@@ -154,12 +157,19 @@ def build_graph(spec) -> nx.DiGraph:
             mo = tensor(f"moe_out[{l}]", "scratch", (E, R, K, D), "fp32")
             fpart = tensor(f"ffn_part[{l}]", "scratch", (1, R, D), "fp32")
             add(p + "router", "router", l, [ffn_in], [rpart], [w("w_router")])
-            if fused_topk:  # the finalize task ranks the rows itself: one hop less
-                add(p + "route_finalize", "route_finalize", l, [rpart], [topk, route])
+            # the finalize task may rank the rows itself and copy them to their
+            # slots: a hop less each (the target's fused_topk / fused_gather)
+            fin_reads, fin_writes = [rpart] if fused_topk else [topk], [route]
+            if fused_topk:
+                fin_writes.insert(0, topk)
             else:
                 add(p + "topk", "topk", l, [rpart], [topk])
-                add(p + "route_finalize", "route_finalize", l, [topk], [route])
-            add(p + "moe_gather", "moe_gather", l, [ffn_in, route], [mx])
+            if fused_gather:
+                fin_reads.append(ffn_in)
+                fin_writes.append(mx)
+            add(p + "route_finalize", "route_finalize", l, fin_reads, fin_writes)
+            if not fused_gather:
+                add(p + "moe_gather", "moe_gather", l, [ffn_in, route], [mx])
             add(p + "moe_upgate", "moe_upgate", l, [mx, route], [ma], [w("w_moe_upgate")])
             add(p + "moe_down", "moe_down", l, [ma, route], [mo], [w("w_moe_down")])
             add(p + "moe_combine", "moe_combine", l, [mo, topk, route], [fpart])

@@ -14,7 +14,8 @@
 //             weights and round once more.
 //   FINALIZE  with topk_splits > 0 it first ranks rows 0..rows-1 as TOPK does
 //             (warp w takes rows w, w + warps, ...; ids kept in shared memory,
-//             weights written to topk_w), then:
+//             weights written to topk_w); with x set it copies every row to
+//             its slots at the end, as GATHER does. The routing itself:
 //             counts per expert, exclusive offsets; expert e's entries take
 //             slots offsets[e] + 0, 1, ... in (row, k) order (route_slot).
 //             Each queue gets one record {expert, n_tile, slot0, rows} per
@@ -188,6 +189,11 @@ struct FinalizeArgs {
   size_t split_stride = 0;
   int32_t topk_splits = 0, flags = 0;
   float* topk_w = nullptr;  // [rows * k]
+  // the gather inside (x != nullptr): row r of x ([rows, hidden] bf16) to
+  // each of its routed slots of moe_x ([slots, hidden])
+  const __nv_bfloat16* x = nullptr;
+  __nv_bfloat16* moe_x = nullptr;
+  int32_t hidden = 0;
 };
 
 // Shared memory for finalize_cta, in int32 words (the ranked ids of a
@@ -312,6 +318,17 @@ __device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* sme
     return false;
   }
   for (int i = threadIdx.x; i < n; i += blockDim.x) a.route_slot[i] = off[load_id(ids + i, ranked)] + rank[i];
+  if (a.x != nullptr) {
+    // MOE_GATHER for every row: entry i's row (i / k) to its slot, 16 bytes a
+    // thread, consecutive threads along one row (coalesced)
+    const int nv = a.hidden / 8;
+    for (int t = threadIdx.x; t < n * nv; t += blockDim.x) {
+      const int i = t / nv, c = t - i * nv;
+      const int slot = off[load_id(ids + i, ranked)] + rank[i];
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(a.x + size_t(i / a.k) * a.hidden) + c);
+      reinterpret_cast<uint4*>(a.moe_x + size_t(slot) * a.hidden)[c] = v;
+    }
+  }
   write_queue(a.up_queue, a.up_tiles, na, act, off, cnt);
   write_queue(a.down_queue, a.down_tiles, na, act, off, cnt);
   if (threadIdx.x == 0) {

@@ -110,6 +110,12 @@ __device__ __forceinline__ bool route_finalize(const Ctx& c) {
   a.split_stride = size_t(M::MAX_ROWS) * M::NUM_EXPERTS;
   a.flags = c.ts->w[H_FLAGS];
   a.topk_w = ptr<float>(d->topk_w) + Lay::topk(layer, 0);
+  const int xslot = c.ts->w[f_route_finalize::X_SLOT];
+  if (xslot >= 0) {  // the gather inside (fused_gather)
+    a.x = ptr<const __nv_bfloat16>(d->x_norm) + Lay::x_norm(xslot, 0);
+    a.moe_x = ptr<__nv_bfloat16>(d->moe_x) + Lay::moe_x(layer, 0);
+    a.hidden = M::HIDDEN;
+  }
   bool ok = true;
   if constexpr (M::NUM_EXPERTS > 0)  // a dense model has no MoE task (and no top-k to size)
     ok = moe::finalize_cta<M::NUM_EXPERTS>(a, reinterpret_cast<int32_t*>(c.scratch), c.site);

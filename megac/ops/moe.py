@@ -138,7 +138,9 @@ class RouteFinalize(OpDef):
     """Per layer, on the device: per-expert counts -> offsets -> slot map ->
     the MoE up/down queues and their lengths (target words). With
     TOPK_SPLITS > 0 (the target's fused_topk) it first ranks every row's
-    experts from the router partials, as ROUTER_TOPK would."""
+    experts from the router partials, as ROUTER_TOPK would; with X_SLOT >= 0
+    (fused_gather) it then copies the rows to their slots, as MOE_GATHER
+    would."""
 
     op = Op.ROUTE_FINALIZE
     node_kinds = ("route_finalize",)
@@ -183,6 +185,9 @@ class RouteFinalize(OpDef):
             acc.add("topk_w", True, ix, at(layer), (0, n), span(K))  # the ids stay in the task
         else:  # the top-k tasks' output
             acc.add("topk_ids", False, ix, at(layer), (0, n), span(K))
+        if geo.fused_gather:  # then copies the rows to their slots (as MOE_GATHER)
+            acc.add("x_norm", False, ix, at(field(w, self.op, "X_SLOT")), (0, n), span(geo.hidden))
+            acc.add("moe_x", True, ix, at(layer), span(E), (0, n), span(K), span(geo.hidden))
         acc.add("route_slot", True, ix, at(layer), (0, n), span(K))
         acc.add("moe_up_queue", True, ix, at(layer))
         acc.add("moe_down_queue", True, ix, at(layer))
@@ -192,6 +197,8 @@ class RouteFinalize(OpDef):
     def task_bytes(self, w, geo, params):
         E, K = _ek(geo)
         ranked = geo.rows * (field(w, self.op, "TOPK_SPLITS") * E * FP32 + K * FP32)
+        if geo.fused_gather:
+            ranked = ranked + geo.rows * geo.hidden * BF16 * (1 + K)
         return ranked + np.full(len(w), geo.rows * K * 3 * FP32 + 2 * abi.QUEUE_RECORD_WORDS * 4 * geo.moe_queue_cap,
                                 dtype=np.float64)
 
@@ -227,6 +234,9 @@ class RouteFinalize(OpDef):
             route = routing.finalize(flat.reshape(n, K), E)
             vm.tr.write("route_slot", (layer, slice(0, n), slice(None)))
             st.np["route_slot"][layer, :n] = route.slot
+            xs = int(field(w, op, "X_SLOT")[0])
+            if xs >= 0:
+                _gather_rows(vm, self, layer, vm.x_slot(op, xs, layer), np.arange(n), read_slots=False)
             for qname, tiles, word in ((uq, up_t, uw), (dq, down_t, dw)):
                 recs = routing.queue_records(route, tiles)
                 qb = st.np[qname]
@@ -262,19 +272,26 @@ class MoeGather(OpDef):
         return np.full(len(w), geo.hidden * BF16 * (1 + max(geo.top_k, 1)), dtype=np.float64)
 
     def run(self, vm, words):
-        op, st = self.op, vm.st
+        op = self.op
         vm.require_ffn(words, self)
         for (layer, xs), ti in vm.groups(words, op, ("X_SLOT",)):
-            rows = field(words[ti], op, "ROW")
-            xs = vm.x_slot(op, xs, layer)
-            for r in rows:
-                vm.tr.read("route_slot", (layer, int(r), slice(None)))
-                vm.tr.read("x_norm", (xs, int(r), slice(None)))
-            slots = _routed_slots(vm, self, layer, rows, "moe_x")  # [m, K]
-            for j in range(len(rows)):
-                vm.tr.write("moe_x", (layer, slots[j], slice(None)))
-            x = st["x_norm"][xs, idx(rows)]  # [m, D]
-            st["moe_x"][layer, idx(slots.reshape(-1))] = x.repeat_interleave(slots.shape[1], dim=0)
+            _gather_rows(vm, self, layer, vm.x_slot(op, xs, layer), field(words[ti], op, "ROW"))
+
+
+def _gather_rows(vm, d: OpDef, layer: int, xs: int, rows: np.ndarray, read_slots: bool = True) -> None:
+    """``moe_x[slot] = x_norm[xs, row]`` for each routed slot of ``rows``:
+    MOE_GATHER per row, or ROUTE_FINALIZE for every row with fused_gather
+    (which wrote the slots itself: ``read_slots=False``)."""
+    st = vm.st
+    for r in rows:
+        if read_slots:
+            vm.tr.read("route_slot", (layer, int(r), slice(None)))
+        vm.tr.read("x_norm", (xs, int(r), slice(None)))
+    slots = _routed_slots(vm, d, layer, rows, "moe_x")  # [m, K]
+    for j in range(len(rows)):
+        vm.tr.write("moe_x", (layer, slots[j], slice(None)))
+    x = st["x_norm"][xs, idx(rows)]  # [m, D]
+    st["moe_x"][layer, idx(slots.reshape(-1))] = x.repeat_interleave(slots.shape[1], dim=0)
 
 
 class MoeCombine(OpDef):
@@ -358,7 +375,8 @@ class _ExpertDrain(ClaimerOp):
 
 class MoeUpgateDrain(_ExpertDrain):
     """Claimer of expert gate+up tiles with SiLU*up into ``moe_act``. A claimed
-    task waits ``TASK_WAIT_BASE`` (the gathered rows) and signals
+    task waits ``TASK_WAIT_BASE`` (the gathered rows; none with fused_gather,
+    where the finalize task the claimer waits on wrote them) and signals
     ``TASK_SIGNAL_BASE + expert``."""
 
     op = Op.MOE_UPGATE_DRAIN
@@ -379,8 +397,10 @@ class MoeUpgateDrain(_ExpertDrain):
         return [
             ("QUEUE", int(Queue.MOE_UP), int(Queue.MOE_UP) + 1, False),
             ("QUEUE_LEN", 0, BIG, True),
-            ("TASK_WAIT_BASE", 0, C, False),
-            ("TASK_WAIT_TARGET", 1, BIG, True),
+            # with the gather inside ROUTE_FINALIZE (fused_gather) the claimer's
+            # own wait on the queue length already covers the rows: no task wait
+            *([("TASK_WAIT_BASE", -1, 0, False), ("TASK_WAIT_TARGET", 0, 1, False)] if g.fused_gather else
+              [("TASK_WAIT_BASE", 0, C, False), ("TASK_WAIT_TARGET", 1, BIG, True)]),
             ("TASK_SIGNAL_BASE", 0, C, False),
             (last_of(self.op, "TASK_SIGNAL_BASE", g.num_experts), 0, C, False),
             ("N_LEN", 1, 2 * g.expert_width + 1, False),

@@ -21,7 +21,8 @@ topk, moe_gather,  one per row
 moe_combine, norm,
 norm_attn
 route_finalize     one per MoE layer (with fused_topk it also ranks every
-                   row's experts: no topk node)
+                   row's experts: no topk node; with fused_gather it also
+                   copies the rows to their slots: no moe_gather node)
 moe_upgate/down    one claimer template each (MOE_UP / MOE_DOWN queue)
 lm_head            lm_bn tiles over the vocabulary
 =================  =========================================================
@@ -145,7 +146,8 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         F = dict(UP_TILES=one * geo.up_tiles, DOWN_TILES=one * geo.down_tiles,
                  UP_COUNT_WORD=one * tw.moe_up_count(l), DOWN_COUNT_WORD=one * tw.moe_down_count(l),
                  UP_QUEUE=one * int(Queue.MOE_UP), DOWN_QUEUE=one * int(Queue.MOE_DOWN), NUM_ROWS=one * R,
-                 TOPK_SPLITS=one * (geo.router_splits if geo.fused_topk else 0))
+                 TOPK_SPLITS=one * (geo.router_splits if geo.fused_topk else 0),
+                 X_SLOT=one * (geo.norm_input_slot(l) if geo.fused_gather else -1))
         shape, box = (1,), _boxes((0, 1))
     elif k in ("moe_gather", "moe_combine"):
         row = np.arange(R, dtype=np.int64)
@@ -183,8 +185,9 @@ def requires(lw: Lowering) -> None:
         raise PassError(NAME, "needs a decode graph (megac.ir.build_graph)")
     if g.graph.get("num_layers") != lw.geo.num_layers:
         raise PassError(NAME, "graph and geometry disagree on num_layers")
-    if bool(g.graph.get("fused_topk")) != lw.geo.fused_topk:
-        raise PassError(NAME, "graph and geometry disagree on fused_topk (the top-k inside ROUTE_FINALIZE)")
+    for k in ("fused_topk", "fused_gather"):
+        if bool(g.graph.get(k)) != getattr(lw.geo, k):
+            raise PassError(NAME, f"graph and geometry disagree on {k} (routing work inside ROUTE_FINALIZE)")
 
 
 def run(lw: Lowering) -> str:

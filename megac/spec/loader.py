@@ -56,7 +56,8 @@ The top-level keys are the :class:`ModelSpec` fields::
       attn_max_splits: 32       # ... at most this many
       context_buckets: null     # null: 1024, 2048, ... (powers of two), max_context
       tiles: {moe_up_bn: 96}    # optional tile sizes (megac.geometry.DEFAULT_TILES keys;
-                                # fused_topk: 1 ranks the MoE top-k inside ROUTE_FINALIZE)
+                                # fused_topk: 1 / fused_gather: 1 do the MoE top-k / the
+                                # gather inside ROUTE_FINALIZE)
 
 ``layers`` is either an explicit list, one mapping per layer::
 

@@ -170,9 +170,9 @@ class TargetSpec(BaseModel):
         for k, x in v.items():
             if k not in DEFAULT_TILES:
                 raise ValueError(f"unknown tile {k!r} (known: {', '.join(sorted(DEFAULT_TILES))})")
-            if k == "fused_topk":
+            if k in ("fused_topk", "fused_gather"):
                 if x not in (0, 1):
-                    raise ValueError(f"fused_topk is 0 or 1 (got {x})")
+                    raise ValueError(f"{k} is 0 or 1 (got {x})")
             elif not 1 <= x <= 65536:
                 raise ValueError(f"{k} must be in 1..65536 (got {x})")
             if k in ("upgate_bn", "moe_up_bn") and x % 2:

@@ -134,6 +134,7 @@ constexpr int UP_QUEUE = 12;
 constexpr int DOWN_QUEUE = 13;
 constexpr int NUM_ROWS = 14;
 constexpr int TOPK_SPLITS = 15;
+constexpr int X_SLOT = 16;
 }  // namespace f_route_finalize
 namespace f_moe_gather {
 constexpr int ROW = 8;

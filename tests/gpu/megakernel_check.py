@@ -92,23 +92,25 @@ def check_tiny() -> dict:
     return {name: _tiny_vs_vm(load_spec(name)) for name in ("tiny-llama", "tiny-moe")}
 
 
-def fused_topk_spec(name: str):
+def fused_spec(name: str, gather: bool = False):
     """``name`` with the top-k ranked inside ROUTE_FINALIZE (target tile
-    fused_topk: no ROUTER_TOPK tasks)."""
+    fused_topk: no ROUTER_TOPK tasks) and, with ``gather``, the rows copied
+    to their slots there too (fused_gather: no MOE_GATHER tasks)."""
     from megac.spec import load_spec
     from models import variant
 
     spec = load_spec(name)
-    tiles = {**(spec.target.tiles or {}), "fused_topk": 1}
-    return variant(spec, f"{name}-fused-topk", target={**spec.target.model_dump(), "tiles": tiles})
+    tiles = {**(spec.target.tiles or {}), "fused_topk": 1, **({"fused_gather": 1} if gather else {})}
+    return variant(spec, f"{name}-fused-{'routing' if gather else 'topk'}",
+                   target={**spec.target.model_dump(), "tiles": tiles})
 
 
 def check_fused_topk() -> dict:
-    """The top-k inside ROUTE_FINALIZE (one hop less per MoE layer):
-    tiny-moe against the VM as check_tiny; North Mini Code's greedy tokens
-    and logits equal the default build's bit for bit (the same sums in the
-    same order, only the task that does them differs); both builds' median
-    kernel ms at batch 1 and 8, 8K."""
+    """The top-k inside ROUTE_FINALIZE (one hop less per MoE layer), and
+    with it the gather (another): tiny-moe against the VM as check_tiny;
+    North Mini Code's greedy tokens and logits equal the default build's bit
+    for bit (the same sums in the same order, only the task that does them
+    differs); the three builds' median kernel ms at batch 1 and 8, 8K."""
     import gc
 
     import torch
@@ -116,25 +118,30 @@ def check_fused_topk() -> dict:
     from megac.spec import load_spec
     from megac.weights import random_weights
 
-    out = {"tiny_moe": _tiny_vs_vm(fused_topk_spec("tiny-moe"))}
-    base, fused = load_spec("north-mini-code"), fused_topk_spec("north-mini-code")
+    out = {"tiny_moe": _tiny_vs_vm(fused_spec("tiny-moe")),
+           "tiny_moe_gather": _tiny_vs_vm(fused_spec("tiny-moe", gather=True))}
+    base, fused, both = (load_spec("north-mini-code"), fused_spec("north-mini-code"),
+                         fused_spec("north-mini-code", gather=True))
     w = random_weights(base, seed=0, dtype=torch.bfloat16, device=scale.DEV)
     prompts = [[(31 * i + 7 * j) % 1000 + 3 for j in range(n)] for i, n in enumerate((9, 40, 17))]
     got = {}
-    for name, spec in (("default", base), ("fused", fused)):
+    for name, spec in (("default", base), ("fused", fused), ("both", both)):
         eng = scale.engine(spec, w, max_batch_size=8, max_model_len=256)
         got[name] = scale.generate_all(eng, prompts, 8)
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-    a, b = got["default"], got["fused"]
-    out["nmc_tokens_equal"] = [x.tokens == y.tokens for x, y in zip(a, b)]
-    out["nmc_logits_bit_identical"] = all(torch.equal(x, y) for g, h in zip(a, b) for x, y in zip(g.logits, h.logits))
-    out["nmc_tokens"] = [x.tokens for x in b]
+    a = got["default"]
+    for name in ("fused", "both"):
+        b = got[name]
+        out[f"nmc_{name}_tokens_equal"] = [x.tokens == y.tokens for x, y in zip(a, b)]
+        out[f"nmc_{name}_logits_bit_identical"] = all(torch.equal(x, y) for g, h in zip(a, b)
+                                                      for x, y in zip(g.logits, h.logits))
+    out["nmc_tokens"] = [x.tokens for x in a]
     del got, a, b, w
     gc.collect()
     torch.cuda.empty_cache()
-    out["kernel_ms"] = scale._kernel_ms_of({"default": base, "fused": fused})
+    out["kernel_ms"] = scale._kernel_ms_of({"default": base, "fused": fused, "both": both})
     return out
 
 
@@ -495,7 +502,7 @@ def prebuild(only: list[str] | None = None) -> None:
         full, variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)]),
         *scale.config_specs(), scale.context_spec(), *[scale.split_spec(t, m) for t, m in scale.SPLITS],
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
-        fused_topk_spec("tiny-moe"), fused_topk_spec("north-mini-code")]
+        *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)]]
     for spec in specs:
         if only and spec.name not in only:
             continue

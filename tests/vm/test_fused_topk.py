@@ -1,6 +1,8 @@
 """The top-k inside ROUTE_FINALIZE (target tile ``fused_topk: 1``): no
 ROUTER_TOPK tasks, each finalize task ranks its layer's rows from the
-router's split-K partials and keeps the ids to itself. The VM runs the same
+router's split-K partials and keeps the ids to itself; the gather inside
+it (``fused_gather: 1``): no MOE_GATHER tasks, the finalize task copies the
+rows to their slots. The VM runs the same
 sums in the same order either way, so the logits must equal the default
 schedule's bit for bit, in fast mode and in checked mode (which verifies
 every read against the happens-before order the counters give)."""
@@ -18,12 +20,12 @@ from megac.weights import random_weights
 from models import variant
 
 
-def _spec(router: str, fused: bool):
+def _spec(router: str, fused: bool, gather: bool = False):
     moe = load_spec("tiny-moe")
     over = {"sigmoid": {}, "renorm": {"renormalize": True},
             "softmax": {"router": "softmax", "renormalize": False, "top_k": 3}}[router]
-    tiles = {"fused_topk": 1} if fused else {}
-    return variant(moe, f"fused-{router}-{int(fused)}", moe=over or None, tie_embeddings=False,
+    tiles = {**({"fused_topk": 1} if fused else {}), **({"fused_gather": 1} if gather else {})}
+    return variant(moe, f"fused-{router}-{int(fused)}{int(gather)}", moe=over or None, tie_embeddings=False,
                    target={**moe.target.model_dump(), "tiles": tiles})
 
 
@@ -43,9 +45,26 @@ def test_the_schedule_has_no_topk_tasks_and_finalize_ranks_every_row():
     assert fused.num_counters < base.num_counters
 
 
-@pytest.mark.parametrize("router", ["sigmoid", "renorm", "softmax"])
-def test_fused_top_k_gives_the_default_schedules_bits(router):
-    base, fused = _spec(router, False), _spec(router, True)
+def test_fused_gather_drops_the_gather_tasks_and_finalize_reads_the_norm_slot():
+    base, both = compile_one(_spec("sigmoid", False), "tuned", 2, 1024), compile_one(_spec("sigmoid", True, True),
+                                                                                     "tuned", 2, 1024)
+    assert base.tasks_per_opcode["MOE_GATHER"] > 0
+    assert "MOE_GATHER" not in both.tasks_per_opcode and "ROUTER_TOPK" not in both.tasks_per_opcode
+    t = both.tasks.reshape(-1, TASK_WORDS)
+    fin = t[t[:, H.OPCODE] == int(Op.ROUTE_FINALIZE)]
+    geo = both.geometry
+    assert sorted(fin[:, field_index(Op.ROUTE_FINALIZE, "X_SLOT")]) == sorted(
+        geo.norm_input_slot(int(l)) for l in fin[:, H.LAYER])
+    b = base.tasks.reshape(-1, TASK_WORDS)
+    assert (b[b[:, H.OPCODE] == int(Op.ROUTE_FINALIZE)][:, field_index(Op.ROUTE_FINALIZE, "X_SLOT")] == -1).all()
+    assert both.num_counters < base.num_counters
+
+
+@pytest.mark.parametrize("router, fused, gather", [
+    ("sigmoid", True, False), ("renorm", True, False), ("softmax", True, False),
+    ("sigmoid", False, True), ("softmax", True, True)])
+def test_fused_routing_gives_the_default_schedules_bits(router, fused, gather):
+    base, fused = _spec(router, False), _spec(router, fused, gather)
     w = random_weights(base, seed={"sigmoid": 1, "renorm": 2, "softmax": 3}[router])
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, base.vocab_size, (n,), generator=g).tolist() for n in (5, 19, 11)]
@@ -55,8 +74,8 @@ def test_fused_top_k_gives_the_default_schedules_bits(router):
         got = run(fused, w, compile_schedules(fused, batch_sizes=[1, 2, 4], buckets=[1024]), prompts,
                   max_tokens=5, eos_token_ids=[], return_logits=True, mode=mode)
         for a, b in zip(ref, got):
-            assert a.tokens == b.tokens, (router, mode)
-            assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), (router, mode)
+            assert a.tokens == b.tokens, (router, gather, mode)
+            assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), (router, gather, mode)
 
 
 @pytest.mark.parametrize("value", [2, -1])
