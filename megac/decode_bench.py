@@ -81,17 +81,22 @@ def rows_at(kv, batch: int, context: int) -> list[int]:
     return rows
 
 
-def measure_ceiling(device: str, nbytes: int = 4 << 30, repeats: int = 5) -> float | None:
+def measure_ceiling(device: str, nbytes: int = 4 << 30, repeats: int = 20, warmup: int = 5) -> float | None:
     """Streaming-read rate (B/s) of ``device`` on random data much larger
-    than L2: the median of ``repeats`` full reductions of ``nbytes``. None
-    on the CPU (no meaningful ceiling for the bytes the VM moves)."""
+    than L2: the median of ``repeats`` full reductions of ``nbytes``, after
+    ``warmup`` untimed ones (five timed reductions after one untimed read
+    3.83 and 4.40 TB/s minutes apart on one H200; more of both should steady
+    it, not yet measured). None on the CPU (no meaningful ceiling for the
+    bytes the VM moves)."""
     if device != "cuda":
         return None
     import torch
 
     x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    for _ in range(warmup):
+        x.sum()
     out = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         x.sum()
@@ -100,7 +105,7 @@ def measure_ceiling(device: str, nbytes: int = 4 << 30, repeats: int = 5) -> flo
         out.append(a.elapsed_time(b) * 1e-3)
     del x
     torch.cuda.empty_cache()
-    return nbytes / statistics.median(out[1:])
+    return nbytes / statistics.median(out)
 
 
 def step_bytes(schedule, context: int, calibration=None, expert_probs=None) -> tuple[float, float]:
