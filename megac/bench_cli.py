@@ -88,7 +88,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     from megac.engine.build import EngineOptions, build_engine
     from megac.loading import load_model
     from megac.routing_skew import ALPHA, check_routing, selection_probs, skew_router
-    from megac.runtime.backends import cuda_visible, resolve_kind
+    from megac.runtime.backends import random_weights_placement, resolve_kind, runs_on_gpu
 
     if threads > 0:
         import torch
@@ -111,7 +111,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
         from megac.plot import check_plot_path
 
         check_plot_path(plot_path, "bench: --plot")
-    on_gpu = kind in ("cuda", "waves") or (kind == "graphs" and cuda_visible())
+    on_gpu = runs_on_gpu(kind)
     say = lambda msg: click.echo(f"[megac] {msg}", err=True)  # noqa: E731
     t0 = time.perf_counter()
     spec, loaded_weights = None, None
@@ -135,9 +135,9 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
 
             from megac.weights.random import random_weights as draw
 
-            dev = "cuda" if on_gpu else "cpu"
+            dt, dev = random_weights_placement(kind, torch.float32)
             say(f"drawing random weights for {spec.name} on the {dev}")
-            w = draw(spec, 0, torch.bfloat16 if dev == "cuda" else torch.float32, device=dev)
+            w = draw(spec, 0, dt, device=dev)
         else:
             w, loaded_weights = loaded_weights, None
         w = skew_router(spec, w, routing)

@@ -315,6 +315,17 @@ class Geometry:
         """x_norm slot the FFN (and router, gather) of ``layer`` read."""
         return layer if self.block == "parallel" else self.num_layers + layer
 
+    @property
+    def finalize_topk_splits(self) -> int:
+        """ROUTE_FINALIZE's TOPK_SPLITS: the router's split count when it
+        ranks the rows itself (fused_topk), else 0."""
+        return self.router_splits if self.fused_topk else 0
+
+    def finalize_x_slot(self, layer: int) -> int:
+        """ROUTE_FINALIZE's X_SLOT on ``layer``: the slot it gathers from
+        (fused_gather), else -1."""
+        return self.norm_input_slot(layer) if self.fused_gather else -1
+
     @cached_property
     def dense_layers(self) -> list[int]:
         return [i for i, f in enumerate(self.ffn) if f == "dense"]

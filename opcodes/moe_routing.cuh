@@ -317,14 +317,19 @@ __device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* sme
       report_error(site.status, site.task, site.opcode, -1, need, a.queue_cap, site.layer, kErrQueueOverflow);
     return false;
   }
-  for (int i = threadIdx.x; i < n; i += blockDim.x) a.route_slot[i] = off[load_id(ids + i, ranked)] + rank[i];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int slot = off[load_id(ids + i, ranked)] + rank[i];
+    a.route_slot[i] = slot;
+    rank[i] = slot;  // its rank is spent: the gather below reads the slot here
+  }
   if (a.x != nullptr) {
-    // MOE_GATHER for every row: entry i's row (i / k) to its slot, 16 bytes a
-    // thread, consecutive threads along one row (coalesced)
+    // MOE_GATHER for every row: entry i's row (i / k) to its slot (rank[i]
+    // now), 16 bytes a thread, consecutive threads along one row (coalesced)
+    __syncthreads();
     const int nv = a.hidden / 8;
     for (int t = threadIdx.x; t < n * nv; t += blockDim.x) {
       const int i = t / nv, c = t - i * nv;
-      const int slot = off[load_id(ids + i, ranked)] + rank[i];
+      const int slot = rank[i];
       const uint4 v = __ldcg(reinterpret_cast<const uint4*>(a.x + size_t(i / a.k) * a.hidden) + c);
       reinterpret_cast<uint4*>(a.moe_x + size_t(slot) * a.hidden)[c] = v;
     }

@@ -15,7 +15,7 @@ from megac.engine.scheduler import Engine, EngineConfig
 from megac.errors import MegacError
 from megac.kv.paged import PagedKVCache, blocks_for_tokens
 from megac.runtime.artifacts import load_or_compile
-from megac.runtime.backends import cuda_visible, make_backend, needs_schedules, resolve_kind
+from megac.runtime.backends import make_backend, needs_schedules, resolve_kind, runs_on_gpu
 from megac.runtime.schedules import ScheduleSet
 
 log = logging.getLogger("megac.engine")
@@ -134,7 +134,7 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     # the megakernel (and the graphs baseline, where a GPU is visible) read
     # bf16 weights and a bf16 KV pool on the GPU: build the pool there, never
     # a host pool first (batch 8 x 128K is ~30 GB)
-    if kind in ("cuda", "waves") or (kind == "graphs" and cuda_visible()):
+    if runs_on_gpu(kind):
         import torch
 
         weights, device = weights.to(torch.bfloat16, "cuda"), "cuda"

@@ -173,8 +173,7 @@ class RouteFinalize(OpDef):
             ("UP_QUEUE", int(Queue.MOE_UP), int(Queue.MOE_UP) + 1, False),
             ("DOWN_QUEUE", int(Queue.MOE_DOWN), int(Queue.MOE_DOWN) + 1, False),
             ("NUM_ROWS", 1, g.rows + 1, False),
-            ("TOPK_SPLITS", g.router_splits if g.fused_topk else 0,
-             (g.router_splits if g.fused_topk else 0) + 1, False),
+            ("TOPK_SPLITS", g.finalize_topk_splits, g.finalize_topk_splits + 1, False),
         ]
 
     def access(self, acc, w, ix, layer, geo):

@@ -146,8 +146,7 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         F = dict(UP_TILES=one * geo.up_tiles, DOWN_TILES=one * geo.down_tiles,
                  UP_COUNT_WORD=one * tw.moe_up_count(l), DOWN_COUNT_WORD=one * tw.moe_down_count(l),
                  UP_QUEUE=one * int(Queue.MOE_UP), DOWN_QUEUE=one * int(Queue.MOE_DOWN), NUM_ROWS=one * R,
-                 TOPK_SPLITS=one * (geo.router_splits if geo.fused_topk else 0),
-                 X_SLOT=one * (geo.norm_input_slot(l) if geo.fused_gather else -1))
+                 TOPK_SPLITS=one * geo.finalize_topk_splits, X_SLOT=one * geo.finalize_x_slot(l))
         shape, box = (1,), _boxes((0, 1))
     elif k in ("moe_gather", "moe_combine"):
         row = np.arange(R, dtype=np.int64)
