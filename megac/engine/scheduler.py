@@ -413,7 +413,7 @@ class Engine:
             return 1
         try:  # every row's K slots now: the burst cannot run out of blocks halfway
             for r in batch:
-                self.kv.reserve(r.row, k)
+                self.kv.reserve(r.row, k, stepwise=True)  # each step still sees its own window
         except KVOutOfBlocks:
             return 1
         return k

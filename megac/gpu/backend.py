@@ -203,6 +203,9 @@ class CudaBackend(TorchPrefillMixin):
         self.layout = layout
         self._launch = launch.Prepared(self.module, self.entry, (self.big.num_sms,), (self.threads,),
                                        shared_mem=self.smem, cooperative=True)
+        # a captured step graph launches the build it was captured with: a
+        # swapped-in build (the profiler's) would otherwise never run
+        self._step_graphs = {}
 
     def reserve_counters(self, n: int) -> None:
         """Lay the host-written words and the per-step zeroed buffers out in

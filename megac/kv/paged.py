@@ -298,10 +298,17 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ slots
 
-    def reserve(self, row: int, n: int) -> int:
+    def reserve(self, row: int, n: int, *, stepwise: bool = False) -> int:
         """Map positions ``seq_pos .. seq_pos+n-1`` of ``row`` in every layer
         (see the module docstring); returns ``seq_pos``. Raises
-        :class:`KVOutOfBlocks` without changing anything when the pool is short."""
+        :class:`KVOutOfBlocks` without changing anything when the pool is short.
+
+        ``stepwise``: the ``n`` positions are decoded one step at a time (a
+        decode burst reserving its slots ahead), so each is a query that
+        still sees its own window: sliding blocks are released only below
+        the first position's window (a prefill chunk, which reads the cached
+        history before it reserves, releases below the last one's). The
+        blocks the later steps no longer see go at a later reservation."""
         self._check_row(row)
         if n < 1:
             raise MegacError(f"KV cache: reserve needs n >= 1 (got {n})")
@@ -334,7 +341,7 @@ class PagedKVCache:
         new_floor = self._floor[:, row].copy()
         rc = self.allocator.refcount
         for layer in range(self.num_layers):
-            lo = self.window_start(layer, cur)
+            lo = self.window_start(layer, p0 if stepwise else cur)
             floor_blk = lo // bs
             if floor_blk * bs < self._floor[layer, row]:
                 raise MegacError(

@@ -126,3 +126,35 @@ def test_logit_processing_keeps_a_row_out_of_bursts_while_it_applies():
     Counting.bursts = 0
     assert both(4) == want
     assert Counting.bursts > 0  # once the penalised row ended and min_tokens was met
+
+
+def test_bursts_over_sliding_window_layers_give_the_one_step_outputs():
+    """A burst reserves its K slots at once; on a sliding layer that must not
+    release the blocks its first steps still attend to (North Mini Code's
+    serving died on exactly that: "position 382 was already released")."""
+    from megac.spec import load_spec
+
+    spec = load_spec("tiny-moe")  # sliding window 8: 4-token blocks leave it every other step
+    weights = random_weights(spec, seed=5)
+
+    def outputs(burst):
+        kv = PagedKVCache(spec, max_rows=3, num_blocks=600, max_context=256, block_size=4, dtype=torch.float32)
+        eng = Engine(Counting(spec, weights, kv), EngineConfig(max_batch_size=3, max_model_len=256, chunk_tokens=32,
+                                                               prefill_budget=32, decode_burst=burst))
+        reqs = []
+        for i in range(3):
+            outs: list = []
+            req = Request(TOK.encode(PROMPTS[i]), SamplingParams(temperature=0.0, max_tokens=23 + 4 * i,
+                                                                 ignore_eos=True),
+                          request_id=f"w{i}", tokenizer=TOK, eos_ids=[2], sink=outs.append)
+            eng.submit(req)
+            reqs.append((req, outs))
+        eng.run_until_idle()
+        eng.prefix_cache.evict(eng.kv.num_blocks)
+        assert eng.kv.num_free_blocks == eng.kv.num_blocks
+        return [(list(r.output_ids), outs[-1].finish_reason) for r, outs in reqs]
+
+    want = outputs(1)
+    Counting.bursts = 0
+    assert outputs(4) == want
+    assert Counting.bursts > 0

@@ -252,17 +252,20 @@ class _Routes:
     small)."""
 
     def __init__(self):
+        import megac.baselines.moe as M
         import megac.reference as R
 
-        self.R, self.orig = R, R.route
+        # the prefill's grouped experts route through baselines.moe's own
+        # binding of the reference's route: patch both names
+        self.R, self.M, self.orig = R, M, R.route
         self.recorded, self.forced, self.diffs = [], None, []
 
     def __enter__(self):
-        self.R.route = self._route
+        self.R.route = self.M.reference_route = self._route
         return self
 
     def __exit__(self, *exc):
-        self.R.route = self.orig
+        self.R.route = self.M.reference_route = self.orig
 
     def _route(self, h, router, moe):
         import torch
