@@ -83,10 +83,10 @@ def _setup_logging(level: str) -> None:
 @click.option("--max-num-batched-tokens", type=click.IntRange(1), default=None,
               help="Prompt tokens prefilled per engine iteration (default: one chunk).")
 @click.option("--no-prefix-caching", "no_prefix_caching", is_flag=True, help="Disable prefix caching.")
-@click.option("--decode-burst", type=click.IntRange(1, 64), default=1, show_default=True,
+@click.option("--decode-burst", type=click.IntRange(1, 64), default=None,
               help="Greedy decode steps run back to back while the batch is steady (nothing waiting or "
                    "prefilling, every row plain greedy); on the GPU they are pipelined, hiding the host part "
-                   "of a step behind the kernel. 1: off.")
+                   "of a step behind the kernel. 1: off. [default: 4 on a GPU backend, 1 on the CPU]")
 @click.option("--tool-call-parser", default=None, help="Tool-call parser (default: per model family; hermes).")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Jinja chat template file replacing the model's.")

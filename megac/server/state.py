@@ -82,9 +82,10 @@ class ServerState:
             return
         self.ready = True
         log.info("ready in %.1f s: model %s on the %s backend; http://%s:%d/v1 (max_model_len %d, "
-                 "max batch %d, %d KV blocks of %d tokens)", time.perf_counter() - t0, self.served_name,
-                 self.engine.backend.name, cfg.host, cfg.port, self.max_model_len, self.engine.config.max_batch_size,
-                 self.engine.kv.num_blocks, self.engine.kv.block_size)
+                 "max batch %d, %d KV blocks of %d tokens, decode burst %d)", time.perf_counter() - t0,
+                 self.served_name, self.engine.backend.name, cfg.host, cfg.port, self.max_model_len,
+                 self.engine.config.max_batch_size, self.engine.kv.num_blocks, self.engine.kv.block_size,
+                 self.engine.config.decode_burst)
 
     def _warm_up(self) -> None:
         done = threading.Event()
