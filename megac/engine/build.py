@@ -54,6 +54,10 @@ class EngineOptions:
 
 #: default batch of the reference backend, which runs any batch size
 REFERENCE_BATCH = 16
+#: prompt tokens per prefill chunk (and prefix-cache granularity) unless
+#: --prefill-chunk says otherwise: on the CPU, and on a GPU backend
+DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_CHUNK_GPU = 1024
 #: KV budget on the CPU when none is given
 DEFAULT_CPU_KV_GB = 1.0
 #: GPU memory kept out of the KV pool for the backend's own buffers (logits,
@@ -107,6 +111,16 @@ def batch_size_for(asked: int | None, schedules) -> tuple[int, str | None]:
     return asked, None
 
 
+def default_prefill_chunk(kind: str, block_size: int) -> int:
+    """The prefill chunk when none is given, a multiple of the KV block. On
+    the GPU a chunk's cost is mostly the host issuing its ~2000 operations
+    (North Mini Code on the H200: 256 tokens in 89 ms, 1024 in 121), so
+    larger chunks prefill ~3x faster; the prefix cache's reuse granularity
+    coarsens with them (a hit reuses whole chunks only)."""
+    want = DEFAULT_PREFILL_CHUNK_GPU if runs_on_gpu(kind) else DEFAULT_PREFILL_CHUNK
+    return max(block_size, (want // block_size) * block_size)
+
+
 def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer=None,
                  progress: Callable[[str], None] | None = None) -> Engine:
     """KV pool, backend and engine for ``spec`` with ``weights`` under ``opts``;
@@ -121,7 +135,7 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     if opts.max_batch_size is not None and opts.max_batch_size < 1:
         raise MegacError("--max-batch-size must be >= 1")
     bs = spec.target.kv_block_size
-    chunk = opts.prefill_chunk or max(bs, (256 // bs) * bs)
+    chunk = opts.prefill_chunk or default_prefill_chunk(kind, bs)
     if chunk < bs or chunk % bs:
         raise MegacError(f"--prefill-chunk {chunk}: must be a positive multiple of the KV block size {bs}")
     artifact_dir = opts.artifact

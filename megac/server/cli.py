@@ -78,8 +78,8 @@ def _setup_logging(level: str) -> None:
               show_default=True, help="Share of the GPU memory free after the weights the KV pool may take "
                                       "(when --kv-cache-memory is not given).")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None,
-              help="Prefill chunk in tokens (multiple of the KV block size; default 256); also the "
-                   "prefix-cache granularity.")
+              help="Prefill chunk in tokens (multiple of the KV block size; default 1024 on a GPU backend, "
+                   "256 on the CPU); also the prefix-cache granularity.")
 @click.option("--max-num-batched-tokens", type=click.IntRange(1), default=None,
               help="Prompt tokens prefilled per engine iteration (default: one chunk).")
 @click.option("--no-prefix-caching", "no_prefix_caching", is_flag=True, help="Disable prefix caching.")
