@@ -20,6 +20,10 @@ every signaller of each counter it waits on is done), with time:
   context (attention splits) and the expected number of active experts under
   uniform routing (``E * (1 - (1 - k/E) ** rows)``), or under the per-expert
   routing chances ``expert_probs`` (``sum_e 1 - (1 - p_e) ** rows``), unless given.
+  A claimed task costs like a task of the claimer's opcode; the claimer
+  itself costs ``claimer_us`` (a calibration's: its dispatch and the claim
+  that finds the queue drained, which every claimer pays, most of them for
+  nothing else), 0 by default.
 
 The model ignores overlap of consecutive tasks on one SM (it is serial per
 SM), caches and compute; it is a planning tool, not a prediction of the
@@ -63,6 +67,9 @@ class CostParams:
     #: and opcode -> µs a task of it costs beyond its bytes (replacing fixed_us)
     op_us_per_byte: dict[int, float] = field(default_factory=dict)
     op_fixed_us: dict[int, float] = field(default_factory=dict)
+    #: claimer opcode -> µs a claimer task costs beyond its claimed tasks (its
+    #: dispatch and the claim that finds the queue drained; 0 unless given)
+    claimer_us: dict[int, float] = field(default_factory=dict)
 
     def task_cost(self, op: int, nbytes, default_us_per_byte: float):
         """µs of a task (or claimed task) of opcode ``op`` moving ``nbytes``."""
@@ -159,6 +166,7 @@ class _TimedHooks(Hooks):
             self.g_waits.append(sorted({c for c, _ in g.waits if 0 <= c < C}))
             self.g_sigs.append(sorted({c for c, _ in g.signals if 0 <= c < C}))
             self.g_end.append(0.0)
+        self.claimer_us = {int(o): float(v) for o, v in params.claimer_us.items()}
         self.rec: list[tuple] = []  # (sm, start, end, opcode, layer, bytes, claimed, task)
 
     def run_task(self, s, k, t):
@@ -183,6 +191,13 @@ class _TimedHooks(Hooks):
             for c in self.g_sigs[gi]:
                 self.walker.signal(c, self.g_end[gi])
         return e
+
+    def finish(self, s, k, t):
+        c = self.claimer_us.get(int(self.op[k]), 0.0)
+        if c <= 0:
+            return t
+        self.rec.append((s, t, t + c, int(self.op[k]), int(self.layer[k]), 0.0, False, k))
+        return t + c
 
 
 def simulate(schedule, params: CostParams | None = None, **overrides) -> CostResult:
