@@ -141,6 +141,9 @@ class PagedKVCache:
         self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
         self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
         self.page_table = np.full((self.num_layers, max_rows, self.max_blocks_per_seq), -1, dtype=np.int32)
+        #: bumped by every change of ``page_table``: a GPU backend re-sends a
+        #: step's page tables only when they changed (at 128K they are MBs)
+        self.version = 0
         self.seq_pos = np.zeros(max_rows, dtype=np.int32)
         self.row_active = np.zeros(max_rows, dtype=np.int32)
         self.allocator = BlockAllocator(num_blocks)
@@ -215,6 +218,7 @@ class PagedKVCache:
             raise MegacError("KV cache: cannot attach an unmapped block a layer still reads")
         self.hold(blocks)
         self.page_table[:, row, :n] = blocks
+        self.version += 1
         # a sliding layer holds from its first mapped block on (what the
         # row's own window moves released before it)
         mapped = blocks >= 0
@@ -266,6 +270,7 @@ class PagedKVCache:
         self._floor[:, row] = 0
         self._may_share[row] = False
         self.page_table[:, row, :] = -1
+        self.version += 1
         return row
 
     def free_row(self, row: int) -> None:
@@ -275,6 +280,7 @@ class PagedKVCache:
         for b in t[t >= 0].tolist():
             self.allocator.decref(b)
         t[:] = -1
+        self.version += 1
         self.row_active[row] = 0
         self.seq_pos[row] = 0
         self._reserved[row] = 0
@@ -287,6 +293,7 @@ class PagedKVCache:
         self._check_row(src)
         dst = self.allocate_row()
         self.page_table[:, dst, :] = self.page_table[:, src, :]
+        self.version += 1
         t = self.page_table[:, dst, :]
         for b in t[t >= 0].tolist():
             self.allocator.incref(b)
@@ -375,6 +382,8 @@ class PagedKVCache:
             self.v_pool[new].copy_(self.v_pool[old])
             self.allocator.decref(old)
             self.page_table[layer, row, b] = new
+        if releases or allocs or cows:
+            self.version += 1
         self._floor[:, row] = new_floor
         self._reserved[row] = max(int(self._reserved[row]), end)
         return p0
@@ -415,6 +424,8 @@ class PagedKVCache:
             self.v_pool[new].copy_(self.v_pool[old])
             self.allocator.decref(old)
             table[layer, b] = new
+        if releases or len(alloc_layers) or len(cow_layers):
+            self.version += 1
         if len(moved):
             floor[moved] = new_floor[moved]
         self._reserved[row] = p + 1

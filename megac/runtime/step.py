@@ -75,6 +75,12 @@ def fill_tables(kv, kv_rows: Sequence[int], positions: Sequence[int], page_table
     mb = min(page_table.shape[2], kv.max_blocks_per_seq)
     if n:
         page_table[:, :n, :mb] = kv.page_table[:, np.asarray(kv_rows, dtype=np.int64), :mb]
+    fill_positions(positions, seq_pos, row_active)
+
+
+def fill_positions(positions: Sequence[int], seq_pos: np.ndarray, row_active: np.ndarray) -> None:
+    """The step's positions and activity (rows past ``len(positions)`` off)."""
+    n = len(positions)
     seq_pos[...] = 0
     row_active[...] = 0
     seq_pos[:n] = positions
@@ -173,5 +179,5 @@ def greedy_from_records(records: torch.Tensor) -> torch.Tensor:
     return torch.where(cand, idx, torch.full_like(idx, big)).amin(dim=-1)
 
 
-__all__ = ["check_tokens", "fill_tables", "finish_rows", "greedy_from_records", "host_words", "load_rows", "page_rows",
+__all__ = ["check_tokens", "fill_positions", "fill_tables", "finish_rows", "greedy_from_records", "host_words", "load_rows", "page_rows",
            "reserve_rows", "seed_ids", "seed_rows"]

@@ -53,3 +53,50 @@ def test_packed_tables_hold_every_page_the_kernel_reads():
     full = np.zeros((L, 4, kv.max_blocks_per_seq), np.int32)
     step.fill_tables(kv, rows, pos, full, seq, act)
     assert np.array_equal(full[:, :, :mb], packed)
+
+
+def test_every_page_table_change_bumps_the_version():
+    """A GPU backend re-sends a step's page tables only when (rows, row
+    length, kv.version) changed: so no change of ``page_table`` may leave
+    the version as it was. Random decode, prefill, fork, attach and free
+    operations on a sliding + full model; and decoding inside a block (the
+    common step) must leave it alone, or nothing would be saved."""
+    rng = np.random.default_rng(7)
+    spec = load_spec("tiny-moe")  # sliding window 8, blocks of 4 here: releases every few steps
+    kv = PagedKVCache(spec, max_rows=4, num_blocks=400, max_context=512, block_size=4)
+    rows: list[int] = []
+    seen_unchanged = 0
+    for _ in range(600):
+        before, v0 = kv.page_table.copy(), kv.version
+        op = rng.integers(0, 10)
+        if (op == 0 or not rows) and len(rows) < 4:
+            rows.append(kv.allocate_row())
+        elif op == 1 and len(rows) > 1:
+            kv.free_row(rows.pop(int(rng.integers(0, len(rows)))))
+        elif op == 2 and len(rows) < 4:
+            rows.append(kv.fork_row(rows[int(rng.integers(0, len(rows)))]))
+        elif op == 3 and len(rows) < 4:
+            src = rows[int(rng.integers(0, len(rows)))]
+            n = int(kv.seq_pos[src]) // kv.block_size
+            if n and kv.attachable(kv.page_table[:, src, :n]):
+                r = kv.allocate_row()
+                v0 = kv.version  # the allocation itself counts
+                before = kv.page_table.copy()
+                kv.attach_shared(r, kv.page_table[:, src, :n].copy())
+                rows.append(r)
+        elif op == 4:
+            r = rows[int(rng.integers(0, len(rows)))]
+            n = int(rng.integers(1, 9))
+            if kv.seq_pos[r] + n < kv.max_context:
+                kv.reserve(r, n, stepwise=bool(rng.integers(0, 2)))
+                kv.advance(r, n)
+        else:
+            r = rows[int(rng.integers(0, len(rows)))]
+            if kv.seq_pos[r] + 1 < kv.max_context:
+                kv.append_slot(r)
+                kv.advance(r, 1)
+        if not np.array_equal(before, kv.page_table):
+            assert kv.version != v0, f"page_table changed by op {op} without a version bump"
+        elif op >= 5:
+            seen_unchanged += kv.version == v0
+    assert seen_unchanged > 50  # most single steps stay inside their blocks
