@@ -17,7 +17,7 @@ import click
 from megac.errors import MegacError
 from megac.runtime.kinds import ROUTINGS
 
-ORDERS = ("tuned", "interleaved", "attention-first")
+from megac.order_option import ORDERS, OrderType
 
 
 def parse_list(text: str, what: str, *, lo: int = 1) -> list[int]:
@@ -55,8 +55,8 @@ def _commit() -> str | None:
 @click.option("--batch-size", "batch_sizes", default="1", show_default=True, help="Comma-separated, e.g. 1,2,4,8.")
 @click.option("--context", "contexts", default="1024", show_default=True,
               help="Comma-separated tokens per row, e.g. 1024,8192.")
-@click.option("--order", type=click.Choice(ORDERS + ("all",)), default="tuned", show_default=True,
-              help="The schedules' wave order; all: every case once per order (an engine each, built in turn, "
+@click.option("--order", type=OrderType(extra=("all",)), default="tuned", show_default=True,
+              help="The schedules' wave order (bundled, or a wave-order YAML file); all: every case once per order (an engine each, built in turn, "
                    "on the same weights) and a ranking of the orders per case.")
 @click.option("--routing", type=click.Choice(ROUTINGS), default="uniform", show_default=True,
               help="skewed: scale each MoE router's rows so experts are chosen Zipf-like (megac.routing_skew; "

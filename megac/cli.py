@@ -15,7 +15,7 @@ import click
 
 from megac.errors import MegacError
 
-ORDERS = ("tuned", "interleaved", "attention-first")
+from megac.order_option import ORDER_HELP, OrderType
 
 
 class _Cli(click.Group):
@@ -54,8 +54,7 @@ def main() -> None:
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, help="Artifact directory (default: the artifact cache, where serve and generate "
                                  "find it: $MEGAC_CACHE_DIR or ~/.cache/megac).")
-@click.option("--order", type=click.Choice(ORDERS), default="tuned", show_default=True,
-              help="Wave order (schedules/<order>.yaml).")
+@click.option("--order", type=OrderType(), default="tuned", show_default=True, help=ORDER_HELP)
 @click.option("--batch-size", "batch_sizes", type=click.IntRange(1, 64), multiple=True,
               help="Batch size(s) to build schedules for (default: the target's).")
 @click.option("--target", type=click.Choice(["h100", "h200"]), default=None,
@@ -117,7 +116,7 @@ def _verify_report(sched):
 
 @main.command("schedule")
 @click.argument("model")
-@click.option("--order", type=click.Choice(ORDERS), default="tuned", show_default=True)
+@click.option("--order", type=OrderType(), default="tuned", show_default=True, help=ORDER_HELP)
 @click.option("--batch-size", type=click.IntRange(1, 64), default=1, show_default=True)
 @click.option("--context", type=click.IntRange(1), default=None,
               help="Context length the schedule serves (default: 8192 or the model's limit).")
@@ -213,7 +212,7 @@ def _encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0: off")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (and the random-weights seed).")
-@click.option("--order", type=click.Choice(ORDERS), default="tuned", show_default=True)
+@click.option("--order", type=OrderType(), default="tuned", show_default=True, help=ORDER_HELP)
 @click.option("--artifact", type=click.Path(exists=True, file_okay=False), default=None,
               help="Run this compiled artifact (megac compile -o DIR) instead of compiling or loading from the cache.")
 @click.option("--mode", type=click.Choice(["fast", "checked"]), default="fast", show_default=True,

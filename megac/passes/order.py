@@ -89,22 +89,24 @@ def load_order(order: str) -> dict:
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in schedules_dir().glob("*.yaml")))
         raise OrderError(f"unknown wave order '{order}' (known: {known})")
+    # a bundled order by its file name, one's own by the path it was given
+    where = path.name if path.parent == schedules_dir() else str(order)
     try:
         doc = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise OrderError(f"{path.name}: invalid YAML: {err}") from None
+        raise OrderError(f"{where}: invalid YAML: {err}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("layers"), dict):
-        raise OrderError(f"{path.name}: needs a 'layers' mapping of layer kind -> waves")
+        raise OrderError(f"{where}: needs a 'layers' mapping of layer kind -> waves")
     unknown = set(doc) - {"name", "layers", "final", "description"}
     if unknown:
-        raise OrderError(f"{path.name}: unknown key(s) {', '.join(sorted(unknown))}")
+        raise OrderError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     layers = {}
     for kind, raw in doc["layers"].items():
         if kind not in LAYER_KINDS:
-            raise OrderError(f"{path.name}: layers.{kind}: unknown layer kind (known: {', '.join(LAYER_KINDS)})")
+            raise OrderError(f"{where}: layers.{kind}: unknown layer kind (known: {', '.join(LAYER_KINDS)})")
         block, ffn = ("sequential", kind.split("_", 1)[1]) if kind.startswith("sequential_") else ("parallel", kind)
-        layers[kind] = parse_waves(raw, f"{path.name}: layers.{kind}", layer_node_kinds(block, ffn))
-    final = parse_waves(doc.get("final", ["lm_head"]), f"{path.name}: final", ("lm_head",))
+        layers[kind] = parse_waves(raw, f"{where}: layers.{kind}", layer_node_kinds(block, ffn))
+    final = parse_waves(doc.get("final", ["lm_head"]), f"{where}: final", ("lm_head",))
     return {"name": doc.get("name", path.stem), "layers": layers, "final": final, "path": str(path)}
 
 

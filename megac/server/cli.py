@@ -27,6 +27,7 @@ import click
 
 from megac.runtime.kinds import BACKEND_KINDS
 from megac.errors import MegacError
+from megac.order_option import OrderType
 from megac.server.bench_datasets import DATASETS
 from megac.server.config import DEFAULT_MAX_REQUEST_BYTES
 
@@ -45,8 +46,8 @@ def _setup_logging(level: str) -> None:
 @click.option("--artifact", type=click.Path(exists=True, file_okay=False), default=None,
               help="Serve this compiled artifact (megac compile -o DIR) instead of compiling or loading from the "
                    "cache; it must be built for MODEL.")
-@click.option("--order", type=click.Choice(["tuned", "interleaved", "attention-first"]), default="tuned",
-              show_default=True, help="Wave order of the schedules compiled (or found in the cache).")
+@click.option("--order", type=OrderType(), default="tuned", show_default=True,
+              help="Wave order of the schedules compiled (or found in the cache): bundled, or a wave-order YAML file.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--max-batch-size", type=click.IntRange(1, 256), default=None,

@@ -1,0 +1,79 @@
+"""``--order FILE.yaml``: a wave order of one's own goes wherever a bundled
+one does (schedule, compile, the artifact cache), so orders can be tried on
+the CPU under the calibrated cost model; a bad file is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import yaml
+
+from megac.order_option import ORDERS
+from megac.passes.order import ORDERS as PASS_ORDERS
+from megac.resources import schedules_dir
+from megac.runtime.artifacts import artifact_key
+from megac.spec import load_spec
+from test_cli import assert_one_line_error, megac
+
+
+def _waves(res):
+    data = json.loads(res.stdout)
+    return {kind: [w["wave"] for w in waves] for kind, waves in data["waves"].items()}
+
+
+def test_the_bundled_names_agree():
+    assert ORDERS == PASS_ORDERS
+    assert sorted(ORDERS) == sorted(p.stem for p in schedules_dir().glob("*.yaml"))
+
+
+def test_an_order_file_schedules_as_its_waves_say(tmp_path):
+    same = tmp_path / "mine.yaml"
+    shutil.copy(schedules_dir() / "interleaved.yaml", same)
+    got = megac("schedule", "tiny-moe", "--order", same, "--json")
+    want = megac("schedule", "tiny-moe", "--order", "interleaved", "--json")
+    assert got.returncode == 0 == want.returncode, got.stderr
+    assert _waves(got) == _waves(want)
+    # and an order of its own: O-proj before the expert down projection
+    doc = yaml.safe_load((schedules_dir() / "tuned.yaml").read_text())
+    moe = doc["layers"]["moe"]
+    moe.remove("o_proj")
+    moe.insert(moe.index("moe_down"), "o_proj")
+    mine = tmp_path / "oproj-early.yaml"
+    mine.write_text(yaml.safe_dump(doc))
+    res = megac("schedule", "tiny-moe", "--order", mine, "--json", "--calibration", "h200-north-mini-code")
+    assert res.returncode == 0, res.stderr
+    kinds = _waves(res)
+    waves = kinds[next(k for k in kinds if k.startswith("moe"))]
+    assert waves.index("o_proj") < waves.index("moe_down")
+    assert json.loads(res.stdout)["predicted"]["step_us"] > 0
+
+
+def test_a_bad_order_file_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nlayers:\n  moe: [qkv, router]\n")
+    assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), str(bad), "missing")
+    res = megac("schedule", "tiny-moe", "--order", tmp_path / "absent.yaml")
+    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
+    res = megac("compile", "tiny-moe", "--order", "fastest")
+    assert res.returncode == 2 and "neither a bundled order" in res.stderr
+
+
+def test_the_cache_keys_on_the_file_text(tmp_path):
+    spec = load_spec("tiny-moe")
+    f = tmp_path / "o.yaml"
+    shutil.copy(schedules_dir() / "tuned.yaml", f)
+    k1 = artifact_key(spec, str(f), [1])
+    assert k1 == artifact_key(spec, str(f), [1]) != artifact_key(spec, "tuned", [1])
+    f.write_text(f.read_text().replace("name: tuned", "name: edited"))
+    assert artifact_key(spec, str(f), [1]) != k1  # an edit is a new artifact
+
+
+def test_compile_with_an_order_file(tmp_path):
+    f = tmp_path / "o.yaml"
+    shutil.copy(schedules_dir() / "attention-first.yaml", f)
+    out = tmp_path / "art"
+    res = megac("compile", "tiny-moe", "--order", f, "-o", out, "--batch-size", 1, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["order"] == str(f.resolve())
