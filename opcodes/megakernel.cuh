@@ -46,11 +46,12 @@ __device__ __forceinline__ bool call(F f, const Ctx& c) {
 #endif
 
 // Per-task timeline (compiled in with -DMEGAC_PROFILE=1; megac/gpu/profile.py
-// points `megakernel_profile` at a [num_sms][max_tasks][4] uint64 buffer):
-// thread 0 records, per task, the global timer (ns) when its words landed,
-// when its header waits were done, when the CTA finished it, and a word
-// opcode | claims << 8 | claim_wait_ns << 32 (claimers: records run and the
-// time their record waits took).
+// points `megakernel_profile` at a [num_sms][max_tasks][kProfileWords]
+// uint64 buffer): thread 0 records, per task, the global timer (ns) when its
+// words landed, when its header waits were done, when the CTA finished it, a
+// word opcode | claims << 8 | claim_wait_ns << 32 (claimers: records run and
+// the time their record waits took), then the task's MEGAC_MARK stamps (0:
+// not reached; profile_marks.cuh).
 #ifndef MEGAC_PROFILE
 #define MEGAC_PROFILE 0
 #endif
@@ -58,6 +59,8 @@ __device__ __forceinline__ bool call(F f, const Ctx& c) {
 // defined here: the header belongs to the one translation unit of the kernel
 extern "C" __device__ unsigned long long* megakernel_profile = nullptr;
 #endif
+// uint64 words per task record: start, waits done, end, the opcode word, the marks
+constexpr int kProfileWords = 4 + kProfileMarks;
 
 template <class M, class Dispatch>
 __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ desc) {
@@ -115,6 +118,7 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
       t_start = globaltimer_ns();
       ts->claims = 0;
       ts->claim_wait_ns = 0;
+      for (int i = 0; i < kProfileMarks; ++i) profile_marks[i] = 0;
     }
 #endif
     // weights never depend on the waits: a static GEMM's first chunks stream
@@ -141,12 +145,13 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
     __syncthreads();
 #if MEGAC_PROFILE
     if (threadIdx.x == 0 && megakernel_profile != nullptr) {
-      unsigned long long* p = megakernel_profile + (int64_t(sm) * desc->max_tasks + k) * 4;
+      unsigned long long* p = megakernel_profile + (int64_t(sm) * desc->max_tasks + k) * kProfileWords;
       p[0] = t_start;
       p[1] = t_waited;
       p[2] = globaltimer_ns();
       p[3] = uint64_t(uint32_t(op) & 0xffu) | (uint64_t(ts->claims & 0xffffffu) << 8) |
              (uint64_t(ts->claim_wait_ns) << 32);
+      for (int i = 0; i < kProfileMarks; ++i) p[4 + i] = profile_marks[i];
     }
 #endif
     if (!ok || !ts->ok) break;

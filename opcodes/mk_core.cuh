@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "profile_marks.cuh"
 #include "counters.cuh"
 #include "gemm_ring.cuh"
 #include "gemm_tc.cuh"
@@ -137,6 +138,7 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int le
         else
           q = ptr<const int32_t>(c.d->moe_down_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
         for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) ts->rec[i] = __ldcg(q + int64_t(idx) * QUEUE_RECORD_WORDS + i);
+        MEGAC_MARK(0);  // the queue head's atomic and the record's loads
         prefetch(ts->rec);
         int32_t wo = 0, so = 0;
         offsets(ts->rec, wo, so);
@@ -152,6 +154,7 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int le
         ts->claims += 1;
         ts->claim_wait_ns += uint32_t(globaltimer_ns() - t0);
 #endif
+        MEGAC_MARK(1);  // the claim's own wait
         const int32_t sb = w[signal_base_field];
         ts->claim_signal = sb >= 0 ? sb + so : -1;
       }
@@ -161,6 +164,7 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int le
     if (!ts->claimed || !ts->ok) return ts->ok != 0;
     run();
     __syncthreads();
+    MEGAC_MARK(2);  // the claimed tile's work
     if (threadIdx.x == 0) signal(c, ts->claim_signal);
   }
 }

@@ -39,6 +39,7 @@
 #include <cuda_bf16.h>
 
 #include "common.cuh"
+#include "profile_marks.cuh"
 
 namespace megac {
 namespace moe {
@@ -162,14 +163,17 @@ __device__ __forceinline__ int topk_row_warp(const float* __restrict__ parts, si
   float v[VPL];
   bool taken[VPL];
   load_logits<VPL>(parts, split_stride, num_splits, E, v, taken);
+  MEGAC_MARK(0);  // the partials summed (an L2 round trip)
   int my_id = -1;
   float my_logit = 0.f;
   select_topk<VPL>(v, taken, K, my_id, my_logit);
+  MEGAC_MARK(1);  // the K arg-max rounds
   const float w = routing_weight(my_logit, K, flags);
   if (lane < K) {
     ids_out[lane] = my_id;
     w_out[lane] = w;
   }
+  MEGAC_MARK(2);  // weights and stores
   return lane < K ? my_id : -1;
 }
 
@@ -334,6 +338,7 @@ __device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* sme
       reinterpret_cast<uint4*>(a.moe_x + size_t(slot) * a.hidden)[c] = v;
     }
   }
+  MEGAC_MARK(3);  // ranked and counted, slots written (and rows gathered)
   write_queue(a.up_queue, a.up_tiles, na, act, off, cnt);
   write_queue(a.down_queue, a.down_tiles, na, act, off, cnt);
   if (threadIdx.x == 0) {

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "profile_marks.cuh"
+
 namespace megac {
 namespace norm {
 
@@ -94,6 +96,7 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
       }
     }
   }
+  MEGAC_MARK(0);  // thread 0's loads and adds done
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   if (lane == 0) red[warp] = ss;
@@ -104,6 +107,7 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
     red[32] = rsqrtf(t / float(a.D) + a.eps);
   }
   __syncthreads();
+  MEGAC_MARK(1);  // the row's 1 / rms known to the CTA
   const float r = red[32];
   if (one_pass) {
 #pragma unroll

@@ -11,6 +11,12 @@
 Thread 0 of each CTA stamps the global timer (ns) when a task's words
 landed, when its header waits were done and when the CTA finished it; a
 claimer also counts the records it ran and the time their own waits took.
+Up to :data:`MARKS` more stamps mark points inside a task's run
+(``MEGAC_MARK`` in ``opcodes/profile_marks.cuh``: where the routing chain's
+and the norm's single-CTA tasks spend their microseconds; a claimer's are
+its first claim's); :func:`marks_summary` gives their medians per opcode.
+The global timer ticks coarsely on some chips (up to 1 µs): a mark resolves
+phases of microseconds, not cycles.
 """
 
 from __future__ import annotations
@@ -23,16 +29,29 @@ from megac.abi import H, Op
 from megac.errors import MegacError
 
 SYMBOL = "megakernel_profile"
+#: stamps inside a task (opcodes/profile_marks.cuh kProfileMarks)
+MARKS = 4
+#: uint64 words of a task's record (megakernel.cuh kProfileWords)
+WORDS = 4 + MARKS
+#: what each opcode's marks stand for (the points MEGAC_MARK stands at)
+MARK_NAMES = {
+    "ROUTER_TOPK": ("partials summed", "arg-max rounds", "weights stored"),
+    "ROUTE_FINALIZE": ("partials summed", "arg-max rounds", "weights stored", "slots written"),
+    "ADD_RMSNORM": ("loads and adds", "1/rms known"),
+    "MOE_UPGATE_DRAIN": ("head atomic and record", "claim wait", "tile done"),
+    "MOE_DOWN_DRAIN": ("head atomic and record", "claim wait", "tile done"),
+    "ATTN_DRAIN": ("head atomic and record", "claim wait", "tile done"),
+}
 
 
 def attach(backend):
-    """A zeroed int64 [num_sms, max_tasks, 4] buffer on the GPU, sized for
+    """A zeroed int64 [num_sms, max_tasks, WORDS] buffer on the GPU, sized for
     the backend's largest task list, and the kernel's pointer set to it."""
     import cupy as cp  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
     sched = max(backend.schedules.schedules, key=lambda s: s.tasks.shape[1])
-    buf = torch.zeros((sched.num_sms, sched.tasks.shape[1], 4), dtype=torch.int64, device=backend.dev)
+    buf = torch.zeros((sched.num_sms, sched.tasks.shape[1], WORDS), dtype=torch.int64, device=backend.dev)
     try:
         sym = backend.module.get_global(SYMBOL)
     except Exception as err:  # noqa: BLE001 -- cupy raises its own driver error types
@@ -45,10 +64,11 @@ def attach(backend):
 
 def read(buf, sched) -> list[dict]:
     """The records of the tasks ``sched`` ran (times in µs from the first
-    task's start)."""
+    task's start; ``marks_us``: the task's MEGAC_MARK stamps, None where
+    not reached)."""
     # the kernel indexes by the launched schedule's own max_tasks
     n_sms, max_tasks = int(sched.num_sms), int(sched.max_tasks)
-    a = buf.cpu().numpy().reshape(-1)[: n_sms * max_tasks * 4].reshape(n_sms, max_tasks, 4)
+    a = buf.cpu().numpy().reshape(-1)[: n_sms * max_tasks * WORDS].reshape(n_sms, max_tasks, WORDS)
     counts = np.asarray(sched.task_counts)
     # the launch's own tasks only: a row the step did not reach keeps zeros
     rows = [(s, k) for s in range(sched.num_sms) for k in range(int(counts[s])) if a[s, k, 2] != 0]
@@ -57,12 +77,39 @@ def read(buf, sched) -> list[dict]:
     t0 = min(int(a[s, k, 0]) for s, k in rows)
     out = []
     for s, k in rows:
-        start, waited, end, word = (int(x) for x in a[s, k])
+        start, waited, end, word = (int(x) for x in a[s, k, :4])
         word &= (1 << 64) - 1
+        marks = [(int(m) - t0) / 1e3 if int(m) else None for m in a[s, k, 4:]]
         op = word & 0xFF
         out.append({"sm": s, "task": k, "op": Op(op).name, "layer": int(sched.tasks[s, k, H.LAYER]),
                     "start_us": (start - t0) / 1e3, "waited_us": (waited - t0) / 1e3, "end_us": (end - t0) / 1e3,
-                    "claims": (word >> 8) & 0xFFFFFF, "claim_wait_us": ((word >> 32) & 0xFFFFFFFF) / 1e3})
+                    "claims": (word >> 8) & 0xFFFFFF, "claim_wait_us": ((word >> 32) & 0xFFFFFFFF) / 1e3,
+                    "marks_us": marks})
+    return out
+
+
+def marks_summary(recs: Iterable[dict]) -> dict:
+    """Per opcode that stamps marks: for each mark, the median µs from the
+    task's wait end to it (over the tasks that reached it), and the median
+    run; named where :data:`MARK_NAMES` knows the points."""
+    import statistics  # noqa: PLC0415
+
+    per: dict = {}
+    for r in recs:
+        marks = r.get("marks_us") or []
+        if not any(m is not None for m in marks):
+            continue
+        d = per.setdefault(r["op"], {"run": [], "marks": [[] for _ in range(MARKS)]})
+        d["run"].append(r["end_us"] - r["waited_us"])
+        for i, m in enumerate(marks[:MARKS]):
+            if m is not None:
+                d["marks"][i].append(m - r["waited_us"])
+    out = {}
+    for op, d in per.items():
+        names = MARK_NAMES.get(op, ())
+        out[op] = {"tasks": len(d["run"]), "run_us": round(statistics.median(d["run"]), 2),
+                   "marks_us": {(names[i] if i < len(names) else f"mark {i}"): round(statistics.median(v), 2)
+                                for i, v in enumerate(d["marks"]) if v}}
     return out
 
 
@@ -99,7 +146,7 @@ def chrome_trace(recs: Iterable[dict]) -> dict:
                        "args": {"task": r["task"], "layer": r["layer"], "for": r["op"]}})
         ev.append({**base, "name": r["op"], "ts": r["waited_us"], "dur": max(r["end_us"] - r["waited_us"], 0.0),
                    "args": {"task": r["task"], "layer": r["layer"], "claims": r["claims"],
-                            "claim_wait_us": r["claim_wait_us"]}})
+                            "claim_wait_us": r["claim_wait_us"], "marks_us": r.get("marks_us")}})
     ev += [{"pid": 0, "tid": s, "ph": "M", "name": "thread_name", "args": {"name": f"SM {s}"}}
            for s in sorted({r["sm"] for r in recs})]
     return {"traceEvents": ev, "displayTimeUnit": "ns"}
@@ -122,7 +169,8 @@ def records_from_trace(trace: dict) -> list[dict]:
         s, k = e["tid"], a["task"]
         out.append({"sm": s, "task": k, "op": e["name"], "layer": a["layer"],
                     "start_us": waits.get((s, k), e["ts"]), "waited_us": e["ts"], "end_us": e["ts"] + e["dur"],
-                    "claims": a["claims"], "claim_wait_us": a["claim_wait_us"]})
+                    "claims": a["claims"], "claim_wait_us": a["claim_wait_us"],
+                    "marks_us": a.get("marks_us") or [None] * MARKS})
     return sorted(out, key=lambda r: (r["sm"], r["task"]))
 
 
@@ -171,4 +219,5 @@ def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5) -> d
     return {"records": recs, "kernel_ms": plain, "profiled_ms": profiled}
 
 
-__all__ = ["SYMBOL", "attach", "chrome_trace", "profile_step", "read", "records_from_trace", "summary"]
+__all__ = ["MARKS", "MARK_NAMES", "SYMBOL", "WORDS", "attach", "chrome_trace", "marks_summary", "profile_step", "read",
+           "records_from_trace", "summary"]

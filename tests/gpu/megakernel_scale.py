@@ -1015,7 +1015,8 @@ def check_profile() -> dict:
         # the path `megac bench --profile` takes (its build is PROFILE's, prebuilt)
         got = profile.profile_step(be, eng.kv, b, ctx, warmup=10)
         recs, plain, timed = got["records"], got["kernel_ms"], got["profiled_ms"]
-        out[model] = {"kernel_ms": plain, "kernel_ms_profiled": timed, **profile.summary(recs)}
+        out[model] = {"kernel_ms": plain, "kernel_ms_profiled": timed, **profile.summary(recs),
+                      "inside_tasks": profile.marks_summary(recs)}
         if os.environ.get("OUT"):
             name = f"profile-{model}-bs{b}-ctx{ctx}"
             (Path(os.environ["OUT"]) / f"{name}.json").write_text(json.dumps(recs))

@@ -262,3 +262,24 @@ def test_serve_with_decode_bursts(tmp_path):
     r = _run("serve_burst", tmp_path)
     assert r["mentions_paris"] and r["streamed_equals_plain"], r
     assert all(r["concurrent_equal_alone"]) and len(r["concurrent_equal_alone"]) == 8, r
+
+
+def test_profiled_step_has_every_task_and_the_marks_inside_them(tmp_path):
+    """``megac bench --profile``'s path (the MEGAC_PROFILE build swapped in):
+    every SM records its tasks, every opcode of the step appears, and the
+    stamps inside the routing chain's, the norm's and the claimers' tasks
+    come in the order the code passes them, after the task's wait and
+    before its end (the profile was silently empty while step graphs kept
+    launching the plain build)."""
+    r = _run("profile", tmp_path)
+    nmc = r["north-mini-code"]
+    assert nmc["sms"] == 132 and nmc["span_us"] > 0, nmc
+    assert {"ROUTER_TOPK", "ROUTE_FINALIZE", "MOE_UPGATE_DRAIN", "ADD_RMSNORM", "LM_HEAD"} <= set(nmc["per_op"])
+    inside = nmc["inside_tasks"]
+    for op, n in (("ROUTER_TOPK", 3), ("ADD_RMSNORM", 2), ("MOE_UPGATE_DRAIN", 3), ("MOE_DOWN_DRAIN", 3)):
+        marks = list(inside[op]["marks_us"].values())
+        assert len(marks) == n, (op, inside[op])
+        # medians of ordered stamps stay ordered; the global timer may tick coarsely (<= 1 us)
+        assert all(a <= b + 1.0 for a, b in zip(marks, marks[1:])), (op, inside[op])
+        assert -1.0 <= marks[0] and marks[-1] <= inside[op]["run_us"] + 1.0, (op, inside[op])
+    assert r["smollm2-135m"]["sms"] == 132

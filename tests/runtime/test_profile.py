@@ -21,23 +21,31 @@ def _sched(counts, max_tasks):
 def test_read_summary_and_trace():
     sched = _sched([2, 1], 3)
     # the buffer is sized for a larger schedule; the kernel indexes by the launched one's max_tasks
-    buf = torch.zeros((2, 5, 4), dtype=torch.int64)
+    W = profile.WORDS  # start, waits done, end, opcode word, then the marks
+    buf = torch.zeros((2, 5, W), dtype=torch.int64)
     flat = buf.view(-1)
     t0 = 1_000_000
 
-    def put(sm, k, start, waited, end, op, claims=0, cwait=0):
-        i = (sm * sched.max_tasks + k) * 4
+    def put(sm, k, start, waited, end, op, claims=0, cwait=0, marks=()):
+        i = (sm * sched.max_tasks + k) * W
         word = int(op) | (claims << 8) | (cwait << 32)
-        flat[i: i + 4] = torch.tensor([t0 + start, t0 + waited, t0 + end, word])
+        stamps = [t0 + m if m is not None else 0 for m in marks] + [0] * (profile.MARKS - len(marks))
+        flat[i: i + W] = torch.tensor([t0 + start, t0 + waited, t0 + end, word, *stamps])
 
     put(0, 0, 0, 1000, 5000, Op.QKV_PROJ)
     put(0, 1, 5000, 9000, 10000, Op.O_PROJ)
-    put(1, 0, 200, 200, 30000, Op.MOE_UPGATE_DRAIN, claims=3, cwait=12000)
+    put(1, 0, 200, 200, 30000, Op.MOE_UPGATE_DRAIN, claims=3, cwait=12000, marks=(1200, None, 9200))
     recs = profile.read(buf, sched)
     assert [(r["sm"], r["task"], r["op"]) for r in recs] == [(0, 0, "QKV_PROJ"), (0, 1, "O_PROJ"),
                                                             (1, 0, "MOE_UPGATE_DRAIN")]
     assert recs[1]["layer"] == 1 and recs[1]["start_us"] == 5.0 and recs[1]["waited_us"] == 9.0
     assert recs[2]["claims"] == 3 and recs[2]["claim_wait_us"] == 12.0
+    assert recs[2]["marks_us"] == [1.2, None, 9.2, None] and recs[0]["marks_us"] == [None] * profile.MARKS
+    # marks from the wait's end (0.2 µs), named per opcode; tasks without marks left out
+    m = profile.marks_summary(recs)
+    assert list(m) == ["MOE_UPGATE_DRAIN"]
+    assert m["MOE_UPGATE_DRAIN"]["marks_us"] == {"head atomic and record": 1.0, "tile done": 9.0}
+    assert m["MOE_UPGATE_DRAIN"]["run_us"] == 29.8
     s = profile.summary(recs)
     assert s["span_us"] == 30.0 and s["sms"] == 2
     assert s["per_op"]["O_PROJ"] == {"tasks": 1, "wait_us": 4.0, "run_us": 1.0, "claim_wait_us": 0.0, "claims": 0}
@@ -47,12 +55,18 @@ def test_read_summary_and_trace():
     waits = [e for e in tr if e.get("name") == "wait"]
     assert [(e["tid"], e["dur"]) for e in waits] == [(0, 1.0), (0, 4.0)]  # the claimer had no header wait
     assert {e["args"]["name"] for e in tr if e["ph"] == "M"} == {"SM 0", "SM 1"}
+    # the marks survive the trace file (and old traces without them read as unmarked)
+    back = profile.records_from_trace(profile.chrome_trace(recs))
+    assert [r["marks_us"] for r in back] == [r["marks_us"] for r in recs]
+    for e in tr:
+        e.get("args", {}).pop("marks_us", None)
+    assert all(r["marks_us"] == [None] * profile.MARKS for r in profile.records_from_trace({"traceEvents": tr}))
 
 
 def test_unreached_tasks_are_left_out():
     sched = _sched([2], 2)
-    buf = torch.zeros((1, 2, 4), dtype=torch.int64)
-    buf[0, 0] = torch.tensor([10, 20, 30, int(Op.LM_HEAD)])
+    buf = torch.zeros((1, 2, profile.WORDS), dtype=torch.int64)
+    buf[0, 0, :4] = torch.tensor([10, 20, 30, int(Op.LM_HEAD)])
     assert [r["op"] for r in profile.read(buf, sched)] == ["LM_HEAD"]
 
 

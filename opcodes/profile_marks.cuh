@@ -1,0 +1,36 @@
+// Timestamps inside a task, for the per-task timeline of a -DMEGAC_PROFILE=1
+// build (megac/gpu/profile.py): MEGAC_MARK(i), i < kProfileMarks, has thread
+// 0 stamp the global timer the first time it passes that point in a task (a
+// claimer: in its first claim); megakernel.cuh writes the marks out with the
+// task's record and clears them for the next task. A task's record says when
+// it started, when its waits ended and when it ended; the marks say where
+// the run between went (the single-CTA tasks of the routing chain and the
+// norm run 3-6 us for little work). Nothing in other builds.
+#pragma once
+
+#include <cstdint>
+
+#ifndef MEGAC_PROFILE
+#define MEGAC_PROFILE 0
+#endif
+
+namespace megac {
+
+constexpr int kProfileMarks = 4;
+
+#if MEGAC_PROFILE
+__shared__ unsigned long long profile_marks[kProfileMarks];
+
+__device__ __forceinline__ void profile_mark(int i) {
+  if (threadIdx.x == 0 && profile_marks[i] == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    profile_marks[i] = t;
+  }
+}
+#define MEGAC_MARK(i) ::megac::profile_mark(i)
+#else
+#define MEGAC_MARK(i) ((void)0)
+#endif
+
+}  // namespace megac
