@@ -79,10 +79,14 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     return out[0].transpose(0, 1).reshape(n, H * hd)
 
 
+#: the GPU prefill's attention fused (False: the reference's, e.g. to time both in one process)
+FUSED_ATTENTION_ON_GPU = True
+
+
 def prefill_attention(q, k, v, q_pos, k_pos, window, scale) -> torch.Tensor:
     """The prefill's attention: fused on the GPU (:func:`fused_attention`),
     the reference's elsewhere (the CPU paths keep the reference's bits)."""
-    fn = fused_attention if q.is_cuda else attention
+    fn = fused_attention if q.is_cuda and FUSED_ATTENTION_ON_GPU else attention
     return fn(q, k, v, q_pos, k_pos, window, scale)
 
 

@@ -19,8 +19,13 @@ from pathlib import Path
 
 
 def profile_prefill(model: str = "north-mini-code", device: str = "cuda", tokens: int = 4096,
-                    chunks: tuple[int, ...] = (256, 1024, 4096)) -> dict:
+                    chunks: tuple[int, ...] = (256, 1024, 4096), attentions: tuple[str, ...] = ("fused",)) -> dict:
+    """``attentions``: the GPU prefill's attention, ``fused`` and/or
+    ``reference`` (megac.prefill.FUSED_ATTENTION_ON_GPU), each timed over
+    every chunk size in this one process."""
     import torch
+
+    import megac.prefill as P
 
     from megac.kv.paged import PagedKVCache
     from megac.prefill import prefill_row
@@ -52,13 +57,16 @@ def profile_prefill(model: str = "north-mini-code", device: str = "cuda", tokens
         return time.perf_counter() - t0
 
     out: dict = {"model": model, "tokens": tokens, "rows": []}
-    run(chunks[0])  # warm-up (allocator, kernels' first launch)
-    for chunk in chunks:
-        if chunk > tokens:
-            continue
-        s = run(chunk)
-        out["rows"].append({"chunk": chunk, "seconds": round(s, 3), "tok_s": round(tokens / s, 1)})
-        print(json.dumps(out["rows"][-1]), flush=True)
+    for attn in attentions:
+        P.FUSED_ATTENTION_ON_GPU = attn == "fused"
+        run(chunks[0])  # warm-up (allocator, kernels' first launch)
+        for chunk in chunks:
+            if chunk > tokens:
+                continue
+            s = run(chunk)
+            out["rows"].append({"attention": attn, "chunk": chunk, "seconds": round(s, 3), "tok_s": round(tokens / s, 1)})
+            print(json.dumps(out["rows"][-1]), flush=True)
+    P.FUSED_ATTENTION_ON_GPU = True
     row = kv.allocate_row()
     prof = cProfile.Profile()
     prof.enable()
@@ -78,9 +86,10 @@ def main() -> None:
     ap.add_argument("--model", default="north-mini-code")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--attention", default="fused", help="comma list: fused, reference (the GPU prefill's attention)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    res = profile_prefill(a.model, a.device, a.tokens)
+    res = profile_prefill(a.model, a.device, a.tokens, attentions=tuple(a.attention.split(",")))
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "prefill_profile.json").write_text(json.dumps(res, indent=1))
