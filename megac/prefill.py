@@ -18,6 +18,7 @@ positions a later query can still see (see :mod:`megac.kv.paged`).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
@@ -79,13 +80,16 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     return out[0].transpose(0, 1).reshape(n, H * hd)
 
 
-#: the GPU prefill's attention fused (False: the reference's, e.g. to time both in one process)
-FUSED_ATTENTION_ON_GPU = True
+#: the GPU prefill's attention fused (:func:`fused_attention`); off until
+#: timed and checked on a GPU (gpu.prefill_profile --attention
+#: fused,reference; the checks nmc_slice, nmc_full, smollm2, prefix_turns10)
+FUSED_ATTENTION_ON_GPU = os.environ.get("MEGAC_PREFILL_FUSED_ATTENTION", "0") == "1"
 
 
 def prefill_attention(q, k, v, q_pos, k_pos, window, scale) -> torch.Tensor:
-    """The prefill's attention: fused on the GPU (:func:`fused_attention`),
-    the reference's elsewhere (the CPU paths keep the reference's bits)."""
+    """The prefill's attention: fused on the GPU where
+    :data:`FUSED_ATTENTION_ON_GPU` (``MEGAC_PREFILL_FUSED_ATTENTION=1``), the
+    reference's otherwise (the CPU paths always keep the reference's bits)."""
     fn = fused_attention if q.is_cuda and FUSED_ATTENTION_ON_GPU else attention
     return fn(q, k, v, q_pos, k_pos, window, scale)
 

@@ -66,7 +66,7 @@ def profile_prefill(model: str = "north-mini-code", device: str = "cuda", tokens
             s = run(chunk)
             out["rows"].append({"attention": attn, "chunk": chunk, "seconds": round(s, 3), "tok_s": round(tokens / s, 1)})
             print(json.dumps(out["rows"][-1]), flush=True)
-    P.FUSED_ATTENTION_ON_GPU = True
+    P.FUSED_ATTENTION_ON_GPU = attentions[0] == "fused"  # the profile below: the first one's
     row = kv.allocate_row()
     prof = cProfile.Profile()
     prof.enable()
