@@ -235,6 +235,8 @@ def _profile(engine, case, profile_path, plot_path, name: str, say) -> None:
     say(f"instrumentation: {got['kernel_ms']:.3f} -> {got['profiled_ms']:.3f} ms per step "
         f"(+{100 * (got['profiled_ms'] / got['kernel_ms'] - 1):.1f} %); span {s['span_us']:.0f} us on {s['sms']} SMs, "
         f"{100 * s['work_fraction']:.0f} % of SM time working")
+    say("where a layer's time goes (the measured step):\n" + profile.format_layer_table(
+        profile.layer_table(recs, engine.spec)))
     for op, m in profile.marks_summary(recs).items():
         points = ", ".join(f"{k} {v:.1f}" for k, v in m["marks_us"].items())
         say(f"inside {op} (median us after its wait, {m['tasks']} tasks): {points}; ends at {m['run_us']:.1f}")

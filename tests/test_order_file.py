@@ -77,3 +77,15 @@ def test_compile_with_an_order_file(tmp_path):
     assert res.returncode == 0, res.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["order"] == str(f.resolve())
+
+
+def test_the_experiment_orders_compile_and_verify():
+    """schedules/experiments/ holds orders the speed work wants measured
+    (not bundled): each must stay a valid order the compiler verifies."""
+    from megac.passes.pipeline import compile_one
+
+    files = sorted((schedules_dir() / "experiments").glob("*.yaml"))
+    assert files
+    for f in files:
+        sched = compile_one(load_spec("tiny-moe"), order=str(f), rows=2, context=256)
+        assert sched.num_tasks > 0, f

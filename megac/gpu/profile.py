@@ -135,6 +135,63 @@ def summary(recs: Iterable[dict]) -> dict:
             "per_op": dict(sorted(per.items(), key=lambda kv: -kv[1]["run_us"]))}
 
 
+def layer_table(recs: Iterable[dict], spec) -> list[dict]:
+    """Where a layer's time goes, per kind of layer (``sliding/moe``,
+    ``full/dense``, ...): the layer starts when the previous layer's last
+    ADD_RMSNORM task ends (layer 0: the step's start); per opcode, medians
+    over the layers of that kind of when its last task's wait ended
+    (``ready_us``: its inputs were there) and when its last task ended
+    (``done_us``), both from the layer's start, and of its slowest task's run
+    (``run_us``). Rows in order of ``done_us``: the chain as it ran."""
+    import statistics  # noqa: PLC0415
+
+    recs = list(recs)
+    n_layers = len(spec.layers)
+    by: dict = {}
+    for r in recs:
+        if 0 <= r["layer"] < n_layers:
+            by.setdefault(r["layer"], {}).setdefault(r["op"], []).append(r)
+    starts = {0: 0.0}
+    for layer in range(1, n_layers):
+        norms = by.get(layer - 1, {}).get("ADD_RMSNORM")
+        if norms:
+            starts[layer] = max(r["end_us"] for r in norms)
+    acc: dict = {}
+    for layer, ops in by.items():
+        if layer not in starts:
+            continue
+        ls = spec.layers[layer]
+        kind = f"{ls.attention}/{ls.ffn}"
+        t0 = starts[layer]
+        for op, rs in ops.items():
+            d = acc.setdefault(kind, {}).setdefault(op, {"ready": [], "done": [], "run": [], "tasks": []})
+            d["ready"].append(max(r["waited_us"] for r in rs) - t0)
+            d["done"].append(max(r["end_us"] for r in rs) - t0)
+            d["run"].append(max(r["end_us"] - r["waited_us"] for r in rs))
+            d["tasks"].append(len(rs))
+    rows = []
+    for kind, ops in acc.items():
+        layers = max(len(d["done"]) for d in ops.values())
+        for op, d in ops.items():
+            rows.append({"layers": kind, "n": layers, "op": op, "tasks": int(statistics.median(d["tasks"])),
+                         "ready_us": round(statistics.median(d["ready"]), 1),
+                         "done_us": round(statistics.median(d["done"]), 1),
+                         "run_us": round(statistics.median(d["run"]), 1)})
+    return sorted(rows, key=lambda r: (-r["n"], r["layers"], r["done_us"]))
+
+
+def format_layer_table(rows: list[dict]) -> str:
+    """:func:`layer_table` as text: a block per kind of layer."""
+    out, kind = [], None
+    for r in rows:
+        if r["layers"] != kind:
+            kind = r["layers"]
+            out.append(f"{kind} layers ({r['n']}): median us from the layer's start")
+            out.append(f"  {'opcode':18s} {'tasks':>5s} {'inputs ready':>12s} {'done':>7s} {'slowest run':>11s}")
+        out.append(f"  {r['op']:18s} {r['tasks']:5d} {r['ready_us']:12.1f} {r['done_us']:7.1f} {r['run_us']:11.1f}")
+    return "\n".join(out)
+
+
 def chrome_trace(recs: Iterable[dict]) -> dict:
     """Chrome / Perfetto trace events: one track per SM, each task's header
     wait ("wait") and its run (the opcode's name) as separate slices."""
@@ -219,5 +276,5 @@ def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5) -> d
     return {"records": recs, "kernel_ms": plain, "profiled_ms": profiled}
 
 
-__all__ = ["MARKS", "MARK_NAMES", "SYMBOL", "WORDS", "attach", "chrome_trace", "marks_summary", "profile_step", "read",
-           "records_from_trace", "summary"]
+__all__ = ["MARKS", "MARK_NAMES", "SYMBOL", "WORDS", "attach", "chrome_trace", "format_layer_table", "layer_table",
+           "marks_summary", "profile_step", "read", "records_from_trace", "summary"]

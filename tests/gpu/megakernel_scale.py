@@ -1016,7 +1016,7 @@ def check_profile() -> dict:
         got = profile.profile_step(be, eng.kv, b, ctx, warmup=10)
         recs, plain, timed = got["records"], got["kernel_ms"], got["profiled_ms"]
         out[model] = {"kernel_ms": plain, "kernel_ms_profiled": timed, **profile.summary(recs),
-                      "inside_tasks": profile.marks_summary(recs)}
+                      "inside_tasks": profile.marks_summary(recs), "layers": profile.layer_table(recs, spec)}
         if os.environ.get("OUT"):
             name = f"profile-{model}-bs{b}-ctx{ctx}"
             (Path(os.environ["OUT"]) / f"{name}.json").write_text(json.dumps(recs))

@@ -90,3 +90,31 @@ def test_plot_measured_draws_waits_apart_from_work(tmp_path):
 
     for name in (WAIT_COLOR, OP_COLORS[Op.QKV_PROJ], OP_COLORS[Op.LM_HEAD]):
         assert rgb(name) in colors, name
+
+
+def test_layer_table_times_each_opcode_from_its_layers_start():
+    """Two layers of one kind: each starts when the previous layer's norm
+    ended; per opcode the medians of its last wait end, last end and slowest
+    run from that start, rows in the order the chain finished."""
+    from megac.spec import load_spec
+
+    spec = load_spec("tiny-llama")
+
+    def rec(layer, op, start, waited, end, sm=0):
+        return {"sm": sm, "task": 0, "op": op, "layer": layer, "start_us": start, "waited_us": waited,
+                "end_us": end, "claims": 0, "claim_wait_us": 0.0}
+
+    recs = []
+    for layer, t0 in ((0, 0.0), (1, 100.0)):
+        recs += [rec(layer, "QKV_PROJ", t0, t0 + 1, t0 + 10, sm=0), rec(layer, "QKV_PROJ", t0, t0 + 2, t0 + 12, sm=1),
+                 rec(layer, "O_PROJ", t0 + 12, t0 + 30, t0 + 40), rec(layer, "ADD_RMSNORM", t0 + 40, t0 + 90, t0 + 100)]
+    recs.append(rec(len(spec.layers), "LM_HEAD", 200, 200, 250))  # past the layers: not in the table
+    rows = profile.layer_table(recs, spec)
+    kind = f"{spec.layers[0].attention}/{spec.layers[0].ffn}"
+    assert [(r["layers"], r["op"]) for r in rows] == [(kind, "QKV_PROJ"), (kind, "O_PROJ"), (kind, "ADD_RMSNORM")]
+    qkv, oproj, norm = rows
+    assert qkv["tasks"] == 2 and qkv["ready_us"] == 2.0 and qkv["done_us"] == 12.0 and qkv["run_us"] == 10.0
+    assert oproj["ready_us"] == 30.0 and norm["done_us"] == 100.0 and norm["run_us"] == 10.0
+    assert all(r["n"] == 2 for r in rows)
+    text = profile.format_layer_table(rows)
+    assert text.splitlines()[0].startswith(f"{kind} layers (2)") and "ADD_RMSNORM" in text
