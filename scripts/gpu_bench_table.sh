@@ -9,6 +9,7 @@
 # ablation: the three wave orders, uniform and skewed routing, batch 1 and 8 at 8K
 # profile:  one profiled North Mini Code step (bs1, 8K) and its timeline
 # stepgraph: the cuda rows again with MEGAC_STEP_GRAPH=0 (separate seed and launch, no step graph)
+# experiments: tuned and every schedules/experiments/*.yaml order, North Mini Code batch 1 and 8 at 8K
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 out="${1:?output folder}"
@@ -46,6 +47,11 @@ for part in "${parts[@]}"; do
     stepgraph)
       MEGAC_STEP_GRAPH=0 bench "nmc-cuda-nostepgraph" north-mini-code --backend cuda --batch-size 1,2,4,8 \
         --context 1024,8192 --steps 30 ;;
+    experiments)
+      for o in tuned schedules/experiments/*.yaml; do
+        bench "nmc-order-$(basename "$o" .yaml)" north-mini-code --backend cuda --batch-size 1,8 --context 8192 \
+          --order "$o" --steps 30 --no-ceiling
+      done ;;
     profile)
       echo "== profile"
       megac bench north-mini-code --backend cuda --random-weights --batch-size 1 --context 8192 --steps 10 \
