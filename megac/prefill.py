@@ -26,7 +26,8 @@ import torch
 from megac.errors import MegacError
 import torch.nn.functional as F
 
-from megac.reference import apply_rope, attention, dense_ffn, layer_forward, lm_logits, rope_cos_sin
+from megac.reference import (apply_rope, attention, attention_mask, dense_ffn, kv_per_head, layer_forward,
+                             lm_logits, rope_cos_sin)
 from megac.weights.canonical import ModelWeights
 
 if TYPE_CHECKING:
@@ -70,12 +71,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     prompt's chunks give the same bits whether or not a cached prefix
     replaced the earlier ones."""
     n, H, hd = q.shape
-    rep = H // k.shape[1]
-    allowed = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        allowed &= k_pos[None, :] > q_pos[:, None] - window
-    kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)[None]  # [1, H, m, hd]
-    vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)[None]
+    kk, vv = kv_per_head(k, H)[None], kv_per_head(v, H)[None]  # [1, H, m, hd]
+    allowed = attention_mask(q_pos, k_pos, window)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, attn_mask=allowed[None, None], scale=scale)
     return out[0].transpose(0, 1).reshape(n, H * hd)
 

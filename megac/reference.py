@@ -72,6 +72,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     return x * c + rot * s
 
 
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[n, m]`` bool, True where the query at ``q_pos[i]`` sees the key at
+    ``k_pos[j]``: causal, and for a sliding layer only ``q - window < j <= q``."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+def kv_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys or values ``[m, KVH, hd]`` repeated for each query head of their
+    group (GQA) and laid out ``[heads, m, hd]``."""
+    return t.repeat_interleave(heads // t.shape[1], dim=1).transpose(0, 1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
               window: int | None, scale: float) -> torch.Tensor:
     """GQA attention of queries ``q`` ``[n, H, hd]`` at positions ``q_pos``
@@ -79,14 +94,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     layer only keys ``q - window < j <= q``. Scores in the dtype, softmax in
     fp32. Returns ``[n, H*hd]``."""
     n, H, hd = q.shape
-    kvh = k.shape[1]
-    rep = H // kvh
-    kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, m, hd]
-    vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+    kk, vv = kv_per_head(k, H), kv_per_head(v, H)  # [H, m, hd]
     scores = torch.matmul(q.transpose(0, 1), kk.transpose(1, 2)) * scale  # [H, n, m]
-    allowed = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    allowed = attention_mask(q_pos, k_pos, window)
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, vv)  # [H, n, hd]
@@ -219,6 +229,7 @@ def decode_step(weights: ModelWeights, spec: "ModelSpec", kv: "PagedKVCache", to
 __all__ = [
     "apply_rope",
     "attention",
+    "attention_mask",
     "decode_row",
     "decode_step",
     "dense_ffn",
@@ -227,6 +238,7 @@ __all__ = [
     "lm_logits",
     "moe_ffn",
     "hf_rms_norm",
+    "kv_per_head",
     "rope_cos_sin",
     "route",
 ]
