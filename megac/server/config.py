@@ -43,8 +43,7 @@ class ServeConfig:
     max_num_batched_tokens: int | None = None
     prefix_caching: bool = True
     #: greedy decode steps run back to back on a steady batch (EngineConfig.decode_burst);
-    #: None: DEFAULT_GPU_DECODE_BURST on a GPU backend (pipelined there: SmolLM2 serving
-    #: +34-51 % output tok/s on the H200), 1 on the CPU (nothing to hide; an arrival waits less)
+    #: None: megac.engine.build.default_decode_burst (4 on a GPU backend, 1 on the CPU)
     decode_burst: int | None = None
     tool_call_parser: str | None = None
     chat_template: str | None = None

@@ -63,28 +63,19 @@ def load_served_model(cfg: ServeConfig) -> ServedModel:
     return loaded
 
 
-#: ``megac serve``'s decode burst on a GPU backend when none is given
-DEFAULT_GPU_DECODE_BURST = 4
-
-
 def build_served_engine(cfg: ServeConfig, loaded: ServedModel, observer=None):
     """KV pool, backend and engine for ``loaded`` under ``cfg``
     (:func:`megac.engine.build.build_engine`: the artifact is compiled once
     and cached, or ``--artifact`` is served as it is)."""
     from megac.engine.build import EngineOptions
     from megac.engine.build import build_engine as build
-    from megac.runtime.backends import runs_on_gpu
-
-    burst = cfg.decode_burst
-    if burst is None:
-        burst = DEFAULT_GPU_DECODE_BURST if runs_on_gpu(cfg.backend) else 1
 
     opts = EngineOptions(backend=cfg.backend, order=cfg.order, artifact=cfg.artifact,
                          max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len,
                          num_kv_blocks=cfg.num_kv_blocks, kv_cache_memory_gb=cfg.kv_cache_memory_gb,
                          gpu_memory_utilization=cfg.gpu_memory_utilization,
                          prefill_chunk=cfg.prefill_chunk, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                         prefix_caching=cfg.prefix_caching, decode_burst=burst)
+                         prefix_caching=cfg.prefix_caching, decode_burst=cfg.decode_burst)
     return build(loaded.spec, loaded.weights, opts, observer=observer, progress=lambda msg: log.info("%s", msg))
 
 
