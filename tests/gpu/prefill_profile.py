@@ -19,10 +19,10 @@ from pathlib import Path
 
 
 def profile_prefill(model: str = "north-mini-code", device: str = "cuda", tokens: int = 4096,
-                    chunks: tuple[int, ...] = (256, 1024, 4096), attentions: tuple[str, ...] = ("fused",)) -> dict:
+                    chunks: tuple[int, ...] = (256, 1024, 4096), attentions: tuple[str, ...] | None = None) -> dict:
     """``attentions``: the GPU prefill's attention, ``fused`` and/or
     ``reference`` (megac.prefill.FUSED_ATTENTION_ON_GPU), each timed over
-    every chunk size in this one process."""
+    every chunk size in this one process; default: the one megac uses."""
     import torch
 
     import megac.prefill as P
@@ -56,6 +56,8 @@ def profile_prefill(model: str = "north-mini-code", device: str = "cuda", tokens
         kv.free_row(row)
         return time.perf_counter() - t0
 
+    as_set = P.FUSED_ATTENTION_ON_GPU
+    attentions = attentions or ("fused" if as_set else "reference",)
     out: dict = {"model": model, "tokens": tokens, "rows": []}
     for attn in attentions:
         P.FUSED_ATTENTION_ON_GPU = attn == "fused"
@@ -74,6 +76,7 @@ def profile_prefill(model: str = "north-mini-code", device: str = "cuda", tokens
         prefill_row(w, spec, kv, row, ids[:chunks[0]])
         sync()
     prof.disable()
+    P.FUSED_ATTENTION_ON_GPU = as_set
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
     out["profile"] = text.getvalue()
@@ -86,10 +89,11 @@ def main() -> None:
     ap.add_argument("--model", default="north-mini-code")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--attention", default="fused", help="comma list: fused, reference (the GPU prefill's attention)")
+    ap.add_argument("--attention", default=None,
+                    help="comma list: fused, reference (the GPU prefill's attention; default: the one megac uses)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    res = profile_prefill(a.model, a.device, a.tokens, attentions=tuple(a.attention.split(",")))
+    res = profile_prefill(a.model, a.device, a.tokens, attentions=tuple(a.attention.split(",")) if a.attention else None)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "prefill_profile.json").write_text(json.dumps(res, indent=1))
