@@ -190,7 +190,7 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
         ("DOWN_QUEUE", "Queue id of the down queue"),
         ("NUM_ROWS", "batch rows routed"),
         ("TOPK_SPLITS", "> 0: rank rows 0..NUM_ROWS-1 here from this many router split-K partials "
-                        "(as ROUTER_TOPK, one warp per row); 0: ROUTER_TOPK tasks wrote topk_ids/topk_w"),
+                        "(as ROUTER_TOPK, the whole CTA); 0: ROUTER_TOPK tasks wrote topk_ids/topk_w"),
         ("X_SLOT", ">= 0: copy rows 0..NUM_ROWS-1 of this x_norm slot to their routed moe_x slots "
                    "(as MOE_GATHER); -1: MOE_GATHER tasks do"),
     ),

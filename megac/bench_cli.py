@@ -66,7 +66,8 @@ def _commit() -> str | None:
 @click.option("--warmup", type=click.IntRange(0), default=5, show_default=True)
 @click.option("--calibration", default=None,
               help="Cost-model calibration (a bundled name such as h200-north-mini-code, or a file) for the "
-                   "predicted column.")
+                   "predicted column; default: the bundled one for this GPU and model where there is one, "
+                   "else the uncalibrated model.")
 @click.option("--no-ceiling", is_flag=True, help="Skip measuring the GPU's streaming-read ceiling.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the rows and the run's facts (GPU, commit, command) here.")
@@ -164,6 +165,15 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     if longest > spec.max_context:
         raise MegacError(f"--context {max(ctxs)} + {warmup + steps} steps reaches {longest} tokens per row; "
                          f"{spec.name} holds at most {spec.max_context}")
+    if cal is None and on_gpu:
+        import torch
+
+        from megac.calibration import bundled_for
+
+        auto = bundled_for(spec.name, torch.cuda.get_device_name())
+        if auto is not None:
+            cal, calibration = Calibration.load(resolve(auto)), auto
+            say(f"predicted column: the cost model calibrated by {auto}")
     rows_blocks = db.pool_blocks(spec, max(batches), longest)
     cases = [(b, c) for b in batches for c in ctxs]
     ceiling, rows = None, []

@@ -92,6 +92,19 @@ def bundled() -> list[str]:
     return sorted(p.stem for p in BUNDLED_DIR.glob("*.json"))
 
 
+def bundled_for(model: str, device_name: str | None) -> str | None:
+    """The bundled calibration measured on this GPU for this model
+    (``h200-<model>`` on an H200), or None: the predicted column of ``megac
+    bench`` is calibrated without being asked where a measurement exists."""
+    if not device_name:
+        return None
+    for name in bundled():
+        gpu, _, m = name.partition("-")
+        if m == model and gpu.lower() in device_name.lower():
+            return name
+    return None
+
+
 def resolve(name_or_path) -> Path:
     """A bundled calibration's name (``h200-north-mini-code``) or a path."""
     p = Path(name_or_path)

@@ -81,20 +81,25 @@ def rows_at(kv, batch: int, context: int) -> list[int]:
     return rows
 
 
-def measure_ceiling(device: str, nbytes: int = 4 << 30, repeats: int = 20, warmup: int = 5) -> float | None:
+def measure_ceiling(device: str, nbytes: int = 4 << 30, repeats: int = 20, warmup_s: float = 1.0) -> float | None:
     """Streaming-read rate (B/s) of ``device`` on random data much larger
     than L2: the median of ``repeats`` full reductions of ``nbytes``, after
-    ``warmup`` untimed ones (five timed reductions after one untimed read
-    3.83 and 4.40 TB/s minutes apart on one H200; more of both should steady
-    it, not yet measured). None on the CPU (no meaningful ceiling for the
-    bytes the VM moves)."""
+    ``warmup_s`` seconds of untimed ones. A fixed handful of warm-up reads
+    was not enough: the same H200 read 3.82-3.83 TB/s right after an
+    engine's build (an idle GPU's clocks still ramping) and 4.3-4.4 minutes
+    later. None on the CPU (no meaningful ceiling for the bytes the VM
+    moves)."""
     if device != "cuda":
         return None
+    import time
+
     import torch
 
     x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    for _ in range(warmup):
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warmup_s:
         x.sum()
+        torch.cuda.synchronize()
     out = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -71,7 +71,7 @@ DEFAULT_TILES = {
     "moe_up_bn": 128,
     "moe_down_bn": 128,
     "lm_bn": 256,
-    # 1: ROUTE_FINALIZE ranks every row's experts itself (one warp per row),
+    # 1: ROUTE_FINALIZE ranks every row's experts itself (as ROUTER_TOPK does),
     # no ROUTER_TOPK tasks and one hop less per MoE layer; 0: a top-k task per row
     "fused_topk": 0,
     # 1: ROUTE_FINALIZE also copies the rows to their routed slots, no

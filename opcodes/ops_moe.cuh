@@ -16,9 +16,11 @@ namespace mk {
 
 template <class M>
 struct MoeScratch {
-  // finalize_cta: 3 E + 1 + entries words, + entries (ranked ids) when it
-  // does the top-k; gather / combine / top-k: 64 words
-  static constexpr int kBytes = (3 * M::NUM_EXPERTS + 1 + 2 * M::MAX_ROWS * M::TOP_K + 64) * 4;
+  // finalize_cta: 3 E + 1 + entries words, + the top-k's words when it
+  // ranks the rows itself; top-k: its words for one row; gather / combine: 64
+  static constexpr int kBytes =
+      (3 * M::NUM_EXPERTS + 1 + M::MAX_ROWS * M::TOP_K + moe::topk_smem_words(M::MAX_ROWS, M::NUM_EXPERTS, M::TOP_K) +
+       64) * 4;
 };
 
 // Expert weights toward L2 from ROUTER_TOPK, as soon as a row's experts are
@@ -69,21 +71,12 @@ __device__ __forceinline__ void router_topk(const Ctx& c) {
   if constexpr (M::NUM_EXPERTS > 0) {
     const LaunchDesc* d = c.d;
     const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_router_topk::ROW];
-    int32_t* ids = reinterpret_cast<int32_t*>(c.scratch);  // the row's experts, for the prefetch
-    if (threadIdx.x < 32) {
-      const int e = moe::topk_row_warp<M::NUM_EXPERTS>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, row),
-                                         size_t(M::MAX_ROWS) * M::NUM_EXPERTS, c.ts->w[f_router_topk::NUM_SPLITS],
-                                         M::NUM_EXPERTS, M::TOP_K, c.ts->w[H_FLAGS],
-                                         ptr<int32_t>(d->topk_ids) + Lay::topk(layer, row),
-                                         ptr<float>(d->topk_w) + Lay::topk(layer, row));
-      if constexpr (MEGAC_TOPK_PREFETCH_UP_KB > 0 || MEGAC_TOPK_PREFETCH_DOWN_KB > 0)
-        if (threadIdx.x < M::TOP_K) ids[threadIdx.x] = e;
-      (void)e;
-    }
-    if constexpr (MEGAC_TOPK_PREFETCH_UP_KB > 0 || MEGAC_TOPK_PREFETCH_DOWN_KB > 0) {
-      __syncthreads();
-      prefetch_expert_heads<M>(c, ids);
-    }
+    int32_t* smem = reinterpret_cast<int32_t*>(c.scratch);  // the row's experts end up first, for the prefetch
+    moe::topk_rows_cta(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, row),
+                       size_t(M::MAX_ROWS) * M::NUM_EXPERTS, c.ts->w[f_router_topk::NUM_SPLITS], 1, M::NUM_EXPERTS,
+                       M::TOP_K, c.ts->w[H_FLAGS], ptr<int32_t>(d->topk_ids) + Lay::topk(layer, row),
+                       ptr<float>(d->topk_w) + Lay::topk(layer, row), smem);
+    if constexpr (MEGAC_TOPK_PREFETCH_UP_KB > 0 || MEGAC_TOPK_PREFETCH_DOWN_KB > 0) prefetch_expert_heads<M>(c, smem);
   }
 }
 
@@ -118,7 +111,7 @@ __device__ __forceinline__ bool route_finalize(const Ctx& c) {
   }
   bool ok = true;
   if constexpr (M::NUM_EXPERTS > 0)  // a dense model has no MoE task (and no top-k to size)
-    ok = moe::finalize_cta<M::NUM_EXPERTS>(a, reinterpret_cast<int32_t*>(c.scratch), c.site);
+    ok = moe::finalize_cta(a, reinterpret_cast<int32_t*>(c.scratch), c.site);
   __syncthreads();
   return ok;
 }

@@ -142,3 +142,14 @@ def test_schedule_command_predicts_with_a_calibration():
     assert abs(pred["step_us"] / measured - 1) < 0.10 and "H200" in pred["calibration"]
     r = CliRunner().invoke(main, ["schedule", "tiny-moe", "--calibration", "h999-none"])
     assert r.exit_code == 2 and "no bundled calibration" in r.output
+
+
+def test_bench_picks_the_bundled_calibration_of_this_gpu_and_model_only():
+    from megac.calibration import bundled_for
+
+    assert bundled_for("north-mini-code", "NVIDIA H200") == "h200-north-mini-code"
+    assert bundled_for("smollm2-135m", "NVIDIA H200 NVL") == "h200-smollm2-135m"
+    # measured on another GPU, or for another model: the uncalibrated model
+    assert bundled_for("north-mini-code", "NVIDIA H100 80GB HBM3") is None
+    assert bundled_for("tiny-moe", "NVIDIA H200") is None
+    assert bundled_for("north-mini-code", None) is None

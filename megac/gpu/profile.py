@@ -35,8 +35,8 @@ MARKS = 4
 WORDS = 4 + MARKS
 #: what each opcode's marks stand for (the points MEGAC_MARK stands at)
 MARK_NAMES = {
-    "ROUTER_TOPK": ("partials summed", "arg-max rounds", "weights stored"),
-    "ROUTE_FINALIZE": ("partials summed", "arg-max rounds", "weights stored", "slots written"),
+    "ROUTER_TOPK": ("partials summed", "logits ranked", "weights stored"),
+    "ROUTE_FINALIZE": ("partials summed", "logits ranked", "weights stored", "slots written"),
     "ADD_RMSNORM": ("loads and adds", "1/rms known"),
     "MOE_UPGATE_DRAIN": ("head atomic and record", "claim wait", "tile done"),
     "MOE_DOWN_DRAIN": ("head atomic and record", "claim wait", "tile done"),

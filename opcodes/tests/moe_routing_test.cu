@@ -28,7 +28,6 @@ constexpr int kPhaseGather = 1;
 constexpr int kPhaseCombine = 2;
 }  // namespace
 
-template <int MAX_E>
 __device__ __forceinline__ void moe_route_body(
     const float* router_part, int num_splits, int rows, int E, int K, int flags, int up_tiles,
     int down_tiles, int queue_cap, int32_t* topk_ids, float* topk_w, int32_t* route_slot,
@@ -41,13 +40,12 @@ __device__ __forceinline__ void moe_route_body(
   for (int it = 0; it < iters; ++it) {
     const uint32_t g = (uint32_t)(step0 + it);  // 0-based global step
     int task = 0;
-    // TOPK: row r on CTA r % grid; warp 0 does the row.
+    // TOPK: row r on CTA r % grid, the whole CTA.
     for (int r = blockIdx.x; r < rows; r += gridDim.x, ++task) {
       megac::WaitSite site{status, 0, task, megac::OP_ROUTER_TOPK, 0};
       if (!megac::cta_wait_counter(counters + 2, g * (uint32_t)per_step_rows, 2, site)) return;
-      if (threadIdx.x < 32)
-        megac::moe::topk_row_warp<MAX_E>(router_part + (size_t)r * E, (size_t)rows * E, num_splits, E,
-                                         K, flags, topk_ids + r * K, topk_w + r * K);
+      megac::moe::topk_rows_cta(router_part + (size_t)r * E, (size_t)rows * E, num_splits, 1, E, K, flags,
+                                topk_ids + r * K, topk_w + r * K, smem_words);
       megac::cta_signal_counter(counters + 0);
     }
     if (blockIdx.x == fin_cta) {
@@ -55,7 +53,7 @@ __device__ __forceinline__ void moe_route_body(
       if (!megac::cta_wait_counter(counters + 0, (g + 1) * (uint32_t)rows, 0, site)) return;
       const megac::moe::FinalizeArgs fa{topk_ids, rows, K, E, up_tiles, down_tiles, queue_cap,
                                         route_slot, up_queue, down_queue, queue_len, queue_len + 1};
-      if (!megac::moe::finalize_cta<MAX_E>(fa, smem_words, site)) return;
+      if (!megac::moe::finalize_cta(fa, smem_words, site)) return;
       megac::cta_signal_counter(counters + 1);
     }
     // GATHER / COMBINE: row r on CTA (r + 1) % grid, away from the finaliser.
@@ -74,18 +72,17 @@ __device__ __forceinline__ void moe_route_body(
   }
 }
 
-#define MOE_ROUTE_ENTRY(NAME, MAX_E)                                                               \
+#define MOE_ROUTE_ENTRY(NAME)                                                                      \
   extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                       \
       const float* router_part, int num_splits, int rows, int E, int K, int flags, int up_tiles,  \
       int down_tiles, int queue_cap, int32_t* topk_ids, float* topk_w, int32_t* route_slot,       \
       int4* up_queue, int4* down_queue, int32_t* queue_len, const __nv_bfloat16* x,               \
       __nv_bfloat16* moe_x, const float* moe_out, float* out, int D, uint32_t* counters,          \
       int32_t* status, int step0, int iters, int phases) {                                        \
-    moe_route_body<MAX_E>(router_part, num_splits, rows, E, K, flags, up_tiles, down_tiles,       \
+    moe_route_body(router_part, num_splits, rows, E, K, flags, up_tiles, down_tiles,       \
                           queue_cap, topk_ids, topk_w, route_slot, up_queue, down_queue,          \
                           queue_len, x, moe_x, moe_out, out, D, counters, status, step0, iters,   \
                           phases);                                                                \
   }
 
-MOE_ROUTE_ENTRY(moe_route_e128, 128)
-MOE_ROUTE_ENTRY(moe_route_e32, 32)
+MOE_ROUTE_ENTRY(moe_route)

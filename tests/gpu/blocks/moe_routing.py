@@ -54,10 +54,10 @@ SENTINEL = -7
 THREADS = 256
 
 
-def smem_bytes(num_experts: int, entries: int) -> int:
-    """Mirror of megac::moe::finalize_smem_words, at least the 64 words of
-    gather and combine."""
-    return 4 * max(3 * num_experts + 1 + entries, 64)
+def smem_bytes(num_experts: int, k: int, entries: int) -> int:
+    """Mirror of megac::moe::finalize_smem_words and topk_smem_words (one
+    row), at least the 64 words of gather and combine."""
+    return 4 * max(3 * num_experts + 1 + entries, 2 * k + 3 * num_experts + 2, 64)
 
 
 def reference(parts: np.ndarray, k: int, flags: int, up_tiles: int, down_tiles: int) -> dict:
@@ -80,7 +80,7 @@ class Router:
     def __init__(self, mod, rows, E, K, *, num_splits, up_tiles, down_tiles, flags=Flag.NONE, D=2048,
                  queue_cap=None, seed=0):
         self.mod = mod
-        self.name = "moe_route_e32" if E <= 32 else "moe_route_e128"
+        self.name = "moe_route"
         self.rows, self.E, self.K, self.flags, self.nsp = rows, E, K, int(flags), num_splits
         self.ntu, self.ntd, self.D = up_tiles, down_tiles, D
         n = rows * K
@@ -105,7 +105,7 @@ class Router:
         }
         self.poison()
         self.step = 0
-        self.smem = smem_bytes(E, n)
+        self.smem = smem_bytes(E, K, n)
 
     def poison(self):
         """NaN in float outputs, SENTINEL in integer ones: all must be rewritten."""
