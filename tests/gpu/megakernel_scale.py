@@ -700,6 +700,9 @@ VARIANTS = {
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
     "attn_tiles": {"MEGAC_ATTN_MMA": 0},  # attention splits on the CUDA cores (attn_tiles.cuh)
     "attn3": {"MEGAC_ATTN_MMA_STAGES": 3},  # tensor-core splits, 2 chunks in flight per warp
+    # larger bulk-copy stages (2 x 9 KB a warp: 144 KB of weights in flight per SM; 10 KB leaves
+    # North Mini Code's scratch over 227 KB)
+    "ring9": {"MEGAC_TC_STAGE_BLOCKS": 9},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
