@@ -700,9 +700,6 @@ VARIANTS = {
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
     "attn_tiles": {"MEGAC_ATTN_MMA": 0},  # attention splits on the CUDA cores (attn_tiles.cuh)
     "attn3": {"MEGAC_ATTN_MMA_STAGES": 3},  # tensor-core splits, 2 chunks in flight per warp
-    # larger bulk-copy stages (2 x 9 KB a warp: 144 KB of weights in flight per SM; 10 KB leaves
-    # North Mini Code's scratch over 227 KB)
-    "ring9": {"MEGAC_TC_STAGE_BLOCKS": 9},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -747,8 +744,10 @@ def use_cubin(be, cubin) -> None:
 
 def check_variants() -> dict:
     """Median kernel ms of every VARIANTS build, interleaved (round-robin
-    over the variants, 3 rounds) so drift of the machine hits all alike:
-    North Mini Code batch 1 and 8 at 8K, SmolLM2 batch 1 at 1K."""
+    over the variants, 2 rounds) so drift of the machine hits all alike:
+    North Mini Code batch 1 and 8 at 8K, SmolLM2 batch 1 at 1K; and for
+    North Mini Code whether each build's greedy tokens and logits over 8
+    rows equal the default build's bit for bit."""
     import torch
 
     from megac.spec import load_spec
@@ -768,6 +767,19 @@ def check_variants() -> dict:
                 for b, ctx in cases:
                     times[v][f"bs{b}_ctx{ctx}"].append(_step_times(eng, b, ctx, steps=12)["kernel_ms"])
         out[model] = {v: {k: median(x) for k, x in t.items()} for v, t in times.items()}
+        if spec.moe:
+            # every build must give the default's bits: 8 rows decoding together
+            # (batch 8: long expert queues)
+            prompts = [[(31 * i + 7 * j) % 1000 + 3 for j in range(5 + 3 * i)] for i in range(8)]
+            ref = None
+            for v, cubin in cubins.items():
+                use_cubin(eng.backend, cubin)
+                got = generate_all(eng, prompts, 4)
+                if ref is None:
+                    ref = got
+                out[model][v]["bits_equal_default"] = all(
+                    a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+                    for a, b in zip(ref, got))
         print(json.dumps({model: out[model]}), flush=True)
         del eng, w
         torch.cuda.empty_cache()
