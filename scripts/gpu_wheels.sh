@@ -13,7 +13,7 @@ pip=.venv/bin/pip
 mkdir -p .whl
 $pip download -q --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
   fastapi starlette uvicorn h11 anyio idna sniffio pydantic pydantic-core typing-inspection annotated-types \
-  annotated-doc gguf pytest pluggy iniconfig \
+  annotated-doc opentelemetry-api gguf pytest pluggy iniconfig \
   openai httpx httpcore httpx2 httpcore2 truststore jiter distro tqdm certifi
 du -sh .whl
 if [ ! -f .smoltok/tokenizer.json ]; then
