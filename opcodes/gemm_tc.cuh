@@ -28,6 +28,7 @@
 #include <cuda_bf16.h>
 
 #include "common.cuh"
+#include "profile_marks.cuh"
 #include "gemm_tile.cuh"
 #include "mbarrier.cuh"
 #include "weight_stream.cuh"
@@ -337,6 +338,7 @@ __device__ __forceinline__ void tile_bulk(const rows::WeightSpan& s, const bf16*
     if (i % wk.per_item == 0) zero_acc(acc);
     const uint32_t n = base + i;
     wait_landed(st, warp, n);
+    if (i == 0) MEGAC_MARK(3);  // warp 0's first stage landed (the ring's first fill)
     const uint32_t src = ring_w + (n % kStages) * kStageBytes + lane * 16;
 #pragma unroll
     for (int b = 0; b < kStageBlocks; ++b) {
@@ -357,7 +359,9 @@ __device__ __forceinline__ void tile_bulk(const rows::WeightSpan& s, const bf16*
     st->seq[warp] = base + wk.total;
     st->primed[warp] = 0;
   }
+  MEGAC_MARK(4);  // warp 0's stages all consumed
   finish(wk, ys, part);
+  MEGAC_MARK(5);  // the warps' partials reduced: the tile's sums ready
 }
 
 }  // namespace tc

@@ -106,14 +106,14 @@ struct AttnOffsets {
 
 template <class M>
 __device__ __forceinline__ bool attn_drain(const Ctx& c) {
-  auto run = [&] {
+  auto run = [&](bool) {
     const int32_t* r = c.ts->rec;
     attend_split<M>(c, c.ts->w[H_LAYER], r[rec_attn::ROW], r[rec_attn::KV_HEAD], r[rec_attn::SPLIT],
                     r[rec_attn::NUM_SPLITS], c.ts->w[f_attn_drain::WINDOW]);
   };
   return claim_loop(c, f_attn_drain::QUEUE, f_attn_drain::QUEUE_LEN, f_attn_drain::TASK_WAIT_BASE,
                     f_attn_drain::TASK_WAIT_TARGET, f_attn_drain::TASK_SIGNAL_BASE, AttnOffsets{M::KV_HEADS},
-                    [](const int32_t*) {}, run,
+                    [](const int32_t*) {}, NoPrime{}, run,
                     M::NUM_LAYERS);
 }
 

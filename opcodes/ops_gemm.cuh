@@ -170,13 +170,15 @@ __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s) {
 // K; on the tensor cores over tiled weights (default where the model allows),
 // else through the register-fed loop, the warps' cp.async pipelines
 // (MEGAC_GEMM_STAGES) or the bulk-copy ring (MEGAC_GEMM_RING). A task's one tile continues
-// what the dispatcher primed (c.primed); claimed tiles are never primed.
+// what the dispatcher primed (c.primed); a claimed tile what the claim loop
+// primed (MEGAC_CLAIM_PRIME).
 template <class M>
 __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const bf16* x, int64_t ldx, int rows) {
   if constexpr (GemmScratch<M>::kTc) {
     bf16* xs = GemmScratch<M>::xs(c);
     float* ys = GemmScratch<M>::ys(c);
     tc::stage_x(x, ldx, rows, s.cols, xs);
+    MEGAC_MARK(2);  // the activations staged in shared memory
     if constexpr (tc::kBulk)
       tc::tile_bulk(s, xs, rows, ys, GemmScratch<M>::part(c), GemmScratch<M>::tc_ring(c), &c.ts->tc, c.primed);
     else
@@ -289,8 +291,16 @@ __device__ __forceinline__ void lm_head(const Ctx& c) {
 
 // A claimed expert tile: record {expert, n_tile, slot0, rows}; the routed
 // rows are slots slot0 .. slot0 + rows - 1 of moe_x / moe_act / moe_out.
+// `primed`: the claim loop issued its first stages (MEGAC_CLAIM_PRIME).
 template <class M>
-__device__ __forceinline__ void moe_up_tile(const Ctx& c) {
+__device__ __forceinline__ void moe_up_tile(const Ctx& claimer, bool primed) {
+#if MEGAC_CLAIM_PRIME
+  Ctx c = claimer;
+  c.primed = primed;
+#else
+  const Ctx& c = claimer;  // never primed (the claimer task's own c.primed is false)
+  (void)primed;
+#endif
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
@@ -303,7 +313,14 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c) {
 }
 
 template <class M>
-__device__ __forceinline__ void moe_down_tile(const Ctx& c) {
+__device__ __forceinline__ void moe_down_tile(const Ctx& claimer, bool primed) {
+#if MEGAC_CLAIM_PRIME
+  Ctx c = claimer;
+  c.primed = primed;
+#else
+  const Ctx& c = claimer;  // never primed (the claimer task's own c.primed is false)
+  (void)primed;
+#endif
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];

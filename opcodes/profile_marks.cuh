@@ -16,7 +16,7 @@
 
 namespace megac {
 
-constexpr int kProfileMarks = 4;
+constexpr int kProfileMarks = 8;
 
 #if MEGAC_PROFILE
 __shared__ unsigned long long profile_marks[kProfileMarks];

@@ -30,17 +30,23 @@ from megac.errors import MegacError
 
 SYMBOL = "megakernel_profile"
 #: stamps inside a task (opcodes/profile_marks.cuh kProfileMarks)
-MARKS = 4
+MARKS = 8
 #: uint64 words of a task's record (megakernel.cuh kProfileWords)
 WORDS = 4 + MARKS
 #: what each opcode's marks stand for (the points MEGAC_MARK stands at)
+_GEMM_MARKS = ("activations staged", "first stage landed", "stages consumed", "partials reduced")
+_CLAIM_MARKS = ("head atomic and record", "claim wait", *_GEMM_MARKS, "tile done")
 MARK_NAMES = {
     "ROUTER_TOPK": ("partials summed", "logits ranked", "weights stored"),
     "ROUTE_FINALIZE": ("partials summed", "logits ranked", "weights stored", "slots written"),
     "ADD_RMSNORM": ("loads and adds", "1/rms known"),
-    "MOE_UPGATE_DRAIN": ("head atomic and record", "claim wait", "tile done"),
-    "MOE_DOWN_DRAIN": ("head atomic and record", "claim wait", "tile done"),
-    "ATTN_DRAIN": ("head atomic and record", "claim wait", "tile done"),
+    # a claimer's first claim; its tile's GEMM stamps 2-5 (the tensor-core tile over tiled weights)
+    "MOE_UPGATE_DRAIN": _CLAIM_MARKS,
+    "MOE_DOWN_DRAIN": _CLAIM_MARKS,
+    "ATTN_DRAIN": _CLAIM_MARKS,
+    # a static GEMM task's tile (stamps 2-5 only)
+    **{op: ("", "", *_GEMM_MARKS) for op in ("QKV_PROJ", "O_PROJ", "FFN_UPGATE_ACT", "FFN_DOWN", "ROUTER_GEMM",
+                                             "LM_HEAD")},
 }
 
 

@@ -267,8 +267,8 @@ def test_serve_with_decode_bursts(tmp_path):
 def test_profiled_step_has_every_task_and_the_marks_inside_them(tmp_path):
     """``megac bench --profile``'s path (the MEGAC_PROFILE build swapped in):
     every SM records its tasks, every opcode of the step appears, and the
-    stamps inside the routing chain's, the norm's and the claimers' tasks
-    come in the order the code passes them, after the task's wait and
+    stamps inside the routing chain's, the norm's, the claimers' and a GEMM
+    task's runs come in the order the code passes them, after the task's wait and
     before its end (the profile was silently empty while step graphs kept
     launching the plain build)."""
     r = _run("profile", tmp_path)
@@ -276,7 +276,9 @@ def test_profiled_step_has_every_task_and_the_marks_inside_them(tmp_path):
     assert nmc["sms"] == 132 and nmc["span_us"] > 0, nmc
     assert {"ROUTER_TOPK", "ROUTE_FINALIZE", "MOE_UPGATE_DRAIN", "ADD_RMSNORM", "LM_HEAD"} <= set(nmc["per_op"])
     inside = nmc["inside_tasks"]
-    for op, n in (("ROUTER_TOPK", 3), ("ADD_RMSNORM", 2), ("MOE_UPGATE_DRAIN", 3), ("MOE_DOWN_DRAIN", 3)):
+    # a claimer's first claim: head, wait, its GEMM's four stamps, tile done; a static GEMM: those four
+    for op, n in (("ROUTER_TOPK", 3), ("ADD_RMSNORM", 2), ("MOE_UPGATE_DRAIN", 7), ("MOE_DOWN_DRAIN", 7),
+                  ("QKV_PROJ", 4)):
         marks = list(inside[op]["marks_us"].values())
         assert len(marks) == n, (op, inside[op])
         # medians of ordered stamps stay ordered; the global timer may tick coarsely (<= 1 us)
