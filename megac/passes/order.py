@@ -189,7 +189,6 @@ def ensures(lw: Lowering) -> None:
     words = lw.global_words().astype(np.int64)
     C = len(lw.counters)
     pos = np.arange(n, dtype=np.int64)
-    claimer = lw.g_claimer >= 0
     # last position at which each counter can be signalled
     last = np.full(C, -1, dtype=np.int64)
     sig = words[:, H.SIGNAL]
