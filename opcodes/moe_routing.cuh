@@ -46,6 +46,14 @@ namespace moe {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// 1: topk_rows_cta counts each logit's rank on two threads (the even and
+// the odd keys of its row), half the dependent compare-adds of the one-
+// thread count (1.65 us of the task's 3.9 on the H200); 0: one thread per
+// logit. Not yet run on a GPU (gpu check variants: rank_halves).
+#ifndef MEGAC_TOPK_RANK_HALVES
+#define MEGAC_TOPK_RANK_HALVES 0
+#endif
+
 // Router split-K partials whose loads are issued before the first add: the
 // partials come from other SMs through L2, and one split at a time left
 // ROUTER_TOPK at ~10 us on every MoE layer's critical path (a loaded L2
@@ -131,6 +139,28 @@ __device__ __forceinline__ void topk_rows_cta(const float* __restrict__ parts, s
   }
   MEGAC_MARK(0);  // thread 0's partials summed (an L2 round trip)
   __syncthreads();
+#if MEGAC_TOPK_RANK_HALVES
+  // two threads per logit: lanes l and l + 16 of a warp count the even and
+  // the odd keys of the row (adjacent words: one shared-memory wavefront),
+  // then add their counts
+  const int half = (threadIdx.x >> 4) & 1;
+  const int slot = (threadIdx.x >> 5) * 16 + (threadIdx.x & 15);
+  for (int i0 = 0; i0 < items; i0 += int(blockDim.x) / 2) {
+    const int i = i0 + slot;
+    const bool valid = i < items;
+    const int r = valid ? i / E : 0;
+    const unsigned long long mine = valid ? keys[i] : ~0ull;
+    const unsigned long long* row = keys + r * E;
+    int rank = 0;
+#pragma unroll 8
+    for (int e = half; e < E; e += 2) rank += row[e] > mine;
+    rank += __shfl_xor_sync(kFullMask, rank, 16);
+    if (valid && half == 0 && rank < K) {
+      sel_id[r * K + rank] = i - r * E;
+      sel_v[r * K + rank] = vals[i];
+    }
+  }
+#else
   for (int i = threadIdx.x; i < items; i += blockDim.x) {
     const int r = i / E;
     const unsigned long long mine = keys[i];
@@ -143,6 +173,7 @@ __device__ __forceinline__ void topk_rows_cta(const float* __restrict__ parts, s
       sel_v[r * K + rank] = vals[i];
     }
   }
+#endif
   __syncthreads();
   MEGAC_MARK(1);  // every logit ranked
   const int lane = threadIdx.x & 31;
