@@ -33,6 +33,7 @@
 #include "attention.cuh"
 #include "attn_tiles.cuh"
 #include "common.cuh"
+#include "profile_marks.cuh"
 
 namespace megac {
 namespace attn_mma {
@@ -76,10 +77,31 @@ __host__ __device__ constexpr int smem_bytes() {
   return Shape<HD, G, THREADS>::kBytes;
 }
 
+// 1: a warp loads the page-table entries of the split's first 32 blocks at
+// once before its first copies (lane j: block begin / block_size + j) and
+// takes each chunk's from them, past those from the table; 0: each chunk's
+// entries are loaded one chunk ahead. Why: a split of 512 keys is 4 chunks
+// per warp, and the entry load issued one chunk ahead lands after the short
+// compute of the chunk before, so nearly every copy waited a loaded L2 round
+// trip for its entry (the profile: a 256 KB split ran ~21 us while the
+// expert claims beside it streamed).
+#ifndef MEGAC_ATTN_AHEAD
+#define MEGAC_ATTN_AHEAD 0
+#endif
+
 // Lane j < 16: the physical block of key key0 + j (0 past the split).
 __device__ __forceinline__ int page_entry(const Split& a, int key0, int lane) {
   const int key = key0 + (lane & 15);
   return (lane < 16 && key < a.end) ? __ldg(a.pt + key / a.block_size) : 0;
+}
+
+// The same from `ahead` (lane j: the entry of block blk0 + j), warp-uniform call.
+__device__ __forceinline__ int page_entry_ahead(const Split& a, int key0, int lane, int blk0, int ahead) {
+  const int key = key0 + (lane & 15);
+  const int rel = key / a.block_size - blk0;  // >= 0: key0 >= begin
+  const int got = __shfl_sync(0xffffffffu, ahead, rel & 31);
+  if (!(lane < 16 && key < a.end)) return 0;
+  return rel < 32 ? got : __ldg(a.pt + key / a.block_size);
 }
 
 // This lane's copies of the chunk at key0 into slot `slot` (K at +0, V at
@@ -125,11 +147,19 @@ __device__ __forceinline__ void split(const Split& a, uint8_t* sm) {
   const int count = nchunks > warp ? (nchunks - warp + W - 1) / W : 0;  // this warp's chunks
   auto key0_of = [&](int i) { return a.begin + (warp + i * W) * KPC; };
 
+#if MEGAC_ATTN_AHEAD
+  const int blk0 = a.begin / a.block_size;
+  const int ahead = (a.begin < a.end && (blk0 + lane) * a.block_size < a.end) ? __ldg(a.pt + blk0 + lane) : 0;
+  auto entry = [&](int key0) { return page_entry_ahead(a, key0, lane, blk0, ahead); };
+#else
+  auto entry = [&](int key0) { return page_entry(a, key0, lane); };
+#endif
+
   // first chunks out before anything else
   {
     int blk[S];
 #pragma unroll
-    for (int i = 0; i < S; ++i) blk[i] = i < count ? page_entry(a, key0_of(i), lane) : 0;
+    for (int i = 0; i < S; ++i) blk[i] = i < count ? entry(key0_of(i)) : 0;
 #pragma unroll
     for (int i = 0; i < S; ++i) issue<HD, G, THREADS>(a, key0_of(i), blk[i], base + i * Sh::kStage, lane, i < count);
   }
@@ -164,9 +194,10 @@ __device__ __forceinline__ void split(const Split& a, uint8_t* sm) {
   const uint32_t v_lane = Sh::kTile + (r8 + 8 * (mtx & 1)) * Sh::PITCH + (mtx >> 1) * 16;
 
   for (int i = 0; i < count; ++i) {
-    const int nb = i + S < count ? page_entry(a, key0_of(i + S), lane) : 0;  // in flight while chunk i computes
+    const int nb = i + S < count ? entry(key0_of(i + S)) : 0;  // in flight while chunk i computes
     cp_async_wait<S - 1>();  // this lane's copies of chunk i are in
     __syncwarp();            // and every lane's
+    if (i == 0) MEGAC_MARK(3);  // warp 0's first chunk landed
     const uint32_t slot = base + (i % S) * Sh::kStage;
     const int key0 = key0_of(i);
 
@@ -234,6 +265,7 @@ __device__ __forceinline__ void split(const Split& a, uint8_t* sm) {
   }
   cp_async_wait<0>();  // only empty groups can remain
   __syncwarp();
+  MEGAC_MARK(4);  // warp 0's keys all consumed
 
   // this warp's (O unnormalised, m, l) into its own region, heads < G only
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
@@ -273,6 +305,7 @@ __device__ __forceinline__ void split(const Split& a, uint8_t* sm) {
     if (d == 0) a.lse[h] = l > 0.f ? (mx + log2f(l)) * attn::kLn2 : -INFINITY;
   }
   __syncthreads();  // the scratch is free for the next task
+  MEGAC_MARK(5);  // the warps merged, the partial written
 }
 
 }  // namespace attn_mma

@@ -55,10 +55,16 @@ __device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, i
   const bf16* q = ptr<const bf16>(d->q) + Lay::q(layer, row) + kvh * M::GQA * M::HEAD_DIM;
   const int32_t* pt = ptr<const int32_t>(d->page_table) + (int64_t(layer) * M::MAX_ROWS + row) * d->max_blocks_per_seq;
   int begin = 0, end = 0;
+#if MEGAC_ATTN_AHEAD
+  // both loads in one round trip (the position of an inactive row is read, not used)
+  const int32_t active = ptr<const int32_t>(d->row_active)[row], pos = ptr<const int32_t>(d->seq_pos)[row];
+  if (active) attn::split_range(pos + 1, window, nsplits, split, d->kv_block_size, begin, end);
+#else
   if (ptr<const int32_t>(d->row_active)[row]) {
     const int seq_len = ptr<const int32_t>(d->seq_pos)[row] + 1;
     attn::split_range(seq_len, window, nsplits, split, d->kv_block_size, begin, end);
   }
+#endif
   float* o = ptr<float>(d->attn_o_part) + Lay::o_part_attn(layer, split, row, kvh * M::GQA);
   float* lse = ptr<float>(d->attn_lse_part) + Lay::lse_part(layer, split, row, kvh * M::GQA);
   if constexpr (AttnScratch<M>::kMma || MEGAC_ATTN_TILES) {

@@ -36,6 +36,8 @@ WORDS = 4 + MARKS
 #: what each opcode's marks stand for (the points MEGAC_MARK stands at)
 _GEMM_MARKS = ("activations staged", "first stage landed", "stages consumed", "partials reduced")
 _CLAIM_MARKS = ("head atomic and record", "claim wait", *_GEMM_MARKS, "tile done")
+#: an attention split on the tensor cores (attn_mma.cuh), stamps 3-5
+_ATTN_MARKS = ("", "first chunk landed", "keys consumed", "merged and written")
 MARK_NAMES = {
     "ROUTER_TOPK": ("partials summed", "logits ranked", "weights stored"),
     "ROUTE_FINALIZE": ("partials summed", "logits ranked", "weights stored", "slots written"),
@@ -43,7 +45,8 @@ MARK_NAMES = {
     # a claimer's first claim; its tile's GEMM stamps 2-5 (the tensor-core tile over tiled weights)
     "MOE_UPGATE_DRAIN": _CLAIM_MARKS,
     "MOE_DOWN_DRAIN": _CLAIM_MARKS,
-    "ATTN_DRAIN": _CLAIM_MARKS,
+    "ATTN_DRAIN": (*_CLAIM_MARKS[:2], *_ATTN_MARKS, "tile done"),
+    "ATTN_DECODE": ("", "", *_ATTN_MARKS),
     # a static GEMM task's tile (stamps 2-5 only)
     **{op: ("", "", *_GEMM_MARKS) for op in ("QKV_PROJ", "O_PROJ", "FFN_UPGATE_ACT", "FFN_DOWN", "ROUTER_GEMM",
                                              "LM_HEAD")},
@@ -237,10 +240,11 @@ def records_from_trace(trace: dict) -> list[dict]:
     return sorted(out, key=lambda r: (r["sm"], r["task"]))
 
 
-def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5) -> dict:
+def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5, defines: dict | None = None) -> dict:
     """One step of ``batch`` rows at ``context`` tokens on a
     ``-DMEGAC_PROFILE=1`` build of ``backend``'s megakernel (built here with
-    nvcc, cached), then the backend's own build back: ``records`` (see
+    nvcc, cached; ``defines``: more switches of that build, a device-code
+    variant's), then the backend's own build back: ``records`` (see
     :func:`read`), ``kernel_ms`` of the plain build and ``profiled_ms`` of
     the instrumented one (medians over ``warmup`` steps each: the
     instrumentation's overhead)."""
@@ -253,7 +257,7 @@ def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5) -> d
 
     art = backend.artifact_dir
     plain_cubin = backend.cubin
-    instrumented = build_cubin(art / SOURCE, include_dirs=[opcodes_dir(), art], defines={"MEGAC_PROFILE": 1})
+    instrumented = build_cubin(art / SOURCE, include_dirs=[opcodes_dir(), art], defines={**(defines or {}), "MEGAC_PROFILE": 1})
     rows = rows_at(kv, batch, context)
     sched = backend.schedules.for_rows(kv, rows)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -507,7 +508,11 @@ def prebuild(only: list[str] | None = None) -> None:
         if only and spec.name not in only:
             continue
         if spec.name in scale.VARIANT_MODELS:
-            for v, defines in {**scale.variants_for(spec), "profile": scale.PROFILE}.items():
+            builds = {**scale.variants_for(spec), "profile": scale.PROFILE}
+            if spec.moe:  # check profile's MEGAC_PROFILE_VARIANTS
+                for v in filter(None, os.environ.get("MEGAC_PROFILE_VARIANTS", "").split(",")):
+                    builds[f"profile+{v}"] = {**scale.VARIANTS[v], **scale.PROFILE}
+            for v, defines in builds.items():
                 if defines:
                     print(f"{spec.name} [{v}]: {scale.variant_cubin(spec, defines)}", flush=True)
         # the orders and waves checks (tiny-moe) and megac bench --order all (NMC) run every order

@@ -700,6 +700,9 @@ VARIANTS = {
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
     "attn_tiles": {"MEGAC_ATTN_MMA": 0},  # attention splits on the CUDA cores (attn_tiles.cuh)
     "attn3": {"MEGAC_ATTN_MMA_STAGES": 3},  # tensor-core splits, 2 chunks in flight per warp
+    # a split's page-table entries loaded at once up front, the row's state in one round trip
+    "attn_ahead": {"MEGAC_ATTN_AHEAD": 1},
+    "attn_ahead3": {"MEGAC_ATTN_AHEAD": 1, "MEGAC_ATTN_MMA_STAGES": 3},
     # a claimed expert tile's first stages issued before its claim's wait (mk_core.cuh); MoE models only
     "claim_prime": {"MEGAC_CLAIM_PRIME": 1},
     # ROUTER_TOPK's rank counted on two threads per logit (moe_routing.cuh); MoE models only
@@ -1017,7 +1020,9 @@ def check_profile() -> dict:
     """One profiled step (the MEGAC_PROFILE build, through
     megac.gpu.profile.profile_step as ``megac bench --profile``) of North
     Mini Code at batch 1, 8K, and SmolLM2 at batch 1, 1K: the per-opcode
-    summary; the raw records and a Perfetto trace go to $OUT when it is set."""
+    summary; the raw records and a Perfetto trace go to $OUT when it is set.
+    MEGAC_PROFILE_VARIANTS (comma list of VARIANTS names, North Mini Code
+    only) profiles those builds of the same step too, keyed "NAME:VARIANT"."""
     import torch
 
     from megac.gpu import profile
@@ -1025,22 +1030,25 @@ def check_profile() -> dict:
     from megac.weights import random_weights
 
     out = {}
+    extra = [v for v in os.environ.get("MEGAC_PROFILE_VARIANTS", "").split(",") if v]
     for model, b, ctx in (("north-mini-code", 1, 8192), ("smollm2-135m", 1, 1024)):
         spec = load_spec(model)
         w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
         eng = engine(spec, w, max_batch_size=8, max_model_len=min(8192 + 64, spec.max_context), num_kv_blocks=40000)
         _noise_kv(eng)
         be = eng.backend
-        # the path `megac bench --profile` takes (its build is PROFILE's, prebuilt)
-        got = profile.profile_step(be, eng.kv, b, ctx, warmup=10)
-        recs, plain, timed = got["records"], got["kernel_ms"], got["profiled_ms"]
-        out[model] = {"kernel_ms": plain, "kernel_ms_profiled": timed, **profile.summary(recs),
-                      "inside_tasks": profile.marks_summary(recs), "layers": profile.layer_table(recs, spec)}
-        if os.environ.get("OUT"):
-            name = f"profile-{model}-bs{b}-ctx{ctx}"
-            (Path(os.environ["OUT"]) / f"{name}.json").write_text(json.dumps(recs))
-            (Path(os.environ["OUT"]) / f"{name}.trace.json").write_text(json.dumps(profile.chrome_trace(recs)))
-        print(json.dumps({model: out[model]})[:3000], flush=True)
+        for v in ["default", *(extra if spec.moe else [])]:
+            key = model if v == "default" else f"{model}:{v}"
+            # the path `megac bench --profile` takes (its build is PROFILE's, prebuilt)
+            got = profile.profile_step(be, eng.kv, b, ctx, warmup=10, defines=VARIANTS[v])
+            recs, plain, timed = got["records"], got["kernel_ms"], got["profiled_ms"]
+            out[key] = {"kernel_ms": plain, "kernel_ms_profiled": timed, **profile.summary(recs),
+                        "inside_tasks": profile.marks_summary(recs), "layers": profile.layer_table(recs, spec)}
+            if os.environ.get("OUT"):
+                name = f"profile-{model}-bs{b}-ctx{ctx}" + ("" if v == "default" else f"-{v}")
+                (Path(os.environ["OUT"]) / f"{name}.json").write_text(json.dumps(recs))
+                (Path(os.environ["OUT"]) / f"{name}.trace.json").write_text(json.dumps(profile.chrome_trace(recs)))
+            print(json.dumps({key: out[key]})[:3000], flush=True)
         del eng, w, be
         torch.cuda.empty_cache()
     return out
