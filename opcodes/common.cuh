@@ -35,6 +35,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
+// Same, with an L2 eviction policy (createpolicy) for the lines it brings.
+__device__ __forceinline__ void prefetch_l2_hint(const void* p, uint32_t bytes, uint64_t policy) {
+  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p), "r"(bytes), "l"(policy)
+               : "memory");
+}
+
 // Same, asking L2 to fetch the whole 256-byte sector group: fewer DRAM
 // requests when a warp streams a contiguous range.
 __device__ __forceinline__ uint4 ld_stream_u4_l2_256(const void* p) {

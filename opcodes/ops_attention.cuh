@@ -94,6 +94,58 @@ __device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, i
   }
 }
 
+// 1: a static split (ATTN_DECODE) pulls its keys' K and V toward L2 as its
+// task starts, before its waits (2: with an evict_last policy); 0: its keys
+// move when the split runs. Why: the profile (H200, North Mini Code bs1 8K)
+// has a sliding layer's splits waiting ~26 us for their Q and then streaming
+// their 256 KB in ~13 us at ~25 GB/s per SM beside the expert claims, on the
+// path to the O projection and the norm; the keys of earlier steps do not
+// depend on anything of this step. The (row, kv head) tasks of one split
+// share its pages (kv heads interleaved in a block), so each pulls a quarter
+// of the split's keys for every head.
+#ifndef MEGAC_ATTN_WARM
+#define MEGAC_ATTN_WARM 0
+#endif
+
+// Warp 0 (`lane` of 32), from the task's words `w` before its waits (the
+// dynamic NUM_SPLITS not yet resolved): the split's share of K and V toward L2.
+template <class M>
+__device__ __forceinline__ void attn_warm(const Ctx& c, const int32_t* w, int lane) {
+  const LaunchDesc* d = c.d;
+  const int layer = w[H_LAYER], row = w[f_attn_decode::ROW], kvh = w[f_attn_decode::KV_HEAD];
+  const int32_t active = ptr<const int32_t>(d->row_active)[row], pos = ptr<const int32_t>(d->seq_pos)[row];
+  const int nsplits = resolve(d, w[f_attn_decode::NUM_SPLITS]);
+  if (!active) return;
+  int begin = 0, end = 0;
+  const int bs = d->kv_block_size;
+  attn::split_range(pos + 1, w[f_attn_decode::WINDOW], nsplits, w[f_attn_decode::SPLIT], bs, begin, end);
+  const int n = end - begin;
+  const int lo = begin + n * kvh / M::KV_HEADS, hi = begin + n * (kvh + 1) / M::KV_HEADS;
+  if (lo >= hi) return;
+  const int32_t* pt = ptr<const int32_t>(d->page_table) + (int64_t(layer) * M::MAX_ROWS + row) * d->max_blocks_per_seq;
+  // pieces of g keys never cross a block: a piece's rows (every kv head) are contiguous
+  const int g = bs % 16 == 0 ? 16 : 1;
+  constexpr int64_t kKeyBytes = int64_t(M::KV_HEADS) * M::HEAD_DIM * 2;
+#if MEGAC_ATTN_WARM == 2
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+#endif
+  for (int p = lo / g + lane; p * g < hi; p += 32) {
+    const int k0 = max(lo, p * g), k1 = min(hi, (p + 1) * g);
+    const int64_t tok = int64_t(__ldg(pt + k0 / bs)) * bs + k0 % bs;
+    const char* kp = reinterpret_cast<const char*>(ptr<const bf16>(d->k_pool)) + tok * kKeyBytes;
+    const char* vp = reinterpret_cast<const char*>(ptr<const bf16>(d->v_pool)) + tok * kKeyBytes;
+    const uint32_t bytes = uint32_t((k1 - k0) * kKeyBytes);
+#if MEGAC_ATTN_WARM == 2
+    prefetch_l2_hint(kp, bytes, policy);
+    prefetch_l2_hint(vp, bytes, policy);
+#else
+    prefetch_l2(kp, bytes);
+    prefetch_l2(vp, bytes);
+#endif
+  }
+}
+
 template <class M>
 __device__ __forceinline__ void attn_decode(const Ctx& c) {
   attend_split<M>(c, c.ts->w[H_LAYER], c.ts->w[f_attn_decode::ROW], c.ts->w[f_attn_decode::KV_HEAD],

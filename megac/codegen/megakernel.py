@@ -161,7 +161,7 @@ def layout_checks(schedules) -> list[str]:
 
 def render_megakernel(spec, schedules) -> str:
     big = largest(schedules)
-    dispatch, headers, prefetch = [], [], []
+    dispatch, headers, prefetch, warm = [], [], [], []
     for op, d in REGISTRY.items():
         if op == Op.NOP:
             continue
@@ -170,6 +170,8 @@ def render_megakernel(spec, schedules) -> str:
         dispatch.append((op.name, d.device_fn))
         if d.weights_fn is not None:
             prefetch.append((op.name, d.weights_fn))
+        if d.warm_fn is not None:
+            warm.append((op.name, d.warm_fn))
     for h in ("ops_gemm.cuh", "ops_attention.cuh", "ops_moe.cuh", "ops_norm.cuh"):
         headers.append(h)
     dyn: dict[str, list[str]] = {}
@@ -180,7 +182,7 @@ def render_megakernel(spec, schedules) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     return env.get_template("megakernel.cu.j2").render(
-        spec_name=spec.name, constants=model_constants(spec, schedules), headers=headers, dispatch=dispatch, prefetch=prefetch,
+        spec_name=spec.name, constants=model_constants(spec, schedules), headers=headers, dispatch=dispatch, prefetch=prefetch, warm=warm,
         dyn_fields=sorted(dyn.items()), layout_key=schedule_key(big.rows, big.context),
         layout_checks=layout_checks(schedules), scratch_expr=scratch)
 

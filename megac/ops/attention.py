@@ -180,6 +180,7 @@ class AttnDecode(OpDef):
     sliding = True
     header = "attention.cuh"
     device_fn = "attn_decode"
+    warm_fn = "attn_warm"
 
     def flags(self, nt, geo):
         return int(Flag.SLIDING)

@@ -199,6 +199,10 @@ class OpDef:
     #: (``rows::WeightSpan``): the megakernel prefetches it into L2 ahead of
     #: the task's waits. None: the opcode streams no weights of its own.
     weights_fn: ClassVar[str | None] = None
+    #: device function ``fn<Model>(c, words, lane)`` (warp 0, before the
+    #: task's waits) that starts inputs not produced in this launch toward
+    #: L2 (built in with MEGAC_ATTN_WARM); None: nothing to warm
+    warm_fn: ClassVar[str | None] = None
 
     # -- fields (abi) ------------------------------------------------------
     @property

@@ -515,6 +515,11 @@ def prebuild(only: list[str] | None = None) -> None:
             for v, defines in builds.items():
                 if defines:
                     print(f"{spec.name} [{v}]: {scale.variant_cubin(spec, defines)}", flush=True)
+            if spec.name == "north-mini-code":  # check order_variants
+                for order in scale.variant_orders():
+                    for v, defines in scale.variants_for(spec).items():
+                        print(f"{spec.name} ({order}) [{v}]: {scale.variant_cubin(spec, defines, order)}",
+                              flush=True)
         # the orders and waves checks (tiny-moe) and megac bench --order all (NMC) run every order
         for order in ORDERS if spec.name in ("tiny-moe", "north-mini-code") else ("tuned",):
             t0 = time.perf_counter()

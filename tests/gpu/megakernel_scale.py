@@ -703,6 +703,10 @@ VARIANTS = {
     # a split's page-table entries loaded at once up front, the row's state in one round trip
     "attn_ahead": {"MEGAC_ATTN_AHEAD": 1},
     "attn_ahead3": {"MEGAC_ATTN_AHEAD": 1, "MEGAC_ATTN_MMA_STAGES": 3},
+    # a static split's keys toward L2 before its waits (ops_attention.cuh); 2: evict_last
+    "attn_warm": {"MEGAC_ATTN_WARM": 1},
+    "attn_warm_last": {"MEGAC_ATTN_WARM": 2},
+    "attn_warm_ahead": {"MEGAC_ATTN_WARM": 1, "MEGAC_ATTN_AHEAD": 1},
     # a claimed expert tile's first stages issued before its claim's wait (mk_core.cuh); MoE models only
     "claim_prime": {"MEGAC_CLAIM_PRIME": 1},
     # ROUTER_TOPK's rank counted on two threads per logit (moe_routing.cuh); MoE models only
@@ -732,15 +736,15 @@ def variants_for(spec) -> dict:
     return {v: VARIANTS[v] for v in names}
 
 
-def variant_cubin(spec, defines):
-    """The megakernel cubin of ``spec`` built with ``defines`` (cached in
-    build/cubin; built here where nvcc exists)."""
+def variant_cubin(spec, defines, order: str = "tuned"):
+    """The megakernel cubin of ``spec`` (its ``order`` artifact) built with
+    ``defines`` (cached in build/cubin; built here where nvcc exists)."""
     from megac.codegen.megakernel import SOURCE
     from megac.gpu.build import build_cubin
     from megac.resources import opcodes_dir
     from megac.runtime.artifacts import load_or_compile
 
-    got = load_or_compile(spec, "tuned")
+    got = load_or_compile(spec, order)
     return build_cubin(got.path / SOURCE, include_dirs=[opcodes_dir(), got.path], defines=defines or None)
 
 
@@ -790,6 +794,65 @@ def check_variants() -> dict:
         print(json.dumps({model: out[model]}), flush=True)
         del eng, w
         torch.cuda.empty_cache()
+    return out
+
+
+#: the wave orders check order_variants crosses with the device-code variants
+#: (names of bundled orders or order files relative to the repository)
+VARIANT_ORDERS = ("tuned", "schedules/experiments/oproj-before-down.yaml")
+
+
+def variant_orders() -> list[str]:
+    import os
+
+    pick = os.environ.get("MEGAC_VARIANT_ORDERS")
+    return pick.split(",") if pick else list(VARIANT_ORDERS)
+
+
+def check_order_variants() -> dict:
+    """North Mini Code, every (wave order, VARIANTS build) pair: median
+    kernel ms at batch 1 and 8, 8K, interleaved over the builds (2 rounds)
+    within one engine per order (one after the other: two engines of this
+    model do not fit beside each other), on the same random weights; and
+    whether each pair's greedy tokens and logits over 8 rows equal the first
+    pair's bit for bit (the orders run the same tiles, so they must)."""
+    import gc
+
+    import torch
+
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    cases = ((1, 8192), (8, 8192))
+    prompts = [[(31 * i + 7 * j) % 1000 + 3 for j in range(5 + 3 * i)] for i in range(8)]
+    out, ref = {}, None
+    for order in variant_orders():
+        eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000, order=order)
+        _noise_kv(eng)
+        cubins = {v: variant_cubin(spec, d, order) for v, d in variants_for(spec).items()}
+        times: dict = {v: {f"bs{b}_ctx{ctx}": [] for b, ctx in cases} for v in cubins}
+        for _ in range(2):
+            for v, cubin in cubins.items():
+                use_cubin(eng.backend, cubin)
+                for b, ctx in cases:
+                    times[v][f"bs{b}_ctx{ctx}"].append(_step_times(eng, b, ctx, steps=12)["kernel_ms"])
+        for v, cubin in cubins.items():
+            key = f"{Path(order).stem}:{v}"
+            out[key] = {k: median(x) for k, x in times[v].items()}
+            use_cubin(eng.backend, cubin)
+            got = generate_all(eng, prompts, 4)
+            ref = ref or got
+            out[key]["bits_equal_first"] = all(
+                a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+                for a, b in zip(ref, got))
+            print(json.dumps({key: out[key]}), flush=True)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    del w
+    torch.cuda.empty_cache()
     return out
 
 
@@ -1054,5 +1117,5 @@ def check_profile() -> dict:
     return out
 
 
-CHECKS = {"step_graph": check_step_graph, "pipeline": check_pipeline, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
+CHECKS = {"step_graph": check_step_graph, "pipeline": check_pipeline, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "order_variants": check_order_variants, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
           "speed": check_speed, "gemm_env": check_gemm_env}
