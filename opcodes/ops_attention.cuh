@@ -102,23 +102,23 @@ __device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, i
 // path to the O projection and the norm; the keys of earlier steps do not
 // depend on anything of this step. The (row, kv head) tasks of one split
 // share its pages (kv heads interleaved in a block), so each pulls a quarter
-// of the split's keys for every head.
+// of the split's keys for every head. A full layer's claimer (ATTN_DRAIN)
+// does the same for the record it claimed, before the claim's wait.
 #ifndef MEGAC_ATTN_WARM
 #define MEGAC_ATTN_WARM 0
 #endif
 
-// Warp 0 (`lane` of 32), from the task's words `w` before its waits (the
-// dynamic NUM_SPLITS not yet resolved): the split's share of K and V toward L2.
+// Lanes `lane` of `nlanes`: split `split` of (row, kvh)'s share of K and V
+// toward L2 (`nsplits` resolved; a quarter of the split's keys, every kv head).
 template <class M>
-__device__ __forceinline__ void attn_warm(const Ctx& c, const int32_t* w, int lane) {
+__device__ __forceinline__ void warm_split(const Ctx& c, int layer, int row, int kvh, int split, int nsplits,
+                                           int window, int lane, int nlanes) {
   const LaunchDesc* d = c.d;
-  const int layer = w[H_LAYER], row = w[f_attn_decode::ROW], kvh = w[f_attn_decode::KV_HEAD];
   const int32_t active = ptr<const int32_t>(d->row_active)[row], pos = ptr<const int32_t>(d->seq_pos)[row];
-  const int nsplits = resolve(d, w[f_attn_decode::NUM_SPLITS]);
   if (!active) return;
   int begin = 0, end = 0;
   const int bs = d->kv_block_size;
-  attn::split_range(pos + 1, w[f_attn_decode::WINDOW], nsplits, w[f_attn_decode::SPLIT], bs, begin, end);
+  attn::split_range(pos + 1, window, nsplits, split, bs, begin, end);
   const int n = end - begin;
   const int lo = begin + n * kvh / M::KV_HEADS, hi = begin + n * (kvh + 1) / M::KV_HEADS;
   if (lo >= hi) return;
@@ -130,7 +130,7 @@ __device__ __forceinline__ void attn_warm(const Ctx& c, const int32_t* w, int la
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
 #endif
-  for (int p = lo / g + lane; p * g < hi; p += 32) {
+  for (int p = lo / g + lane; p * g < hi; p += nlanes) {
     const int k0 = max(lo, p * g), k1 = min(hi, (p + 1) * g);
     const int64_t tok = int64_t(__ldg(pt + k0 / bs)) * bs + k0 % bs;
     const char* kp = reinterpret_cast<const char*>(ptr<const bf16>(d->k_pool)) + tok * kKeyBytes;
@@ -144,6 +144,14 @@ __device__ __forceinline__ void attn_warm(const Ctx& c, const int32_t* w, int la
     prefetch_l2(vp, bytes);
 #endif
   }
+}
+
+// Warp 0 (`lane` of 32), from an ATTN_DECODE task's words `w` before its
+// waits (its dynamic NUM_SPLITS not yet resolved).
+template <class M>
+__device__ __forceinline__ void attn_warm(const Ctx& c, const int32_t* w, int lane) {
+  warm_split<M>(c, w[H_LAYER], w[f_attn_decode::ROW], w[f_attn_decode::KV_HEAD], w[f_attn_decode::SPLIT],
+                resolve(c.d, w[f_attn_decode::NUM_SPLITS]), w[f_attn_decode::WINDOW], lane, 32);
 }
 
 template <class M>
@@ -169,10 +177,18 @@ __device__ __forceinline__ bool attn_drain(const Ctx& c) {
     attend_split<M>(c, c.ts->w[H_LAYER], r[rec_attn::ROW], r[rec_attn::KV_HEAD], r[rec_attn::SPLIT],
                     r[rec_attn::NUM_SPLITS], c.ts->w[f_attn_drain::WINDOW]);
   };
+#if MEGAC_ATTN_WARM
+  // thread 0, the claimed record known, before its wait: its keys toward L2
+  auto warm = [&](const int32_t* r) {
+    warm_split<M>(c, c.ts->w[H_LAYER], r[rec_attn::ROW], r[rec_attn::KV_HEAD], r[rec_attn::SPLIT],
+                  r[rec_attn::NUM_SPLITS], c.ts->w[f_attn_drain::WINDOW], 0, 1);
+  };
+#else
+  auto warm = [](const int32_t*) {};
+#endif
   return claim_loop(c, f_attn_drain::QUEUE, f_attn_drain::QUEUE_LEN, f_attn_drain::TASK_WAIT_BASE,
                     f_attn_drain::TASK_WAIT_TARGET, f_attn_drain::TASK_SIGNAL_BASE, AttnOffsets{M::KV_HEADS},
-                    [](const int32_t*) {}, NoPrime{}, run,
-                    M::NUM_LAYERS);
+                    warm, NoPrime{}, run, M::NUM_LAYERS);
 }
 
 template <class M>
