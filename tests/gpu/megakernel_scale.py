@@ -703,6 +703,11 @@ VARIANTS = {
     # a split's page-table entries loaded at once up front, the row's state in one round trip
     "attn_ahead": {"MEGAC_ATTN_AHEAD": 1},
     "attn_ahead3": {"MEGAC_ATTN_AHEAD": 1, "MEGAC_ATTN_MMA_STAGES": 3},
+    # smaller bulk-copy stages: less in flight per SM (2 x 8 KB x 8 warps = 128 KB by default), so
+    # less queueing in the memory system for the latency-bound tasks beside the streams
+    "st4": {"MEGAC_TC_STAGE_BLOCKS": 4},
+    "st6": {"MEGAC_TC_STAGE_BLOCKS": 6},
+    "st4x3": {"MEGAC_TC_STAGE_BLOCKS": 4, "MEGAC_TC_STAGES": 3},
     # a static split's keys toward L2 before its waits (ops_attention.cuh); 2: evict_last
     "attn_warm": {"MEGAC_ATTN_WARM": 1},
     "attn_warm_last": {"MEGAC_ATTN_WARM": 2},
