@@ -110,59 +110,18 @@ __device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
   if (counter >= 0) signal_counter(ptr<uint32_t>(c.d->counters) + counter);
 }
 
-// 1: a claimed GEMM tile's first bulk-copy stages are issued as soon as its
-// record is known, before the claim's wait and the activations' staging,
-// as a static task's are before its header waits (Dispatch::prime); 0: a
-// claimed tile fills its ring only when its GEMM starts. The profile's
-// marks (H200, North Mini Code bs1 8K): an expert up/gate claim's first
-// stage landed 3.2 us after its activations were staged (down: 2.4 us),
-// a primed static task's 0.9 us after.
-#ifndef MEGAC_CLAIM_PRIME
-#define MEGAC_CLAIM_PRIME 0
-#endif
-
-// A claimer's tiles without a GEMM (attention splits): nothing to prime.
-struct NoPrime {
-  __device__ bool prime(const int32_t*) const { return false; }
-  __device__ void drain() const {}
-};
-
-// Thread 0, once a record is published in c.ts->rec: its wait, and the
-// counter it will signal. False: the watchdog fired.
-template <class Offsets>
-__device__ __forceinline__ bool claim_wait(const Ctx& c, int wait_base_field, int wait_target_field,
-                                           int signal_base_field, Offsets offsets) {
-  TaskShared* ts = c.ts;
-  const int32_t* w = ts->w;
-  int32_t wo = 0, so = 0;
-  offsets(ts->rec, wo, so);
-  const int32_t wb = w[wait_base_field];
-#if MEGAC_PROFILE
-  const uint64_t t0 = globaltimer_ns();
-#endif
-  bool ok = true;
-  if (wb >= 0 && !wait_on(c, wb + wo, resolve(c.d, w[wait_target_field]))) ok = false;
-#if MEGAC_PROFILE
-  ts->claims += 1;
-  ts->claim_wait_ns += uint32_t(globaltimer_ns() - t0);
-#endif
-  MEGAC_MARK(1);  // the claim's own wait
-  const int32_t sb = w[signal_base_field];
-  ts->claim_signal = sb >= 0 ? sb + so : -1;
-  return ok;
-}
-
 // Claim loop of one claimer task (every thread calls it). `offsets(rec, &wo,
 // &so)` gives the claimed record's wait and signal offsets (the ABI's, per
-// queue); `prefetch(rec)` (thread 0) starts the claimed record's weights
-// toward L2 before its wait; `primer.prime(rec)` (every thread, with
-// MEGAC_CLAIM_PRIME) issues its GEMM's first stages and says whether it
-// did, `primer.drain()` waits for them when the claim's wait gave up;
-// `run(primed)` runs the record published in c.ts->rec with the whole CTA.
-template <class Offsets, class Prefetch, class Primer, class Run>
+// queue); `prefetch(rec)` (thread 0) starts the claimed record's inputs
+// toward L2 before its wait; `run()` runs the record published in c.ts->rec
+// with the whole CTA. (Issuing a claimed expert tile's first bulk-copy
+// stages before the claim's wait was measured slower on the H200, tenth
+// session: the claim's wait ended 2.2 us later and the stage landed no
+// sooner; docs/perf-notes.md.)
+template <class Offsets, class Prefetch, class Run>
 __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int len_field, int wait_base_field,
                                            int wait_target_field, int signal_base_field, Offsets offsets,
-                                           Prefetch prefetch, const Primer& primer, Run run, int num_layers) {
+                                           Prefetch prefetch, Run run, int num_layers) {
   TaskShared* ts = c.ts;
   for (;;) {
     if (threadIdx.x == 0) {
@@ -184,8 +143,6 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int le
         for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) ts->rec[i] = __ldcg(q + int64_t(idx) * QUEUE_RECORD_WORDS + i);
         MEGAC_MARK(0);  // the queue head's atomic and the record's loads
         prefetch(ts->rec);
-#if !MEGAC_CLAIM_PRIME
-        // claim_wait's work, written out: the default build's code stays the one measured
         int32_t wo = 0, so = 0;
         offsets(ts->rec, wo, so);
         const int32_t wb = w[wait_base_field];
@@ -203,34 +160,12 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int le
         MEGAC_MARK(1);  // the claim's own wait
         const int32_t sb = w[signal_base_field];
         ts->claim_signal = sb >= 0 ? sb + so : -1;
-#endif
       }
       ts->claimed = claimed;
     }
     __syncthreads();
-#if MEGAC_CLAIM_PRIME
-    bool primed = false;
-    if (ts->claimed) {
-      // the record is in shared memory: its first stages go now, its wait after
-      primed = primer.prime(ts->rec);
-      if (threadIdx.x == 0 && !claim_wait(c, wait_base_field, wait_target_field, signal_base_field, offsets))
-        ts->ok = 0;
-      __syncthreads();
-    }
-    if (!ts->ok) {
-      if (primed) primer.drain();  // no copy of a primed tile outlives the CTA
-      return false;
-    }
-    if (!ts->claimed) return true;
-    run(primed);
-#else
     if (!ts->claimed || !ts->ok) return ts->ok != 0;
-    run(false);
-#endif
-#if MEGAC_CLAIM_PRIME
-    // the tile's generic reads of its ring before the next claim's copies land there
-    if constexpr (tc::kBulk) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
+    run();
     __syncthreads();
     MEGAC_MARK(6);  // the claimed tile's work (its GEMM stamps 2-5 on the way)
     if (threadIdx.x == 0) signal(c, ts->claim_signal);

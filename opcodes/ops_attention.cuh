@@ -172,7 +172,7 @@ struct AttnOffsets {
 
 template <class M>
 __device__ __forceinline__ bool attn_drain(const Ctx& c) {
-  auto run = [&](bool) {
+  auto run = [&]() {
     const int32_t* r = c.ts->rec;
     attend_split<M>(c, c.ts->w[H_LAYER], r[rec_attn::ROW], r[rec_attn::KV_HEAD], r[rec_attn::SPLIT],
                     r[rec_attn::NUM_SPLITS], c.ts->w[f_attn_drain::WINDOW]);
@@ -188,7 +188,7 @@ __device__ __forceinline__ bool attn_drain(const Ctx& c) {
 #endif
   return claim_loop(c, f_attn_drain::QUEUE, f_attn_drain::QUEUE_LEN, f_attn_drain::TASK_WAIT_BASE,
                     f_attn_drain::TASK_WAIT_TARGET, f_attn_drain::TASK_SIGNAL_BASE, AttnOffsets{M::KV_HEADS},
-                    warm, NoPrime{}, run, M::NUM_LAYERS);
+                    warm, run, M::NUM_LAYERS);
 }
 
 template <class M>

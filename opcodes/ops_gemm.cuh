@@ -170,8 +170,7 @@ __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s) {
 // K; on the tensor cores over tiled weights (default where the model allows),
 // else through the register-fed loop, the warps' cp.async pipelines
 // (MEGAC_GEMM_STAGES) or the bulk-copy ring (MEGAC_GEMM_RING). A task's one tile continues
-// what the dispatcher primed (c.primed); a claimed tile what the claim loop
-// primed (MEGAC_CLAIM_PRIME).
+// what the dispatcher primed (c.primed).
 template <class M>
 __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const bf16* x, int64_t ldx, int rows) {
   if constexpr (GemmScratch<M>::kTc) {
@@ -291,16 +290,9 @@ __device__ __forceinline__ void lm_head(const Ctx& c) {
 
 // A claimed expert tile: record {expert, n_tile, slot0, rows}; the routed
 // rows are slots slot0 .. slot0 + rows - 1 of moe_x / moe_act / moe_out.
-// `primed`: the claim loop issued its first stages (MEGAC_CLAIM_PRIME).
+// Never primed (the claimer task's own c.primed is false).
 template <class M>
-__device__ __forceinline__ void moe_up_tile(const Ctx& claimer, bool primed) {
-#if MEGAC_CLAIM_PRIME
-  Ctx c = claimer;
-  c.primed = primed;
-#else
-  const Ctx& c = claimer;  // never primed (the claimer task's own c.primed is false)
-  (void)primed;
-#endif
+__device__ __forceinline__ void moe_up_tile(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
@@ -313,14 +305,7 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& claimer, bool primed) {
 }
 
 template <class M>
-__device__ __forceinline__ void moe_down_tile(const Ctx& claimer, bool primed) {
-#if MEGAC_CLAIM_PRIME
-  Ctx c = claimer;
-  c.primed = primed;
-#else
-  const Ctx& c = claimer;  // never primed (the claimer task's own c.primed is false)
-  (void)primed;
-#endif
+__device__ __forceinline__ void moe_down_tile(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];

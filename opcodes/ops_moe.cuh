@@ -154,25 +154,12 @@ struct MoeDownOffsets {
   }
 };
 
-// An expert claim's GEMM primed from its record (MEGAC_CLAIM_PRIME).
-template <class M, bool kUp>
-struct ExpertPrimer {
-  const Ctx& c;
-  __device__ bool prime(const int32_t* rec) const {
-    return prime_gemm<M>(c, kUp ? moe_up_weights<M>(c, rec) : moe_down_weights<M>(c, rec));
-  }
-  __device__ void drain() const {
-    cp_async_wait<0>();
-    tc::drain(&c.ts->tc);
-  }
-};
-
 template <class M>
 __device__ __forceinline__ bool moe_upgate_drain(const Ctx& c) {
   return claim_loop(c, f_moe_upgate_drain::QUEUE, f_moe_upgate_drain::QUEUE_LEN, f_moe_upgate_drain::TASK_WAIT_BASE,
                     f_moe_upgate_drain::TASK_WAIT_TARGET, f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{},
                     [&](const int32_t* rec) { rows::prefetch_head(moe_up_weights<M>(c, rec), 0, 1); },
-                    ExpertPrimer<M, true>{c}, [&](bool primed) { moe_up_tile<M>(c, primed); }, M::NUM_LAYERS);
+                    [&]() { moe_up_tile<M>(c); }, M::NUM_LAYERS);
 }
 
 template <class M>
@@ -180,7 +167,7 @@ __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
   return claim_loop(c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, f_moe_down_drain::TASK_WAIT_BASE,
                     f_moe_down_drain::TASK_WAIT_TARGET, f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{},
                     [&](const int32_t* rec) { rows::prefetch_head(moe_down_weights<M>(c, rec), 0, 1); },
-                    ExpertPrimer<M, false>{c}, [&](bool primed) { moe_down_tile<M>(c, primed); }, M::NUM_LAYERS);
+                    [&]() { moe_down_tile<M>(c); }, M::NUM_LAYERS);
 }
 
 }  // namespace mk

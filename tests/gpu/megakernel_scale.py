@@ -712,8 +712,6 @@ VARIANTS = {
     "attn_warm": {"MEGAC_ATTN_WARM": 1},
     "attn_warm_last": {"MEGAC_ATTN_WARM": 2},
     "attn_warm_ahead": {"MEGAC_ATTN_WARM": 1, "MEGAC_ATTN_AHEAD": 1},
-    # a claimed expert tile's first stages issued before its claim's wait (mk_core.cuh); MoE models only
-    "claim_prime": {"MEGAC_CLAIM_PRIME": 1},
     # ROUTER_TOPK's rank counted on two threads per logit (moe_routing.cuh); MoE models only
     "rank_halves": {"MEGAC_TOPK_RANK_HALVES": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
@@ -723,7 +721,7 @@ VARIANTS = {
     "pf_up32_dn24": {"MEGAC_TOPK_PREFETCH_UP_KB": 32, "MEGAC_TOPK_PREFETCH_DOWN_KB": 24},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"claim_prime", "rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24"}
+MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
