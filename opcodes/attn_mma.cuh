@@ -134,8 +134,19 @@ __device__ __forceinline__ void split_bf16(float a, float b, uint32_t& hi, uint3
   lo = attn::pack_bf16(a - __low2float(h), b - __high2float(h));
 }
 
+// 1: one copy of split() for ATTN_DECODE and ATTN_DRAIN (see
+// MEGAC_TC_NOINLINE in gemm_tc.cuh); 0: inlined into each.
+#ifndef MEGAC_ATTN_NOINLINE
+#define MEGAC_ATTN_NOINLINE 0
+#endif
+#if MEGAC_ATTN_NOINLINE
+#define MEGAC_ATTN_SPLIT_FN __noinline__
+#else
+#define MEGAC_ATTN_SPLIT_FN __forceinline__
+#endif
+
 template <int HD, int G, int THREADS>
-__device__ __forceinline__ void split(const Split& a, uint8_t* sm) {
+__device__ MEGAC_ATTN_SPLIT_FN void split(const Split& a, uint8_t* sm) {
   using Sh = Shape<HD, G, THREADS>;
   constexpr int W = Sh::W, S = Sh::S, KPC = Sh::KPC;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -315,9 +315,23 @@ __device__ __forceinline__ void drain(BulkState* st) {
   }
 }
 
+// 1: tile_bulk is one function every GEMM opcode calls (one copy of its
+// code, ~1,000 instructions with the walk's divisions, instead of one per
+// opcode); 0: inlined into each. Why: the icache block measured ~0.4 us per
+// KB of code an SM runs cold while the memory streams (H200), and an SM runs
+// four GEMM opcodes a layer (QKV, expert up and down, O-projection).
+#ifndef MEGAC_TC_NOINLINE
+#define MEGAC_TC_NOINLINE 0
+#endif
+#if MEGAC_TC_NOINLINE
+#define MEGAC_TC_TILE_FN __noinline__
+#else
+#define MEGAC_TC_TILE_FN __forceinline__
+#endif
+
 // tile() with the weights through the warps' rings: same arguments, same
 // result bits. `primed`: prime() already issued this tile's first stages.
-__device__ __forceinline__ void tile_bulk(const rows::WeightSpan& s, const bf16* xs, int rows, float* ys, float* part,
+__device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan& s, const bf16* xs, int rows, float* ys, float* part,
                                           uint8_t* ring, BulkState* st, bool primed) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const Walk wk(s.rows, s.cols, warp, nwarps);

@@ -25,7 +25,7 @@ constexpr int kSeq = 8;      // blocks 1..kSeq: 32 KB
 template <int I>
 __device__ __noinline__ float code_block(float x) {
 #pragma unroll
-  for (int k = 0; k < kFma; ++k) x = fmaf(x, 1.0f + 1e-7f * float(I * kFma + k + 1), 1e-7f * float(k + 1));
+  for (int k = 0; k < kFma; ++k) x = fmaf(x, 1.0f - 1e-8f * float(I * kFma + k + 1), 1e-7f * float(k + 1));
   return x;
 }
 
