@@ -317,11 +317,15 @@ __device__ __forceinline__ void drain(BulkState* st) {
 
 // 1: tile_bulk is one function every GEMM opcode calls (one copy of its
 // code, ~1,000 instructions with the walk's divisions, instead of one per
-// opcode); 0: inlined into each. Why: the icache block measured ~0.4 us per
-// KB of code an SM runs cold while the memory streams (H200), and an SM runs
-// four GEMM opcodes a layer (QKV, expert up and down, O-projection).
+// opcode; North Mini Code's kernel 25,888 -> 18,216 instructions); 0:
+// inlined into each. Why: the icache block measured ~0.4 us per KB of code
+// an SM runs cold while the memory streams (H200), and an SM runs four GEMM
+// opcodes a layer (QKV, expert up and down, O-projection). Measured (H200,
+// tenth session, one run, kernel ms): North Mini Code 8K bs1 3.520 -> 3.478,
+// bs8 10.85 -> 10.74, SmolLM2 1K bs1 1.235 -> 1.203; the same bits. The
+// attention split's one copy (MEGAC_ATTN_NOINLINE) measured slower.
 #ifndef MEGAC_TC_NOINLINE
-#define MEGAC_TC_NOINLINE 0
+#define MEGAC_TC_NOINLINE 1
 #endif
 #if MEGAC_TC_NOINLINE
 #define MEGAC_TC_TILE_FN __noinline__
