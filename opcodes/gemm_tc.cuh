@@ -323,9 +323,14 @@ __device__ __forceinline__ void drain(BulkState* st) {
 // opcodes a layer (QKV, expert up and down, O-projection). Measured (H200,
 // tenth session, one run, kernel ms): North Mini Code 8K bs1 3.520 -> 3.478,
 // bs8 10.85 -> 10.74, SmolLM2 1K bs1 1.235 -> 1.203; the same bits. The
-// attention split's one copy (MEGAC_ATTN_NOINLINE) measured slower.
+// attention split's one copy (MEGAC_ATTN_NOINLINE) measured slower. Off by
+// default until the form below runs on the GPU: the measured build took the
+// WeightSpan by reference, which put it on the stack and cost the kernel 24
+// bytes of spill stores around the call (the megakernel must not spill:
+// tests/codegen/test_megakernel_build.py); by value, as now, it compiles to
+// 254 registers and no spills, not yet run on an H200.
 #ifndef MEGAC_TC_NOINLINE
-#define MEGAC_TC_NOINLINE 1
+#define MEGAC_TC_NOINLINE 0
 #endif
 #if MEGAC_TC_NOINLINE
 #define MEGAC_TC_TILE_FN __noinline__
@@ -335,7 +340,8 @@ __device__ __forceinline__ void drain(BulkState* st) {
 
 // tile() with the weights through the warps' rings: same arguments, same
 // result bits. `primed`: prime() already issued this tile's first stages.
-__device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan& s, const bf16* xs, int rows, float* ys, float* part,
+// The span by value: a noinline call would otherwise put it on the stack.
+__device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16* xs, int rows, float* ys, float* part,
                                           uint8_t* ring, BulkState* st, bool primed) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const Walk wk(s.rows, s.cols, warp, nwarps);
