@@ -16,6 +16,7 @@
 #include "attn_tiles.cuh"
 #include "mk_core.cuh"
 #include "mk_layout.cuh"
+#include "weight_stream.cuh"
 
 namespace megac {
 namespace mk {
@@ -46,15 +47,12 @@ struct AttnScratch {
   static constexpr int kBytes = kSplitBytes > kCombineBytes ? kSplitBytes : kCombineBytes;
 };
 
-// The partial of split `split` (of `nsplits`) of (row, kvh) in `layer`.
-template <class M>
-__device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, int kvh, int split, int nsplits,
-                                             int window) {
-  using Lay = Layout<M>;
-  const LaunchDesc* d = c.d;
-  const bf16* q = ptr<const bf16>(d->q) + Lay::q(layer, row) + kvh * M::GQA * M::HEAD_DIM;
-  const int32_t* pt = ptr<const int32_t>(d->page_table) + (int64_t(layer) * M::MAX_ROWS + row) * d->max_blocks_per_seq;
-  int begin = 0, end = 0;
+// The keys [begin, end) of split `split` (of `nsplits`) of `row`; empty for
+// an inactive row.
+__device__ __forceinline__ void split_keys(const LaunchDesc* d, int row, int split, int nsplits, int window,
+                                          int& begin, int& end) {
+  begin = 0;
+  end = 0;
 #if MEGAC_ATTN_AHEAD
   // both loads in one round trip (the position of an inactive row is read, not used)
   const int32_t active = ptr<const int32_t>(d->row_active)[row], pos = ptr<const int32_t>(d->seq_pos)[row];
@@ -65,6 +63,24 @@ __device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, i
     attn::split_range(seq_len, window, nsplits, split, d->kv_block_size, begin, end);
   }
 #endif
+}
+
+// The page-table row of `row` in `layer`.
+template <class M>
+__device__ __forceinline__ const int32_t* page_row(const LaunchDesc* d, int layer, int row) {
+  return ptr<const int32_t>(d->page_table) + (int64_t(layer) * M::MAX_ROWS + row) * d->max_blocks_per_seq;
+}
+
+// The partial of split `split` (of `nsplits`) of (row, kvh) in `layer`.
+template <class M>
+__device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, int kvh, int split, int nsplits,
+                                             int window) {
+  using Lay = Layout<M>;
+  const LaunchDesc* d = c.d;
+  const bf16* q = ptr<const bf16>(d->q) + Lay::q(layer, row) + kvh * M::GQA * M::HEAD_DIM;
+  const int32_t* pt = page_row<M>(d, layer, row);
+  int begin, end;
+  split_keys(d, row, split, nsplits, window, begin, end);
   float* o = ptr<float>(d->attn_o_part) + Lay::o_part_attn(layer, split, row, kvh * M::GQA);
   float* lse = ptr<float>(d->attn_lse_part) + Lay::lse_part(layer, split, row, kvh * M::GQA);
   if constexpr (AttnScratch<M>::kMma || MEGAC_ATTN_TILES) {
@@ -114,21 +130,18 @@ template <class M>
 __device__ __forceinline__ void warm_split(const Ctx& c, int layer, int row, int kvh, int split, int nsplits,
                                            int window, int lane, int nlanes) {
   const LaunchDesc* d = c.d;
-  const int32_t active = ptr<const int32_t>(d->row_active)[row], pos = ptr<const int32_t>(d->seq_pos)[row];
-  if (!active) return;
-  int begin = 0, end = 0;
+  int begin, end;
+  split_keys(d, row, split, nsplits, window, begin, end);
   const int bs = d->kv_block_size;
-  attn::split_range(pos + 1, window, nsplits, split, bs, begin, end);
   const int n = end - begin;
   const int lo = begin + n * kvh / M::KV_HEADS, hi = begin + n * (kvh + 1) / M::KV_HEADS;
-  if (lo >= hi) return;
-  const int32_t* pt = ptr<const int32_t>(d->page_table) + (int64_t(layer) * M::MAX_ROWS + row) * d->max_blocks_per_seq;
+  if (lo >= hi) return;  // an empty split, or an inactive row
+  const int32_t* pt = page_row<M>(d, layer, row);
   // pieces of g keys never cross a block: a piece's rows (every kv head) are contiguous
   const int g = bs % 16 == 0 ? 16 : 1;
   constexpr int64_t kKeyBytes = int64_t(M::KV_HEADS) * M::HEAD_DIM * 2;
 #if MEGAC_ATTN_WARM == 2
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  const uint64_t policy = l2_evict_last_policy();
 #endif
   for (int p = lo / g + lane; p * g < hi; p += nlanes) {
     const int k0 = max(lo, p * g), k1 = min(hi, (p + 1) * g);

@@ -759,6 +759,37 @@ def use_cubin(be, cubin) -> None:
     be.use_cubin(cubin)
 
 
+def interleaved_kernel_ms(eng, cubins: dict, cases, rounds: int = 2, steps: int = 12) -> dict:
+    """build name -> {"bs{b}_ctx{ctx}": median kernel ms} over ``cases``
+    ((batch, context) pairs), the builds swapped round-robin on one engine
+    for ``rounds`` rounds, so drift of the machine hits all alike."""
+    times: dict = {v: {f"bs{b}_ctx{ctx}": [] for b, ctx in cases} for v in cubins}
+    for _ in range(rounds):
+        for v, cubin in cubins.items():
+            use_cubin(eng.backend, cubin)
+            for b, ctx in cases:
+                times[v][f"bs{b}_ctx{ctx}"].append(_step_times(eng, b, ctx, steps=steps)["kernel_ms"])
+    return {v: {k: median(x) for k, x in t.items()} for v, t in times.items()}
+
+
+#: the bit checks' prompts: 8 rows decoding together (batch 8: long expert queues)
+BIT_PROMPTS = [[(31 * i + 7 * j) % 1000 + 3 for j in range(5 + 3 * i)] for i in range(8)]
+
+
+def greedy_bits(eng, cubin) -> list:
+    """``eng`` on ``cubin``: 4 greedy tokens of each BIT_PROMPTS row, logits kept."""
+    use_cubin(eng.backend, cubin)
+    return generate_all(eng, BIT_PROMPTS, 4)
+
+
+def same_bits(ref: list, got: list) -> bool:
+    """Every row's tokens and logits of ``got`` equal ``ref``'s bit for bit."""
+    import torch
+
+    return all(a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+               for a, b in zip(ref, got))
+
+
 def check_variants() -> dict:
     """Median kernel ms of every VARIANTS build, interleaved (round-robin
     over the variants, 2 rounds) so drift of the machine hits all alike:
@@ -777,26 +808,14 @@ def check_variants() -> dict:
         w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
         eng = engine(spec, w, max_batch_size=8, max_model_len=min(8192 + 64, spec.max_context), num_kv_blocks=40000)
         _noise_kv(eng)
-        times: dict = {v: {f"bs{b}_ctx{ctx}": [] for b, ctx in cases} for v in cubins}
-        for _ in range(2):
-            for v, cubin in cubins.items():
-                use_cubin(eng.backend, cubin)
-                for b, ctx in cases:
-                    times[v][f"bs{b}_ctx{ctx}"].append(_step_times(eng, b, ctx, steps=12)["kernel_ms"])
-        out[model] = {v: {k: median(x) for k, x in t.items()} for v, t in times.items()}
+        out[model] = interleaved_kernel_ms(eng, cubins, cases)
         if spec.moe:
-            # every build must give the default's bits: 8 rows decoding together
-            # (batch 8: long expert queues)
-            prompts = [[(31 * i + 7 * j) % 1000 + 3 for j in range(5 + 3 * i)] for i in range(8)]
+            # every build must give the default's bits
             ref = None
             for v, cubin in cubins.items():
-                use_cubin(eng.backend, cubin)
-                got = generate_all(eng, prompts, 4)
-                if ref is None:
-                    ref = got
-                out[model][v]["bits_equal_default"] = all(
-                    a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-                    for a, b in zip(ref, got))
+                got = greedy_bits(eng, cubin)
+                ref = ref or got
+                out[model][v]["bits_equal_default"] = same_bits(ref, got)
         print(json.dumps({model: out[model]}), flush=True)
         del eng, w
         torch.cuda.empty_cache()
@@ -831,28 +850,17 @@ def check_order_variants() -> dict:
 
     spec = load_spec("north-mini-code")
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-    cases = ((1, 8192), (8, 8192))
-    prompts = [[(31 * i + 7 * j) % 1000 + 3 for j in range(5 + 3 * i)] for i in range(8)]
     out, ref = {}, None
     for order in variant_orders():
         eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000, order=order)
         _noise_kv(eng)
         cubins = {v: variant_cubin(spec, d, order) for v, d in variants_for(spec).items()}
-        times: dict = {v: {f"bs{b}_ctx{ctx}": [] for b, ctx in cases} for v in cubins}
-        for _ in range(2):
-            for v, cubin in cubins.items():
-                use_cubin(eng.backend, cubin)
-                for b, ctx in cases:
-                    times[v][f"bs{b}_ctx{ctx}"].append(_step_times(eng, b, ctx, steps=12)["kernel_ms"])
+        times = interleaved_kernel_ms(eng, cubins, ((1, 8192), (8, 8192)))
         for v, cubin in cubins.items():
             key = f"{Path(order).stem}:{v}"
-            out[key] = {k: median(x) for k, x in times[v].items()}
-            use_cubin(eng.backend, cubin)
-            got = generate_all(eng, prompts, 4)
+            got = greedy_bits(eng, cubin)
             ref = ref or got
-            out[key]["bits_equal_first"] = all(
-                a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-                for a, b in zip(ref, got))
+            out[key] = {**times[v], "bits_equal_first": same_bits(ref, got)}
             print(json.dumps({key: out[key]}), flush=True)
         del eng
         gc.collect()
@@ -949,8 +957,7 @@ def check_step_graph() -> dict:
     ref = generate_all(eng, prompts, 8)
     eng.backend.step_graph = True
     got = generate_all(eng, prompts, 8)
-    out["bit_identical"] = all(a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-                               for a, b in zip(ref, got))
+    out["bit_identical"] = same_bits(ref, got)
     out["graphs_captured"] = len(eng.backend._step_graphs)
     out["still_on"] = eng.backend.step_graph
     del eng
