@@ -323,14 +323,14 @@ __device__ __forceinline__ void drain(BulkState* st) {
 // opcodes a layer (QKV, expert up and down, O-projection). Measured (H200,
 // tenth session, one run, kernel ms): North Mini Code 8K bs1 3.520 -> 3.478,
 // bs8 10.85 -> 10.74, SmolLM2 1K bs1 1.235 -> 1.203; the same bits. The
-// attention split's one copy (MEGAC_ATTN_NOINLINE) measured slower. Off by
-// default until the form below runs on the GPU: the measured build took the
-// WeightSpan by reference, which put it on the stack and cost the kernel 24
-// bytes of spill stores around the call (the megakernel must not spill:
-// tests/codegen/test_megakernel_build.py); by value, as now, it compiles to
-// 254 registers and no spills, not yet run on an H200.
+// attention split's one copy (MEGAC_ATTN_NOINLINE) measured slower. The
+// WeightSpan goes by value: by reference it went on the stack (24 bytes of
+// spills around the call; the megakernel must not spill:
+// tests/codegen/test_megakernel_build.py). That form, measured in the
+// eleventh session (H200, one run): NMC 8K bs1 3.535 -> 3.425 ms, bs8 10.85
+// -> 10.55, SmolLM2 1K bs1 1.240 -> 1.193, the same bits.
 #ifndef MEGAC_TC_NOINLINE
-#define MEGAC_TC_NOINLINE 0
+#define MEGAC_TC_NOINLINE 1
 #endif
 #if MEGAC_TC_NOINLINE
 #define MEGAC_TC_TILE_FN __noinline__

@@ -89,3 +89,40 @@ def test_the_experiment_orders_compile_and_verify():
     for f in files:
         sched = compile_one(load_spec("tiny-moe"), order=str(f), rows=2, context=256)
         assert sched.num_tasks > 0, f
+
+
+def _opcodes_per_sm_and_layer(sched):
+    """{(sm, layer): tuple of opcodes in run order} of a compiled schedule."""
+    from megac import abi
+
+    out = {}
+    for s in range(sched.tasks.shape[0]):
+        for w in sched.tasks[s, : int(sched.task_counts[s])]:
+            out.setdefault((s, int(w[abi.H.LAYER])), []).append(int(w[abi.H.OPCODE]))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def test_the_layer_cursor_runs_each_layers_tasks_on_the_same_sms():
+    """``sm_cursor: layer`` deals every layer from SM 0: each SM runs the same
+    opcodes in every layer of a kind (its code stays warm), where the global
+    cursor moves them from layer to layer; both verify."""
+    from megac.passes.pipeline import compile_one
+
+    spec = load_spec("north-mini-code")
+    cursor = compile_one(spec, order=str(schedules_dir() / "experiments" / "tuned-layer-cursor.yaml"), rows=1,
+                         context=8192)
+    tuned = compile_one(spec, order="tuned", rows=1, context=8192)
+    assert cursor.num_tasks == tuned.num_tasks
+    for sched, same in ((cursor, True), (tuned, False)):
+        ops = _opcodes_per_sm_and_layer(sched)
+        # sliding MoE layers 1, 2, 3, 5, 6, 7: one kind, one task list
+        differ = [s for s in range(132) for l in (2, 3, 5, 6, 7) if ops.get((s, l)) != ops.get((s, 1))]
+        assert (not differ) == same, (same, differ[:5])
+
+
+def test_a_bad_sm_cursor_is_one_line(tmp_path):
+    doc = yaml.safe_load((schedules_dir() / "tuned.yaml").read_text())
+    doc["sm_cursor"] = "random"
+    bad = tmp_path / "cursor.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "sm_cursor", "random")

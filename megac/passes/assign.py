@@ -1,15 +1,21 @@
 """Pass ``assign``: global list -> per-SM queues.
 
-Static task k of the global list goes to SM ``k mod num_sms`` (the cursor is
-the global position, so it carries across waves and layers and small waves
-do not pile onto low-numbered SMs). A claimer wave has exactly ``num_sms``
-claimers; claimer i of a node goes to SM ``(p0 + i) mod num_sms`` where p0 is
-the position of the node's first claimer, so the claimers of one queue cover
-every SM exactly once even when interleaved with another wave. Each SM runs
-its tasks in global order (slot = rank on that SM).
+Static task k of the global list goes to SM ``(k - s_k) mod num_sms``, where
+s_k is where the cursor restarts (``order``'s ``g_segment``): 0 by default,
+so the cursor is the global position, carries across waves and layers and
+small waves do not pile onto low-numbered SMs; with the wave order's
+``sm_cursor: layer`` the position of k's layer's first task, so every layer
+deals its tasks from SM 0 and an SM runs the same opcodes layer after layer.
+A claimer wave has exactly ``num_sms`` claimers; claimer i of a node goes to
+SM ``(p0 - s + i) mod num_sms`` where p0 is the position of the node's first
+claimer, so the claimers of one queue cover every SM exactly once even when
+interleaved with another wave. Each SM runs its tasks in global order (slot =
+rank on that SM): a task waits only on tasks earlier in the global list, so
+the earliest unfinished task always heads its SM's queue, however the SMs
+are dealt.
 
-Ensures: static task k is on SM k mod num_sms; every claimer node has one
-claimer on each SM; slots are 0..count-1 per SM, in global order.
+Ensures: static task k is on SM (k - s_k) mod num_sms; every claimer node has
+one claimer on each SM; slots are 0..count-1 per SM, in global order.
 """
 
 from __future__ import annotations
@@ -26,15 +32,21 @@ def requires(lw: Lowering) -> None:
         raise PassError(NAME, "needs the global list (run order first)")
 
 
+def _segment(lw: Lowering) -> np.ndarray:
+    n = len(lw.g_node)
+    return lw.g_segment if lw.g_segment is not None else np.zeros(n, dtype=np.int64)
+
+
 def run(lw: Lowering) -> str:
     S = lw.geo.num_sms
     n = len(lw.g_node)
     pos = np.arange(n, dtype=np.int64)
-    sm = pos % S
+    rel = pos - _segment(lw)
+    sm = rel % S
     cl = lw.g_claimer >= 0
     if cl.any():
         first = np.full(len(lw.nodes), n, dtype=np.int64)
-        np.minimum.at(first, lw.g_node[cl], pos[cl])
+        np.minimum.at(first, lw.g_node[cl], rel[cl])
         sm[cl] = (first[lw.g_node[cl]] + lw.g_claimer[cl]) % S
     order = np.lexsort((pos, sm))
     counts = np.bincount(sm, minlength=S)
@@ -50,9 +62,10 @@ def ensures(lw: Lowering) -> None:
     n = len(lw.g_node)
     pos = np.arange(n)
     static = lw.g_claimer < 0
-    if (lw.sm[static] != pos[static] % S).any():
-        k = int(np.flatnonzero(static & (lw.sm != pos % S))[0])
-        raise PassError(NAME, f"static task {k} on SM {int(lw.sm[k])}, expected {k % S}")
+    want = (pos - _segment(lw)) % S
+    if (lw.sm[static] != want[static]).any():
+        k = int(np.flatnonzero(static & (lw.sm != want))[0])
+        raise PassError(NAME, f"static task {k} on SM {int(lw.sm[k])}, expected {int(want[k])}")
     for nt in lw.nodes:
         if nt.claimer:
             sms = np.sort(lw.sm[(lw.g_node == nt.index) & ~static])

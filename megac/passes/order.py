@@ -37,6 +37,12 @@ NAME = "order"
 #: schedules/ at the repository top level.
 ORDERS = ("tuned", "interleaved", "attention-first")
 LAYER_KINDS = ("dense", "moe", "sequential_dense", "sequential_moe")
+#: where ``assign``'s SM cursor starts a layer: "global" carries it on from
+#: the layer before (small waves spread over the SMs layer after layer);
+#: "layer" restarts it at SM 0 every layer (and before the final waves), so
+#: every layer's task j runs on the same SM: an SM runs the same opcodes
+#: layer after layer and finds their code warm in its instruction caches.
+SM_CURSORS = ("global", "layer")
 
 
 class OrderError(MegacError):
@@ -97,9 +103,12 @@ def load_order(order: str) -> dict:
         raise OrderError(f"{where}: invalid YAML: {err}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("layers"), dict):
         raise OrderError(f"{where}: needs a 'layers' mapping of layer kind -> waves")
-    unknown = set(doc) - {"name", "layers", "final", "description"}
+    unknown = set(doc) - {"name", "layers", "final", "description", "sm_cursor"}
     if unknown:
         raise OrderError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    cursor = doc.get("sm_cursor", "global")
+    if cursor not in SM_CURSORS:
+        raise OrderError(f"{where}: sm_cursor must be one of {', '.join(SM_CURSORS)} (got {cursor!r})")
     layers = {}
     for kind, raw in doc["layers"].items():
         if kind not in LAYER_KINDS:
@@ -107,7 +116,8 @@ def load_order(order: str) -> dict:
         block, ffn = ("sequential", kind.split("_", 1)[1]) if kind.startswith("sequential_") else ("parallel", kind)
         layers[kind] = parse_waves(raw, f"{where}: layers.{kind}", layer_node_kinds(block, ffn))
     final = parse_waves(doc.get("final", ["lm_head"]), f"{where}: final", ("lm_head",))
-    return {"name": doc.get("name", path.stem), "layers": layers, "final": final, "path": str(path)}
+    return {"name": doc.get("name", path.stem), "layers": layers, "final": final, "path": str(path),
+            "sm_cursor": cursor}
 
 
 def requires(lw: Lowering) -> None:
@@ -164,7 +174,9 @@ def run(lw: Lowering) -> str:
         if record:
             waves[key] = rec
 
+    seg_starts = []  # global position where each layer (then the final waves) begins
     for l in range(geo.num_layers):
+        seg_starts.append(sum(len(a) for a in g_node))
         kind = layer_kind(geo.block, geo.ffn[l])
         if kind not in spec_order["layers"]:
             raise PassError(NAME, f"wave order '{spec_order['name']}' has no waves for layer kind "
@@ -172,8 +184,15 @@ def run(lw: Lowering) -> str:
         key = f"{kind}:{'sliding' if geo.sliding[l] else 'full'}"
         lw.layer_kinds.append(key)
         emit(spec_order["layers"][kind], f"L{l}.", key)
+    seg_starts.append(sum(len(a) for a in g_node))
     emit(spec_order["final"], "", "final")
     lw.g_node = np.concatenate(g_node)
+    n = len(lw.g_node)
+    if spec_order["sm_cursor"] == "layer":
+        lens = np.diff(np.array(seg_starts + [n], dtype=np.int64))
+        lw.g_segment = np.repeat(np.array(seg_starts, dtype=np.int64), lens)
+    else:
+        lw.g_segment = np.zeros(n, dtype=np.int64)
     lw.g_task = np.concatenate(g_task)
     lw.g_claimer = np.concatenate(g_cl)
     lw.waves = waves

@@ -703,8 +703,9 @@ VARIANTS = {
     # a split's page-table entries loaded at once up front, the row's state in one round trip
     "attn_ahead": {"MEGAC_ATTN_AHEAD": 1},
     "attn_ahead3": {"MEGAC_ATTN_AHEAD": 1, "MEGAC_ATTN_MMA_STAGES": 3},
-    # one copy of the GEMM tile's code for every opcode (less cold code), and of the attention split's
-    "tc_noinline": {"MEGAC_TC_NOINLINE": 1},
+    # the GEMM tile inlined into each opcode (the default shares one copy: less cold code); the
+    # attention split shared as well
+    "tc_inline": {"MEGAC_TC_NOINLINE": 0},
     "attn_noinline": {"MEGAC_ATTN_NOINLINE": 1},
     # smaller bulk-copy stages: less in flight per SM (2 x 8 KB x 8 warps = 128 KB by default), so
     # less queueing in the memory system for the latency-bound tasks beside the streams
