@@ -103,17 +103,18 @@ def _opcodes_per_sm_and_layer(sched):
 
 
 def test_the_layer_cursor_runs_each_layers_tasks_on_the_same_sms():
-    """``sm_cursor: layer`` deals every layer from SM 0: each SM runs the same
-    opcodes in every layer of a kind (its code stays warm), where the global
-    cursor moves them from layer to layer; both verify."""
+    """The default cursor (``sm_cursor: layer``) deals every layer from SM 0:
+    each SM runs the same opcodes in every layer of a kind (its code stays
+    warm), where the global cursor moves them from layer to layer; both
+    verify and run the same tasks."""
     from megac.passes.pipeline import compile_one
 
     spec = load_spec("north-mini-code")
-    cursor = compile_one(spec, order=str(schedules_dir() / "experiments" / "tuned-layer-cursor.yaml"), rows=1,
-                         context=8192)
     tuned = compile_one(spec, order="tuned", rows=1, context=8192)
-    assert cursor.num_tasks == tuned.num_tasks
-    for sched, same in ((cursor, True), (tuned, False)):
+    glob = compile_one(spec, order=str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml"), rows=1,
+                       context=8192)
+    assert glob.num_tasks == tuned.num_tasks
+    for sched, same in ((tuned, True), (glob, False)):
         ops = _opcodes_per_sm_and_layer(sched)
         # sliding MoE layers 1, 2, 3, 5, 6, 7: one kind, one task list
         differ = [s for s in range(132) for l in (2, 3, 5, 6, 7) if ops.get((s, l)) != ops.get((s, 1))]

@@ -1,11 +1,12 @@
 """Pass ``assign``: global list -> per-SM queues.
 
 Static task k of the global list goes to SM ``(k - s_k) mod num_sms``, where
-s_k is where the cursor restarts (``order``'s ``g_segment``): 0 by default,
-so the cursor is the global position, carries across waves and layers and
-small waves do not pile onto low-numbered SMs; with the wave order's
-``sm_cursor: layer`` the position of k's layer's first task, so every layer
-deals its tasks from SM 0 and an SM runs the same opcodes layer after layer.
+s_k is where the cursor restarts (``order``'s ``g_segment``). Under the wave
+order's ``sm_cursor: layer`` (the default) s_k is the position of k's
+layer's first task: every layer deals its tasks from SM 0, so an SM runs the
+same opcodes layer after layer and finds their code warm. Under
+``sm_cursor: global`` s_k = 0: the cursor is the global position and carries
+across layers, so the small waves spread over the SMs.
 A claimer wave has exactly ``num_sms`` claimers; claimer i of a node goes to
 SM ``(p0 - s + i) mod num_sms`` where p0 is the position of the node's first
 claimer, so the claimers of one queue cover every SM exactly once even when

@@ -130,13 +130,14 @@ def test_fp32_matches_transformers(ckpt, name, order):
     assert set(eng.backend.schedules_used) == {(4, max(spec.resolved_context_buckets))}
 
 
-def test_the_layer_cursor_order_matches_transformers(ckpt):
-    """The experiment order that deals every layer from SM 0 (``sm_cursor:
-    layer``) places the same tasks on other SMs: the same results."""
+def test_the_global_cursor_order_matches_transformers(ckpt):
+    """The experiment order whose SM cursor carries on from layer to layer
+    (``sm_cursor: global``) places the same tasks on other SMs: the same
+    results."""
     from megac.resources import schedules_dir
 
     spec, w, model = ckpt("moe")
-    order = str(schedules_dir() / "experiments" / "tuned-layer-cursor.yaml")
+    order = str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml")
     eng = vm_engine(spec, w, compile_schedules(spec, order=order, batch_sizes=[1, 2, 4]))
     prompts = _prompts(spec)
     outs = generate(eng, prompts, max_tokens=8, eos_token_ids=[], return_logits=True)
