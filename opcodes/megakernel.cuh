@@ -121,7 +121,7 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
       for (int i = 0; i < kProfileMarks; ++i) profile_marks[i] = 0;
     }
 #endif
-#if MEGAC_ATTN_WARM || MEGAC_OPROJ_WARM
+#if MEGAC_ATTN_WARM
     if (threadIdx.x < 32) Dispatch::warm(c, ts->w, threadIdx.x);
 #endif
     // weights never depend on the waits: a static GEMM's first chunks stream

@@ -163,7 +163,6 @@ __device__ __forceinline__ void warm_split(const Ctx& c, int layer, int row, int
 // waits (its dynamic NUM_SPLITS not yet resolved).
 template <class M>
 __device__ __forceinline__ void attn_warm(const Ctx& c, const int32_t* w, int lane) {
-  if constexpr (MEGAC_ATTN_WARM == 0) return;
   warm_split<M>(c, w[H_LAYER], w[f_attn_decode::ROW], w[f_attn_decode::KV_HEAD], w[f_attn_decode::SPLIT],
                 resolve(c.d, w[f_attn_decode::NUM_SPLITS]), w[f_attn_decode::WINDOW], lane, 32);
 }

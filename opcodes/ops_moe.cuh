@@ -138,39 +138,6 @@ __device__ __forceinline__ void moe_combine(const Ctx& c) {
                    reinterpret_cast<int32_t*>(c.scratch));
 }
 
-// Each expert up claimer, before its waits (the routing chain: ~20 us at
-// batch 1 in which its SM and its TMA unit sit idle), pulls its 1 / num_sms
-// share of the layer's O-projection weights toward L2, so the O_PROJ tasks
-// that run after the down claims find them there and HBM moves those 17 MB
-// (North Mini Code) while the routing chain leaves it underused. 1: normal
-// L2 priority, 2: evict_last (the expert streams that follow are
-// evict_first). 0: off. Warp 0, lanes issue 32 KB bulk prefetches.
-#ifndef MEGAC_OPROJ_WARM
-#define MEGAC_OPROJ_WARM 0
-#endif
-
-template <class M>
-__device__ __forceinline__ void moe_up_warm(const Ctx& c, const int32_t* w, int lane) {
-  if constexpr (MEGAC_OPROJ_WARM > 0 && M::NUM_EXPERTS > 0) {
-    constexpr int64_t kBytes = int64_t(M::HIDDEN) * M::Q_WIDTH * 2, kChunk = 32768;
-    const int64_t sm = blockIdx.x, nsm = gridDim.x;
-    const int64_t lo = (kBytes * sm / nsm) & ~int64_t(255);
-    const int64_t hi = sm + 1 == nsm ? kBytes : (kBytes * (sm + 1) / nsm) & ~int64_t(255);
-    const char* base = reinterpret_cast<const char*>(ptr<const bf16>(c.d->w_o) + Layout<M>::w_o(w[H_LAYER]));
-#if MEGAC_OPROJ_WARM == 2
-    const uint64_t policy = l2_evict_last_policy();
-#endif
-    for (int64_t off = lo + lane * kChunk; off < hi; off += 32 * kChunk) {
-      const uint32_t n = uint32_t(hi - off < kChunk ? hi - off : kChunk);
-#if MEGAC_OPROJ_WARM == 2
-      prefetch_l2_hint(base + off, n, policy);
-#else
-      prefetch_l2(base + off, n);
-#endif
-    }
-  }
-}
-
 // Expert records {expert, n_tile, slot0, rows}. Up: waits TASK_WAIT_BASE,
 // signals TASK_SIGNAL_BASE + expert. Down: waits TASK_WAIT_BASE + expert,
 // signals TASK_SIGNAL_BASE.

@@ -381,7 +381,6 @@ class MoeUpgateDrain(_ExpertDrain):
     op = Op.MOE_UPGATE_DRAIN
     node_kinds = ("moe_upgate",)
     device_fn = "moe_upgate_drain"
-    warm_fn = "moe_up_warm"
     queue = Queue.MOE_UP
 
     def tiles(self, geo):

@@ -711,9 +711,6 @@ VARIANTS = {
     # less queueing in the memory system for the latency-bound tasks beside the streams
     # a proxy fence before each ring slot's refill (the default has none, as CUTLASS's TMA pipelines)
     "stage_fence": {"MEGAC_TC_STAGE_FENCE": 1},
-    # each expert up claimer warms its share of the layer's O-projection toward L2 before its waits
-    "oproj_warm": {"MEGAC_OPROJ_WARM": 1},
-    "oproj_warm_last": {"MEGAC_OPROJ_WARM": 2},
     "st4": {"MEGAC_TC_STAGE_BLOCKS": 4},
     "st6": {"MEGAC_TC_STAGE_BLOCKS": 6},
     "st4x3": {"MEGAC_TC_STAGE_BLOCKS": 4, "MEGAC_TC_STAGES": 3},
@@ -730,7 +727,7 @@ VARIANTS = {
     "pf_up32_dn24": {"MEGAC_TOPK_PREFETCH_UP_KB": 32, "MEGAC_TOPK_PREFETCH_DOWN_KB": 24},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"oproj_warm", "oproj_warm_last", "rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24"}
+MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
