@@ -16,6 +16,7 @@ from megac.costmodel import simulate
 from megac.errors import MegacError
 from megac.gpu.profile import chrome_trace, records_from_trace
 from megac.passes.pipeline import compile_one
+from megac.resources import schedules_dir
 from megac.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,9 @@ FIXED = {NMC_TRACE: (0.53, 0.52), NMC_TRACE_3: (0.524, 0.529), NMC_TRACE_5: (0.6
          NMC_TRACE_8: (0.64, 0.46), SMOL_TRACE_8: (0.64, 0.46)}
 SMOL_TRACE = ROOT / "benchmarks" / "profile-smollm2-bs1-1k-2026-12-01.trace.json.gz"
 NMC, SMOL = ("north-mini-code", 8192), ("smollm2-135m", 1024)
-#: per trace: the (model, context) of its schedule (batch 1, order tuned)
+GLOBAL_CURSOR = str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml")
+#: per trace: the (model, context) of its schedule (batch 1, order tuned with
+#: the SM cursor of its day: every trace here predates the per-layer cursor)
 MODEL = {NMC_TRACE: NMC, NMC_TRACE_3: NMC, NMC_TRACE_5: NMC, NMC_TRACE_8: NMC, SMOL_TRACE_8: SMOL}
 
 
@@ -44,7 +47,7 @@ def schedule_of():
     def get(model_ctx):
         if model_ctx not in cache:
             model, ctx = model_ctx
-            cache[model_ctx] = compile_one(load_spec(model), order="tuned", rows=1, context=ctx)
+            cache[model_ctx] = compile_one(load_spec(model), order=GLOBAL_CURSOR, rows=1, context=ctx)
         return cache[model_ctx]
 
     return get
@@ -74,6 +77,26 @@ def test_calibrated_model_predicts_the_measured_step_within_10_percent(measured)
     predicted = simulate(sched, cal.params()).step_us
     assert abs(predicted / span - 1) < 0.10, (predicted, span)
     assert simulate(sched).step_us < 0.85 * span
+
+
+#: the eleventh session's device code, dealt by the per-layer SM cursor (the default)
+NMC_TRACE_11 = ROOT / "benchmarks" / "profile-nmc-bs1-8k-2026-12-02-h200-session11.trace.json.gz"
+
+
+def test_a_trace_of_the_per_layer_cursor_calibrates_the_default_order():
+    """A step measured under today's default placement (every layer dealt
+    from SM 0) fits against the default order's schedule and predicts it
+    within 10 %; against the old placement its records are another
+    schedule's, a one-line error (fixed costs: the task loop's, session 8)."""
+    recs = records_from_trace(json.load(gzip.open(NMC_TRACE_11)))
+    sched = compile_one(load_spec("north-mini-code"), order="tuned", rows=1, context=8192)
+    cal = fit(recs, sched, dispatch_us=0.64, handoff_us=0.46)
+    span = max(r["end_us"] for r in recs)
+    predicted = simulate(sched, cal.params()).step_us
+    assert abs(predicted / span - 1) < 0.10, (predicted, span)
+    old = compile_one(load_spec("north-mini-code"), order=GLOBAL_CURSOR, rows=1, context=8192)
+    with pytest.raises(MegacError, match="another schedule"):
+        fit(recs, old, dispatch_us=0.64, handoff_us=0.46)
 
 
 def test_a_claimers_own_time_is_not_charged_to_its_claims(schedule_of):
