@@ -35,12 +35,37 @@ def parse_list(text: str, what: str, *, lo: int = 1) -> list[int]:
 
 
 def _commit() -> str | None:
+    """HEAD's short hash, "-dirty" when tracked files differ from it (a copy
+    of a working tree, as on a lent GPU machine, may carry a stale HEAD:
+    ``source`` below names the code that ran)."""
+    here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=5)
+        head = out.stdout.strip()
+        if not head:
+            return None
+        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                            capture_output=True, text=True, timeout=10)
+        return head + ("-dirty" if st.returncode == 0 and st.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def source_fingerprint() -> str:
+    """Hash of the code a bench runs: the compiler's text (the artifact
+    cache's fingerprint) and every device header in opcodes/, so a record
+    names its code even where git cannot."""
+    import hashlib
+
+    from megac.resources import opcodes_dir
+    from megac.runtime.artifacts import _compiler_fingerprint
+
+    h = hashlib.sha256(_compiler_fingerprint().encode())
+    for f in sorted(opcodes_dir().glob("*.cuh")) + sorted((opcodes_dir() / "generated").glob("*.h")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @click.command("bench")
@@ -225,7 +250,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
                  "routing_alpha": ALPHA if routing == "skewed" else None, "random_weights": bool(random_weights),
                  "steps": steps, "warmup": warmup, "ceiling_bps": ceiling, "calibration": calibration,
                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
-                 "host": platform.node(), "device": _device_name("cuda" if on_gpu else "cpu")}
+                 "source": source_fingerprint(), "host": platform.node(), "device": _device_name("cuda" if on_gpu else "cpu")}
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"run": facts, "rows": rows}, indent=1))
         say(f"wrote {json_path}")

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from megac.bench_cli import bench_cmd, parse_list
+from megac.bench_cli import bench_cmd, parse_list, source_fingerprint
 from megac.errors import MegacError
 
 
@@ -19,6 +19,7 @@ def test_bench_writes_a_row_per_case(tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(out.read_text())
     assert data["run"]["model"] == "tiny-moe" and data["run"]["backend"] == "cpu"
+    assert data["run"]["source"] == source_fingerprint()  # the code that ran, named even without git
     assert [(x["batch"], x["context"]) for x in data["rows"]] == [(1, 40), (1, 90), (2, 40), (2, 90)]
     # more rows or longer contexts move more bytes
     by = {(x["batch"], x["context"]): x["bytes"] for x in data["rows"]}
@@ -50,3 +51,18 @@ def test_profile_and_plot_need_the_megakernel(tmp_path, flag, value):
                                        str(tmp_path / value)])
     assert isinstance(r.exception, MegacError) and "need --backend cuda" in str(r.exception)
     assert "drawing random weights" not in r.output
+
+
+def test_the_source_fingerprint_changes_with_a_device_header(tmp_path, monkeypatch):
+    """An edited opcode header is other code: another fingerprint."""
+    import shutil
+
+    import megac.resources as res
+
+    before = source_fingerprint()
+    copy = tmp_path / "opcodes"
+    shutil.copytree(res.opcodes_dir(), copy)
+    monkeypatch.setattr(res, "opcodes_dir", lambda: copy)
+    assert source_fingerprint() == before
+    (copy / "norm.cuh").write_text((copy / "norm.cuh").read_text() + "\n// edited\n")
+    assert source_fingerprint() != before
