@@ -29,20 +29,15 @@ NAME = "assign"
 
 
 def requires(lw: Lowering) -> None:
-    if lw.g_node is None:
+    if lw.g_node is None or lw.g_segment is None:
         raise PassError(NAME, "needs the global list (run order first)")
-
-
-def _segment(lw: Lowering) -> np.ndarray:
-    n = len(lw.g_node)
-    return lw.g_segment if lw.g_segment is not None else np.zeros(n, dtype=np.int64)
 
 
 def run(lw: Lowering) -> str:
     S = lw.geo.num_sms
     n = len(lw.g_node)
     pos = np.arange(n, dtype=np.int64)
-    rel = pos - _segment(lw)
+    rel = pos - lw.g_segment
     sm = rel % S
     cl = lw.g_claimer >= 0
     if cl.any():
@@ -63,7 +58,7 @@ def ensures(lw: Lowering) -> None:
     n = len(lw.g_node)
     pos = np.arange(n)
     static = lw.g_claimer < 0
-    want = (pos - _segment(lw)) % S
+    want = (pos - lw.g_segment) % S
     if (lw.sm[static] != want[static]).any():
         k = int(np.flatnonzero(static & (lw.sm != want))[0])
         raise PassError(NAME, f"static task {k} on SM {int(lw.sm[k])}, expected {int(want[k])}")

@@ -176,9 +176,7 @@ def run(lw: Lowering) -> str:
         if record:
             waves[key] = rec
 
-    seg_starts = []  # global position where each layer (then the final waves) begins
     for l in range(geo.num_layers):
-        seg_starts.append(sum(len(a) for a in g_node))
         kind = layer_kind(geo.block, geo.ffn[l])
         if kind not in spec_order["layers"]:
             raise PassError(NAME, f"wave order '{spec_order['name']}' has no waves for layer kind "
@@ -186,15 +184,15 @@ def run(lw: Lowering) -> str:
         key = f"{kind}:{'sliding' if geo.sliding[l] else 'full'}"
         lw.layer_kinds.append(key)
         emit(spec_order["layers"][kind], f"L{l}.", key)
-    seg_starts.append(sum(len(a) for a in g_node))
     emit(spec_order["final"], "", "final")
     lw.g_node = np.concatenate(g_node)
     n = len(lw.g_node)
+    lw.g_segment = np.zeros(n, dtype=np.int64)
     if spec_order["sm_cursor"] == "layer":
-        lens = np.diff(np.array(seg_starts + [n], dtype=np.int64))
-        lw.g_segment = np.repeat(np.array(seg_starts, dtype=np.int64), lens)
-    else:
-        lw.g_segment = np.zeros(n, dtype=np.int64)
+        # a layer's tasks (the final waves': layer num_layers) are contiguous in the list
+        layer = np.array([nt.layer for nt in lw.nodes], dtype=np.int64)[lw.g_node]
+        starts = np.flatnonzero(np.r_[True, layer[1:] != layer[:-1]])
+        lw.g_segment = np.repeat(starts, np.diff(np.r_[starts, n]))
     lw.g_task = np.concatenate(g_task)
     lw.g_claimer = np.concatenate(g_cl)
     lw.waves = waves
