@@ -58,12 +58,15 @@ def source_fingerprint() -> str:
     names its code even where git cannot."""
     import hashlib
 
+    from megac.gpu.build import _headers
     from megac.resources import opcodes_dir
     from megac.runtime.artifacts import _compiler_fingerprint
 
     h = hashlib.sha256(_compiler_fingerprint().encode())
-    for f in sorted(opcodes_dir().glob("*.cuh")) + sorted((opcodes_dir() / "generated").glob("*.h")):
-        h.update(f.name.encode())
+    # the files a cubin's cache key reads from opcodes/ (megac.gpu.build.cache_key)
+    root = opcodes_dir()
+    for f in _headers([root]):
+        h.update(f.relative_to(root.resolve()).as_posix().encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
