@@ -702,22 +702,20 @@ VARIANTS = {
     "attn3": {"MEGAC_ATTN_MMA_STAGES": 3},  # tensor-core splits, 2 chunks in flight per warp
     # a split's page-table entries one chunk ahead (the default loads them at once up front)
     "attn_behind": {"MEGAC_ATTN_AHEAD": 0},
-    "attn_ahead3": {"MEGAC_ATTN_AHEAD": 1, "MEGAC_ATTN_MMA_STAGES": 3},
     # the GEMM tile inlined into each opcode (the default shares one copy: less cold code); the
     # attention split shared as well
     "tc_inline": {"MEGAC_TC_NOINLINE": 0},
     "attn_noinline": {"MEGAC_ATTN_NOINLINE": 1},
-    # smaller bulk-copy stages: less in flight per SM (2 x 8 KB x 8 warps = 128 KB by default), so
-    # less queueing in the memory system for the latency-bound tasks beside the streams
     # a proxy fence before each ring slot's refill (the default has none, as CUTLASS's TMA pipelines)
     "stage_fence": {"MEGAC_TC_STAGE_FENCE": 1},
+    # smaller bulk-copy stages: less in flight per SM (2 x 8 KB x 8 warps = 128 KB by default), so
+    # less queueing in the memory system for the latency-bound tasks beside the streams
     "st4": {"MEGAC_TC_STAGE_BLOCKS": 4},
     "st6": {"MEGAC_TC_STAGE_BLOCKS": 6},
     "st4x3": {"MEGAC_TC_STAGE_BLOCKS": 4, "MEGAC_TC_STAGES": 3},
     # a static split's keys toward L2 before its waits (ops_attention.cuh); 2: evict_last
     "attn_warm": {"MEGAC_ATTN_WARM": 1},
     "attn_warm_last": {"MEGAC_ATTN_WARM": 2},
-    "attn_warm_ahead": {"MEGAC_ATTN_WARM": 1, "MEGAC_ATTN_AHEAD": 1},
     # ROUTER_TOPK's rank counted on two threads per logit (moe_routing.cuh); MoE models only
     "rank_halves": {"MEGAC_TOPK_RANK_HALVES": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
