@@ -205,6 +205,13 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
         ("TASK_WAIT_TARGET", "... for this target"),
         ("TASK_SIGNAL_BASE", "claimed task signals TASK_SIGNAL_BASE + expert"),
         ("N_LEN", "rows of interleaved gate/up weights per tile"),
+        ("ROUTE_SPLITS", "> 0: routed claims: the claimer ranks rows 0..NUM_ROWS-1 itself from this many "
+                         "router split-K partials (as ROUTE_FINALIZE with TOPK_SPLITS) and derives the up "
+                         "queue's records, reading each record's rows from x_norm slot X_SLOT (no queue, "
+                         "no gather, no task wait); 0: records from the queue"),
+        ("NUM_ROWS", "batch rows routed (ROUTE_SPLITS > 0)"),
+        ("UP_TILES", "gate/up tiles per active expert (ROUTE_SPLITS > 0)"),
+        ("X_SLOT", "x_norm slot the routed rows are read from (ROUTE_SPLITS > 0)"),
     ),
     Op.MOE_DOWN_DRAIN: (
         ("QUEUE", "Queue id"),

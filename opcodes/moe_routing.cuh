@@ -101,7 +101,8 @@ __host__ __device__ constexpr int topk_smem_words(int rows, int num_experts, int
   return 2 * rows * k + 3 * rows * num_experts + 2;  // + 2: the keys' 8-byte alignment
 }
 
-// ROUTER_TOPK's ranking for rows 0..rows-1, by the whole CTA (any size >= 32;
+// ROUTER_TOPK's ranking for rows 0..rows-1, by the whole CTA (kWeights false:
+// the ranking alone, the selected ids in smem, nothing written to global) (any size >= 32;
 // K <= min(E, 32)): row r's split-s logits at parts + s * split_stride + r *
 // E. Every (row, expert) logit is summed by one thread (its splits' loads
 // issued at once, added in split order), then its rank is counted against
@@ -112,6 +113,7 @@ __host__ __device__ constexpr int topk_smem_words(int rows, int num_experts, int
 // rows w, w + warps, ... (lane j < K: entry j) and writes ids_out / w_out
 // [rows * K]. On return smem[0 .. rows * K) holds the selected ids (row
 // major), for the caller (the finalize's ranking, the expert prefetch).
+template <bool kWeights = true>
 __device__ __forceinline__ void topk_rows_cta(const float* __restrict__ parts, size_t split_stride,
                                               int num_splits, int rows, int E, int K, int32_t flags,
                                               int32_t* __restrict__ ids_out, float* __restrict__ w_out,
@@ -176,6 +178,7 @@ __device__ __forceinline__ void topk_rows_cta(const float* __restrict__ parts, s
 #endif
   __syncthreads();
   MEGAC_MARK(1);  // every logit ranked
+  if constexpr (!kWeights) return;  // the ids alone (a routed claimer: sel_id is what it needs)
   const int lane = threadIdx.x & 31;
   for (int r = threadIdx.x >> 5; r < rows; r += blockDim.x >> 5) {
     const float logit = lane < K ? sel_v[r * K + lane] : 0.f;
@@ -214,7 +217,7 @@ struct FinalizeArgs {
 
 // Shared memory for finalize_cta, in int32 words (the ranked ids of a
 // top-k-ranking finalize take `entries` more, after these).
-__host__ __device__ __forceinline__ int finalize_smem_words(int num_experts, int entries) {
+__host__ __device__ constexpr int finalize_smem_words(int num_experts, int entries) {
   return 3 * num_experts + 1 + entries;
 }
 

@@ -304,6 +304,39 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c) {
   rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, ws.rows);
 }
 
+// A routed claim's expert tile (MOE_UPGATE_DRAIN with ROUTE_SPLITS > 0,
+// ops_moe.cuh): the same tile, its activation rows read where they lie in
+// x_norm slot `xslot` (row m of the tile is batch row rowof[slot0 + m]),
+// not from gathered moe_x slots. Tensor-core bulk tile only (false
+// elsewhere: the caller reports a bad task).
+template <class M>
+__device__ __forceinline__ bool moe_up_tile_routed(const Ctx& c, int xslot, const int32_t* rowof) {
+  if constexpr (GemmScratch<M>::kTc && tc::kBulk) {
+    using Lay = Layout<M>;
+    const LaunchDesc* d = c.d;
+    const int layer = c.ts->w[H_LAYER];
+    const int s0 = c.ts->rec[rec_moe_up::SLOT0], nr = c.ts->rec[rec_moe_up::ROWS];
+    const int n0 = c.ts->rec[rec_moe_up::N_TILE] * MK_F(moe_upgate_drain, N_LEN);
+    const WeightSpan ws = moe_up_weights<M>(c, c.ts->rec);
+    const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0);
+    bf16* xs = GemmScratch<M>::xs(c);
+    float* ys = GemmScratch<M>::ys(c);
+    const int per_row = ws.cols / 8, pitch = tc::x_pitch(ws.cols);
+    for (int i = threadIdx.x; i < nr * per_row; i += blockDim.x) {
+      const int m = i / per_row, q = i - m * per_row;
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(rowof[s0 + m]) * M::HIDDEN) + q);
+      *reinterpret_cast<uint4*>(xs + m * pitch + q * 8) = v;
+    }
+    __syncthreads();
+    MEGAC_MARK(2);  // the activations staged in shared memory
+    tc::tile_bulk(ws, xs, nr, ys, GemmScratch<M>::part(c), GemmScratch<M>::tc_ring(c), &c.ts->tc, false);
+    rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, ws.rows);
+    return true;
+  } else {
+    return false;
+  }
+}
+
 template <class M>
 __device__ __forceinline__ void moe_down_tile(const Ctx& c) {
   using Lay = Layout<M>;

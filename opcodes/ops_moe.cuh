@@ -14,13 +14,41 @@
 namespace megac {
 namespace mk {
 
+// Routed claims (MOE_UPGATE_DRAIN with ROUTE_SPLITS > 0): every up claimer
+// ranks the layer's rows itself from the router partials and derives the up
+// queue's records (the ones ROUTE_FINALIZE writes: one per active expert,
+// ascending, and tile; the same slots), so its first claim waits on the
+// router GEMM alone instead of top-k -> finalize -> gather (~4 serial hops,
+// ~12 us a MoE layer in which no expert byte moves; docs/perf-notes.md).
+// The claims read their rows from x_norm. 0: the field is ignored (the
+// compiler emits 0 and the verifier holds it there; the build is unchanged).
+#ifndef MEGAC_ROUTED_CLAIMS
+#define MEGAC_ROUTED_CLAIMS 0
+#endif
+
+template <class M>
+struct RoutedScratch {
+  static constexpr int kEntries = M::MAX_ROWS * M::TOP_K > 0 ? M::MAX_ROWS * M::TOP_K : 1;
+  // the ranking's words (finalize's counts, then the top-k's), from scratch offset 0
+  static constexpr int kWorkBytes =
+      (moe::finalize_smem_words(M::NUM_EXPERTS, kEntries) + moe::topk_smem_words(M::MAX_ROWS, M::NUM_EXPERTS, M::TOP_K)) * 4;
+  // what the claims read, past the GEMM's scratch and the ranking's words:
+  // nact, then per active expert (e, first slot, rows), then each slot's row
+  static constexpr int kOffset = (cmax(GemmScratch<M>::kBytes, kWorkBytes) + 15) / 16 * 16;
+  static constexpr int kBytes = MEGAC_ROUTED_CLAIMS ? kOffset + (1 + 4 * kEntries) * 4 : 0;
+  __device__ static int32_t* work(const Ctx& c) { return reinterpret_cast<int32_t*>(c.scratch); }
+  __device__ static int32_t* summary(const Ctx& c) { return reinterpret_cast<int32_t*>(c.scratch + kOffset); }
+};
+
 template <class M>
 struct MoeScratch {
   // finalize_cta: 3 E + 1 + entries words, + the top-k's words when it
-  // ranks the rows itself; top-k: its words for one row; gather / combine: 64
+  // ranks the rows itself; top-k: its words for one row; gather / combine: 64;
+  // a routed claimer: RoutedScratch
   static constexpr int kBytes =
-      (3 * M::NUM_EXPERTS + 1 + M::MAX_ROWS * M::TOP_K + moe::topk_smem_words(M::MAX_ROWS, M::NUM_EXPERTS, M::TOP_K) +
-       64) * 4;
+      cmax((3 * M::NUM_EXPERTS + 1 + M::MAX_ROWS * M::TOP_K +
+            moe::topk_smem_words(M::MAX_ROWS, M::NUM_EXPERTS, M::TOP_K) + 64) * 4,
+           RoutedScratch<M>::kBytes);
 };
 
 // Expert weights toward L2 from ROUTER_TOPK, as soon as a row's experts are
@@ -154,8 +182,101 @@ struct MoeDownOffsets {
   }
 };
 
+// Routed claims, whole CTA: rank, count and scan as finalize_cta does, then
+// claim indices with the queue head's atomic as claim_loop does, each index
+// p being tile p % UP_TILES of the (p / UP_TILES)-th active expert; no
+// claimed task waits (the router's counter, the claimer's header wait,
+// orders the partials and, through the norm before the router, x_norm).
+template <class M>
+__device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
+  if constexpr (MEGAC_ROUTED_CLAIMS && M::NUM_EXPERTS > 0) {
+    using Lay = Layout<M>;
+    using RS = RoutedScratch<M>;
+    TaskShared* ts = c.ts;
+    const LaunchDesc* d = c.d;
+    const int layer = ts->w[H_LAYER];
+    const int rows = MK_F(moe_upgate_drain, NUM_ROWS), tiles = MK_F(moe_upgate_drain, UP_TILES);
+    const int xslot = MK_F(moe_upgate_drain, X_SLOT);
+    const int E = M::NUM_EXPERTS, K = M::TOP_K, n = rows * K;
+    uint32_t* head = ptr<uint32_t>(d->queue_heads) + ts->w[f_moe_upgate_drain::QUEUE] * M::NUM_LAYERS + layer;
+    // the first index is taken now: its atomic's round trip overlaps the ranking
+    uint32_t idx = 0;
+    if (threadIdx.x == 0) idx = atomicAdd(head, 1u);
+    int32_t* work = RS::work(c);
+    int32_t* cnt = work;         // [E]
+    int32_t* off = cnt + E;      // [E]
+    int32_t* act = off + E;      // [E]
+    int32_t* nact = act + E;     // [1]
+    int32_t* rank = nact + 1;    // [n]
+    int32_t* ids = work + moe::finalize_smem_words(E, RS::kEntries);
+    moe::topk_rows_cta<false>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0),
+                              size_t(M::MAX_ROWS) * M::NUM_EXPERTS, MK_F(moe_upgate_drain, ROUTE_SPLITS), rows, E, K,
+                              ts->w[H_FLAGS], ids, nullptr, ids);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      moe::rank_entries(ids, true, n, cnt, rank);
+      moe::scan_experts(cnt, E, off, act, nact);
+    }
+    __syncthreads();
+    int32_t* sum = RS::summary(c);  // [0] nact, [1 + 3a ..] (e, slot0, rows), [1 + 3 entries + slot] row
+    int32_t* rowof = sum + 1 + 3 * RS::kEntries;
+    const int na = *nact;
+    for (int a = threadIdx.x; a < na; a += blockDim.x) {
+      const int e = act[a];
+      sum[1 + 3 * a] = e;
+      sum[2 + 3 * a] = off[e];
+      sum[3 + 3 * a] = cnt[e];
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) rowof[off[ids[i]] + rank[i]] = i / K;
+    if (threadIdx.x == 0) sum[0] = na;
+    MEGAC_MARK(3);  // ranked, counted, the claims' summary written
+    __syncthreads();
+    const int32_t sb = ts->w[f_moe_upgate_drain::TASK_SIGNAL_BASE];
+    for (bool first = true;; first = false) {
+      if (threadIdx.x == 0) {
+        if (!first) idx = atomicAdd(head, 1u);
+        const int claimed = static_cast<int32_t>(idx) < sum[0] * tiles;
+        if (claimed) {
+          const int a = static_cast<int>(idx) / tiles;
+          ts->rec[rec_moe_up::EXPERT] = sum[1 + 3 * a];
+          ts->rec[rec_moe_up::N_TILE] = static_cast<int>(idx) - a * tiles;
+          ts->rec[rec_moe_up::SLOT0] = sum[2 + 3 * a];
+          ts->rec[rec_moe_up::ROWS] = sum[3 + 3 * a];
+          ts->claim_signal = sb >= 0 ? sb + sum[1 + 3 * a] : -1;
+#if MEGAC_PROFILE
+          ts->claims += 1;
+#endif
+        }
+        ts->claimed = claimed;
+      }
+      __syncthreads();
+      if (!ts->claimed) return true;
+      if (!moe_up_tile_routed<M>(c, xslot, rowof)) {
+        if (threadIdx.x == 0)
+          report_error(c.site.status, c.site.task, c.site.opcode, f_moe_upgate_drain::ROUTE_SPLITS,
+                       MK_F(moe_upgate_drain, ROUTE_SPLITS), 0, c.site.layer, kErrBadTask);
+        return false;
+      }
+      __syncthreads();
+      MEGAC_MARK(6);  // the claimed tile's work
+      if (threadIdx.x == 0) signal(c, ts->claim_signal);
+    }
+  } else {
+    // the model has no experts
+    if (threadIdx.x == 0)
+      report_error(c.site.status, c.site.task, c.site.opcode, f_moe_upgate_drain::ROUTE_SPLITS,
+                   c.ts->w[f_moe_upgate_drain::ROUTE_SPLITS], 0, c.site.layer, kErrBadTask);
+    return false;
+  }
+}
+
 template <class M>
 __device__ __forceinline__ bool moe_upgate_drain(const Ctx& c) {
+#if MEGAC_ROUTED_CLAIMS
+  if (MK_F(moe_upgate_drain, ROUTE_SPLITS) > 0) return moe_upgate_routed<M>(c);
+#endif
+  // (a build without routed claims ignores ROUTE_SPLITS: the verifier holds it at 0)
   return claim_loop(c, f_moe_upgate_drain::QUEUE, f_moe_upgate_drain::QUEUE_LEN, f_moe_upgate_drain::TASK_WAIT_BASE,
                     f_moe_upgate_drain::TASK_WAIT_TARGET, f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{},
                     [&](const int32_t* rec) { rows::prefetch_head(moe_up_weights<M>(c, rec), 0, 1); },

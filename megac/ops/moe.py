@@ -372,6 +372,10 @@ class _ExpertDrain(ClaimerOp):
         return e, t, s0, nr
 
 
+#: MOE_UPGATE_DRAIN's routed-claims fields (abi.py; the device's MEGAC_ROUTED_CLAIMS)
+ROUTED_FIELDS = ("ROUTE_SPLITS", "NUM_ROWS", "UP_TILES", "X_SLOT")
+
+
 class MoeUpgateDrain(_ExpertDrain):
     """Claimer of expert gate+up tiles with SiLU*up into ``moe_act``. A claimed
     task waits ``TASK_WAIT_BASE`` (the gathered rows; none with fused_gather,
@@ -403,6 +407,8 @@ class MoeUpgateDrain(_ExpertDrain):
             ("TASK_SIGNAL_BASE", 0, C, False),
             (last_of(self.op, "TASK_SIGNAL_BASE", g.num_experts), 0, C, False),
             ("N_LEN", 1, 2 * g.expert_width + 1, False),
+            # routed claims are not emitted (nor run by the VM) yet: zero
+            *[(name, 0, 1, False) for name in ROUTED_FIELDS],
         ]
 
     def subtask_access(self, acc, sub, geo):
@@ -433,6 +439,9 @@ class MoeUpgateDrain(_ExpertDrain):
     def run_claimed(self, vm, cw, records):
         layer = int(cw[H.LAYER])
         vm.require_ffn(cw[None, :], self)
+        if int(cw[abi.field_index(self.op, "ROUTE_SPLITS")]) != 0:
+            raise BadTaskError("MOE_UPGATE_DRAIN: routed claims (ROUTE_SPLITS > 0) are not run by the VM yet",
+                               layer=layer)
         nlen = int(cw[abi.field_index(self.op, "N_LEN")])
         st, geo = vm.st, vm.geo
         ew = geo.expert_width

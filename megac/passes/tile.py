@@ -103,6 +103,10 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
             F["WINDOW"] = 0 * one  # full attention
         else:
             F["N_LEN"] = one * n_len
+        if queue == Queue.MOE_UP:
+            # records from the queue ROUTE_FINALIZE writes; routed claims (ROUTE_SPLITS > 0, the
+            # device's MEGAC_ROUTED_CLAIMS) are measured from rewritten words, not emitted yet
+            F.update(ROUTE_SPLITS=0 * one, NUM_ROWS=0 * one, UP_TILES=0 * one, X_SLOT=0 * one)
         shape, box = (1,), _boxes((0, 1))
     elif k == "attn_combine":
         row, kvh = _grid(range(R), range(geo.kv_heads))

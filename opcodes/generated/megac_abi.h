@@ -147,6 +147,10 @@ constexpr int TASK_WAIT_BASE = 10;
 constexpr int TASK_WAIT_TARGET = 11;
 constexpr int TASK_SIGNAL_BASE = 12;
 constexpr int N_LEN = 13;
+constexpr int ROUTE_SPLITS = 14;
+constexpr int NUM_ROWS = 15;
+constexpr int UP_TILES = 16;
+constexpr int X_SLOT = 17;
 }  // namespace f_moe_upgate_drain
 namespace f_moe_down_drain {
 constexpr int QUEUE = 8;

@@ -723,9 +723,14 @@ VARIANTS = {
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
     "pf_up64": {"MEGAC_TOPK_PREFETCH_UP_KB": 64},
     "pf_up32_dn24": {"MEGAC_TOPK_PREFETCH_UP_KB": 32, "MEGAC_TOPK_PREFETCH_DOWN_KB": 24},
+    # routed claims: every up claimer ranks the rows itself and derives its records (ops_moe.cuh);
+    # run with the task words of tests/gpu/routed_words.py (use_cubin swaps them in)
+    "routed": {"MEGAC_ROUTED_CLAIMS": 1},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24"}
+MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "routed"}
+#: cubins built with routed claims (variant_cubin records them): use_cubin runs them on routed words
+_ROUTED_CUBINS: set = set()
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
@@ -752,12 +757,21 @@ def variant_cubin(spec, defines, order: str = "tuned"):
     from megac.runtime.artifacts import load_or_compile
 
     got = load_or_compile(spec, order)
-    return build_cubin(got.path / SOURCE, include_dirs=[opcodes_dir(), got.path], defines=defines or None)
+    cubin = build_cubin(got.path / SOURCE, include_dirs=[opcodes_dir(), got.path], defines=defines or None)
+    if (defines or {}).get("MEGAC_ROUTED_CLAIMS"):
+        _ROUTED_CUBINS.add(str(cubin))
+    return cubin
 
 
 def use_cubin(be, cubin) -> None:
-    """Swap the backend's megakernel for another build of the same source."""
+    """Swap the backend's megakernel for another build of the same source
+    (a routed-claims build with the routed task words, any other with the
+    compiled ones)."""
+    from gpu.routed_words import set_routed
+
     be.use_cubin(cubin)
+    if be.spec.moe:
+        set_routed(be, str(cubin) in _ROUTED_CUBINS)
 
 
 def interleaved_kernel_ms(eng, cubins: dict, cases, rounds: int = 2, steps: int = 12) -> dict:
@@ -1116,7 +1130,9 @@ def check_profile() -> dict:
         be = eng.backend
         for v in ["default", *(extra if spec.moe else [])]:
             key = model if v == "default" else f"{model}:{v}"
-            # the path `megac bench --profile` takes (its build is PROFILE's, prebuilt)
+            # the path `megac bench --profile` takes (its build is PROFILE's, prebuilt), from the
+            # variant's own plain build (its kernel_ms; a routed build's words)
+            use_cubin(be, variant_cubin(spec, VARIANTS[v]))
             got = profile.profile_step(be, eng.kv, b, ctx, warmup=10, defines=VARIANTS[v])
             recs, plain, timed = got["records"], got["kernel_ms"], got["profiled_ms"]
             out[key] = {"kernel_ms": plain, "kernel_ms_profiled": timed, **profile.summary(recs),
