@@ -26,7 +26,10 @@ import numpy as np
 # 5: ROUTE_FINALIZE.TOPK_SPLITS (> 0: the finalize task ranks every row's experts from the router
 #    partials itself, no ROUTER_TOPK tasks; SOFTMAX_ROUTER / RENORMALIZE flags on it then) and
 #    ROUTE_FINALIZE.X_SLOT (>= 0: it copies the rows to their routed moe_x slots, no MOE_GATHER tasks)
-ABI_VERSION = 5
+# 6: routed claims: MOE_UPGATE_DRAIN.ROUTE_SPLITS / NUM_ROWS / UP_TILES / X_SLOT (ROUTE_SPLITS > 0:
+#    the up claimer ranks the rows itself and derives its records, reading the rows from x_norm;
+#    no ROUTER_TOPK, no MOE_GATHER) and ROUTE_FINALIZE.UP_COUNT_WORD -1 (no up queue then)
+ABI_VERSION = 6
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -184,7 +187,8 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
     Op.ROUTE_FINALIZE: (
         ("UP_TILES", "gate/up tiles per active expert"),
         ("DOWN_TILES", "down tiles per active expert"),
-        ("UP_COUNT_WORD", "target word receiving the up-queue length"),
+        ("UP_COUNT_WORD", "target word receiving the up-queue length; -1: no up queue (routed claims "
+                          "derive it themselves)"),
         ("DOWN_COUNT_WORD", "target word receiving the down-queue length"),
         ("UP_QUEUE", "Queue id of the up queue"),
         ("DOWN_QUEUE", "Queue id of the down queue"),

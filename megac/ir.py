@@ -11,7 +11,9 @@ Nodes, in program order (``g.graph["order"]``, a topological order):
   a MoE FFN: ``L{l}.router``, ``.topk``, ``.route_finalize``, ``.moe_gather``,
   ``.moe_upgate``, ``.moe_down``, ``.moe_combine`` (no ``.topk`` with the
   target's ``fused_topk``, no ``.moe_gather`` with ``fused_gather``: the
-  finalize node writes their outputs too); sequential blocks
+  finalize node writes their outputs too; with routed claims
+  (``build_graph(spec, routed=True)``) neither, and ``.moe_upgate`` reads the
+  router partials and the normed rows itself); sequential blocks
   (Llama) also ``L{l}.norm_attn`` (post-attention residual add + norm);
   every layer ``L{l}.norm`` (residual add + the next norm);
 * then ``lm_head``.
@@ -21,7 +23,8 @@ Node attributes: ``kind`` (the suffix: ``"qkv"``, ..., ``"lm_head"``),
 names), ``weights`` (weight tensor names read).
 
 Graph attributes: ``tensors`` = ``{name: Tensor}``, ``order`` (node names),
-``spec_name``, ``num_layers``, ``block``.
+``spec_name``, ``num_layers``, ``block``, ``fused_topk``, ``fused_gather``,
+``routed_claims``.
 
 Edges ``producer -> consumer`` carry ``tensor`` (the name that flows). The
 residual stream ``x_resid`` is one tensor rewritten by every norm of a row's
@@ -81,24 +84,30 @@ def node_name(layer: int | None, kind: str) -> str:
     return kind if layer is None else f"L{layer}.{kind}"
 
 
-def fused_routing_of(spec) -> tuple[bool, bool]:
+def fused_routing_of(spec, routed: bool = False) -> tuple[bool, bool]:
     """Whether ROUTE_FINALIZE ranks the rows itself and whether it gathers
     them (the target's ``fused_topk`` / ``fused_gather`` tiles;
-    :class:`megac.geometry.Geometry` reads the same)."""
+    :class:`megac.geometry.Geometry` reads the same). Routed claims rank
+    there too (the down claims and the combine read finalize's routing) and
+    gather nowhere (the up claims read x_norm)."""
     from megac.geometry import DEFAULT_TILES
 
     tiles = getattr(spec.target, "tiles", None) or {}
-    return tuple(bool(spec.moe and tiles.get(k, DEFAULT_TILES[k])) for k in ("fused_topk", "fused_gather"))
+    topk, gather = (bool(spec.moe and tiles.get(k, DEFAULT_TILES[k])) for k in ("fused_topk", "fused_gather"))
+    return (topk or (routed and bool(spec.moe)), gather and not routed)
 
 
-def build_graph(spec) -> nx.DiGraph:
+def build_graph(spec, routed: bool = False) -> nx.DiGraph:
+    """The decode graph; ``routed``: with routed claims (the up claims read
+    the router partials and x_norm; no top-k, no gather)."""
     L = spec.num_layers
     D = spec.hidden_size
     R = "rows"
     moe = spec.moe
-    fused_topk, fused_gather = fused_routing_of(spec)
+    routed = bool(routed and moe)
+    fused_topk, fused_gather = fused_routing_of(spec, routed)
     g = nx.DiGraph(spec_name=spec.name, num_layers=L, block=spec.block, fused_topk=fused_topk,
-                   fused_gather=fused_gather)
+                   fused_gather=fused_gather, routed_claims=routed)
     tensors: dict[str, Tensor] = {}
     order: list[str] = []
     last_writer: dict[str, str] = {}
@@ -168,9 +177,12 @@ def build_graph(spec) -> nx.DiGraph:
                 fin_reads.append(ffn_in)
                 fin_writes.append(mx)
             add(p + "route_finalize", "route_finalize", l, fin_reads, fin_writes)
-            if not fused_gather:
+            if not fused_gather and not routed:
                 add(p + "moe_gather", "moe_gather", l, [ffn_in, route], [mx])
-            add(p + "moe_upgate", "moe_upgate", l, [mx, route], [ma], [w("w_moe_upgate")])
+            if routed:  # each up claimer routes the rows itself
+                add(p + "moe_upgate", "moe_upgate", l, [rpart, ffn_in], [ma], [w("w_moe_upgate")])
+            else:
+                add(p + "moe_upgate", "moe_upgate", l, [mx, route], [ma], [w("w_moe_upgate")])
             add(p + "moe_down", "moe_down", l, [ma, route], [mo], [w("w_moe_down")])
             add(p + "moe_combine", "moe_combine", l, [mo, topk, route], [fpart])
         x_next = tensor(f"x_norm[{2 * L if l == L - 1 else l + 1}]", "activation", (R, D), "bf16")

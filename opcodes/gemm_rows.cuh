@@ -32,11 +32,13 @@ constexpr int kMaxRows = 8;
 
 // xs[m * klen + k] = x[m * ldx + k] for m < rows, k < klen (klen % 8 == 0,
 // x 16-byte aligned). All threads of the CTA, then a barrier.
-__device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs) {
+__device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs,
+                                        const int32_t* rowof = nullptr) {
   const int per_row = klen / 8;
   for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
     const int m = i / per_row, c = i % per_row;
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x + m * ldx) + c);
+    const int64_t r = rowof != nullptr ? rowof[m] : m;  // rowof: the tile's rows gathered (routed claims)
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x + r * ldx) + c);
     reinterpret_cast<uint4*>(xs + m * klen)[c] = v;
   }
   __syncthreads();

@@ -57,11 +57,13 @@ __host__ __device__ constexpr int part_bytes(int nwarps) { return nwarps * 16 * 
 
 // xs[m * x_pitch(klen) + k] = x[m * ldx + k] for m < rows, k < klen (read
 // through L2 only: other CTAs wrote x). Whole CTA, then a barrier.
-__device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs) {
+__device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs,
+                                        const int32_t* rowof = nullptr) {
   const int per_row = klen / 8, pitch = x_pitch(klen);
   for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
     const int m = i / per_row, c = i % per_row;
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x + m * ldx) + c);
+    const int64_t r = rowof != nullptr ? rowof[m] : m;  // rowof: the tile's rows gathered (routed claims)
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x + r * ldx) + c);
     *reinterpret_cast<uint4*>(xs + m * pitch + c * 8) = v;
   }
   __syncthreads();

@@ -200,7 +200,7 @@ struct FinalizeArgs {
   int32_t* route_slot;           // [rows * k]
   int4* up_queue;                // [queue_cap]
   int4* down_queue;              // [queue_cap]
-  int32_t* up_len;               // target word: up-queue length
+  int32_t* up_len;               // target word: up-queue length; null: no up queue (routed claims)
   int32_t* down_len;             // target word: down-queue length
   // the top-k inside (topk_splits > 0): row r's split s logits at
   // router_part + s * split_stride + r * num_experts
@@ -351,10 +351,10 @@ __device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* sme
     }
   }
   MEGAC_MARK(3);  // ranked and counted, slots written (and rows gathered)
-  write_queue(a.up_queue, a.up_tiles, na, act, off, cnt);
+  if (a.up_len != nullptr) write_queue(a.up_queue, a.up_tiles, na, act, off, cnt);
   write_queue(a.down_queue, a.down_tiles, na, act, off, cnt);
   if (threadIdx.x == 0) {
-    *a.up_len = na * a.up_tiles;
+    if (a.up_len != nullptr) *a.up_len = na * a.up_tiles;
     *a.down_len = na * a.down_tiles;
   }
   return true;

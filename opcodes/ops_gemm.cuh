@@ -78,10 +78,10 @@ __device__ __forceinline__ rows::WeightSpan span(const bf16* mat, int n0, int k0
 // is in GemmScratch::ys.
 template <class M>
 __device__ __forceinline__ float* gemm(const Ctx& c, const bf16* w, int64_t ldw, const bf16* x, int64_t ldx, int rows,
-                                       int nlen, int klen) {
+                                       int nlen, int klen, const int32_t* rowof = nullptr) {
   bf16* xs = GemmScratch<M>::xs(c);
   float* ys = GemmScratch<M>::ys(c);
-  rows::stage_x(x, ldx, rows, klen, xs);
+  rows::stage_x(x, ldx, rows, klen, xs, rowof);
   rows::tile(w, ldw, xs, rows, nlen, klen, ys);
   return ys;
 }
@@ -172,11 +172,12 @@ __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s) {
 // (MEGAC_GEMM_STAGES) or the bulk-copy ring (MEGAC_GEMM_RING). A task's one tile continues
 // what the dispatcher primed (c.primed).
 template <class M>
-__device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const bf16* x, int64_t ldx, int rows) {
+__device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const bf16* x, int64_t ldx, int rows,
+                                       const int32_t* rowof = nullptr) {
   if constexpr (GemmScratch<M>::kTc) {
     bf16* xs = GemmScratch<M>::xs(c);
     float* ys = GemmScratch<M>::ys(c);
-    tc::stage_x(x, ldx, rows, s.cols, xs);
+    tc::stage_x(x, ldx, rows, s.cols, xs, rowof);
     MEGAC_MARK(2);  // the activations staged in shared memory
     if constexpr (tc::kBulk)
       tc::tile_bulk(s, xs, rows, ys, GemmScratch<M>::part(c), GemmScratch<M>::tc_ring(c), &c.ts->tc, c.primed);
@@ -186,7 +187,7 @@ __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const 
   } else if constexpr (GemmScratch<M>::kPiped) {
     bf16* xs = GemmScratch<M>::xs(c);
     float* ys = GemmScratch<M>::ys(c);
-    rows::stage_x(x, ldx, rows, s.cols, xs);
+    rows::stage_x(x, ldx, rows, s.cols, xs, rowof);
     rows::tile_piped(s, xs, rows, ys, GemmScratch<M>::pipes(c), c.primed);
     return ys;
   } else if constexpr (GemmScratch<M>::kRing) {
@@ -195,11 +196,11 @@ __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const 
     // this thread's earlier generic writes to the scratch (another opcode's)
     // before the copy engine writes the ring there; stage_x's barrier follows
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    rows::stage_x(x, ldx, rows, s.cols, xs);
+    rows::stage_x(x, ldx, rows, s.cols, xs, rowof);
     rows::tile_ring(s, xs, rows, ys, GemmScratch<M>::ring(c), &c.ts->ring, &c.ts->ok, c.site);
     return ys;
   } else {
-    return gemm<M>(c, s.p, s.ld, x, ldx, rows, s.rows, s.cols);
+    return gemm<M>(c, s.p, s.ld, x, ldx, rows, s.rows, s.cols, rowof);
   }
 }
 
@@ -307,34 +308,18 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c) {
 // A routed claim's expert tile (MOE_UPGATE_DRAIN with ROUTE_SPLITS > 0,
 // ops_moe.cuh): the same tile, its activation rows read where they lie in
 // x_norm slot `xslot` (row m of the tile is batch row rowof[slot0 + m]),
-// not from gathered moe_x slots. Tensor-core bulk tile only (false
-// elsewhere: the caller reports a bad task).
+// not from gathered moe_x slots.
 template <class M>
-__device__ __forceinline__ bool moe_up_tile_routed(const Ctx& c, int xslot, const int32_t* rowof) {
-  if constexpr (GemmScratch<M>::kTc && tc::kBulk) {
-    using Lay = Layout<M>;
-    const LaunchDesc* d = c.d;
-    const int layer = c.ts->w[H_LAYER];
-    const int s0 = c.ts->rec[rec_moe_up::SLOT0], nr = c.ts->rec[rec_moe_up::ROWS];
-    const int n0 = c.ts->rec[rec_moe_up::N_TILE] * MK_F(moe_upgate_drain, N_LEN);
-    const WeightSpan ws = moe_up_weights<M>(c, c.ts->rec);
-    const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0);
-    bf16* xs = GemmScratch<M>::xs(c);
-    float* ys = GemmScratch<M>::ys(c);
-    const int per_row = ws.cols / 8, pitch = tc::x_pitch(ws.cols);
-    for (int i = threadIdx.x; i < nr * per_row; i += blockDim.x) {
-      const int m = i / per_row, q = i - m * per_row;
-      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(rowof[s0 + m]) * M::HIDDEN) + q);
-      *reinterpret_cast<uint4*>(xs + m * pitch + q * 8) = v;
-    }
-    __syncthreads();
-    MEGAC_MARK(2);  // the activations staged in shared memory
-    tc::tile_bulk(ws, xs, nr, ys, GemmScratch<M>::part(c), GemmScratch<M>::tc_ring(c), &c.ts->tc, false);
-    rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, ws.rows);
-    return true;
-  } else {
-    return false;
-  }
+__device__ __forceinline__ void moe_up_tile_routed(const Ctx& c, int xslot, const int32_t* rowof) {
+  using Lay = Layout<M>;
+  const LaunchDesc* d = c.d;
+  const int layer = c.ts->w[H_LAYER];
+  const int s0 = c.ts->rec[rec_moe_up::SLOT0], nr = c.ts->rec[rec_moe_up::ROWS];
+  const int n0 = c.ts->rec[rec_moe_up::N_TILE] * MK_F(moe_upgate_drain, N_LEN);
+  const WeightSpan ws = moe_up_weights<M>(c, c.ts->rec);
+  const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0);
+  const float* ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof + s0);
+  rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, ws.rows);
 }
 
 template <class M>

@@ -20,10 +20,11 @@ namespace mk {
 // ascending, and tile; the same slots), so its first claim waits on the
 // router GEMM alone instead of top-k -> finalize -> gather (~4 serial hops,
 // ~12 us a MoE layer in which no expert byte moves; docs/perf-notes.md).
-// The claims read their rows from x_norm. 0: the field is ignored (the
-// compiler emits 0 and the verifier holds it there; the build is unchanged).
+// The claims read their rows from x_norm. The compiler emits them for
+// schedules of at most the target's `routed_claims` rows (megac/geometry.py);
+// 0: a build without them, which ignores the field.
 #ifndef MEGAC_ROUTED_CLAIMS
-#define MEGAC_ROUTED_CLAIMS 0
+#define MEGAC_ROUTED_CLAIMS 1
 #endif
 
 template <class M>
@@ -35,7 +36,7 @@ struct RoutedScratch {
   // what the claims read, past the GEMM's scratch and the ranking's words:
   // nact, then per active expert (e, first slot, rows), then each slot's row
   static constexpr int kOffset = (cmax(GemmScratch<M>::kBytes, kWorkBytes) + 15) / 16 * 16;
-  static constexpr int kBytes = MEGAC_ROUTED_CLAIMS ? kOffset + (1 + 4 * kEntries) * 4 : 0;
+  static constexpr int kBytes = MEGAC_ROUTED_CLAIMS && M::NUM_EXPERTS > 0 ? kOffset + (1 + 4 * kEntries) * 4 : 0;
   __device__ static int32_t* work(const Ctx& c) { return reinterpret_cast<int32_t*>(c.scratch); }
   __device__ static int32_t* summary(const Ctx& c) { return reinterpret_cast<int32_t*>(c.scratch + kOffset); }
 };
@@ -124,7 +125,9 @@ __device__ __forceinline__ bool route_finalize(const Ctx& c) {
   a.route_slot = ptr<int32_t>(d->route_slot) + Lay::topk(layer, 0);
   a.up_queue = ptr<int4>(d->moe_up_queue) + int64_t(layer) * d->moe_queue_cap;
   a.down_queue = ptr<int4>(d->moe_down_queue) + int64_t(layer) * d->moe_queue_cap;
-  a.up_len = ptr<int32_t>(d->targets) + c.ts->w[f_route_finalize::UP_COUNT_WORD];
+  // -1: no up queue (routed claims derive it themselves)
+  const int up_word = c.ts->w[f_route_finalize::UP_COUNT_WORD];
+  a.up_len = up_word >= 0 ? ptr<int32_t>(d->targets) + up_word : nullptr;
   a.down_len = ptr<int32_t>(d->targets) + c.ts->w[f_route_finalize::DOWN_COUNT_WORD];
   a.topk_splits = c.ts->w[f_route_finalize::TOPK_SPLITS];
   a.router_part = ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0);
@@ -230,7 +233,7 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
     }
     for (int i = threadIdx.x; i < n; i += blockDim.x) rowof[off[ids[i]] + rank[i]] = i / K;
     if (threadIdx.x == 0) sum[0] = na;
-    MEGAC_MARK(3);  // ranked, counted, the claims' summary written
+    MEGAC_MARK(7);  // ranked, counted, the claims' summary written (after topk_rows_cta's 0 and 1)
     __syncthreads();
     const int32_t sb = ts->w[f_moe_upgate_drain::TASK_SIGNAL_BASE];
     for (bool first = true;; first = false) {
@@ -252,12 +255,7 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
       }
       __syncthreads();
       if (!ts->claimed) return true;
-      if (!moe_up_tile_routed<M>(c, xslot, rowof)) {
-        if (threadIdx.x == 0)
-          report_error(c.site.status, c.site.task, c.site.opcode, f_moe_upgate_drain::ROUTE_SPLITS,
-                       MK_F(moe_upgate_drain, ROUTE_SPLITS), 0, c.site.layer, kErrBadTask);
-        return false;
-      }
+      moe_up_tile_routed<M>(c, xslot, rowof);
       __syncthreads();
       MEGAC_MARK(6);  // the claimed tile's work
       if (threadIdx.x == 0) signal(c, ts->claim_signal);
@@ -274,7 +272,8 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
 template <class M>
 __device__ __forceinline__ bool moe_upgate_drain(const Ctx& c) {
 #if MEGAC_ROUTED_CLAIMS
-  if (MK_F(moe_upgate_drain, ROUTE_SPLITS) > 0) return moe_upgate_routed<M>(c);
+  if constexpr (M::NUM_EXPERTS > 0)
+    if (MK_F(moe_upgate_drain, ROUTE_SPLITS) > 0) return moe_upgate_routed<M>(c);
 #endif
   // (a build without routed claims ignores ROUTE_SPLITS: the verifier holds it at 0)
   return claim_loop(c, f_moe_upgate_drain::QUEUE, f_moe_upgate_drain::QUEUE_LEN, f_moe_upgate_drain::TASK_WAIT_BASE,

@@ -40,6 +40,19 @@ GLOBAL_CURSOR = str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml"
 MODEL = {NMC_TRACE: NMC, NMC_TRACE_3: NMC, NMC_TRACE_5: NMC, NMC_TRACE_8: NMC, SMOL_TRACE_8: SMOL}
 
 
+def unrouted(model: str):
+    """``model`` without routed claims: the MoE routing every trace and step
+    measured before the twelfth session ran (ROUTER_TOPK, MOE_GATHER, up
+    claims from finalize's queue)."""
+    from models import variant
+
+    spec = load_spec(model)
+    if not spec.moe:
+        return spec
+    tiles = {**(spec.target.tiles or {}), "routed_claims": 0}
+    return variant(spec, spec.name, target={**spec.target.model_dump(), "tiles": tiles})
+
+
 @pytest.fixture(scope="module")
 def schedule_of():
     cache = {}
@@ -47,7 +60,7 @@ def schedule_of():
     def get(model_ctx):
         if model_ctx not in cache:
             model, ctx = model_ctx
-            cache[model_ctx] = compile_one(load_spec(model), order=GLOBAL_CURSOR, rows=1, context=ctx)
+            cache[model_ctx] = compile_one(unrouted(model), order=GLOBAL_CURSOR, rows=1, context=ctx)
         return cache[model_ctx]
 
     return get
@@ -89,14 +102,35 @@ def test_a_trace_of_the_per_layer_cursor_calibrates_the_default_order():
     within 10 %; against the old placement its records are another
     schedule's, a one-line error (fixed costs: the task loop's, session 8)."""
     recs = records_from_trace(json.load(gzip.open(NMC_TRACE_11)))
-    sched = compile_one(load_spec("north-mini-code"), order="tuned", rows=1, context=8192)
+    sched = compile_one(unrouted("north-mini-code"), order="tuned", rows=1, context=8192)
     cal = fit(recs, sched, dispatch_us=0.64, handoff_us=0.46)
     span = max(r["end_us"] for r in recs)
     predicted = simulate(sched, cal.params()).step_us
     assert abs(predicted / span - 1) < 0.10, (predicted, span)
-    old = compile_one(load_spec("north-mini-code"), order=GLOBAL_CURSOR, rows=1, context=8192)
+    old = compile_one(unrouted("north-mini-code"), order=GLOBAL_CURSOR, rows=1, context=8192)
     with pytest.raises(MegacError, match="another schedule"):
         fit(recs, old, dispatch_us=0.64, handoff_us=0.46)
+
+
+#: the twelfth session's device code and default schedule: batch 1 with routed claims
+NMC_TRACE_12 = ROOT / "benchmarks" / "profile-nmc-bs1-8k-2026-12-02-h200-session12.trace.json.gz"
+
+
+def test_a_trace_of_routed_claims_calibrates_the_default_schedule():
+    """A step measured with routed claims (today's batch-1 default: no
+    ROUTER_TOPK or MOE_GATHER tasks, the up claimers wait on the router)
+    fits against the default schedule and predicts it within 10 %; against
+    the schedule without routed claims its records are another schedule's."""
+    recs = records_from_trace(json.load(gzip.open(NMC_TRACE_12)))
+    sched = compile_one(load_spec("north-mini-code"), order="tuned", rows=1, context=8192)
+    assert sched.geometry.routed_claims and "ROUTER_TOPK" not in sched.tasks_per_opcode
+    cal = fit(recs, sched, dispatch_us=0.64, handoff_us=0.46)
+    span = max(r["end_us"] for r in recs)
+    predicted = simulate(sched, cal.params()).step_us
+    assert abs(predicted / span - 1) < 0.10, (predicted, span)
+    with pytest.raises(MegacError, match="another schedule"):
+        fit(recs, compile_one(unrouted("north-mini-code"), order="tuned", rows=1, context=8192),
+            dispatch_us=0.64, handoff_us=0.46)
 
 
 def test_a_claimers_own_time_is_not_charged_to_its_claims(schedule_of):
@@ -153,12 +187,16 @@ def test_bad_calibration_inputs(tmp_path):
         Calibration.load(bad)
 
 
-def test_schedule_command_predicts_with_a_calibration():
+def test_schedule_command_predicts_with_a_calibration(tmp_path):
     from click.testing import CliRunner
 
     from megac.cli import main
 
-    r = CliRunner().invoke(main, ["schedule", "north-mini-code", "--calibration", "h200-north-mini-code", "--json"])
+    # the calibration's step was measured without routed claims: that schedule (a model.yaml)
+    spec_file = Path(tmp_path) / "nmc.yaml"
+    spec_file.write_text((ROOT / "megac" / "spec" / "bundled" / "north-mini-code.yaml").read_text()
+                         + "\ntarget:\n  tiles: {routed_claims: 0}\n")
+    r = CliRunner().invoke(main, ["schedule", str(spec_file), "--calibration", "h200-north-mini-code", "--json"])
     assert r.exit_code == 0, r.output
     pred = json.loads(r.output)["predicted"]
     measured = Calibration.load(resolve("h200-north-mini-code")).measured_step_us
@@ -195,7 +233,7 @@ def test_bundled_calibration_predicts_measured_long_context_steps(batch, context
     streaming rate refit from measured steps (scripts/refit_claim_stream.py)
     the model stays within 10 % of the H200's kernel time (a fit on 32K
     alone predicted 128K within 8.3 %, BENCHMARKS.md)."""
-    sched = compile_one(load_spec("north-mini-code"), order="tuned", rows=batch, context=context)
+    sched = compile_one(unrouted("north-mini-code"), order="tuned", rows=batch, context=context)
     cal = Calibration.load(resolve("h200-north-mini-code"))
     pred_ms = simulate(sched, cal.params(context=context)).step_us / 1e3
     assert abs(pred_ms / _measured_ms(batch, context) - 1) < 0.10

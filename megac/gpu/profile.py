@@ -43,7 +43,10 @@ MARK_NAMES = {
     "ROUTE_FINALIZE": ("partials summed", "logits ranked", "weights stored", "slots written"),
     "ADD_RMSNORM": ("loads and adds", "1/rms known"),
     # a claimer's first claim; its tile's GEMM stamps 2-5 (the tensor-core tile over tiled weights)
-    "MOE_UPGATE_DRAIN": _CLAIM_MARKS,
+    # routed claims (ops_moe.cuh): 0 and 1 are the ranking's (router partials summed, rows
+    # ranked), 7 the records derived, before the first tile's stamps
+    "MOE_UPGATE_DRAIN": ("head atomic and record / routed: partials summed", "claim wait / routed: rows ranked",
+                         *_GEMM_MARKS, "tile done", "routed: records derived"),
     "MOE_DOWN_DRAIN": _CLAIM_MARKS,
     "ATTN_DRAIN": (*_CLAIM_MARKS[:2], *_ATTN_MARKS, "tile done"),
     "ATTN_DECODE": ("", "", *_ATTN_MARKS),

@@ -300,6 +300,12 @@ class ClaimerOp(OpDef):
         """Run claimed ``records [m, 4]`` of claimer task ``cw``."""
         raise NotImplementedError
 
+    def routed_queue(self, vm, cw: np.ndarray) -> np.ndarray | None:
+        """The records claimer task ``cw`` derives itself (int64 ``[m, 4]``,
+        its queue's length = m), or None when it claims from its queue in
+        memory (every claimer but routed expert claims)."""
+        return None
+
     def run(self, vm, words: np.ndarray) -> None:
         """Fast mode: the first claimer of a queue claims every record (an
         atomic cursor that one claimer happens to win every time); the others

@@ -109,12 +109,13 @@ def _router_flags(geo) -> int:
 
 
 def _rank_rows(vm, who: str, layer: int, rows: np.ndarray, nsp: int, flags: int,
-               write_ids: bool = True) -> np.ndarray:
+               write_ids: bool = True, write_weights: bool = True) -> np.ndarray:
     """``topk_ids`` / ``topk_w`` of ``rows``: their router logits (the first
     ``nsp`` split-K partials summed in split order) ranked (megac.routing).
     ROUTER_TOPK per row; or ROUTE_FINALIZE for every row with fused_topk,
     which keeps the ids to itself (``write_ids=False``: nothing after it reads
-    them). Returns the ids ``[len(rows), K]`` (int64)."""
+    them); or a routed up claimer, which writes nothing (``write_weights=False``
+    too). Returns the ids ``[len(rows), K]`` (int64)."""
     st, K = vm.st, vm.geo.top_k
     if not 1 <= nsp <= st["router_part"].shape[1]:
         raise BadTaskError(f"{who}: NUM_SPLITS outside router_part", layer=layer)
@@ -127,16 +128,19 @@ def _rank_rows(vm, who: str, layer: int, rows: np.ndarray, nsp: int, flags: int,
     for r in rows:
         if write_ids:
             vm.tr.write("topk_ids", (layer, int(r), slice(None)))
-        vm.tr.write("topk_w", (layer, int(r), slice(None)))
+        if write_weights:
+            vm.tr.write("topk_w", (layer, int(r), slice(None)))
     if write_ids:
         st["topk_ids"][layer, rt] = ids.to(torch.int32)
-    st["topk_w"][layer, rt] = wts
+    if write_weights:
+        st["topk_w"][layer, rt] = wts
     return ids.numpy().astype(np.int64)
 
 
 class RouteFinalize(OpDef):
     """Per layer, on the device: per-expert counts -> offsets -> slot map ->
-    the MoE up/down queues and their lengths (target words). With
+    the MoE up/down queues and their lengths (target words; no up queue with
+    UP_COUNT_WORD -1: routed claims derive it themselves). With
     TOPK_SPLITS > 0 (the target's fused_topk) it first ranks every row's
     experts from the router partials, as ROUTER_TOPK would; with X_SLOT >= 0
     (fused_gather) it then copies the rows to their slots, as MOE_GATHER
@@ -162,7 +166,7 @@ class RouteFinalize(OpDef):
 
             return lo
 
-        up_w, down_w = word_of(tw.moe_up_count), word_of(tw.moe_down_count)
+        up_w, down_w = word_of((lambda l: -1) if g.routed_claims else tw.moe_up_count), word_of(tw.moe_down_count)
         return [
             # the device emits UP_TILES records per active expert: the count
             # the claimed tasks' waiters expect (geometry.up_tiles)
@@ -188,9 +192,10 @@ class RouteFinalize(OpDef):
             acc.add("x_norm", False, ix, at(field(w, self.op, "X_SLOT")), (0, n), span(geo.hidden))
             acc.add("moe_x", True, ix, at(layer), span(E), (0, n), span(K), span(geo.hidden))
         acc.add("route_slot", True, ix, at(layer), (0, n), span(K))
-        acc.add("moe_up_queue", True, ix, at(layer))
+        up = field(w, self.op, "UP_COUNT_WORD") >= 0  # else routed claims: no up queue
+        acc.add("moe_up_queue", True, ix[up], at(layer[up]))
         acc.add("moe_down_queue", True, ix, at(layer))
-        acc.add("target_word", True, ix, at(field(w, self.op, "UP_COUNT_WORD")))
+        acc.add("target_word", True, ix[up], at(field(w, self.op, "UP_COUNT_WORD")[up]))
         acc.add("target_word", True, ix, at(field(w, self.op, "DOWN_COUNT_WORD")))
 
     def task_bytes(self, w, geo, params):
@@ -219,7 +224,7 @@ class RouteFinalize(OpDef):
             if nsp:
                 ranked = _rank_rows(vm, "ROUTE_FINALIZE", layer, np.arange(n), nsp, int(w[0, H.FLAGS]),
                                     write_ids=False)
-            for word in (uw, dw):
+            for word in ((uw, dw) if uw >= 0 else (dw,)):  # uw -1: routed claims, no up queue
                 if not st.tw.host_words <= word < len(vm.targets):
                     raise BadTaskError(f"ROUTE_FINALIZE: count word {word} outside the device target words",
                                        layer=layer)
@@ -236,7 +241,7 @@ class RouteFinalize(OpDef):
             xs = int(field(w, op, "X_SLOT")[0])
             if xs >= 0:
                 _gather_rows(vm, self, layer, vm.x_slot(op, xs, layer), np.arange(n), read_slots=False)
-            for qname, tiles, word in ((uq, up_t, uw), (dq, down_t, dw)):
+            for qname, tiles, word in ((uq, up_t, uw), (dq, down_t, dw))[0 if uw >= 0 else 1:]:
                 recs = routing.queue_records(route, tiles)
                 qb = st.np[qname]
                 if len(recs) > qb.shape[1]:
@@ -380,7 +385,15 @@ class MoeUpgateDrain(_ExpertDrain):
     """Claimer of expert gate+up tiles with SiLU*up into ``moe_act``. A claimed
     task waits ``TASK_WAIT_BASE`` (the gathered rows; none with fused_gather,
     where the finalize task the claimer waits on wrote them) and signals
-    ``TASK_SIGNAL_BASE + expert``."""
+    ``TASK_SIGNAL_BASE + expert``.
+
+    Routed claims (ROUTE_SPLITS > 0; geometry's ``routed_claims``): the
+    claimer waits on the router GEMM, ranks rows 0..NUM_ROWS-1 itself as
+    ROUTE_FINALIZE does and claims from the records it derives (the ones
+    finalize writes to the up queue: ``routing.queue_records`` with UP_TILES
+    tiles per active expert), writing nothing but the tiles; a claimed tile
+    reads its rows from x_norm slot X_SLOT (the rows of its slots) and waits
+    on nothing (the router's counter orders x_norm: the router read it)."""
 
     op = Op.MOE_UPGATE_DRAIN
     node_kinds = ("moe_upgate",)
@@ -393,23 +406,45 @@ class MoeUpgateDrain(_ExpertDrain):
     def _offsets_of(self, experts):
         return np.zeros_like(experts), experts.copy()
 
+    def flags(self, nt, geo):
+        return _router_flags(geo) if geo.routed_claims else 0
+
     def field_rules(self, lim):
         g, C = lim.geo, lim.num_counters
         if not g.num_experts:
             return None
+        if g.routed_claims:
+            def x_slot(sub):
+                return np.array([g.norm_input_slot(int(l)) for l in sub[:, H.LAYER]], dtype=np.int64)
+
+            routed = [("QUEUE_LEN", 0, 1, False),
+                      ("ROUTE_SPLITS", g.router_splits, g.router_splits + 1, False),
+                      ("NUM_ROWS", g.rows, g.rows + 1, False),
+                      ("UP_TILES", g.up_tiles, g.up_tiles + 1, False),
+                      ("X_SLOT", x_slot, lambda sub: x_slot(sub) + 1, False)]
+        else:
+            routed = [("QUEUE_LEN", 0, BIG, True), *[(name, 0, 1, False) for name in ROUTED_FIELDS]]
         return [
             ("QUEUE", int(Queue.MOE_UP), int(Queue.MOE_UP) + 1, False),
-            ("QUEUE_LEN", 0, BIG, True),
+            *routed,
             # with the gather inside ROUTE_FINALIZE (fused_gather) the claimer's
-            # own wait on the queue length already covers the rows: no task wait
-            *([("TASK_WAIT_BASE", -1, 0, False), ("TASK_WAIT_TARGET", 0, 1, False)] if g.fused_gather else
+            # own wait on the queue length already covers the rows, and a routed
+            # claimer's wait on the router covers x_norm: no task wait
+            *([("TASK_WAIT_BASE", -1, 0, False), ("TASK_WAIT_TARGET", 0, 1, False)]
+              if g.fused_gather or g.routed_claims else
               [("TASK_WAIT_BASE", 0, C, False), ("TASK_WAIT_TARGET", 1, BIG, True)]),
             ("TASK_SIGNAL_BASE", 0, C, False),
             (last_of(self.op, "TASK_SIGNAL_BASE", g.num_experts), 0, C, False),
             ("N_LEN", 1, 2 * g.expert_width + 1, False),
-            # routed claims are not emitted (nor run by the VM) yet: zero
-            *[(name, 0, 1, False) for name in ROUTED_FIELDS],
         ]
+
+    def access(self, acc, w, idx, layer, geo):
+        if not geo.routed_claims:
+            return super().access(acc, w, idx, layer, geo)
+        E, _ = _ek(geo)
+        # the ranking's input: every routed row's router partials (no queue)
+        acc.add("router_part", False, idx, at(layer), (0, field(w, self.op, "ROUTE_SPLITS")),
+                (0, field(w, self.op, "NUM_ROWS")), span(E))
 
     def subtask_access(self, acc, sub, geo):
         m = len(sub)
@@ -421,8 +456,33 @@ class MoeUpgateDrain(_ExpertDrain):
         half = geo.moe_up_bn // 2
         c0 = n * half
         c1 = np.minimum(n_hi * half, geo.expert_width)
-        acc.add("moe_x", False, t, at(layer), at(e), span(R), span(K), span(geo.hidden))
+        if geo.routed_claims:  # the rows where they lie (any of them: the routing picks)
+            acc.add("x_norm", False, t, at(geo.norm_input_slot(sub.layer)), span(R), span(geo.hidden))
+        else:
+            acc.add("moe_x", False, t, at(layer), at(e), span(R), span(K), span(geo.hidden))
         acc.add("moe_act", True, t, at(layer), at(e), span(R), span(K), (c0, c1))
+
+    def routed_queue(self, vm, cw):
+        """Routed claims: the records claimer ``cw`` derives (int64 ``[m, 4]``),
+        as ROUTE_FINALIZE would write them; None for a claimer that reads the
+        queue. Keeps each slot's row for the claimed tiles (``vm.routed_rows``)."""
+        op = self.op
+        nsp = int(cw[abi.field_index(op, "ROUTE_SPLITS")])
+        if nsp == 0:
+            return None
+        layer = int(cw[H.LAYER])
+        vm.require_ffn(cw[None, :], self)
+        n, tiles = int(cw[abi.field_index(op, "NUM_ROWS")]), int(cw[abi.field_index(op, "UP_TILES")])
+        xs = vm.x_slot(op, int(cw[abi.field_index(op, "X_SLOT")]), layer)
+        if not 1 <= n <= vm.R or tiles < 1:
+            raise BadTaskError(f"MOE_UPGATE_DRAIN: routed NUM_ROWS {n} / UP_TILES {tiles} out of range", layer=layer)
+        ids = _rank_rows(vm, op.name, layer, np.arange(n), nsp, int(cw[H.FLAGS]), write_ids=False,
+                         write_weights=False)
+        route = routing.finalize(ids, vm.geo.num_experts)
+        rows_of = np.empty(route.slot.size, dtype=np.int64)
+        rows_of[route.slot.reshape(-1)] = np.repeat(np.arange(n, dtype=np.int64), ids.shape[1])
+        vm.routed_rows[layer] = (xs, rows_of)
+        return routing.queue_records(route, tiles).astype(np.int64)
 
     def signal_span(self, geo):
         return max(geo.num_experts, 1)
@@ -439,8 +499,9 @@ class MoeUpgateDrain(_ExpertDrain):
     def run_claimed(self, vm, cw, records):
         layer = int(cw[H.LAYER])
         vm.require_ffn(cw[None, :], self)
-        if int(cw[abi.field_index(self.op, "ROUTE_SPLITS")]) != 0:
-            raise BadTaskError("MOE_UPGATE_DRAIN: routed claims (ROUTE_SPLITS > 0) are not run by the VM yet",
+        routed = int(cw[abi.field_index(self.op, "ROUTE_SPLITS")]) > 0
+        if routed and layer not in vm.routed_rows:
+            raise BadTaskError("MOE_UPGATE_DRAIN: a routed record claimed before its claimer ranked the rows",
                                layer=layer)
         nlen = int(cw[abi.field_index(self.op, "N_LEN")])
         st, geo = vm.st, vm.geo
@@ -458,9 +519,20 @@ class MoeUpgateDrain(_ExpertDrain):
                 raise BadTaskError(f"MOE_UPGATE_DRAIN: N_TILE {int(t[i])} outside the expert", layer=layer)
             h, c0 = (n1 - n0) // 2, n0 // 2
             slots = range(int(s0[i]), int(s0[i] + nr[i]))
-            vm.tr.read("moe_x", (layer, slice(int(s0[i]), int(s0[i] + nr[i])), slice(None)))
+            if routed:  # each slot's row, where it lies in x_norm
+                xs, rows_of = vm.routed_rows[layer]
+                if int(s0[i] + nr[i]) > len(rows_of):
+                    raise BadTaskError("MOE_UPGATE_DRAIN: routed record past the routed slots", layer=layer)
+                for s in slots:
+                    vm.tr.read("x_norm", (xs, int(rows_of[s]), slice(None)))
+            else:
+                vm.tr.read("moe_x", (layer, slice(int(s0[i]), int(s0[i] + nr[i])), slice(None)))
             for s in slots:
-                y = vm.slot_product(("moe_up", layer, int(e[i]), s), "moe_x", layer, s, W[int(e[i])])
+                if routed:
+                    y = vm.slot_product(("moe_up", layer, int(e[i]), s), "x_norm", xs, int(rows_of[s]),
+                                        W[int(e[i])])
+                else:
+                    y = vm.slot_product(("moe_up", layer, int(e[i]), s), "moe_x", layer, s, W[int(e[i])])
                 act[layer, s, c0:c0 + h] = (F.silu(y[n0:n0 + h]) * y[n0 + h:n1]).to(act.dtype)
             vm.tr.write("moe_act", (layer, slice(int(s0[i]), int(s0[i] + nr[i])), slice(c0, c0 + h)))
 

@@ -142,9 +142,10 @@ def run(lw: Lowering) -> str:
     waves: dict[str, list[tuple[str, int]]] = {}
     lw.layer_kinds = []
     # the order files name every node kind; one the graph leaves out (top-k
-    # or gather inside ROUTE_FINALIZE: geometry's fused_topk / fused_gather)
-    # has no wave
-    absent = ({"topk"} if geo.fused_topk else set()) | ({"moe_gather"} if geo.fused_gather else set())
+    # or gather inside ROUTE_FINALIZE: geometry's fused_topk / fused_gather;
+    # both with routed claims) has no wave
+    absent = ({"topk"} if geo.fused_topk else set()) | (
+        {"moe_gather"} if geo.fused_gather or geo.routed_claims else set())
 
     def emit(wave_list, prefix, key):
         record = key not in waves

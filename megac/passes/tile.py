@@ -22,7 +22,8 @@ moe_combine, norm,
 norm_attn
 route_finalize     one per MoE layer (with fused_topk it also ranks every
                    row's experts: no topk node; with fused_gather it also
-                   copies the rows to their slots: no moe_gather node)
+                   copies the rows to their slots: no moe_gather node;
+                   with routed claims it ranks and writes no up queue)
 moe_upgate/down    one claimer template each (MOE_UP / MOE_DOWN queue)
 lm_head            lm_bn tiles over the vocabulary
 =================  =========================================================
@@ -103,9 +104,11 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
             F["WINDOW"] = 0 * one  # full attention
         else:
             F["N_LEN"] = one * n_len
-        if queue == Queue.MOE_UP:
-            # records from the queue ROUTE_FINALIZE writes; routed claims (ROUTE_SPLITS > 0, the
-            # device's MEGAC_ROUTED_CLAIMS) are measured from rewritten words, not emitted yet
+        if queue == Queue.MOE_UP and geo.routed_claims:
+            # the claimer ranks the rows and derives the queue itself: no queue length to read
+            F.update(QUEUE_LEN=0 * one, ROUTE_SPLITS=one * geo.router_splits, NUM_ROWS=one * geo.rows,
+                     UP_TILES=one * geo.up_tiles, X_SLOT=one * geo.norm_input_slot(l))
+        elif queue == Queue.MOE_UP:  # records from the queue ROUTE_FINALIZE writes
             F.update(ROUTE_SPLITS=0 * one, NUM_ROWS=0 * one, UP_TILES=0 * one, X_SLOT=0 * one)
         shape, box = (1,), _boxes((0, 1))
     elif k == "attn_combine":
@@ -148,7 +151,9 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
     elif k == "route_finalize":
         one = np.ones(1, dtype=np.int64)
         F = dict(UP_TILES=one * geo.up_tiles, DOWN_TILES=one * geo.down_tiles,
-                 UP_COUNT_WORD=one * tw.moe_up_count(l), DOWN_COUNT_WORD=one * tw.moe_down_count(l),
+                 # routed claims derive the up queue themselves: finalize writes none (-1)
+                 UP_COUNT_WORD=one * (-1 if geo.routed_claims else tw.moe_up_count(l)),
+                 DOWN_COUNT_WORD=one * tw.moe_down_count(l),
                  UP_QUEUE=one * int(Queue.MOE_UP), DOWN_QUEUE=one * int(Queue.MOE_DOWN), NUM_ROWS=one * R,
                  TOPK_SPLITS=one * geo.finalize_topk_splits, X_SLOT=one * geo.finalize_x_slot(l))
         shape, box = (1,), _boxes((0, 1))
@@ -188,7 +193,7 @@ def requires(lw: Lowering) -> None:
         raise PassError(NAME, "needs a decode graph (megac.ir.build_graph)")
     if g.graph.get("num_layers") != lw.geo.num_layers:
         raise PassError(NAME, "graph and geometry disagree on num_layers")
-    for k in ("fused_topk", "fused_gather"):
+    for k in ("fused_topk", "fused_gather", "routed_claims"):
         if bool(g.graph.get(k)) != getattr(lw.geo, k):
             raise PassError(NAME, f"graph and geometry disagree on {k} (routing work inside ROUTE_FINALIZE)")
 

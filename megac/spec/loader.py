@@ -57,7 +57,8 @@ The top-level keys are the :class:`ModelSpec` fields::
       context_buckets: null     # null: 1024, 2048, ... (powers of two), max_context
       tiles: {moe_up_bn: 96}    # optional tile sizes (megac.geometry.DEFAULT_TILES keys;
                                 # fused_topk: 1 / fused_gather: 1 do the MoE top-k / the
-                                # gather inside ROUTE_FINALIZE)
+                                # gather inside ROUTE_FINALIZE; routed_claims: N, batches
+                                # of <= N rows have every up claimer rank the rows itself)
 
 ``layers`` is either an explicit list, one mapping per layer::
 

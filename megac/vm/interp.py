@@ -337,6 +337,8 @@ class CheckedRun(Hooks):
         self.ev_of: dict[int, int] = {}  # SM -> event of its head (or held record)
         self.acq: dict[int, list[int]] = {}  # SM -> counters its head acquired
         self.claim_of: dict[int, tuple] = {}
+        #: per SM, the records its claimer derived (routed claims), else None
+        self.routed_of: dict[int, np.ndarray | None] = {}
 
     # ----------------------------------------------------------------- helpers
     def waits_note(self) -> str:
@@ -404,7 +406,10 @@ class CheckedRun(Hooks):
         w = self._words(k)
         o = Op(int(w[H.OPCODE]))
         if s not in self.claim_of:  # first claim of this claimer: the queue length
-            self.claim_of[s] = (k, self.ops.value(int(w[abi.field_index(o, "QUEUE_LEN")])))
+            routed = opdef(o).routed_queue(self.ops, w)  # a routed claimer ranks the rows now
+            self.routed_of[s] = routed
+            qlen = len(routed) if routed is not None else self.ops.value(int(w[abi.field_index(o, "QUEUE_LEN")]))
+            self.claim_of[s] = (k, qlen)
         qlen = self.claim_of[s][1]
         q = int(w[abi.field_index(o, "QUEUE")])
         layer = int(w[H.LAYER])
@@ -418,7 +423,8 @@ class CheckedRun(Hooks):
         if idx >= qlen:
             del self.claim_of[s]
             return None
-        r = self.ops.queue_records(q, layer, idx, idx + 1)[0]
+        routed = self.routed_of.get(s)
+        r = routed[idx] if routed is not None else self.ops.queue_records(q, layer, idx, idx + 1)[0]
         wc, tgt, sg = _claim_sync(self.st.geo, self.ops, o, w, r)
         self._check_counter(wc, s, slot, w)
         self._check_counter(sg, s, slot, w)

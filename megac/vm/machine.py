@@ -67,6 +67,8 @@ class VM:
         self.geo = state.geo
         self.tr = tracker if tracker is not None else NULL_TRACKER
         self.cache: dict = {}
+        #: per layer, a routed up claimer's (x_norm slot, row of each slot) for its claimed tiles
+        self.routed_rows: dict[int, tuple[int, np.ndarray]] = {}
         self.plans: dict = {}
         #: the words of the run executing now and their plan key (``plan``)
         self._run_words: np.ndarray | None = None
@@ -100,8 +102,9 @@ class VM:
         self.tracking = tracker is not NULL_TRACKER
 
     def begin_step(self) -> None:
-        """Forget the per-step GEMM row products (inputs change every step)."""
+        """Forget the per-step GEMM row products and routings (inputs change every step)."""
         self.cache.clear()
+        self.routed_rows.clear()
 
     def run(self, words: np.ndarray, key=None) -> None:
         """Execute tasks ``words [n, 32]`` of one opcode. ``key``: a hashable
@@ -263,11 +266,12 @@ class VM:
 
         heads = self.st.queue_heads
         for q, layer, cw, qlen_word, n in self.plan(f"drain {op.name}", words, build):
-            qlen = self.value(qlen_word)
+            routed = d.routed_queue(self, cw)  # a routed claimer's own records
+            qlen = len(routed) if routed is not None else self.value(qlen_word)
             head = int(heads[q, layer])
             heads[q, layer] = max(head, qlen) + n
             if head < qlen:
-                recs = self.queue_records(q, layer, head, qlen)
+                recs = routed[head:qlen] if routed is not None else self.queue_records(q, layer, head, qlen)
                 if self.on_claimed is not None:
                     self.on_claimed(cw, recs)
                 d.run_claimed(self, cw, recs)

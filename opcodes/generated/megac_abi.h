@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 5
+#define MEGAC_ABI_VERSION 6
 
 namespace megac {
 

@@ -146,6 +146,47 @@ def check_fused_topk() -> dict:
     return out
 
 
+def check_routed() -> dict:
+    """Routed claims at every batch size: tiny-moe against the VM as
+    check_tiny; North Mini Code's greedy tokens and logits equal the default
+    schedule's bit for bit (the same sums in the same order: the claimers
+    rank as ROUTE_FINALIZE does and read the rows the gather would have
+    copied); median kernel ms of both at batch 1, 2, 4 and 8, 8K, one engine
+    after the other, twice (default, routed, default, routed), and of routed
+    claims with attention splits of 256 tokens (more SMs on attention, now
+    the longer chain of a layer)."""
+    import gc
+
+    import torch
+
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    out = {"tiny_moe": _tiny_vs_vm(scale.routed_spec("tiny-moe"))}
+    base, routed = load_spec("north-mini-code"), scale.routed_spec("north-mini-code")
+    w = random_weights(base, seed=0, dtype=torch.bfloat16, device=scale.DEV)
+    prompts = [[(31 * i + 7 * j) % 1000 + 3 for j in range(n)] for i, n in enumerate((9, 40, 17))]
+    got = {}
+    for name, spec in (("default", base), ("routed", routed)):
+        eng = scale.engine(spec, w, max_batch_size=8, max_model_len=256)
+        got[name] = scale.generate_all(eng, prompts, 8)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    a, b = got["default"], got["routed"]
+    out["nmc_tokens_equal"] = [x.tokens == y.tokens for x, y in zip(a, b)]
+    out["nmc_logits_bit_identical"] = all(torch.equal(x, y) for g, h in zip(a, b) for x, y in zip(g.logits, h.logits))
+    out["nmc_tokens"] = [x.tokens for x in a]
+    del got, a, b, w
+    gc.collect()
+    torch.cuda.empty_cache()
+    out["kernel_ms"] = scale._kernel_ms_of({"default": base, "routed": routed, "default_2": base,
+                                            "routed_2": routed,
+                                            "routed_s256": scale.routed_spec("north-mini-code", split_tokens=256)},
+                                           batches=(1, 2, 4, 8))
+    return out
+
+
 def check_sampling() -> dict:
     import torch
 
@@ -477,7 +518,7 @@ def check_graphs() -> dict:
     return run()
 
 
-CHECKS = {"serve": check_serve, "serve_burst": check_serve_burst, "serve_fault": check_serve_fault, "serve_fault_burst": check_serve_fault_burst, "prefix_turns": check_prefix_turns, "prefix_turns10": check_prefix_turns10, "fused_topk": check_fused_topk, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
+CHECKS = {"serve": check_serve, "serve_burst": check_serve_burst, "serve_fault": check_serve_fault, "serve_fault_burst": check_serve_fault_burst, "prefix_turns": check_prefix_turns, "prefix_turns10": check_prefix_turns10, "fused_topk": check_fused_topk, "routed": check_routed, "tiny": check_tiny, "hang": check_hang, "smollm2": check_smollm2,
           "sampling": check_sampling, "graphs": check_graphs, "waves": check_waves,
           "orders": check_orders, "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 
@@ -501,10 +542,14 @@ def prebuild(only: list[str] | None = None) -> None:
         full, variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)]),
         *scale.config_specs(), scale.context_spec(), *[scale.split_spec(t, m) for t, m in scale.SPLITS],
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
-        *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)]]
+        *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)],
+        *[scale.routed_spec(n) for n in ("tiny-moe", "north-mini-code")],
+        scale.routed_spec("north-mini-code", split_tokens=256)]
     for spec in specs:
         if only and spec.name not in only:
             continue
+        if spec.name == "north-mini-code-routed8":  # check profile with MEGAC_PROFILE_ROUTED
+            print(f"{spec.name} [profile]: {scale.variant_cubin(spec, scale.PROFILE)}", flush=True)
         if spec.name in scale.VARIANT_MODELS:
             builds = {**scale.variants_for(spec), "profile": scale.PROFILE}
             if spec.moe:  # check profile's MEGAC_PROFILE_VARIANTS

@@ -723,14 +723,9 @@ VARIANTS = {
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
     "pf_up64": {"MEGAC_TOPK_PREFETCH_UP_KB": 64},
     "pf_up32_dn24": {"MEGAC_TOPK_PREFETCH_UP_KB": 32, "MEGAC_TOPK_PREFETCH_DOWN_KB": 24},
-    # routed claims: every up claimer ranks the rows itself and derives its records (ops_moe.cuh);
-    # run with the task words of tests/gpu/routed_words.py (use_cubin swaps them in)
-    "routed": {"MEGAC_ROUTED_CLAIMS": 1},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "routed"}
-#: cubins built with routed claims (variant_cubin records them): use_cubin runs them on routed words
-_ROUTED_CUBINS: set = set()
+MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
@@ -757,21 +752,12 @@ def variant_cubin(spec, defines, order: str = "tuned"):
     from megac.runtime.artifacts import load_or_compile
 
     got = load_or_compile(spec, order)
-    cubin = build_cubin(got.path / SOURCE, include_dirs=[opcodes_dir(), got.path], defines=defines or None)
-    if (defines or {}).get("MEGAC_ROUTED_CLAIMS"):
-        _ROUTED_CUBINS.add(str(cubin))
-    return cubin
+    return build_cubin(got.path / SOURCE, include_dirs=[opcodes_dir(), got.path], defines=defines or None)
 
 
 def use_cubin(be, cubin) -> None:
-    """Swap the backend's megakernel for another build of the same source
-    (a routed-claims build with the routed task words, any other with the
-    compiled ones)."""
-    from gpu.routed_words import set_routed
-
+    """Swap the backend's megakernel for another build of the same source."""
     be.use_cubin(cubin)
-    if be.spec.moe:
-        set_routed(be, str(cubin) in _ROUTED_CUBINS)
 
 
 def interleaved_kernel_ms(eng, cubins: dict, cases, rounds: int = 2, steps: int = 12) -> dict:
@@ -890,6 +876,22 @@ def check_order_variants() -> dict:
 SPLITS = ((512, 32), (256, 32), (128, 64))
 
 
+def routed_spec(name: str, bound: int = 8, split_tokens: int | None = None):
+    """``name`` with routed claims in schedules of at most ``bound`` rows
+    (target tile routed_claims: every expert up claimer ranks the rows itself,
+    no ROUTER_TOPK, no MOE_GATHER); ``split_tokens``: another
+    attn_split_tokens too."""
+    from megac.spec import load_spec
+    from models import variant
+
+    spec = load_spec(name)
+    target = {**spec.target.model_dump(), "tiles": {**(spec.target.tiles or {}), "routed_claims": bound}}
+    if split_tokens:
+        target["attn_split_tokens"] = split_tokens
+    suffix = f"-s{split_tokens}" if split_tokens else ""
+    return variant(spec, f"{name}-routed{bound}{suffix}", target=target)
+
+
 def split_spec(tokens: int, max_splits: int):
     from megac.spec import load_spec
     from models import variant
@@ -901,8 +903,8 @@ def split_spec(tokens: int, max_splits: int):
     return variant(spec, f"nmc-split{tokens}", target=target)
 
 
-def _kernel_ms_of(specs: dict, steps: int = 15) -> dict:
-    """Median kernel ms at batch 1 and 8, 8K, of each North Mini Code spec
+def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8)) -> dict:
+    """Median kernel ms at ``batches`` (1 and 8), 8K, of each North Mini Code spec
     variant in ``specs`` (name -> spec), one engine after the other on the
     same random weights (the variants share every weight shape)."""
     import gc
@@ -918,7 +920,7 @@ def _kernel_ms_of(specs: dict, steps: int = 15) -> dict:
             w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
         eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
         _noise_kv(eng)
-        out[name] = {f"bs{b}": _step_times(eng, b, 8192, steps=steps)["kernel_ms"] for b in (1, 8)}
+        out[name] = {f"bs{b}": _step_times(eng, b, 8192, steps=steps)["kernel_ms"] for b in batches}
         print(json.dumps({name: out[name]}), flush=True)
         del eng
         gc.collect()
@@ -1122,8 +1124,11 @@ def check_profile() -> dict:
 
     out = {}
     extra = [v for v in os.environ.get("MEGAC_PROFILE_VARIANTS", "").split(",") if v]
-    for model, b, ctx in (("north-mini-code", 1, 8192), ("smollm2-135m", 1, 1024)):
-        spec = load_spec(model)
+    models = [("north-mini-code", 1, 8192), ("smollm2-135m", 1, 1024)]
+    if os.environ.get("MEGAC_PROFILE_ROUTED"):  # North Mini Code with routed claims too
+        models.insert(1, ("north-mini-code-routed8", 1, 8192))
+    for model, b, ctx in models:
+        spec = routed_spec("north-mini-code") if model == "north-mini-code-routed8" else load_spec(model)
         w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
         eng = engine(spec, w, max_batch_size=8, max_model_len=min(8192 + 64, spec.max_context), num_kv_blocks=40000)
         _noise_kv(eng)

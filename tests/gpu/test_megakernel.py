@@ -228,6 +228,18 @@ def test_top_k_and_gather_inside_route_finalize_change_no_bit(tmp_path):
         assert all(r[f"nmc_{name}_tokens_equal"]) and r[f"nmc_{name}_logits_bit_identical"], (name, r)
 
 
+def test_routed_claims_change_no_bit(tmp_path):
+    """Routed claims (every expert up claimer ranks the rows itself and reads
+    them from x_norm; no ROUTER_TOPK, no MOE_GATHER) at every batch size:
+    tiny-moe matches the VM as the default build does, and North Mini Code's
+    tokens and logits equal the default schedule's bit for bit."""
+    r = _run("routed", tmp_path, timeout=900)
+    t = r["tiny_moe"]
+    assert all(t["tokens_equal_vm"]) and t["min_cos_vs_vm"] >= 0.9999, t
+    assert t["repeat_bit_identical"] and t["alone_equals_batch"], t
+    assert all(r["nmc_tokens_equal"]) and r["nmc_logits_bit_identical"], r
+
+
 def test_every_opcode_output_matches_the_checked_vm(tmp_path):
     """One step from the same KV bits, every step-written buffer poisoned on
     both sides: the same elements written, ids/slots/queues exact, floats
@@ -274,13 +286,19 @@ def test_profiled_step_has_every_task_and_the_marks_inside_them(tmp_path):
     r = _run("profile", tmp_path)
     nmc = r["north-mini-code"]
     assert nmc["sms"] == 132 and nmc["span_us"] > 0, nmc
-    assert {"ROUTER_TOPK", "ROUTE_FINALIZE", "MOE_UPGATE_DRAIN", "ADD_RMSNORM", "LM_HEAD"} <= set(nmc["per_op"])
+    # batch 1 has routed claims (the target's routed_claims): no top-k task, the finalize ranks
+    assert {"ROUTE_FINALIZE", "MOE_UPGATE_DRAIN", "ADD_RMSNORM", "LM_HEAD"} <= set(nmc["per_op"])
+    routed = "ROUTER_TOPK" not in nmc["per_op"]
     inside = nmc["inside_tasks"]
-    # a claimer's first claim: head, wait, its GEMM's four stamps, tile done; a static GEMM: those four
-    for op, n in (("ROUTER_TOPK", 3), ("ADD_RMSNORM", 2), ("MOE_UPGATE_DRAIN", 7), ("MOE_DOWN_DRAIN", 7),
-                  ("QKV_PROJ", 4)):
+    # a claimer's first claim: head, wait, its GEMM's four stamps, tile done; a static GEMM: those four;
+    # a routed up claimer: partials summed, rows ranked, records derived (stamp 7), then the tile's five
+    checks = [("ADD_RMSNORM", 2), ("MOE_UPGATE_DRAIN", 8 if routed else 7), ("MOE_DOWN_DRAIN", 7), ("QKV_PROJ", 4)]
+    checks.append(("ROUTE_FINALIZE", 4) if routed else ("ROUTER_TOPK", 3))
+    for op, n in checks:
         marks = list(inside[op]["marks_us"].values())
         assert len(marks) == n, (op, inside[op])
+        if op == "MOE_UPGATE_DRAIN" and routed:
+            marks = marks[:2] + marks[7:] + marks[2:7]  # in the order the code passes them
         # medians of ordered stamps stay ordered; the global timer may tick coarsely (<= 1 us)
         assert all(a <= b + 1.0 for a, b in zip(marks, marks[1:])), (op, inside[op])
         assert -1.0 <= marks[0] and marks[-1] <= inside[op]["run_us"] + 1.0, (op, inside[op])

@@ -136,8 +136,13 @@ def test_postconditions(model, rows):
             assert names[w[0, H.WAIT0]] == f"route[{l}]" and w[0, H.TARGET0] == 1
             assert names[w[0, H.WAIT1]] == f"moe_down[{l}]"
             assert w[0, H.TARGET1] == abi.dyn(geo.target_words.moe_down_count(l))
-        if nt.op in (Op.MOE_UPGATE_DRAIN, Op.MOE_DOWN_DRAIN):
+        if nt.op == Op.MOE_DOWN_DRAIN or (nt.op == Op.MOE_UPGATE_DRAIN and not geo.routed_claims):
             assert names[w[0, H.WAIT0]] == f"route[{l}]" and w[0, H.TARGET0] == 1
+        if nt.op == Op.MOE_UPGATE_DRAIN and geo.routed_claims:
+            # routed claims: the claimers rank the rows from the router's partials (every router task)
+            assert names[w[0, H.WAIT0]] == f"router[{l}]"
+            assert w[0, H.TARGET0] == geo.router_splits * -(-geo.num_experts // geo.router_bn)
+            assert w[0, H.WAIT1] == -1 and w[0, F(Op.MOE_UPGATE_DRAIN, "TASK_WAIT_BASE")] == -1
         if nt.op == Op.MOE_DOWN_DRAIN:
             base = int(w[0, F(Op.MOE_DOWN_DRAIN, "TASK_WAIT_BASE")])
             assert names[base] == f"moe_up[{l}][0]" and names[base + geo.num_experts - 1] == f"moe_up[{l}][{geo.num_experts - 1}]"
@@ -181,7 +186,7 @@ def test_postconditions(model, rows):
 def test_orders_differ_in_moe_layers(model):
     seqs = {}
     for o in ORDERS:
-        lw = lowered(model, 1, o)
+        lw = lowered(model, 2, o)  # batch 2: every routing wave (batch 1 has routed claims)
         key = "moe:sliding"
         seqs[o] = [name for name, _ in lw.waves[key]]
         # the global list follows the YAML: wave names of the MoE layers
@@ -320,7 +325,7 @@ def test_yaml_custom_order_and_unknown_order(tmp_path):
 def test_order_rejects_topologically_invalid_yaml(tmp_path):
     path = _yaml(tmp_path, MOE_OK.replace("qkv, router, topk", "qkv, topk, router"))
     with pytest.raises(PassError, match=r"not topological: L1.topk .* waits router\[1\]"):
-        lower(spec_of("tiny-moe"), path, 1, 4096)
+        lower(spec_of("tiny-moe"), path, 2, 4096)  # batch 2: the top-k is a task (not routed claims)
 
 
 # --------------------------------------------------------------------------

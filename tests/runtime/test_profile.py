@@ -46,7 +46,8 @@ def test_read_summary_and_trace():
     # marks from the wait's end (0.2 µs), named per opcode; tasks without marks left out
     m = profile.marks_summary(recs)
     assert list(m) == ["MOE_UPGATE_DRAIN"]
-    assert m["MOE_UPGATE_DRAIN"]["marks_us"] == {"head atomic and record": 1.0, "activations staged": 1.8,
+    assert m["MOE_UPGATE_DRAIN"]["marks_us"] == {"head atomic and record / routed: partials summed": 1.0,
+                                                  "activations staged": 1.8,
                                                   "tile done": 9.0}
     assert m["MOE_UPGATE_DRAIN"]["run_us"] == 29.8
     s = profile.summary(recs)

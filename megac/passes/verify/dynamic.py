@@ -22,6 +22,8 @@ def check_dynamic(p: Program, hb: HappensBefore, out: Sink) -> None:
     for i in np.flatnonzero(p.op == Op.ROUTE_FINALIZE):
         for name in ("UP_COUNT_WORD", "DOWN_COUNT_WORD"):
             wd = int(p.words[i, F(Op.ROUTE_FINALIZE, name)])
+            if wd < 0:  # UP_COUNT_WORD -1: no up queue (routed claims)
+                continue
             if wd in writer:
                 out.add("dyn_multi_writer", f"{p.where(i)}: {name} target word {wd} is also written by {p.where(writer[wd])}")
             writer[wd] = int(i)
