@@ -22,3 +22,25 @@ def run(spec, weights, schedules, prompts, *, mode: str = "fast", policy: str = 
     eng = vm_engine(spec, weights, schedules, max_batch_size=len(prompts), max_model_len=max_len, mode=mode,
                     policy=policy, seed=vm_seed)
     return generate(eng, prompts, **gen)
+
+
+def assert_same_bits_as(base, other, weights, prompts, label, *, batch_sizes=(1, 2, 4), buckets=(1024,),
+                        max_tokens: int = 5) -> None:
+    """Greedy decoding of ``prompts`` with ``other``'s schedules gives
+    ``base``'s tokens and logits bit for bit, in the VM's fast mode and in its
+    checked mode (every read checked against the counters' happens-before
+    order). ``label`` names the case in a failure."""
+    import torch
+
+    from megac.passes.pipeline import compile_schedules
+
+    def compiled(spec):
+        return compile_schedules(spec, batch_sizes=list(batch_sizes), buckets=list(buckets))
+
+    ref = run(base, weights, compiled(base), prompts, max_tokens=max_tokens, eos_token_ids=[], return_logits=True)
+    for mode in ("fast", "checked"):
+        got = run(other, weights, compiled(other), prompts, max_tokens=max_tokens, eos_token_ids=[],
+                  return_logits=True, mode=mode)
+        for a, b in zip(ref, got):
+            assert a.tokens == b.tokens, (label, mode)
+            assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), (label, mode)

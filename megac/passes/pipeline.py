@@ -72,8 +72,6 @@ def lower(spec, order_name: str, rows: int, context: int, *, graph=None, check: 
           log: list | None = None) -> Lowering:
     """Run tile .. encode for one key; returns the final Lowering."""
     geo = Geometry.from_spec(spec, rows, context)
-    if graph is not None and bool(graph.graph.get("routed_claims")) != geo.routed_claims:
-        graph = None  # the other form of the MoE routing (routed claims at this many rows)
     lw = Lowering(spec=spec, geo=geo, graph=graph if graph is not None else build_graph(spec, geo.routed_claims),
                   order_name=order_name)
     for p in PASSES:

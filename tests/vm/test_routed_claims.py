@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines import run
+from engines import assert_same_bits_as
 from megac.abi import TASK_WORDS, H, Op, field_index
 from megac.passes.pipeline import compile_one, compile_schedules
 from megac.spec import load_spec
@@ -77,14 +77,7 @@ def test_routed_claims_give_the_default_schedules_bits(router):
     w = random_weights(base, seed={"sigmoid": 11, "renorm": 12, "softmax": 13}[router])
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, base.vocab_size, (n,), generator=g).tolist() for n in (6, 17, 9)]
-    ref = run(base, w, compile_schedules(base, batch_sizes=[1, 2, 4], buckets=[1024]), prompts, max_tokens=5,
-              eos_token_ids=[], return_logits=True)
-    for mode in ("fast", "checked"):
-        got = run(routed, w, compile_schedules(routed, batch_sizes=[1, 2, 4], buckets=[1024]), prompts,
-                  max_tokens=5, eos_token_ids=[], return_logits=True, mode=mode)
-        for a, b in zip(ref, got):
-            assert a.tokens == b.tokens, (router, mode)
-            assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), (router, mode)
+    assert_same_bits_as(base, routed, w, prompts, router)
 
 
 @pytest.mark.parametrize("value", [-1, 65537])
