@@ -110,37 +110,26 @@ __device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
   if (counter >= 0) signal_counter(ptr<uint32_t>(c.d->counters) + counter);
 }
 
-// Claim loop of one claimer task (every thread calls it). `offsets(rec, &wo,
-// &so)` gives the claimed record's wait and signal offsets (the ABI's, per
-// queue); `prefetch(rec)` (thread 0) starts the claimed record's inputs
-// toward L2 before its wait; `run()` runs the record published in c.ts->rec
-// with the whole CTA. (Issuing a claimed expert tile's first bulk-copy
-// stages before the claim's wait was measured slower on the H200, tenth
-// session: the claim's wait ended 2.2 us later and the stage landed no
-// sooner; docs/perf-notes.md.)
-template <class Offsets, class Prefetch, class Run>
-__device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int len_field, int wait_base_field,
-                                           int wait_target_field, int signal_base_field, Offsets offsets,
-                                           Prefetch prefetch, Run run, int num_layers) {
+// Claim loop of one claimer task (every thread calls it). `source(rec)`
+// (thread 0) claims the next record into rec and returns false once the
+// queue is drained (QueueSource below: the queue head's atomic and the
+// record in memory; routed expert claims derive theirs, ops_moe.cuh).
+// `offsets(rec, &wo, &so)` gives the claimed record's wait and signal
+// offsets (the ABI's, per queue); `prefetch(rec)` (thread 0) starts the
+// claimed record's inputs toward L2 before its wait; `run()` runs the record
+// published in c.ts->rec with the whole CTA. (Issuing a claimed expert
+// tile's first bulk-copy stages before the claim's wait was measured slower
+// on the H200, tenth session: the claim's wait ended 2.2 us later and the
+// stage landed no sooner; docs/perf-notes.md.)
+template <class Source, class Offsets, class Prefetch, class Run>
+__device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait_base_field, int wait_target_field,
+                                           int signal_base_field, Offsets offsets, Prefetch prefetch, Run run) {
   TaskShared* ts = c.ts;
   for (;;) {
     if (threadIdx.x == 0) {
       const int32_t* w = ts->w;
-      const int32_t layer = w[H_LAYER];
-      const int32_t queue = w[queue_field];
-      uint32_t* head = ptr<uint32_t>(c.d->queue_heads) + queue * num_layers + layer;
-      const uint32_t idx = atomicAdd(head, 1u);
-      const int32_t qlen = w[len_field];
-      int claimed = static_cast<int32_t>(idx) < qlen;
+      int claimed = source(ts->rec);
       if (claimed) {
-        const int32_t* q;
-        if (queue == QUEUE_ATTN)
-          q = ptr<const int32_t>(c.d->attn_queue);
-        else if (queue == QUEUE_MOE_UP)
-          q = ptr<const int32_t>(c.d->moe_up_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
-        else
-          q = ptr<const int32_t>(c.d->moe_down_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
-        for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) ts->rec[i] = __ldcg(q + int64_t(idx) * QUEUE_RECORD_WORDS + i);
         MEGAC_MARK(0);  // the queue head's atomic and the record's loads
         prefetch(ts->rec);
         int32_t wo = 0, so = 0;
@@ -170,6 +159,38 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int le
     MEGAC_MARK(6);  // the claimed tile's work (its GEMM stamps 2-5 on the way)
     if (threadIdx.x == 0) signal(c, ts->claim_signal);
   }
+}
+
+// The records of a claimer queue in memory: the queue head's atomic, then
+// the record, while the index is below the word's QUEUE_LEN.
+struct QueueSource {
+  const Ctx& c;
+  int queue_field, len_field, num_layers;
+  __device__ bool operator()(int32_t* rec) const {
+    const int32_t* w = c.ts->w;
+    const int32_t layer = w[H_LAYER];
+    const int32_t queue = w[queue_field];
+    uint32_t* head = ptr<uint32_t>(c.d->queue_heads) + queue * num_layers + layer;
+    const uint32_t idx = atomicAdd(head, 1u);
+    if (static_cast<int32_t>(idx) >= w[len_field]) return false;
+    const int32_t* q;
+    if (queue == QUEUE_ATTN)
+      q = ptr<const int32_t>(c.d->attn_queue);
+    else if (queue == QUEUE_MOE_UP)
+      q = ptr<const int32_t>(c.d->moe_up_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
+    else
+      q = ptr<const int32_t>(c.d->moe_down_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
+    for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) rec[i] = __ldcg(q + int64_t(idx) * QUEUE_RECORD_WORDS + i);
+    return true;
+  }
+};
+
+template <class Offsets, class Prefetch, class Run>
+__device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int len_field, int wait_base_field,
+                                           int wait_target_field, int signal_base_field, Offsets offsets,
+                                           Prefetch prefetch, Run run, int num_layers) {
+  return claim_loop(c, QueueSource{c, queue_field, len_field, num_layers}, wait_base_field, wait_target_field,
+                    signal_base_field, offsets, prefetch, run);
 }
 
 }  // namespace mk

@@ -291,34 +291,21 @@ __device__ __forceinline__ void lm_head(const Ctx& c) {
 
 // A claimed expert tile: record {expert, n_tile, slot0, rows}; the routed
 // rows are slots slot0 .. slot0 + rows - 1 of moe_x / moe_act / moe_out.
-// Never primed (the claimer task's own c.primed is false).
+// A routed claim (MOE_UPGATE_DRAIN with ROUTE_SPLITS > 0, ops_moe.cuh) reads
+// them where they lie instead: row m of the tile is batch row
+// rowof[slot0 + m] of x_norm slot `xslot`. Never primed (the claimer task's
+// own c.primed is false).
 template <class M>
-__device__ __forceinline__ void moe_up_tile(const Ctx& c) {
+__device__ __forceinline__ void moe_up_tile(const Ctx& c, const int32_t* rowof = nullptr, int xslot = 0) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
   const int s0 = c.ts->rec[rec_moe_up::SLOT0], nr = c.ts->rec[rec_moe_up::ROWS];
   const int n0 = c.ts->rec[rec_moe_up::N_TILE] * MK_F(moe_upgate_drain, N_LEN);
   const WeightSpan ws = moe_up_weights<M>(c, c.ts->rec);
-  const bf16* x = ptr<const bf16>(d->moe_x) + Lay::moe_x(layer, s0);
-  const float* ys = gemm<M>(c, ws, x, M::HIDDEN, nr);
-  rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, ws.rows);
-}
-
-// A routed claim's expert tile (MOE_UPGATE_DRAIN with ROUTE_SPLITS > 0,
-// ops_moe.cuh): the same tile, its activation rows read where they lie in
-// x_norm slot `xslot` (row m of the tile is batch row rowof[slot0 + m]),
-// not from gathered moe_x slots.
-template <class M>
-__device__ __forceinline__ void moe_up_tile_routed(const Ctx& c, int xslot, const int32_t* rowof) {
-  using Lay = Layout<M>;
-  const LaunchDesc* d = c.d;
-  const int layer = c.ts->w[H_LAYER];
-  const int s0 = c.ts->rec[rec_moe_up::SLOT0], nr = c.ts->rec[rec_moe_up::ROWS];
-  const int n0 = c.ts->rec[rec_moe_up::N_TILE] * MK_F(moe_upgate_drain, N_LEN);
-  const WeightSpan ws = moe_up_weights<M>(c, c.ts->rec);
-  const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0);
-  const float* ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof + s0);
+  const bf16* x = rowof != nullptr ? ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0)
+                                   : ptr<const bf16>(d->moe_x) + Lay::moe_x(layer, s0);
+  const float* ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr);
   rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, ws.rows);
 }
 

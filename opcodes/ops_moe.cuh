@@ -186,87 +186,72 @@ struct MoeDownOffsets {
 };
 
 // Routed claims, whole CTA: rank, count and scan as finalize_cta does, then
-// claim indices with the queue head's atomic as claim_loop does, each index
-// p being tile p % UP_TILES of the (p / UP_TILES)-th active expert; no
-// claimed task waits (the router's counter, the claimer's header wait,
-// orders the partials and, through the norm before the router, x_norm).
+// the claim loop over the records derived from that (the queue head's atomic
+// as for a queue in memory); no claimed task waits (the router's counter,
+// the claimer's header wait, orders the partials and, through the norm
+// before the router, x_norm). Built where MEGAC_ROUTED_CLAIMS is on, for
+// MoE models only (moe_upgate_drain).
 template <class M>
 __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
-  if constexpr (MEGAC_ROUTED_CLAIMS && M::NUM_EXPERTS > 0) {
-    using Lay = Layout<M>;
-    using RS = RoutedScratch<M>;
-    TaskShared* ts = c.ts;
-    const LaunchDesc* d = c.d;
-    const int layer = ts->w[H_LAYER];
-    const int rows = MK_F(moe_upgate_drain, NUM_ROWS), tiles = MK_F(moe_upgate_drain, UP_TILES);
-    const int xslot = MK_F(moe_upgate_drain, X_SLOT);
-    const int E = M::NUM_EXPERTS, K = M::TOP_K, n = rows * K;
-    uint32_t* head = ptr<uint32_t>(d->queue_heads) + ts->w[f_moe_upgate_drain::QUEUE] * M::NUM_LAYERS + layer;
-    // the first index is taken now: its atomic's round trip overlaps the ranking
-    uint32_t idx = 0;
-    if (threadIdx.x == 0) idx = atomicAdd(head, 1u);
-    int32_t* work = RS::work(c);
-    int32_t* cnt = work;         // [E]
-    int32_t* off = cnt + E;      // [E]
-    int32_t* act = off + E;      // [E]
-    int32_t* nact = act + E;     // [1]
-    int32_t* rank = nact + 1;    // [n]
-    int32_t* ids = work + moe::finalize_smem_words(E, RS::kEntries);
-    moe::topk_rows_cta<false>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0),
-                              size_t(M::MAX_ROWS) * M::NUM_EXPERTS, MK_F(moe_upgate_drain, ROUTE_SPLITS), rows, E, K,
-                              ts->w[H_FLAGS], ids, nullptr, ids);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      moe::rank_entries(ids, true, n, cnt, rank);
-      moe::scan_experts(cnt, E, off, act, nact);
-    }
-    __syncthreads();
-    int32_t* sum = RS::summary(c);  // [0] nact, [1 + 3a ..] (e, slot0, rows), [1 + 3 entries + slot] row
-    int32_t* rowof = sum + 1 + 3 * RS::kEntries;
-    const int na = *nact;
-    for (int a = threadIdx.x; a < na; a += blockDim.x) {
-      const int e = act[a];
-      sum[1 + 3 * a] = e;
-      sum[2 + 3 * a] = off[e];
-      sum[3 + 3 * a] = cnt[e];
-    }
-    for (int i = threadIdx.x; i < n; i += blockDim.x) rowof[off[ids[i]] + rank[i]] = i / K;
-    if (threadIdx.x == 0) sum[0] = na;
-    MEGAC_MARK(7);  // ranked, counted, the claims' summary written (after topk_rows_cta's 0 and 1)
-    __syncthreads();
-    const int32_t sb = ts->w[f_moe_upgate_drain::TASK_SIGNAL_BASE];
-    for (bool first = true;; first = false) {
-      if (threadIdx.x == 0) {
-        if (!first) idx = atomicAdd(head, 1u);
-        const int claimed = static_cast<int32_t>(idx) < sum[0] * tiles;
-        if (claimed) {
-          const int a = static_cast<int>(idx) / tiles;
-          ts->rec[rec_moe_up::EXPERT] = sum[1 + 3 * a];
-          ts->rec[rec_moe_up::N_TILE] = static_cast<int>(idx) - a * tiles;
-          ts->rec[rec_moe_up::SLOT0] = sum[2 + 3 * a];
-          ts->rec[rec_moe_up::ROWS] = sum[3 + 3 * a];
-          ts->claim_signal = sb >= 0 ? sb + sum[1 + 3 * a] : -1;
-#if MEGAC_PROFILE
-          ts->claims += 1;
-#endif
-        }
-        ts->claimed = claimed;
-      }
-      __syncthreads();
-      if (!ts->claimed) return true;
-      moe_up_tile_routed<M>(c, xslot, rowof);
-      __syncthreads();
-      MEGAC_MARK(6);  // the claimed tile's work
-      if (threadIdx.x == 0) signal(c, ts->claim_signal);
-    }
-  } else {
-    // the model has no experts
-    if (threadIdx.x == 0)
-      report_error(c.site.status, c.site.task, c.site.opcode, f_moe_upgate_drain::ROUTE_SPLITS,
-                   c.ts->w[f_moe_upgate_drain::ROUTE_SPLITS], 0, c.site.layer, kErrBadTask);
-    return false;
+  using Lay = Layout<M>;
+  using RS = RoutedScratch<M>;
+  TaskShared* ts = c.ts;
+  const LaunchDesc* d = c.d;
+  const int layer = ts->w[H_LAYER];
+  const int rows = MK_F(moe_upgate_drain, NUM_ROWS), tiles = MK_F(moe_upgate_drain, UP_TILES);
+  const int xslot = MK_F(moe_upgate_drain, X_SLOT);
+  const int E = M::NUM_EXPERTS, K = M::TOP_K, n = rows * K;
+  uint32_t* head = ptr<uint32_t>(d->queue_heads) + ts->w[f_moe_upgate_drain::QUEUE] * M::NUM_LAYERS + layer;
+  // the first index is taken now: its atomic's round trip overlaps the ranking
+  uint32_t idx = 0;
+  if (threadIdx.x == 0) idx = atomicAdd(head, 1u);
+  int32_t* work = RS::work(c);
+  int32_t* cnt = work;         // [E]
+  int32_t* off = cnt + E;      // [E]
+  int32_t* act = off + E;      // [E]
+  int32_t* nact = act + E;     // [1]
+  int32_t* rank = nact + 1;    // [n]
+  int32_t* ids = work + moe::finalize_smem_words(E, RS::kEntries);
+  moe::topk_rows_cta<false>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0),
+                            size_t(M::MAX_ROWS) * M::NUM_EXPERTS, MK_F(moe_upgate_drain, ROUTE_SPLITS), rows, E, K,
+                            ts->w[H_FLAGS], ids, nullptr, ids);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    moe::rank_entries(ids, true, n, cnt, rank);
+    moe::scan_experts(cnt, E, off, act, nact);
   }
+  __syncthreads();
+  int32_t* sum = RS::summary(c);  // [0] nact, [1 + 3a ..] (e, slot0, rows), [1 + 3 entries + slot] row
+  int32_t* rowof = sum + 1 + 3 * RS::kEntries;
+  const int na = *nact;
+  for (int a = threadIdx.x; a < na; a += blockDim.x) {
+    const int e = act[a];
+    sum[1 + 3 * a] = e;
+    sum[2 + 3 * a] = off[e];
+    sum[3 + 3 * a] = cnt[e];
+  }
+  for (int i = threadIdx.x; i < n; i += blockDim.x) rowof[off[ids[i]] + rank[i]] = i / K;
+  if (threadIdx.x == 0) sum[0] = na;
+  MEGAC_MARK(7);  // ranked, counted, the claims' summary written (after topk_rows_cta's 0 and 1)
+  __syncthreads();
+  // the claim loop's, with records derived: index p is tile p % UP_TILES of the
+  // (p / UP_TILES)-th active expert; the words' TASK_WAIT_BASE is -1 (no claimed-task wait)
+  bool first = true;
+  auto source = [&](int32_t* rec) {
+    if (!first) idx = atomicAdd(head, 1u);
+    first = false;
+    if (static_cast<int32_t>(idx) >= sum[0] * tiles) return false;
+    const int a = static_cast<int>(idx) / tiles;
+    rec[rec_moe_up::EXPERT] = sum[1 + 3 * a];
+    rec[rec_moe_up::N_TILE] = static_cast<int>(idx) - a * tiles;
+    rec[rec_moe_up::SLOT0] = sum[2 + 3 * a];
+    rec[rec_moe_up::ROWS] = sum[3 + 3 * a];
+    return true;
+  };
+  return claim_loop(c, source, f_moe_upgate_drain::TASK_WAIT_BASE, f_moe_upgate_drain::TASK_WAIT_TARGET,
+                    f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{}, [](const int32_t*) {},
+                    [&]() { moe_up_tile<M>(c, rowof, xslot); });
 }
 
 template <class M>
