@@ -45,6 +45,12 @@ __device__ __forceinline__ bool call(F f, const Ctx& c) {
 #define MEGAC_PREFETCH 0
 #endif
 
+// ADD_RMSNORM's gamma toward L2 before its waits (ops_norm.cuh's norm_warm,
+// through the warm hook below); defined here too: this header comes first.
+#ifndef MEGAC_NORM_WARM
+#define MEGAC_NORM_WARM 0
+#endif
+
 // Per-task timeline (compiled in with -DMEGAC_PROFILE=1; megac/gpu/profile.py
 // points `megakernel_profile` at a [num_sms][max_tasks][kProfileWords]
 // uint64 buffer): thread 0 records, per task, the global timer (ns) when its
@@ -121,7 +127,7 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
       for (int i = 0; i < kProfileMarks; ++i) profile_marks[i] = 0;
     }
 #endif
-#if MEGAC_ATTN_WARM
+#if MEGAC_ATTN_WARM || MEGAC_NORM_WARM
     if (threadIdx.x < 32) Dispatch::warm(c, ts->w, threadIdx.x);
 #endif
     // weights never depend on the waits: a static GEMM's first chunks stream

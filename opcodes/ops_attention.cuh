@@ -163,8 +163,10 @@ __device__ __forceinline__ void warm_split(const Ctx& c, int layer, int row, int
 // waits (its dynamic NUM_SPLITS not yet resolved).
 template <class M>
 __device__ __forceinline__ void attn_warm(const Ctx& c, const int32_t* w, int lane) {
+#if MEGAC_ATTN_WARM  // the warm hook also runs for MEGAC_NORM_WARM (ops_norm.cuh)
   warm_split<M>(c, w[H_LAYER], w[f_attn_decode::ROW], w[f_attn_decode::KV_HEAD], w[f_attn_decode::SPLIT],
                 resolve(c.d, w[f_attn_decode::NUM_SPLITS]), w[f_attn_decode::WINDOW], lane, 32);
+#endif
 }
 
 template <class M>

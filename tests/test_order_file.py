@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import yaml
 
 from megac.order_option import ORDERS
@@ -127,3 +128,76 @@ def test_a_bad_sm_cursor_is_one_line(tmp_path):
     bad = tmp_path / "cursor.yaml"
     bad.write_text(yaml.safe_dump(doc))
     assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "sm_cursor", "random")
+
+
+PLACED = schedules_dir() / "experiments" / "oproj-on-attention.yaml"
+
+
+def _layer_sms(sched, layer: int) -> dict:
+    """{opcode name: [SM of each task in run order]} of one layer."""
+    from megac import abi
+
+    out: dict = {}
+    for s in range(sched.tasks.shape[0]):
+        for w in sched.tasks[s, : int(sched.task_counts[s])]:
+            if int(w[abi.H.LAYER]) == layer:
+                out.setdefault(abi.Op(int(w[abi.H.OPCODE])).name, []).append(s)
+    return out
+
+
+def test_a_placed_wave_runs_on_its_hosts_sms_and_moves_no_cursor():
+    """``{wave: o_proj, sms_of: attn}``: every O-projection task of a layer
+    runs on an SM that ran one of that layer's attention splits, spread
+    evenly over them; every other task but the norm (dealt right after the
+    MoE combine now, not after the O-projection) sits on the SM tuned gives
+    it; and the schedule verifies (compile_one runs every pass's checks)."""
+    from collections import Counter
+
+    from megac.passes.pipeline import compile_one
+
+    spec = load_spec("north-mini-code")
+    tuned = compile_one(spec, order="tuned", rows=1, context=8192)
+    placed = compile_one(spec, order=str(PLACED), rows=1, context=8192)
+    assert placed.num_tasks == tuned.num_tasks
+    for layer in (1, 10):  # sliding MoE layers (a full one claims its attention: no host SMs)
+        got, want = _layer_sms(placed, layer), _layer_sms(tuned, layer)
+        hosts = set(got["ATTN_DECODE"])
+        per = Counter(got["O_PROJ"])
+        assert set(per) == hosts, layer
+        assert max(per.values()) - min(per.values()) <= 1
+        assert len(got["O_PROJ"]) == len(want["O_PROJ"])
+        for op in set(want) - {"O_PROJ", "ADD_RMSNORM"}:
+            assert sorted(got[op]) == sorted(want[op]), (layer, op)
+    # the dense layer 0 has no placed wave: as tuned
+    assert _layer_sms(placed, 0) == _layer_sms(tuned, 0)
+    # a full layer claims its attention on every SM: no host SMs, so the
+    # O-projection is dealt by the cursor in its place (before the claims)
+    full = _layer_sms(placed, 4)
+    assert "ATTN_DRAIN" in full and len(set(full["O_PROJ"])) == len(full["O_PROJ"]) == 128
+    late = compile_one(spec, order=str(PLACED).replace(".yaml", "-late.yaml"), rows=1, context=8192)
+    assert _layer_sms(late, 4) == _layer_sms(tuned, 4)
+    assert set(_layer_sms(late, 10)["O_PROJ"]) == set(_layer_sms(late, 10)["ATTN_DECODE"])
+
+
+@pytest.mark.parametrize("wave,match", [
+    ("{wave: o_proj, sms_of: norm}", "placed on 'norm', which is not a wave dealt earlier"),
+    ("{wave: o_proj, sms_of: atn}", "placed on 'atn', which is not a wave dealt earlier"),
+    ("{wave: o_proj, sms_of: []}", "a placed wave is"),
+    ("{wave: o_proj, sms_of: 3}", "a placed wave is"),
+    ("{wave: o_proj, on: attn}", "a wave is a node kind"),  # YAML reads `on` as true
+])
+def test_a_bad_placed_wave_is_one_line(tmp_path, wave, match):
+    text = PLACED.read_text().replace("{wave: o_proj, sms_of: attn}", wave)
+    bad = tmp_path / "placed.yaml"
+    bad.write_text(text)
+    res = megac("schedule", "tiny-moe", "--order", bad)
+    assert_one_line_error(res, "layers.moe[7]", match)
+
+
+def test_a_claimer_wave_cannot_be_placed(tmp_path):
+    doc = yaml.safe_load(PLACED.read_text())
+    moe = doc["layers"]["moe"]
+    moe[moe.index("moe_down")] = {"wave": "moe_down", "sms_of": "attn"}
+    bad = tmp_path / "claimers.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "moe_down", "claimer wave")

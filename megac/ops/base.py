@@ -201,7 +201,8 @@ class OpDef:
     weights_fn: ClassVar[str | None] = None
     #: device function ``fn<Model>(c, words, lane)`` (warp 0, before the
     #: task's waits) that starts inputs not produced in this launch toward
-    #: L2 (built in with MEGAC_ATTN_WARM); None: nothing to warm
+    #: L2 (built in with MEGAC_ATTN_WARM or MEGAC_NORM_WARM; each function
+    #: checks its own switch); None: nothing to warm
     warm_fn: ClassVar[str | None] = None
 
     # -- fields (abi) ------------------------------------------------------

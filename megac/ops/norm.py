@@ -64,6 +64,7 @@ class AddRmsnorm(OpDef):
     op = Op.ADD_RMSNORM
     node_kinds = ("norm", "norm_attn")
     device_fn = "add_rmsnorm"
+    warm_fn = "norm_warm"  # gamma toward L2 before the waits (MEGAC_NORM_WARM)
 
     def flags(self, nt, geo):
         if nt.kind == "norm_attn":

@@ -81,7 +81,8 @@ class Lowering:
     g_node: np.ndarray | None = None  # int64 [n]: node index of global task k
     g_task: np.ndarray | None = None  # int64 [n]: task index within the node
     g_claimer: np.ndarray | None = None  # int64 [n]: claimer ordinal, -1 for static tasks
-    g_segment: np.ndarray | None = None  # int64 [n]: where assign's SM cursor restarts for task k (all 0: never)
+    g_cursor: np.ndarray | None = None  # int64 [n]: assign's SM cursor at task k (-1: a placed task)
+    g_host: np.ndarray | None = None  # int64 [n]: global position of the task whose SM task k takes (-1: none)
     # assign
     sm: np.ndarray | None = None  # int64 [n]
     slot: np.ndarray | None = None  # int64 [n]

@@ -4,9 +4,19 @@ A schedule YAML gives, per layer kind (``dense``, ``moe``,
 ``sequential_dense``, ``sequential_moe``), the waves of one layer in order,
 and the ``final`` waves after the last layer. A wave is a node kind
 (``qkv``, ``attn``, ...) or ``{interleave: [a, b]}``: the tasks of a and b
-alternate (a0 b0 a1 b1 ...; the longer one's tail follows). Each node kind of
-a layer appears exactly once; an omitted, repeated or unknown wave is
-rejected with a one-line error naming the file and the wave.
+alternate (a0 b0 a1 b1 ...; the longer one's tail follows), or
+``{wave: a, sms_of: b}`` / ``{wave: a, sms_of: [b, c]}``: a's tasks take this place
+in the list but run on the SMs of the earlier waves b (and c), dealt round
+robin over their tasks (a's task j goes where host task j mod #hosts went),
+and move no cursor: the waves after are dealt as if a were not there. This
+says "the O-projection on the SMs that ran attention", whose SMs are free
+when it is ready while the others still stream experts. Each node kind of
+a layer appears exactly once; an omitted, repeated or unknown wave, or a
+host that is not an earlier dealt wave, is rejected with a one-line error
+naming the file and the wave. A claimer host (attention claimed by every
+SM in a long full layer) names no SMs; where none of a placed wave's hosts
+names SMs in a layer, or none is in the graph (a fused node), the wave is
+dealt by the cursor in its place, as a plain wave.
 
 A claimer node's template is emitted ``num_sms`` times (one claimer per SM;
 ``assign`` gives them distinct SMs).
@@ -58,15 +68,29 @@ def schedule_path(order: str) -> Path:
     return schedules_dir() / f"{order}.yaml"
 
 
+class Placed(tuple):
+    """A wave dealt on other waves' SMs: (name, hosts)."""
+
+    @property
+    def name(self) -> str:
+        return self[0]
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return self[1]
+
+
 def _wave_name(w) -> str:
+    if isinstance(w, Placed):
+        return w.name
     return w if isinstance(w, str) else "interleave(" + ",".join(w) + ")"
 
 
 def parse_waves(raw, where: str, expected: tuple[str, ...]) -> list:
-    """Validate one wave list: returns [str | tuple(a, b)]."""
+    """Validate one wave list: returns [str | tuple(a, b) | Placed]."""
     if not isinstance(raw, list) or not raw:
         raise OrderError(f"{where}: must be a non-empty list of waves")
-    out, seen = [], []
+    out, seen, dealt = [], [], []
     for i, w in enumerate(raw):
         if isinstance(w, str):
             names = [w]
@@ -77,8 +101,23 @@ def parse_waves(raw, where: str, expected: tuple[str, ...]) -> list:
                 raise OrderError(f"{where}[{i}]: interleave takes a list of two wave names")
             names = list(pair)
             out.append(tuple(pair))
+        elif isinstance(w, dict) and set(w) == {"wave", "sms_of"}:
+            hosts = [w["sms_of"]] if isinstance(w["sms_of"], str) else w["sms_of"]
+            if not isinstance(w["wave"], str) or not (isinstance(hosts, list) and hosts
+                                                       and all(isinstance(h, str) for h in hosts)):
+                raise OrderError(f"{where}[{i}]: a placed wave is {{wave: a, sms_of: b}} or "
+                                 f"{{wave: a, sms_of: [b, c]}}")
+            for h in hosts:
+                if h not in dealt:
+                    raise OrderError(f"{where}[{i}]: wave '{w['wave']}' is placed on '{h}', which is not a "
+                                     f"wave dealt earlier in this list")
+            names = [w["wave"]]
+            out.append(Placed((w["wave"], tuple(hosts))))
         else:
-            raise OrderError(f"{where}[{i}]: a wave is a node kind or {{interleave: [a, b]}} (got {w!r})")
+            raise OrderError(f"{where}[{i}]: a wave is a node kind, {{interleave: [a, b]}} or "
+                             f"{{wave: a, sms_of: b}} (got {w!r})")
+        if not isinstance(out[-1], Placed):
+            dealt += names
         for n in names:
             if n not in expected:
                 raise OrderError(f"{where}[{i}]: unknown wave '{n}' (this layer kind has: {', '.join(expected)})")
@@ -147,10 +186,20 @@ def run(lw: Lowering) -> str:
     absent = ({"topk"} if geo.fused_topk else set()) | (
         {"moe_gather"} if geo.fused_gather or geo.routed_claims else set())
 
+    g_host = []
+    placed_waves = 0
+    count = 0  # entries emitted so far: the next entry's global position
+
     def emit(wave_list, prefix, key):
+        nonlocal count, placed_waves
         record = key not in waves
         rec = []
+        where: dict[str, np.ndarray] = {}  # wave part -> global positions of its entries
         for w in wave_list:
+            hosts = None
+            if isinstance(w, Placed):
+                hosts = [where[h] for h in w.hosts if h in where]
+                w = w.name
             parts = [p for p in ([w] if isinstance(w, str) else list(w)) if p not in absent]
             if not parts:
                 continue
@@ -163,6 +212,8 @@ def run(lw: Lowering) -> str:
                 ents.append((np.full(len(t), nt.index, dtype=np.int64), t, c))
             if len(ents) == 1:
                 n_, t_, c_ = ents[0]
+                if (c_ < 0).all():  # a claimer wave runs on every SM: it names no SMs
+                    where[parts[0]] = count + np.arange(len(n_), dtype=np.int64)
             else:
                 (na, ta, ca), (nb, tb, cb) = ents
                 m = min(len(ta), len(tb))
@@ -170,9 +221,25 @@ def run(lw: Lowering) -> str:
                 n_ = np.concatenate([np.stack([na[:m], nb[:m]], 1).ravel(), na[m:], nb[m:]])
                 t_ = np.concatenate([np.stack([ta[:m], tb[:m]], 1).ravel(), ta[m:], tb[m:]])
                 c_ = np.concatenate([np.stack([ca[:m], cb[:m]], 1).ravel(), ca[m:], cb[m:]])
+                pos = count + np.arange(len(n_), dtype=np.int64)
+                for p in parts:
+                    nt = lw.by_name[f"{prefix}{p}" if prefix else p]
+                    if not nt.claimer:
+                        where[p] = pos[n_ == nt.index]
+            h_ = np.full(len(n_), -1, dtype=np.int64)
+            if hosts and (c_ >= 0).any():
+                raise PassError(NAME, f"wave '{w}' is a claimer wave (one claimer on every SM): it cannot be "
+                                      f"placed on other waves' SMs")
+            if hosts:
+                # task j of the placed wave runs where host entry j mod #hosts ran
+                hp = np.concatenate(hosts)
+                h_ = hp[np.arange(len(n_)) % len(hp)]
+                placed_waves += 1
             g_node.append(n_)
             g_task.append(t_)
             g_cl.append(c_)
+            g_host.append(h_)
+            count += len(n_)
             rec.append((_wave_name(w), int(len(n_))))
         if record:
             waves[key] = rec
@@ -188,17 +255,22 @@ def run(lw: Lowering) -> str:
     emit(spec_order["final"], "", "final")
     lw.g_node = np.concatenate(g_node)
     n = len(lw.g_node)
-    lw.g_segment = np.zeros(n, dtype=np.int64)
+    lw.g_host = np.concatenate(g_host)
+    dealt = lw.g_host < 0
+    # the cursor counts dealt entries only (a placed wave moves it not)
+    cursor = np.cumsum(dealt) - dealt
     if spec_order["sm_cursor"] == "layer":
         # a layer's tasks (the final waves': layer num_layers) are contiguous in the list
         layer = np.array([nt.layer for nt in lw.nodes], dtype=np.int64)[lw.g_node]
         starts = np.flatnonzero(np.r_[True, layer[1:] != layer[:-1]])
-        lw.g_segment = np.repeat(starts, np.diff(np.r_[starts, n]))
+        cursor = cursor - np.repeat(cursor[starts], np.diff(np.r_[starts, n]))
+    lw.g_cursor = np.where(dealt, cursor, -1)
     lw.g_task = np.concatenate(g_task)
     lw.g_claimer = np.concatenate(g_cl)
     lw.waves = waves
+    placed = f", {placed_waves} placed on other waves' SMs" if placed_waves else ""
     return f"'{spec_order['name']}': {len(lw.g_node)} tasks in {sum(len(v) for v in waves.values())} waves " \
-           f"over {len(waves)} layer kinds"
+           f"over {len(waves)} layer kinds{placed}"
 
 
 def ensures(lw: Lowering) -> None:
@@ -257,5 +329,5 @@ def ensures(lw: Lowering) -> None:
                                       f"first claimer at {int(first)}")
 
 
-__all__ = ["NAME", "ORDERS", "OrderError", "ensures", "load_order", "parse_waves",
+__all__ = ["NAME", "ORDERS", "OrderError", "Placed", "ensures", "load_order", "parse_waves",
            "requires", "run", "schedule_path"]

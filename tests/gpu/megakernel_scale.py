@@ -716,6 +716,8 @@ VARIANTS = {
     # a static split's keys toward L2 before its waits (ops_attention.cuh); 2: evict_last
     "attn_warm": {"MEGAC_ATTN_WARM": 1},
     "attn_warm_last": {"MEGAC_ATTN_WARM": 2},
+    # ADD_RMSNORM's gamma toward L2 before its waits (ops_norm.cuh)
+    "norm_warm": {"MEGAC_NORM_WARM": 1},
     # ROUTER_TOPK's rank counted on two threads per logit (moe_routing.cuh); MoE models only
     "rank_halves": {"MEGAC_TOPK_RANK_HALVES": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only

@@ -144,6 +144,22 @@ def test_the_global_cursor_order_matches_transformers(ckpt):
     _check_against_hf(model, prompts, outs, 8)
 
 
+def test_a_placed_wave_order_matches_transformers(ckpt):
+    """The experiment order that runs the O-projection on the attention
+    SMs (``{wave: o_proj, sms_of: attn}``) changes only where tasks run:
+    the same results, in the VM's checked mode too (every read against the
+    counters' happens-before order)."""
+    from megac.resources import schedules_dir
+
+    spec, w, model = ckpt("moe")
+    order = str(schedules_dir() / "experiments" / "oproj-on-attention.yaml")
+    prompts = _prompts(spec)
+    for mode in ("fast", "checked"):
+        eng = vm_engine(spec, w, compile_schedules(spec, order=order, batch_sizes=[1, 2, 4]), mode=mode)
+        outs = generate(eng, prompts, max_tokens=6, eos_token_ids=[], return_logits=True)
+        _check_against_hf(model, prompts, outs, 6)
+
+
 @pytest.mark.parametrize("name", ["moe-tied", "softmax", "sigmoid-renorm", "nope-dense", "sliding-splits",
                                   "llama-mqa"])
 def test_fp32_variants_match_transformers(ckpt, name):
