@@ -40,17 +40,28 @@ GLOBAL_CURSOR = str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml"
 MODEL = {NMC_TRACE: NMC, NMC_TRACE_3: NMC, NMC_TRACE_5: NMC, NMC_TRACE_8: NMC, SMOL_TRACE_8: SMOL}
 
 
-def unrouted(model: str):
-    """``model`` without routed claims: the MoE routing every trace and step
-    measured before the twelfth session ran (ROUTER_TOPK, MOE_GATHER, up
-    claims from finalize's queue)."""
+#: the expert tiles every trace and step up to the twelfth session ran
+#: (128 features a claim; 256 since the thirteenth)
+TILES_128 = {"moe_up_bn": 128, "moe_down_bn": 128}
+
+
+def tiles128(model: str, **tiles):
+    """``model`` with the expert tiles of the traces up to the twelfth
+    session (and ``tiles``): a trace fits only the schedule it ran."""
     from models import variant
 
     spec = load_spec(model)
     if not spec.moe:
         return spec
-    tiles = {**(spec.target.tiles or {}), "routed_claims": 0}
+    tiles = {**(spec.target.tiles or {}), **TILES_128, **tiles}
     return variant(spec, spec.name, target={**spec.target.model_dump(), "tiles": tiles})
+
+
+def unrouted(model: str):
+    """``model`` without routed claims, on 128-feature expert tiles: the MoE
+    routing every trace and step measured before the twelfth session ran
+    (ROUTER_TOPK, MOE_GATHER, up claims from finalize's queue)."""
+    return tiles128(model, routed_claims=0)
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +128,12 @@ NMC_TRACE_12 = ROOT / "benchmarks" / "profile-nmc-bs1-8k-2026-12-02-h200-session
 
 
 def test_a_trace_of_routed_claims_calibrates_the_default_schedule():
-    """A step measured with routed claims (today's batch-1 default: no
+    """A step measured with routed claims (the batch-1 default routing: no
     ROUTER_TOPK or MOE_GATHER tasks, the up claimers wait on the router)
     fits against the default schedule and predicts it within 10 %; against
     the schedule without routed claims its records are another schedule's."""
     recs = records_from_trace(json.load(gzip.open(NMC_TRACE_12)))
-    sched = compile_one(load_spec("north-mini-code"), order="tuned", rows=1, context=8192)
+    sched = compile_one(tiles128("north-mini-code"), order="tuned", rows=1, context=8192)
     assert sched.geometry.routed_claims and "ROUTER_TOPK" not in sched.tasks_per_opcode
     cal = fit(recs, sched, dispatch_us=0.64, handoff_us=0.46)
     span = max(r["end_us"] for r in recs)
@@ -192,10 +203,11 @@ def test_schedule_command_predicts_with_a_calibration(tmp_path):
 
     from megac.cli import main
 
-    # the calibration's step was measured without routed claims: that schedule (a model.yaml)
+    # the calibration's step was measured without routed claims, on 128-feature expert
+    # tiles: that schedule (a model.yaml)
     spec_file = Path(tmp_path) / "nmc.yaml"
     spec_file.write_text((ROOT / "megac" / "spec" / "bundled" / "north-mini-code.yaml").read_text()
-                         + "\ntarget:\n  tiles: {routed_claims: 0}\n")
+                         + "\ntarget:\n  tiles: {routed_claims: 0, moe_up_bn: 128, moe_down_bn: 128}\n")
     r = CliRunner().invoke(main, ["schedule", str(spec_file), "--calibration", "h200-north-mini-code", "--json"])
     assert r.exit_code == 0, r.output
     pred = json.loads(r.output)["predicted"]

@@ -102,8 +102,11 @@ def read(buf, sched) -> list[dict]:
 
 def marks_summary(recs: Iterable[dict]) -> dict:
     """Per opcode that stamps marks: for each mark, the median µs from the
-    task's wait end to it (over the tasks that reached it), and the median
-    run; named where :data:`MARK_NAMES` knows the points."""
+    task's wait end to it (over the tasks that reached it), the median run,
+    and the median run of the tasks that reached every mark (``run_all_us``:
+    a claimer that claimed nothing stamps only the first few, so where most
+    claim nothing the plain median run is theirs); named where
+    :data:`MARK_NAMES` knows the points."""
     import statistics  # noqa: PLC0415
 
     per: dict = {}
@@ -111,15 +114,19 @@ def marks_summary(recs: Iterable[dict]) -> dict:
         marks = r.get("marks_us") or []
         if not any(m is not None for m in marks):
             continue
-        d = per.setdefault(r["op"], {"run": [], "marks": [[] for _ in range(MARKS)]})
+        d = per.setdefault(r["op"], {"run": [], "marks": [[] for _ in range(MARKS)], "reached": []})
         d["run"].append(r["end_us"] - r["waited_us"])
+        d["reached"].append(frozenset(i for i, m in enumerate(marks[:MARKS]) if m is not None))
         for i, m in enumerate(marks[:MARKS]):
             if m is not None:
                 d["marks"][i].append(m - r["waited_us"])
     out = {}
     for op, d in per.items():
         names = MARK_NAMES.get(op, ())
+        every = frozenset(i for i, v in enumerate(d["marks"]) if v)
+        full = [t for t, got in zip(d["run"], d["reached"]) if got == every]
         out[op] = {"tasks": len(d["run"]), "run_us": round(statistics.median(d["run"]), 2),
+                   "run_all_us": round(statistics.median(full), 2) if full else None,
                    "marks_us": {(names[i] if i < len(names) else f"mark {i}"): round(statistics.median(v), 2)
                                 for i, v in enumerate(d["marks"]) if v}}
     return out

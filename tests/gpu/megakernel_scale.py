@@ -905,10 +905,12 @@ def split_spec(tokens: int, max_splits: int):
     return variant(spec, f"nmc-split{tokens}", target=target)
 
 
-def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8)) -> dict:
+def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = False) -> dict:
     """Median kernel ms at ``batches`` (1 and 8), 8K, of each North Mini Code spec
     variant in ``specs`` (name -> spec), one engine after the other on the
-    same random weights (the variants share every weight shape)."""
+    same random weights (the variants share every weight shape). ``bits``:
+    also whether each one's greedy tokens and logits over 8 rows equal the
+    first one's bit for bit."""
     import gc
 
     import torch
@@ -916,13 +918,17 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8)) -> dict:
     from megac.weights import random_weights
 
     out = {}
-    w = None
+    w = ref = None
     for name, spec in specs.items():
         if w is None:
             w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
         eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
         _noise_kv(eng)
         out[name] = {f"bs{b}": _step_times(eng, b, 8192, steps=steps)["kernel_ms"] for b in batches}
+        if bits:
+            got = greedy_bits(eng, variant_cubin(spec, {}))
+            ref = ref or got
+            out[name]["bits_equal_first"] = same_bits(ref, got)
         print(json.dumps({name: out[name]}), flush=True)
         del eng
         gc.collect()
@@ -1069,6 +1075,16 @@ TILES = {
     "up64": {"moe_up_bn": 64},
     "r16": {"router_splits": 16},  # router GEMM over 16 SMs instead of 4
     "up96_r16": {"moe_up_bn": 96, "router_splits": 16},
+    # fewer, longer expert claims: the marks put ~7 us (up, routed) and ~4.6 us (down) of
+    # every claim before its first stage lands and stream ~65-78 GB/s per SM after
+    "up192": {"moe_up_bn": 192},  # 8 up tiles per expert: 64 claims at batch 1
+    "up256": {"moe_up_bn": 256},  # 6 up tiles per expert: 48 claims at batch 1
+    "dn256": {"moe_down_bn": 256},  # 8 down tiles per expert
+    "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
+    "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
+    "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
+    "up384_dn256": {"moe_up_bn": 384, "moe_down_bn": 256},
+    "up384_dn512": {"moe_up_bn": 384, "moe_down_bn": 512},
 }
 
 
@@ -1084,8 +1100,19 @@ def tile_spec(name: str, tiles: dict):
 
 def check_tiles() -> dict:
     """North Mini Code with other tile sizes (target.tiles): median kernel ms
-    at batch 1 and 8, 8K."""
-    return _kernel_ms_of({name: tile_spec(name, t) for name, t in TILES.items()})
+    at batch 1 and 8, 8K, the default first and again last (the drift
+    between); MEGAC_TILES (comma list of TILES names) narrows them. Each
+    build's greedy tokens and logits over 8 rows must equal the default's
+    bit for bit: a tile's features are the same dot products whatever the
+    tile's size. MEGAC_TILE_BATCHES (comma list): other batch sizes."""
+    import os
+
+    pick = os.environ.get("MEGAC_TILES")
+    names = [n for n in (pick.split(",") if pick else TILES) if n != "default"]
+    specs = {"default": tile_spec("default", {}), **{n: tile_spec(n, TILES[n]) for n in names},
+             "default_2": tile_spec("default", {})}
+    batches = tuple(int(b) for b in os.environ.get("MEGAC_TILE_BATCHES", "1,8").split(","))
+    return _kernel_ms_of(specs, bits=True, batches=batches)
 
 
 def check_gemm_env() -> dict:

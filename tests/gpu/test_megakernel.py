@@ -301,5 +301,8 @@ def test_profiled_step_has_every_task_and_the_marks_inside_them(tmp_path):
             marks = marks[:2] + marks[7:] + marks[2:7]  # in the order the code passes them
         # medians of ordered stamps stay ordered; the global timer may tick coarsely (<= 1 us)
         assert all(a <= b + 1.0 for a, b in zip(marks, marks[1:])), (op, inside[op])
-        assert -1.0 <= marks[0] and marks[-1] <= inside[op]["run_us"] + 1.0, (op, inside[op])
+        # the last stamp against the run of the tasks that reached every stamp: with 256-feature
+        # expert tiles most up claimers claim nothing at batch 1 (48 claims, 132 claimers)
+        run = inside[op].get("run_all_us") or inside[op]["run_us"]
+        assert -1.0 <= marks[0] and marks[-1] <= run + 1.0, (op, inside[op])
     assert r["smollm2-135m"]["sms"] == 132

@@ -345,7 +345,7 @@ def test_plan_covers_the_descriptor_and_resets():
     assert "combine[*][*][*]" in p.buffers["attn_o_part"].guards
     assert not p.buffers["x_resid"].reset_per_step
     assert p.weights["w_qkv"].segments[1] == {"part": "k", "rows": [4096, 4608]}
-    assert p.weights["w_moe_upgate"].segments[0]["chunk_rows"] == 64
+    assert p.weights["w_moe_upgate"].segments[0]["chunk_rows"] == 128  # moe_up_bn / 2 (gate, up)
 
 
 def test_gate_up_rows():
