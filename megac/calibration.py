@@ -14,6 +14,12 @@ predicted span is a check of the model, not a restatement of the data):
   (from the end of its header wait to its end) over the bytes the model says
   the task moves (``costmodel.task_bytes`` / ``claimed_work``); for a
   claimer, per claimed task, its record waits and its own time excluded;
+* per claimer opcode whose claims stream weights through the GEMM tile (the
+  expert claims), the claim's time split by its stamps (``MEGAC_MARK``):
+  µs per byte from its first stage landed to its last stage consumed, the
+  rest a fixed part per claim (``claim_fixed_us``), so a larger or smaller
+  tile is predicted at the rate its bytes stream, not at the traced claim's
+  average (which charged ~5 µs of record, wait and staging per 196 KB);
 * per claimer opcode, that own time (``claimer_us``): the dispatch plus the
   run time of its claimers that claimed nothing (the claim that finds the
   queue drained, which every claimer ends with);
@@ -144,6 +150,7 @@ def fit(records, schedule, *, dispatch_us: float, handoff_us: float, source: str
     run: dict[str, list[float]] = {}
     nbytes: dict[str, list[float]] = {}
     claims: dict[str, list[int]] = {}
+    stamps: dict[str, list] = {}
     tb = {}
     for r in records:
         s, k = int(r["sm"]), int(r["task"])
@@ -151,6 +158,8 @@ def fit(records, schedule, *, dispatch_us: float, handoff_us: float, source: str
         if d.claimer:
             run.setdefault(r["op"], []).append(r["end_us"] - r["waited_us"] - r["claim_wait_us"])
             claims.setdefault(r["op"], []).append(int(r["claims"]))
+            if int(r["claims"]) > 0 and r.get("marks_us"):
+                stamps.setdefault(r["op"], []).append(r["marks_us"])
         else:
             if (s, k) not in tb:
                 tb[(s, k)] = float(task_bytes(schedule.tasks[s, k][None, :], geo, params)[0])
@@ -159,6 +168,7 @@ def fit(records, schedule, *, dispatch_us: float, handoff_us: float, source: str
     upb: dict[str, float] = {}
     fixed_by_op: dict[str, float] = {}
     claimer: dict[str, float] = {}
+    claim_fixed: dict[str, float] = {}
     notes: dict = {}
     for name, times in run.items():
         d = REGISTRY[Op[name]]
@@ -178,6 +188,13 @@ def fit(records, schedule, *, dispatch_us: float, handoff_us: float, source: str
             claimer[name] = dispatch_us + drained
             notes[name] = {"claimers": len(times), "claims": done, "us_per_claim": round(per_claim, 3),
                            "bytes_per_claim": b, "us_drained": round(drained, 3)}
+            stream = _claim_stream_us(stamps.get(name, []), name)
+            if stream is not None and 0.0 < stream < per_claim:
+                # the stamps split the claim: its weights stream between its first stage
+                # landing and its last consumed; the rest is per claim, whatever its size
+                upb[name] = stream / b
+                claim_fixed[name] = per_claim - stream
+                notes[name]["us_streaming_per_claim"] = round(stream, 3)
         else:
             b = float(np.sum(nbytes[name]))
             if b <= 0:
@@ -189,7 +206,22 @@ def fit(records, schedule, *, dispatch_us: float, handoff_us: float, source: str
     span = max(r["end_us"] for r in records)
     return Calibration(us_per_byte=upb, fixed_us_by_op=fixed_by_op, fixed_us=float(dispatch_us),
                        dependency_latency_us=float(handoff_us), source=source, measured_step_us=float(span),
-                       notes=notes, claimer_us=claimer)
+                       notes=notes, claimer_us=claimer, claim_fixed_us=claim_fixed)
+
+
+def _claim_stream_us(marks: list, op_name: str) -> float | None:
+    """Median µs a claimer's first claim spent streaming its weights: from
+    its first stage landed to its last stage consumed (the GEMM tile's
+    stamps, :data:`megac.gpu.profile.MARK_NAMES`); None where the opcode has
+    no such stamps or no claim reached them."""
+    from megac.gpu.profile import MARK_NAMES  # noqa: PLC0415
+
+    names = MARK_NAMES.get(op_name, ())
+    if "first stage landed" not in names or "stages consumed" not in names:
+        return None
+    i, j = names.index("first stage landed"), names.index("stages consumed")
+    spans = [m[j] - m[i] for m in marks if len(m) > j and m[i] is not None and m[j] is not None]
+    return float(np.median(spans)) if spans else None
 
 
 def refit_claim_stream(cal: Calibration, op_name: str, cases, rates_gbs=None, *, source: str = "") -> tuple:

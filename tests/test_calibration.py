@@ -273,3 +273,42 @@ def test_refit_recovers_the_claim_rate_that_made_the_steps():
     assert table[25] < 1e-9 < min(table[10], table[40])
     with pytest.raises(MegacError, match="not a calibrated claimer"):
         refit_claim_stream(cal, "QKV_PROJ", cases)
+
+
+#: the thirteenth session's two profiled steps (same device code, same run of the
+#: machine): batch 1, 8K, expert tiles of 128 and of 256 features
+NMC_TRACE_13 = {128: ROOT / "benchmarks" / "profile-nmc-bs1-8k-2026-12-02-h200-session13.trace.json.gz",
+                256: ROOT / "benchmarks" / "profile-nmc-bs1-8k-tiles256-2026-12-02-h200-session13.trace.json.gz"}
+#: what the H200 measured for them (check tiles, median kernel ms at 8K, the same session):
+#: 256-feature tiles faster at batch 1 (the traced spans: 3474 -> 3426 us) and at batch 8
+#: (10.287 -> 9.720 ms)
+
+
+def test_the_claims_stamps_split_fixed_from_streaming_time():
+    """A claim's stamps say when its first weight stage landed and when its
+    last was consumed: the fit charges that span per byte and the rest of
+    the claim per claim. Fitted on either tile size's trace, the model then
+    predicts the other size's measured step within 11 % and ranks the two
+    sizes at batch 1 and batch 8 as the H200 measured them (charging a
+    claim's whole time per byte ranked them the wrong way round at batch 8
+    from the 128-feature trace, and at batch 1 from both)."""
+    def spec_of(bn):
+        return tiles128("north-mini-code") if bn == 128 else load_spec("north-mini-code")
+
+    recs = {bn: records_from_trace(json.load(gzip.open(f))) for bn, f in NMC_TRACE_13.items()}
+    sched = {(bn, rows): compile_one(spec_of(bn), order="tuned", rows=rows, context=8192)
+             for bn in (128, 256) for rows in (1, 8)}
+    span = {bn: max(r["end_us"] for r in rs) for bn, rs in recs.items()}
+    assert span[256] < span[128]
+    for fitted, other in ((128, 256), (256, 128)):
+        cal = fit(recs[fitted], sched[(fitted, 1)], dispatch_us=0.64, handoff_us=0.46)
+        for op in ("MOE_UPGATE_DRAIN", "MOE_DOWN_DRAIN"):
+            note = cal.notes[op]
+            assert 0 < note["us_streaming_per_claim"] < note["us_per_claim"]
+            assert cal.claim_fixed_us[op] == pytest.approx(note["us_per_claim"] - note["us_streaming_per_claim"],
+                                                           abs=0.002)  # the notes are rounded
+        predicted = simulate(sched[(other, 1)], cal.params()).step_us
+        assert abs(predicted / span[other] - 1) < 0.11, (fitted, predicted, span[other])
+        for rows in (1, 8):
+            p128, p256 = (simulate(sched[(bn, rows)], cal.params()).step_us for bn in (128, 256))
+            assert p256 < p128, (fitted, rows, p128, p256)
