@@ -84,8 +84,9 @@ def test_geometry_north_mini_code():
     assert g.q_width == 4096 and g.qkv_width == 4096 + 2 * 512
     assert g.sliding_static_splits == 8  # min(ctx, 4096) / 512
     assert g.max_splits == 32 and g.full_max_splits == 32
-    assert g.up_tiles == 12 and g.down_tiles == 16
-    assert g.moe_queue_cap == min(128, 8 * 8) * 16
+    # expert tiles of 256 features: 2 x 768 gate/up rows in 6 tiles, 2048 outputs in 8
+    assert g.up_tiles == 6 and g.down_tiles == 8
+    assert g.moe_queue_cap == min(128, 8 * 8) * 8
     assert g.attn_queue_cap == 8 * 4 * 32
     assert g.ffn_split_bounds == (0, 1536, 3072)
     assert g.router_split_bounds == (0, 512, 1024, 1536, 2048)
