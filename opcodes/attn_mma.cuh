@@ -322,5 +322,254 @@ __device__ MEGAC_ATTN_SPLIT_FN void split(const Split& a, uint8_t* sm) {
   MEGAC_MARK(5);  // the warps merged, the partial written
 }
 
+
+// ---------------------------------------------------------------- several splits, one stream
+// Up to NMAX splits (a claimer's records, ops_attention.cuh) run back to
+// back by one CTA: each warp streams its chunks of split 0, then of split
+// 1, ... through the same slots, so the next split's first chunks are in
+// flight while this one's last chunks compute and while its warps merge.
+// Why: a claimed split of North Mini Code (H200, batch 1, 8K, profile)
+// lands its first chunk ~7 us after its wait (the row's length, then its
+// page-table entries, then the chunk: three loaded round trips) and merges
+// for ~2 us after its keys, around ~7 us of streaming; at batch 4-8 an SM
+// runs several claims in a row and paid that every time. Per split the
+// work is exactly split()'s (chunk c on warp c % W, the same scores, the
+// same online softmax, the merge in warp order), so the partials are the
+// same bits.
+//
+// Shared memory: the slots (as split()), one merge region (W warps' O, m,
+// l), the splits' query rows, their key ranges and their first 32
+// page-table entries (loaded once for all splits up front).
+template <int HD, int G, int THREADS, int NMAX>
+struct Multi {
+  using Sh = Shape<HD, G, THREADS>;
+  static constexpr int kMergeWarp = (Sh::kMerge + 15) / 16 * 16;
+  static constexpr int kMergeOff = Sh::W * Sh::S * Sh::kStage;
+  static constexpr int kQBytes = G * HD * 2;  // one split's query rows
+  static constexpr int kQOff = kMergeOff + Sh::W * kMergeWarp;
+  static constexpr int kMetaOff = kQOff + NMAX * kQBytes;  // begin[NMAX], end[NMAX], ahead[NMAX][32]
+  static constexpr int kBytes = kMetaOff + NMAX * (2 + 32) * 4;
+  static_assert(kQBytes % 16 == 0, "query rows move in 16-byte pieces");
+};
+
+template <int HD, int G, int THREADS, int NMAX>
+__host__ __device__ constexpr int multi_smem_bytes() {
+  return Multi<HD, G, THREADS, NMAX>::kBytes;
+}
+
+// `n` (1..NMAX) splits: `split_of(j)` gives split j's Split without its key
+// range (pointers and head: cheap, no loads), `keys_of(j, begin, end)` its
+// key range (loads the row's length). Every thread calls it.
+template <int HD, int G, int THREADS, int NMAX, class SplitOf, class KeysOf>
+__device__ __noinline__ void splits(int n, SplitOf split_of, KeysOf keys_of, uint8_t* sm) {
+  using Sh = Shape<HD, G, THREADS>;
+  using Mu = Multi<HD, G, THREADS, NMAX>;
+  constexpr int W = Sh::W, S = Sh::S, KPC = Sh::KPC;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, t4 = lane & 3;
+  const uint32_t base = smem_addr(sm + warp * S * Sh::kStage);
+  float* merge = reinterpret_cast<float*>(sm + Mu::kMergeOff);
+  uint8_t* qs = sm + Mu::kQOff;
+  int32_t* mbeg = reinterpret_cast<int32_t*>(sm + Mu::kMetaOff);
+  int32_t* mend = mbeg + NMAX;
+  int32_t* mahead = mend + NMAX;
+
+  // every split's query rows (written by another CTA of this launch: through L2)
+  constexpr int kQPieces = Mu::kQBytes / 16;
+  for (int p = tid; p < n * kQPieces; p += THREADS) {
+    const int j = p / kQPieces, c = p % kQPieces;
+    cp_async16(smem_addr(qs + j * Mu::kQBytes + c * 16), reinterpret_cast<const uint8_t*>(split_of(j).q) + c * 16,
+               16);
+  }
+  cp_async_commit();
+  if (tid < n) {
+    int b, e;
+    keys_of(tid, b, e);
+    mbeg[tid] = b;
+    mend[tid] = e;
+  }
+  __syncthreads();
+  // each split's first 32 page-table entries (entry l: block begin / block_size + l)
+  if (tid < n * 32) {
+    const int j = tid >> 5, l = tid & 31;
+    const Split a = split_of(j);
+    const int b = mbeg[j], e = mend[j], blk0 = b / a.block_size;
+    mahead[j * 32 + l] = (b < e && (blk0 + l) * a.block_size < e) ? __ldg(a.pt + blk0 + l) : 0;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  auto count_of = [&](int j) {
+    const int nk = mend[j] > mbeg[j] ? mend[j] - mbeg[j] : 0;
+    const int nch = (nk + KPC - 1) / KPC;
+    return nch > warp ? (nch - warp + W - 1) / W : 0;
+  };
+  // lane < 16: the physical block of key key0 + lane of split j (0 past it)
+  auto entry = [&](int j, const Split& a, int key0) {
+    const int key = key0 + (lane & 15);
+    if (!(lane < 16 && key < mend[j])) return 0;
+    const int rel = key / a.block_size - mbeg[j] / a.block_size;
+    return rel < 32 ? mahead[j * 32 + rel] : __ldg(a.pt + key / a.block_size);
+  };
+
+  // the issue cursor: split ji, this warp's chunk ii of it (ji == n: done)
+  int ji = 0, ii = 0;
+  while (ji < n && count_of(ji) == 0) ++ji;
+  auto issue_next = [&](uint32_t slot, int blk) {
+    if (ji < n) {
+      Split a = split_of(ji);
+      a.end = mend[ji];
+      issue<HD, G, THREADS>(a, mbeg[ji] + (warp + ii * W) * KPC, blk, slot, lane, true);
+      if (++ii >= count_of(ji)) {
+        ii = 0;
+        do ++ji;
+        while (ji < n && count_of(ji) == 0);
+      }
+    } else {
+      cp_async_commit();  // an empty group: group t stays this warp's chunk t
+    }
+  };
+  auto next_entry = [&]() {
+    if (ji >= n) return 0;
+    const Split a = split_of(ji);
+    return entry(ji, a, mbeg[ji] + (warp + ii * W) * KPC);
+  };
+#pragma unroll
+  for (int s = 0; s < S; ++s) issue_next(base + s * Sh::kStage, next_entry());
+
+  const int mtx = lane >> 3, r8 = lane & 7;
+  const uint32_t k_lane = (r8 + 8 * (mtx >> 1)) * Sh::PITCH + (mtx & 1) * 16;
+  const uint32_t v_lane = Sh::kTile + (r8 + 8 * (mtx & 1)) * Sh::PITCH + (mtx >> 1) * 16;
+
+  int t = 0;  // this warp's chunks computed so far, over all splits
+  for (int j = 0; j < n; ++j) {
+    const Split a = split_of(j);
+    const int begin = mbeg[j], end = mend[j];
+    const int count = count_of(j);
+    const float sl2 = a.scale * attn::kLog2e;
+    // Q as the A operand (row gid; rows 8-15 zero), from shared memory
+    uint32_t q[Sh::KK][4];
+    {
+      const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qs + j * Mu::kQBytes);
+#pragma unroll
+      for (int kk = 0; kk < Sh::KK; ++kk) {
+        const int c = kk * 16 + 2 * t4;
+        q[kk][0] = gid < G ? q32[(gid * HD + c) / 2] : 0u;
+        q[kk][2] = gid < G ? q32[(gid * HD + c + 8) / 2] : 0u;
+        q[kk][1] = 0u;
+        q[kk][3] = 0u;
+      }
+    }
+    float o[Sh::NT][4];
+#pragma unroll
+    for (int nn = 0; nn < Sh::NT; ++nn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nn][e] = 0.f;
+    float m_run = -INFINITY, l_run = 0.f;
+
+    for (int i = 0; i < count; ++i, ++t) {
+      const int nb = next_entry();  // in flight while chunk t computes
+      cp_async_wait<S - 1>();
+      __syncwarp();
+      if (t == 0) MEGAC_MARK(3);
+      const uint32_t slot = base + (t % S) * Sh::kStage;
+      const int key0 = begin + (warp + i * W) * KPC;
+
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < Sh::KK; ++kk) {
+        uint32_t b0, b1, b2, b3;
+        attn::ldsm_x4(slot + k_lane + kk * 32, b0, b1, b2, b3);
+        attn::mma_bf16(s[0], q[kk][0], q[kk][1], q[kk][2], q[kk][3], b0, b1);
+        attn::mma_bf16(s[1], q[kk][0], q[kk][1], q[kk][2], q[kk][3], b2, b3);
+      }
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nn][e] = key0 + nn * 8 + 2 * t4 + (e & 1) < end ? s[nn][e] * sl2 : -INFINITY;
+      {
+        float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m_run, mx);
+        const float r = exp2f(m_run - mn);
+        float ps = 0.f;
+#pragma unroll
+        for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            s[nn][e] = exp2f(s[nn][e] - mn);
+            ps += s[nn][e];
+          }
+        l_run = l_run * r + ps;
+        m_run = mn;
+#pragma unroll
+        for (int nn = 0; nn < Sh::NT; ++nn) {
+          o[nn][0] *= r;
+          o[nn][1] *= r;
+        }
+      }
+      uint32_t ph0, ph2, pl0, pl2;
+      const uint32_t ph1 = 0u, ph3 = 0u, pl1 = 0u, pl3 = 0u;
+      split_bf16(s[0][0], s[0][1], ph0, pl0);
+      split_bf16(s[1][0], s[1][1], ph2, pl2);
+#pragma unroll
+      for (int np = 0; np < Sh::NT / 2; ++np) {
+        uint32_t b0, b1, b2, b3;
+        attn::ldsm_x4_t(slot + v_lane + np * 32, b0, b1, b2, b3);
+        attn::mma_bf16(o[2 * np], ph0, ph1, ph2, ph3, b0, b1);
+        attn::mma_bf16(o[2 * np + 1], ph0, ph1, ph2, ph3, b2, b3);
+        attn::mma_bf16(o[2 * np], pl0, pl1, pl2, pl3, b0, b1);
+        attn::mma_bf16(o[2 * np + 1], pl0, pl1, pl2, pl3, b2, b3);
+      }
+      __syncwarp();  // every lane is done with the slot before it is refilled
+      issue_next(slot, nb);
+    }
+    if (j == n - 1) {
+      cp_async_wait<0>();  // only empty groups can remain
+      __syncwarp();
+      MEGAC_MARK(4);
+    }
+
+    // this warp's (O unnormalised, m, l) of split j; the next split's first
+    // chunks stay in flight through the merge
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    float* wo = merge + warp * (Mu::kMergeWarp / 4);
+    float* wm = wo + G * HD;
+    float* wl = wm + G;
+#pragma unroll
+    for (int nn = 0; nn < Sh::NT; ++nn) {
+      const int d = nn * 8 + 2 * t4;
+      if (gid < G) *reinterpret_cast<float2*>(wo + gid * HD + d) = make_float2(o[nn][0], o[nn][1]);
+    }
+    if (t4 == 0 && gid < G) {
+      wm[gid] = m_run;
+      wl[gid] = l_run;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < G * HD; idx += THREADS) {
+      const int h = idx / HD, d = idx % HD;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < W; ++w) mx = fmaxf(mx, merge[w * (Mu::kMergeWarp / 4) + G * HD + h]);
+      float l = 0.f, acc = 0.f;
+      if (mx > -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          const float* rw = merge + w * (Mu::kMergeWarp / 4);
+          const float f = exp2f(rw[G * HD + h] - mx);
+          l += rw[G * HD + G + h] * f;
+          acc += rw[h * HD + d] * f;
+        }
+      }
+      a.o[idx] = l > 0.f ? acc / l : 0.f;
+      if (d == 0) a.lse[h] = l > 0.f ? (mx + log2f(l)) * attn::kLn2 : -INFINITY;
+    }
+    __syncthreads();  // the merge region is free for the next split
+  }
+  MEGAC_MARK(5);
+}
+
 }  // namespace attn_mma
 }  // namespace megac
