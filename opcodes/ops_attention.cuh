@@ -35,20 +35,6 @@ using bf16 = __nv_bfloat16;
 #define MEGAC_ATTN_MMA 1
 #endif
 
-// A full layer's claimer (ATTN_DRAIN) takes up to this many consecutive
-// records per claim (one atomic) and runs their splits as one stream
-// (attn_mma::splits): the next split's first chunks are in flight while the
-// last one computes and merges. 1: one record per claim (split()). How many
-// it takes: the queue's length / (MEGAC_ATTN_CLAIM_DIV x the grid), within
-// [1, MAX], so a short queue (batch 1: 4 kv heads x a few splits) keeps one
-// record per claim and every SM a share. The partials are the same bits.
-#ifndef MEGAC_ATTN_CLAIM_MAX
-#define MEGAC_ATTN_CLAIM_MAX 1
-#endif
-#ifndef MEGAC_ATTN_CLAIM_DIV
-#define MEGAC_ATTN_CLAIM_DIV 1
-#endif
-
 template <class M>
 struct AttnScratch {
   static constexpr int kDpl = (M::HEAD_DIM + 31) / 32;
@@ -58,12 +44,7 @@ struct AttnScratch {
                                          ? attn_tiles::smem_bytes<M::HEAD_DIM, M::GQA, M::THREADS>()
                                          : attn_rows::smem_floats(M::THREADS / 32, M::GQA, M::HEAD_DIM) * 4;
   static constexpr int kCombineBytes = attn::combine_min_bytes<M::HEAD_DIM, M::GQA>(M::MAX_SPLITS) + 4096;
-  static constexpr int kMultiBytes =
-      kMma && MEGAC_ATTN_CLAIM_MAX > 1 ? attn_mma::multi_smem_bytes<M::HEAD_DIM, M::GQA, M::THREADS, MEGAC_ATTN_CLAIM_MAX>()
-                                        : 0;
-  static constexpr int kClaimBytes = kMultiBytes + MEGAC_ATTN_CLAIM_MAX * QUEUE_RECORD_WORDS * 4;  // + the records
-  static constexpr int kBytes0 = kSplitBytes > kCombineBytes ? kSplitBytes : kCombineBytes;
-  static constexpr int kBytes = kBytes0 > kClaimBytes ? kBytes0 : kClaimBytes;
+  static constexpr int kBytes = kSplitBytes > kCombineBytes ? kSplitBytes : kCombineBytes;
 };
 
 // The keys [begin, end) of split `split` (of `nsplits`) of `row`; empty for
@@ -205,11 +186,7 @@ struct AttnOffsets {
 };
 
 template <class M>
-__device__ __noinline__ bool attn_drain_multi(const Ctx& c);
-
-template <class M>
 __device__ __forceinline__ bool attn_drain(const Ctx& c) {
-  if constexpr (MEGAC_ATTN_CLAIM_MAX > 1 && AttnScratch<M>::kMma) return attn_drain_multi<M>(c);
   auto run = [&]() {
     const int32_t* r = c.ts->rec;
     attend_split<M>(c, c.ts->w[H_LAYER], r[rec_attn::ROW], r[rec_attn::KV_HEAD], r[rec_attn::SPLIT],
@@ -227,84 +204,6 @@ __device__ __forceinline__ bool attn_drain(const Ctx& c) {
   return claim_loop(c, f_attn_drain::QUEUE, f_attn_drain::QUEUE_LEN, f_attn_drain::TASK_WAIT_BASE,
                     f_attn_drain::TASK_WAIT_TARGET, f_attn_drain::TASK_SIGNAL_BASE, AttnOffsets{M::KV_HEADS},
                     warm, run, M::NUM_LAYERS);
-}
-
-// ATTN_DRAIN taking several records per claim (MEGAC_ATTN_CLAIM_MAX > 1):
-// thread 0 claims `k` records with one atomic, waits each one's counter,
-// the CTA runs their splits as one stream, then thread 0 signals each
-// record's counter. The records sit past the splits' scratch.
-template <class M>
-__device__ __noinline__ bool attn_drain_multi(const Ctx& c) {
-  constexpr int NMAX = MEGAC_ATTN_CLAIM_MAX;
-  using Lay = Layout<M>;
-  const LaunchDesc* d = c.d;
-  TaskShared* ts = c.ts;
-  int32_t* recs = reinterpret_cast<int32_t*>(c.scratch + AttnScratch<M>::kMultiBytes);
-  const int layer = ts->w[H_LAYER];
-  for (;;) {
-    if (threadIdx.x == 0) {
-      const int32_t* w = ts->w;
-      const int32_t len = w[f_attn_drain::QUEUE_LEN];
-      int k = len / (MEGAC_ATTN_CLAIM_DIV * int(gridDim.x));
-      k = k < 1 ? 1 : (k > NMAX ? NMAX : k);
-      uint32_t* head = ptr<uint32_t>(d->queue_heads) + w[f_attn_drain::QUEUE] * M::NUM_LAYERS + layer;
-      const int32_t idx = static_cast<int32_t>(atomicAdd(head, uint32_t(k)));
-      int claimed = 0;
-      if (idx < len) {
-        claimed = len - idx < k ? len - idx : k;
-        const int32_t* q = ptr<const int32_t>(d->attn_queue) + int64_t(idx) * QUEUE_RECORD_WORDS;
-        for (int i = 0; i < claimed * QUEUE_RECORD_WORDS; ++i) recs[i] = __ldcg(q + i);
-        MEGAC_MARK(0);
-        const int32_t wb = w[f_attn_drain::TASK_WAIT_BASE];
-        const int32_t tgt = resolve(d, w[f_attn_drain::TASK_WAIT_TARGET]);
-#if MEGAC_PROFILE
-        const uint64_t t0 = globaltimer_ns();
-#endif
-        for (int r = 0; r < claimed && wb >= 0; ++r)
-          if (!wait_on(c, wb + recs[r * QUEUE_RECORD_WORDS + rec_attn::KV_HEAD], tgt)) {
-            ts->ok = 0;
-            claimed = 0;
-            break;
-          }
-#if MEGAC_PROFILE
-        ts->claims += claimed;
-        ts->claim_wait_ns += uint32_t(globaltimer_ns() - t0);
-#endif
-        MEGAC_MARK(1);
-      }
-      ts->claimed = claimed;
-    }
-    __syncthreads();
-    const int n = ts->claimed;
-    if (!n || !ts->ok) return ts->ok != 0;
-    const int window = ts->w[f_attn_drain::WINDOW];
-    auto split_of = [&](int j) {
-      const int32_t* r = recs + j * QUEUE_RECORD_WORDS;
-      const int row = r[rec_attn::ROW], kvh = r[rec_attn::KV_HEAD], sp = r[rec_attn::SPLIT];
-      return attn_tiles::Split{ptr<const bf16>(d->q) + Lay::q(layer, row) + kvh * M::GQA * M::HEAD_DIM,
-                               ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), page_row<M>(d, layer, row),
-                               M::KV_HEADS, kvh, d->kv_block_size, 0, 0, d->attn_scale,
-                               ptr<float>(d->attn_o_part) + Lay::o_part_attn(layer, sp, row, kvh * M::GQA),
-                               ptr<float>(d->attn_lse_part) + Lay::lse_part(layer, sp, row, kvh * M::GQA)};
-    };
-    auto keys_of = [&](int j, int& b, int& e) {
-      const int32_t* r = recs + j * QUEUE_RECORD_WORDS;
-      split_keys(d, r[rec_attn::ROW], r[rec_attn::SPLIT], r[rec_attn::NUM_SPLITS], window, b, e);
-    };
-    attn_mma::splits<M::HEAD_DIM, M::GQA, M::THREADS, NMAX>(n, split_of, keys_of, c.scratch);
-    __syncthreads();
-    MEGAC_MARK(6);
-    if (threadIdx.x == 0) {
-      const int32_t sb = ts->w[f_attn_drain::TASK_SIGNAL_BASE];
-      if (sb >= 0) {
-        __threadfence();
-        for (int r = 0; r < n; ++r) {
-          const int32_t* rr = recs + r * QUEUE_RECORD_WORDS;
-          atomicAdd(ptr<uint32_t>(d->counters) + sb + rr[rec_attn::ROW] * M::KV_HEADS + rr[rec_attn::KV_HEAD], 1u);
-        }
-      }
-    }
-  }
 }
 
 template <class M>
