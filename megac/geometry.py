@@ -16,6 +16,8 @@ Model dimensions
     the x_norm slots: GAMMA index).
 
 Tiles (one task = one tile)
+    qkv_bn         columns of the fused Q/K/V projection per tile: head_dim
+                   (one head) or a divisor of it (part of one head)
     o_proj_bn      N tile of the O projection (split-K = kv_heads, split s =
                    the K range of KV head s's query heads)
     upgate_bn      rows of interleaved gate/up weights per dense tile
@@ -65,6 +67,10 @@ from megac import abi
 
 #: Default tile sizes (clamped to the model's dimensions by ``from_spec``).
 DEFAULT_TILES = {
+    # QKV columns per tile: 0 = head_dim (one whole head; larger values clamp
+    # to it) or a divisor of head_dim (part of a head, for interleaved RoPE,
+    # whose rotation pairs are adjacent columns)
+    "qkv_bn": 0,
     "o_proj_bn": 64,
     "upgate_bn": 128,
     "down_bn": 64,
@@ -99,6 +105,24 @@ DEFAULT_TILES = {
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
 K_ALIGN = 8
+
+
+def qkv_tile_problem(qkv_bn: int, spec) -> str | None:
+    """Why ``qkv_bn`` (already clamped to head_dim) cannot tile ``spec``'s
+    Q/K/V projection, or None. Part of a head: the tile must divide the head
+    into whole 16-row weight stages, and RoPE must rotate pairs of adjacent
+    columns (interleaved), since a half-style pair (x[k], x[k + head_dim/2])
+    would straddle two tiles."""
+    hd = spec.head_dim
+    if qkv_bn >= hd:
+        return None
+    if hd % qkv_bn or qkv_bn % 16:
+        return (f"target.tiles.qkv_bn: {qkv_bn} columns: a QKV tile smaller than a head must divide "
+                f"head_dim ({hd}) into multiples of 16")
+    if spec.rope_style == "half" and any(layer.rope for layer in spec.layers):
+        return (f"target.tiles.qkv_bn: {qkv_bn} columns: half-style RoPE rotates x[k] with x[k + head_dim/2], "
+                f"so a QKV tile must hold whole heads (qkv_bn >= head_dim {hd})")
+    return None
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -147,6 +171,7 @@ class Geometry:
     top_k: int
     expert_width: int
     # tiles
+    qkv_bn: int
     o_proj_bn: int
     upgate_bn: int
     down_bn: int
@@ -197,6 +222,10 @@ class Geometry:
         layers = spec.layers
 
         # Clamp tiles to the dims they tile (a tile never exceeds its dim).
+        qkv_bn = min(t["qkv_bn"] or spec.head_dim, spec.head_dim)
+        problem = qkv_tile_problem(qkv_bn, spec)
+        if problem:
+            raise ValueError(problem)
         o_proj_bn = min(t["o_proj_bn"], hidden)
         upgate_bn = min(t["upgate_bn"], 2 * dense_width) if dense_width else t["upgate_bn"]
         upgate_bn -= upgate_bn % 2  # gate half + up half
@@ -249,6 +278,7 @@ class Geometry:
             num_experts=experts,
             top_k=moe.top_k if moe else 0,
             expert_width=expert_width,
+            qkv_bn=qkv_bn,
             o_proj_bn=o_proj_bn,
             upgate_bn=upgate_bn,
             down_bn=down_bn,

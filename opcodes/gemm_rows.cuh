@@ -370,21 +370,34 @@ struct QkvOut {
   bf16* v_pool;
 };
 
-// The tile holds whole heads [n0, n0 + nlen) of the fused [Q | K | V]
-// columns: RoPE on Q and K heads when flagged, Q to q, K and V of active
-// rows into the paged pool at the row's position.
+// The tile holds columns [n0, n0 + nlen) of the fused [Q | K | V] columns:
+// whole heads, or (interleaved RoPE or none: target tile qkv_bn) part of
+// one head, whose rotation pairs (2k, 2k+1) are then inside the tile. RoPE
+// on Q and K heads when flagged, Q to q, K and V of active rows into the
+// paged pool at the row's position.
 __device__ __forceinline__ void qkv(const float* ys, int n0, int nlen, int rows, const QkvOut& a) {
   const int hd = a.hd, pairs = nlen / 2;
   for (int i = threadIdx.x; i < rows * pairs; i += blockDim.x) {
     const int m = i / pairs, j = i % pairs;
-    const int hl = j / (hd / 2), fi = j % (hd / 2);
-    const int d0 = a.rope_half ? fi : 2 * fi;
-    const int d1 = a.rope_half ? fi + hd / 2 : 2 * fi + 1;
-    const int head = n0 / hd + hl;
+    int t0, head, d0, d1, fi;  // the pair's first tile column, its head, its columns in the head
+    if (a.rope_half) {  // whole heads: pair (k, k + hd/2)
+      const int hl = j / (hd / 2);
+      fi = j % (hd / 2);
+      t0 = hl * hd + fi;
+      head = n0 / hd + hl;
+      d0 = fi;
+      d1 = fi + hd / 2;
+    } else {  // pair (2k, 2k + 1): the same columns as whole heads give
+      t0 = 2 * j;
+      head = (n0 + t0) / hd;
+      d0 = (n0 + t0) % hd;
+      d1 = d0 + 1;
+      fi = d0 / 2;
+    }
     const bool is_q = head < a.q_heads;
     const bool is_v = head >= a.q_heads + a.kv_heads;
-    float x0 = ys[(hl * hd + d0) * 8 + m];
-    float x1 = ys[(hl * hd + d1) * 8 + m];
+    float x0 = ys[t0 * 8 + m];
+    float x1 = ys[(t0 + d1 - d0) * 8 + m];
     const int pos = a.seq_pos[m];
     if (a.rope && !is_v) gemm::rope_pair(x0, x1, pos, a.inv_freq[fi]);
     bf16* dst;

@@ -250,6 +250,16 @@ def records_from_trace(trace: dict) -> list[dict]:
     return sorted(out, key=lambda r: (r["sm"], r["task"]))
 
 
+def step_tokens(rows, i: int) -> list[int]:
+    """The token each row decodes in the ``i``-th timed or profiled step:
+    a different one per row. Why: with one token for every row (as the
+    profiled step had until the fourteenth session) a random-weight model
+    routes every row to the same experts, so a batch-8 step moved ~9
+    experts' bytes a layer instead of ~50 and its trace (6.1 ms on the H200
+    at 8K) was not the step `megac bench` times (9.7 ms)."""
+    return [(7 * i + 13 * j + 1) % 1000 for j in range(len(rows))]
+
+
 def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5, defines: dict | None = None) -> dict:
     """One step of ``batch`` rows at ``context`` tokens on a
     ``-DMEGAC_PROFILE=1`` build of ``backend``'s megakernel (built here with
@@ -276,7 +286,7 @@ def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5, defi
         for i in range(warmup):
             for r in rows:
                 kv.append_slot(r)
-            backend.decode(rows, [(7 * i + r) % 1000 for r in rows])
+            backend.decode(rows, step_tokens(rows, i))
         return statistics.median(backend.kernel_ms)
 
     try:
@@ -287,7 +297,7 @@ def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5, defi
         for r in rows:
             kv.append_slot(r)
         buf.zero_()
-        backend.decode(rows, [1] * len(rows))
+        backend.decode(rows, step_tokens(rows, warmup))
         recs = read(buf, sched)
     finally:
         backend.use_cubin(plain_cubin)
@@ -297,4 +307,4 @@ def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5, defi
 
 
 __all__ = ["MARKS", "MARK_NAMES", "SYMBOL", "WORDS", "attach", "chrome_trace", "format_layer_table", "layer_table",
-           "marks_summary", "profile_step", "read", "records_from_trace", "summary"]
+           "marks_summary", "profile_step", "read", "records_from_trace", "step_tokens", "summary"]

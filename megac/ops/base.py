@@ -31,6 +31,9 @@ from megac.abi import H, Op, Queue
 if TYPE_CHECKING:
     from megac.geometry import Geometry
 
+#: KV-head columns the checked VM tracks as one (a QKV tile of part of a head
+#: is a multiple of 16 columns: target tile qkv_bn)
+KV_PIECE = 16
 BF16 = 2
 FP32 = 4
 

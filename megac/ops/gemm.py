@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megac import abi
 from megac.abi import Flag, H, Op
 from megac.errors import BadTaskError
-from megac.ops.base import BF16, BIG, FP32, Limits, OpDef, at, field, span, summed
+from megac.ops.base import BF16, BIG, FP32, KV_PIECE, Limits, OpDef, at, field, span, summed
 from megac.ops.cpu import as_slice, cast, cols, idx, ranges, rotate
 
 
@@ -188,7 +188,8 @@ class QkvProj(GemmOp):
                 n0, nl = field(w, op, "N0"), field(w, op, "N_LEN")
                 vm.check_n(op, n0, nl, geo.qkv_width)
                 if (n0 % hd).any() or (nl % hd).any():
-                    raise BadTaskError("QKV_PROJ: a tile must hold whole heads", opcode=int(op), layer=layer)
+                    groups.append(self._part_head_group(vm, layer, kl, n0, nl, w[:, H.FLAGS].astype(np.int64)))
+                    continue
                 flags = w[:, H.FLAGS].astype(np.int64)
                 heads = cols(n0 // hd, nl // hd)
                 hflags = np.repeat(flags, nl // hd)
@@ -214,7 +215,11 @@ class QkvProj(GemmOp):
                                st["q"][layer].view(vm.R, nq, hd)))
             return groups
 
-        for layer, kl, hsel, ropes, q, kvp, W, qv in vm.plan(op.name, words, build):
+        for g in vm.plan(op.name, words, build):
+            if g[0] == "part":
+                self._run_part_heads(vm, g)
+                continue
+            layer, kl, hsel, ropes, q, kvp, W, qv = g
             if vm.tracking:
                 vm.tr.read("x_norm", (layer, slice(None), slice(None)))
             Y = vm.products((op, layer, 0, kl), "x_norm", (layer,), 0, kl, W)
@@ -231,6 +236,68 @@ class QkvProj(GemmOp):
                 qv[:, dst] = cast(vals[:, src], qv.dtype)
             if kvp:
                 self.append_kv(vm, layer, vals, kvp)
+
+    # Tiles that hold part of a head (target tile qkv_bn < head_dim): each
+    # touched head is computed whole (RoPE of a whole head gives every pair
+    # the value the tile's own rotation gives: interleaved pairs are adjacent
+    # columns inside the tile) and only the tiles' columns are written.
+    def _part_head_group(self, vm, layer: int, kl: int, n0, nl, flags):
+        op, geo, hd = self.op, vm.geo, vm.hd
+        nq, nkv = geo.num_heads, geo.kv_heads
+        if ((n0 % hd) + nl > hd).any():
+            raise BadTaskError("QKV_PROJ: a tile must hold whole heads or lie inside one head", opcode=int(op),
+                               layer=layer)
+        if ((flags & Flag.ROPE_HALF) != 0).any():
+            raise BadTaskError("QKV_PROJ: a half-style RoPE tile must hold whole heads", opcode=int(op), layer=layer)
+        cover = np.zeros((geo.qkv_width // hd, hd), dtype=bool)
+        hflag = np.full(geo.qkv_width // hd, -1, dtype=np.int64)
+        for a, n, f in zip(n0.tolist(), nl.tolist(), flags.tolist()):
+            h = a // hd
+            cover[h, a % hd:a % hd + n] = True
+            if hflag[h] not in (-1, f):
+                raise BadTaskError("QKV_PROJ: the tiles of one head disagree on RoPE", opcode=int(op), layer=layer)
+            hflag[h] = f
+        heads = np.flatnonzero(cover.any(axis=1))
+        rope = [int(h) for h in heads if (hflag[h] & Flag.ROPE) and h < nq + nkv]
+        # per touched head: its covered column runs [lo, hi)
+        runs = []
+        for h in heads.tolist():
+            c = np.flatnonzero(cover[h])
+            cuts = np.flatnonzero(np.diff(c) != 1) + 1
+            runs.append((h, [(int(r[0]), int(r[-1]) + 1) for r in np.split(c, cuts)]))
+        return ("part", layer, kl, rope, runs, vm.st.w("w_qkv")[layer], vm.st["q"][layer].view(vm.R, nq, hd))
+
+    def _run_part_heads(self, vm, g) -> None:
+        _, layer, kl, rope, runs, W, qv = g
+        geo, st, hd = vm.geo, vm.st, vm.hd
+        nq, nkv = geo.num_heads, geo.kv_heads
+        if vm.tracking:
+            vm.tr.read("x_norm", (layer, slice(None), slice(None)))
+        Y = vm.products((self.op, layer, 0, kl), "x_norm", (layer,), 0, kl, W)
+        allv = Y.view(vm.R, geo.qkv_width // hd, hd)
+        active, seq_pos = st.np["row_active"], st.np["seq_pos"]
+        for h, segs in runs:
+            vals = allv[:, h].clone()  # [R, hd] fp32
+            if h in rope:
+                c, s = vm.rope_table()
+                vals = rotate(vals[:, None], c, s, False)[:, 0]
+            if h < nq:
+                for lo, hi in segs:
+                    if vm.tracking:
+                        vm.tr.write("q", (layer, slice(None), slice(h * hd + lo, h * hd + hi)))
+                    qv[:, h, lo:hi] = cast(vals[:, lo:hi], qv.dtype)
+                continue
+            pool = "k_pool" if h < nq + nkv else "v_pool"
+            kvh = h - nq - (0 if h < nq + nkv else nkv)
+            P = st[pool]
+            for r in range(vm.R):
+                if not active[r]:
+                    continue
+                blk, off = vm.kv_slot(layer, r, int(seq_pos[r]))
+                for lo, hi in segs:
+                    if vm.tracking:
+                        vm.tr.write(pool, (blk, off, kvh, slice(lo // KV_PIECE, -(-hi // KV_PIECE))))
+                    P[blk, off, kvh, lo:hi] = cast(vals[r, lo:hi], P.dtype)
 
     @staticmethod
     def append_kv(vm, layer: int, vals, kvp) -> None:

@@ -745,9 +745,10 @@ def ensures(lw: Lowering) -> None:
                             f"expected only the attention of KV head {int(split[i])}")
         if op == Op.ATTN_DECODE:
             bad = (c0 < 0) | (c1 >= 0) | (kind_of[c0k] != "qkv") | (key_kvh[c0k] != nt.fields["KV_HEAD"])
-            bad |= w[:, H.TARGET0] != geo.heads_per_kv + 2
+            bad |= w[:, H.TARGET0] != (geo.heads_per_kv + 2) * (geo.head_dim // geo.qkv_bn)
             if bad.any():
-                fail(nt, np.flatnonzero(bad)[0], "attention does not wait per KV head (qkv[l][kvh], heads_per_kv+2)")
+                fail(nt, np.flatnonzero(bad)[0], "attention does not wait per KV head (qkv[l][kvh], "
+                                                 "(heads_per_kv+2) x QKV tiles per head)")
         if op == Op.ATTN_DRAIN:
             base = int(w[0, abi.field_index(op, "TASK_WAIT_BASE")])
             for h in range(geo.kv_heads):

@@ -7,7 +7,8 @@ check, the box each tile produces in the node's output space.
 Tiling (sizes from :class:`~megac.geometry.Geometry`):
 
 =================  =========================================================
-qkv                one tile per Q head, K head, V head (N_LEN = head_dim,
+qkv                per Q head, K head, V head: head_dim / qkv_bn tiles of
+                   qkv_bn columns (N_LEN; one tile per head by default,
                    K = hidden); output space: the fused qkv columns
 attn (sliding)     (row, kv head, split) for split < sliding_static_splits
 attn (full)        one claimer template (ATTN queue); output = its subtasks
@@ -75,12 +76,14 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
     F: dict[str, np.ndarray] = {}
     if k == "qkv":
         nq, nkv = geo.num_heads, geo.kv_heads
+        per, bn = hd // geo.qkv_bn, geo.qkv_bn  # tiles per head, columns per tile
         part = np.concatenate([np.zeros(nq), np.ones(nkv), np.full(nkv, 2)]).astype(np.int64)
         head = np.concatenate([np.arange(nq), np.arange(nkv), np.arange(nkv)]).astype(np.int64)
-        n0 = np.arange(nq + 2 * nkv, dtype=np.int64) * hd
-        F = dict(N0=n0, N_LEN=np.full_like(n0, hd), K0=np.zeros_like(n0), K_LEN=np.full_like(n0, D),
-                 SPLIT=np.zeros_like(n0), PART=part, HEAD=head)
-        shape, box = (geo.qkv_width,), _boxes((n0, n0 + hd))
+        h, sub = _grid(range(nq + 2 * nkv), range(per))
+        n0 = h * hd + sub * bn
+        F = dict(N0=n0, N_LEN=np.full_like(n0, bn), K0=np.zeros_like(n0), K_LEN=np.full_like(n0, D),
+                 SPLIT=np.zeros_like(n0), PART=part[h], HEAD=head[h])
+        shape, box = (geo.qkv_width,), _boxes((n0, n0 + bn))
     elif k == "attn" and geo.sliding[l]:
         S = geo.sliding_static_splits
         row, kvh, split = _grid(range(R), range(geo.kv_heads), range(S))

@@ -465,6 +465,13 @@ def _problems(s: ModelSpec):
         yield f"logit_scale: must be > 0 (got {s.logit_scale})"
 
     # Target vs model.
+    qkv_bn = (s.target.tiles or {}).get("qkv_bn")
+    if qkv_bn is not None:
+        from megac.geometry import qkv_tile_problem
+
+        problem = qkv_tile_problem(min(qkv_bn, s.head_dim), s)
+        if problem:
+            yield problem
     cb = s.target.context_buckets
     if cb is not None:
         if cb[-1] > s.max_context:

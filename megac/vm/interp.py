@@ -55,7 +55,7 @@ from megac import abi
 from megac.abi import H, Op, Queue
 from megac.errors import BadTaskError, VMError
 from megac.ops import opdef
-from megac.ops.base import claim_sync
+from megac.ops.base import KV_PIECE, claim_sync
 from megac.passes.hb import counter_closure, part_wait_sets
 from megac.passes.program import Program, build_groups
 from megac.passes.verify.targets import check_targets
@@ -173,10 +173,11 @@ class Tracker:
         self.bufs["attn_queue"] = _Track(aq.shape, np.ones(aq.shape, dtype=bool))
         for name in ("moe_up_queue", "moe_down_queue"):
             self.bufs[name] = _Track(st.np[name].shape)
-        # KV pools at (block, offset, kv head) granularity: everything is the
-        # old cache (an input) except the current token's slots of active rows
+        # KV pools at (block, offset, kv head, 16-dim piece) granularity (a
+        # QKV tile may hold part of a head: target tile qkv_bn): everything is
+        # the old cache (an input) except the current token's slots of active rows
         pool = st["k_pool"]
-        pshape = tuple(pool.shape[:3])
+        pshape = tuple(pool.shape[:3]) + (-(-int(pool.shape[3]) // KV_PIECE),)
         inp = np.ones(pshape, dtype=bool)
         bs = st.block_size
         pt, pos, act = st.np["page_table"], st.np["seq_pos"], st.np["row_active"]
@@ -186,7 +187,7 @@ class Tracker:
                 for layer in range(geo.num_layers):
                     blk = int(pt[layer, r, b]) if b < pt.shape[2] else -1
                     if blk >= 0:
-                        inp[blk, int(pos[r]) % bs, :] = False
+                        inp[blk, int(pos[r]) % bs] = False
         self.bufs["k_pool"] = _Track(pshape, inp)
         self.bufs["v_pool"] = _Track(pshape, inp.copy())
         self.sets: list[int] = [0]

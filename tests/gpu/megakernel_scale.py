@@ -793,6 +793,110 @@ def same_bits(ref: list, got: list) -> bool:
                for a, b in zip(ref, got))
 
 
+def _cases(text: str) -> tuple:
+    """"B:CTX,B:CTX" -> ((B, CTX), ...)."""
+    return tuple(tuple(int(x) for x in c.split(":")) for c in text.split(",") if c)
+
+
+def step_logits_per_build(eng, cubins: dict, batch: int, context: int) -> dict:
+    """One decode step of ``batch`` noise rows at ``context``, run once per
+    build on the same rows and KV (the rows rewound after each): build name
+    -> fp32 logits. The step rewrites the same new token's K/V every time."""
+    import torch
+
+    kv, be = eng.kv, eng.backend
+    rows = _rows_at(kv, batch, context)
+    for r in rows:
+        kv.append_slot(r)
+    toks = [(17 * r + 5) % 1000 for r in rows]
+    got = {}
+    for v, cubin in cubins.items():
+        use_cubin(be, cubin)
+        got[v] = be.decode(rows, toks).float().clone()
+        for r in rows:
+            kv.seq_pos[r] -= 1
+    torch.cuda.synchronize()
+    for r in rows:
+        kv.free_row(r)
+    return got
+
+
+#: attention queue orders check queue_order times (the host's is row, kv head, split)
+QUEUE_ORDERS = ("row-head-split", "row-split-head", "split-row-head")
+
+
+def queue_order_host_words(order: str):
+    """megac.runtime.step.host_words with the attention queue's records
+    permuted into ``order`` (fields named by their initials); the records
+    are the same, so the step's bits are."""
+    import numpy as np
+
+    from megac.runtime import step
+
+    orig = step.host_words
+    cols = dict(zip(("row", "head", "split"), step._ATTN_COLS[:3]))
+
+    def host_words(geo, positions, targets, attn_queue):
+        n = orig(geo, positions, targets, attn_queue)
+        if n and order != QUEUE_ORDERS[0]:
+            keys = [attn_queue[:n, cols[k]] for k in reversed(order.split("-"))]
+            attn_queue[:n] = attn_queue[:n][np.lexsort(keys)]
+        return n
+
+    return host_words
+
+
+def check_queue_order() -> dict:
+    """Median kernel ms of North Mini Code's default build with the full
+    layers' attention queue in each of QUEUE_ORDERS (interleaved, 2 rounds;
+    MEGAC_QUEUE_CASES "B:CTX,...", default batch 8 at 8K and 32K, batch 4 at
+    32K), and whether one step's logits over noise rows are the same bits in
+    every order. Why: the four kv heads of a split read the same KV pages
+    (heads interleaved in a block); claimed one after another they read them
+    at about the same time."""
+    import os
+
+    import torch
+
+    from megac.decode_bench import pool_blocks
+    from megac.runtime import step
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    cases = _cases(os.environ.get("MEGAC_QUEUE_CASES", "8:8192,8:32768,4:32768"))
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    longest = max(ctx for _, ctx in cases)
+    eng = engine(spec, w, max_batch_size=8, max_model_len=longest + 64,
+                 num_kv_blocks=max(40000, pool_blocks(spec, 8, longest + 64)))
+    _noise_kv(eng)
+    orig = step.host_words
+    times: dict = {o: {f"bs{b}_ctx{c}": [] for b, c in cases} for o in QUEUE_ORDERS}
+    bits: dict = {}
+    try:
+        for _ in range(2):
+            for o in QUEUE_ORDERS:
+                step.host_words = queue_order_host_words(o)
+                for b, c in cases:
+                    times[o][f"bs{b}_ctx{c}"].append(_step_times(eng, b, c, steps=12)["kernel_ms"])
+        b, c = cases[0]
+        rows = _rows_at(eng.kv, b, c)
+        for r in rows:
+            eng.kv.append_slot(r)
+        for o in QUEUE_ORDERS:
+            step.host_words = queue_order_host_words(o)
+            bits[o] = eng.backend.decode(rows, [(17 * r + 5) % 1000 for r in rows]).float().clone()
+            for r in rows:
+                eng.kv.seq_pos[r] -= 1
+        for r in rows:
+            eng.kv.free_row(r)
+    finally:
+        step.host_words = orig
+    first = bits[QUEUE_ORDERS[0]]
+    return {o: {**{k: median(x) for k, x in times[o].items()}, "step_bits_equal": bool(torch.equal(bits[o], first))}
+            for o in QUEUE_ORDERS}
+
+
 def check_variants() -> dict:
     """Median kernel ms of every VARIANTS build, interleaved (round-robin
     over the variants, 2 rounds) so drift of the machine hits all alike:
@@ -804,12 +908,23 @@ def check_variants() -> dict:
     from megac.spec import load_spec
     from megac.weights import random_weights
 
+    import os
+
     out = {}
-    for model, cases in (("north-mini-code", ((1, 8192), (8, 8192))), ("smollm2-135m", ((1, 1024),))):
+    nmc_cases = _cases(os.environ.get("MEGAC_VARIANT_CASES", "1:8192,8:8192"))
+    step_bits = _cases(os.environ.get("MEGAC_VARIANT_STEP_BITS", ""))
+    models = (("north-mini-code", nmc_cases), ("smollm2-135m", ((1, 1024),)))
+    if os.environ.get("MEGAC_VARIANT_MODELS"):
+        models = tuple(m for m in models if m[0] in os.environ["MEGAC_VARIANT_MODELS"].split(","))
+    for model, cases in models:
         spec = load_spec(model)
         cubins = {v: variant_cubin(spec, d) for v, d in variants_for(spec).items()}
         w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-        eng = engine(spec, w, max_batch_size=8, max_model_len=min(8192 + 64, spec.max_context), num_kv_blocks=40000)
+        longest = max(ctx for _, ctx in cases + (step_bits if spec.moe else ()))
+        from megac.decode_bench import pool_blocks
+
+        eng = engine(spec, w, max_batch_size=8, max_model_len=min(longest + 64, spec.max_context),
+                     num_kv_blocks=max(40000, pool_blocks(spec, 8, longest + 64)))
         _noise_kv(eng)
         out[model] = interleaved_kernel_ms(eng, cubins, cases)
         if spec.moe:
@@ -819,6 +934,12 @@ def check_variants() -> dict:
                 got = greedy_bits(eng, cubin)
                 ref = ref or got
                 out[model][v]["bits_equal_default"] = same_bits(ref, got)
+            # and the same logits for one step over long noise rows (many attention splits)
+            for b, ctx in step_bits:
+                got = step_logits_per_build(eng, cubins, b, ctx)
+                first = next(iter(got.values()))
+                for v in cubins:
+                    out[model][v][f"step_bits_bs{b}_ctx{ctx}"] = bool(torch.equal(got[v], first))
         print(json.dumps({model: out[model]}), flush=True)
         del eng, w
         torch.cuda.empty_cache()
@@ -1085,6 +1206,10 @@ TILES = {
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
     "up384_dn256": {"moe_up_bn": 384, "moe_down_bn": 256},
     "up384_dn512": {"moe_up_bn": 384, "moe_down_bn": 512},
+    # QKV tiles of half / a quarter of a head: 80 / 160 tasks instead of 40, so
+    # attention (and at batch 8 every SM) waits less at a layer's start
+    "qkv64": {"qkv_bn": 64},
+    "qkv32": {"qkv_bn": 32},
 }
 
 
@@ -1156,10 +1281,15 @@ def check_profile() -> dict:
     models = [("north-mini-code", 1, 8192), ("smollm2-135m", 1, 1024)]
     if os.environ.get("MEGAC_PROFILE_ROUTED"):  # North Mini Code with routed claims too
         models.insert(1, ("north-mini-code-routed8", 1, 8192))
+    if os.environ.get("MEGAC_PROFILE_CASES"):  # North Mini Code at these "B:CTX,..." instead
+        models = [("north-mini-code", b, ctx) for b, ctx in _cases(os.environ["MEGAC_PROFILE_CASES"])]
+    from megac.decode_bench import pool_blocks
+
     for model, b, ctx in models:
         spec = routed_spec("north-mini-code") if model == "north-mini-code-routed8" else load_spec(model)
         w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-        eng = engine(spec, w, max_batch_size=8, max_model_len=min(8192 + 64, spec.max_context), num_kv_blocks=40000)
+        eng = engine(spec, w, max_batch_size=8, max_model_len=min(max(ctx, 8192) + 64, spec.max_context),
+                     num_kv_blocks=max(40000, pool_blocks(spec, 8, max(ctx, 8192) + 64)))
         _noise_kv(eng)
         be = eng.backend
         for v in ["default", *(extra if spec.moe else [])]:
@@ -1181,5 +1311,5 @@ def check_profile() -> dict:
     return out
 
 
-CHECKS = {"step_graph": check_step_graph, "pipeline": check_pipeline, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "order_variants": check_order_variants, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
+CHECKS = {"queue_order": check_queue_order, "step_graph": check_step_graph, "pipeline": check_pipeline, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "order_variants": check_order_variants, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
           "speed": check_speed, "gemm_env": check_gemm_env}
