@@ -128,8 +128,13 @@ _ATTN_COLS = tuple(abi.record_index(abi.Queue.ATTN, f) for f in ("ROW", "KV_HEAD
 def host_words(geo, positions: Sequence[int], targets: np.ndarray, attn_queue: np.ndarray) -> int:
     """Per-row split counts and the attention queue into the host region of
     ``targets`` and into ``attn_queue``; returns the queue length. Records
-    run row by row, then kv head, then split (built with numpy: at batch 8
-    and 8K, 512 records written one field at a time cost ~1.5 ms a step)."""
+    run row by row, then split, then kv head: the kv heads of a split read
+    the same KV pages (heads interleaved in a block) and are claimed one
+    after another. Measured (H200, North Mini Code, check queue_order, two
+    runs, same bits) against row / kv head / split: batch 8 at 8K -0.6 and
+    -0.4 %, at 32K -1.2 and -1.1 %, batch 4 at 32K -0.6 and -0.4 %. Built
+    with numpy: at batch 8 and 8K, 512 records written one field at a time
+    cost ~1.5 ms a step."""
     tw = geo.target_words
     targets[: tw.host_words] = 0
     seq = [int(positions[i]) + 1 if i < len(positions) else 1 for i in range(geo.rows)]
@@ -146,8 +151,8 @@ def host_words(geo, positions: Sequence[int], targets: np.ndarray, attn_queue: n
         per_row = np.asarray(full, dtype=np.int64) * heads
         c_row, c_head, c_split, c_num = _ATTN_COLS
         attn_queue[:n, c_row] = np.repeat(np.arange(geo.rows), per_row)
-        attn_queue[:n, c_head] = np.concatenate([np.repeat(np.arange(heads), f) for f in full])
-        attn_queue[:n, c_split] = np.concatenate([np.tile(np.arange(f), heads) for f in full])
+        attn_queue[:n, c_split] = np.concatenate([np.repeat(np.arange(f), heads) for f in full])
+        attn_queue[:n, c_head] = np.concatenate([np.tile(np.arange(heads), f) for f in full])
         attn_queue[:n, c_num] = np.repeat(np.asarray(full, dtype=np.int64), per_row)
     targets[tw.attn_queue_len] = n
     return n

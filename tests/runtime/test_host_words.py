@@ -2,7 +2,7 @@
 rule written out plainly here: per row, the full-attention split count of
 its span and the sliding one of its window, and one attention record
 {row, kv head, split, num splits} per full-attention split, row by row,
-then kv head, then split."""
+then split, then kv head (a split's heads share its KV pages)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def spelled_out(geo, positions):
         splits_full.append(full)
         splits_sliding.append(sliding)
         if geo.full_layers:
-            records += [(i, h, s, full) for h in range(geo.kv_heads) for s in range(full)]
+            records += [(i, h, s, full) for s in range(full) for h in range(geo.kv_heads)]
     return splits_full, splits_sliding, records
 
 
