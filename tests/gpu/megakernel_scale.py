@@ -1028,8 +1028,8 @@ def split_spec(tokens: int, max_splits: int):
     return variant(spec, f"nmc-split{tokens}", target=target)
 
 
-def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = False) -> dict:
-    """Median kernel ms at ``batches`` (1 and 8), 8K, of each North Mini Code spec
+def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = False, contexts=(8192,)) -> dict:
+    """Median kernel ms at ``batches`` (1 and 8) and ``contexts`` (8K), of each North Mini Code spec
     variant in ``specs`` (name -> spec), one engine after the other on the
     same random weights (the variants share every weight shape). ``bits``:
     also whether each one's greedy tokens and logits over 8 rows equal the
@@ -1045,9 +1045,10 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
     for name, spec in specs.items():
         if w is None:
             w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-        eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000)
+        eng = engine(spec, w, max_batch_size=8, max_model_len=max(contexts) + 64, num_kv_blocks=40000)
         _noise_kv(eng)
-        out[name] = {f"bs{b}": _step_times(eng, b, 8192, steps=steps)["kernel_ms"] for b in batches}
+        out[name] = {f"bs{b}" + ("" if contexts == (8192,) else f"_ctx{c}"): _step_times(eng, b, c, steps=steps)[
+            "kernel_ms"] for c in contexts for b in batches}
         if bits:
             got = greedy_bits(eng, variant_cubin(spec, {}))
             ref = ref or got
@@ -1210,8 +1211,9 @@ TILES = {
     "up384_dn512": {"moe_up_bn": 384, "moe_down_bn": 512},
     # QKV tiles of half / a quarter of a head: 80 / 160 tasks instead of 40, so
     # attention (and at batch 8 every SM) waits less at a layer's start
-    "qkv64": {"qkv_bn": 64},
+    "qkv64": {"qkv_bn": 64},  # North Mini Code's default since the fourteenth session
     "qkv32": {"qkv_bn": 32},
+    "qkv128": {"qkv_bn": 128},  # whole heads, the default before
 }
 
 
@@ -1222,7 +1224,8 @@ def tile_spec(name: str, tiles: dict):
     spec = load_spec("north-mini-code")
     if not tiles:
         return spec
-    return variant(spec, f"nmc-{name}", target={**spec.target.model_dump(), "tiles": tiles})
+    return variant(spec, f"nmc-{name}", target={**spec.target.model_dump(),
+                                                "tiles": {**(spec.target.tiles or {}), **tiles}})
 
 
 def check_tiles() -> dict:
@@ -1231,7 +1234,8 @@ def check_tiles() -> dict:
     between); MEGAC_TILES (comma list of TILES names) narrows them. Each
     build's greedy tokens and logits over 8 rows must equal the default's
     bit for bit: a tile's features are the same dot products whatever the
-    tile's size. MEGAC_TILE_BATCHES (comma list): other batch sizes."""
+    tile's size. MEGAC_TILE_BATCHES / MEGAC_TILE_CONTEXTS (comma lists): other
+    batch sizes / contexts."""
     import os
 
     pick = os.environ.get("MEGAC_TILES")
@@ -1239,7 +1243,8 @@ def check_tiles() -> dict:
     specs = {"default": tile_spec("default", {}), **{n: tile_spec(n, TILES[n]) for n in names},
              "default_2": tile_spec("default", {})}
     batches = tuple(int(b) for b in os.environ.get("MEGAC_TILE_BATCHES", "1,8").split(","))
-    return _kernel_ms_of(specs, bits=True, batches=batches)
+    contexts = tuple(int(c) for c in os.environ.get("MEGAC_TILE_CONTEXTS", "8192").split(","))
+    return _kernel_ms_of(specs, bits=True, batches=batches, contexts=contexts)
 
 
 def check_gemm_env() -> dict:
