@@ -72,7 +72,9 @@ def test_postconditions(model, rows):
 
     # tile: tiles cover outputs exactly (checked independently for QKV and LM head)
     qkv = lw.by_name["L0.qkv"].fields
-    assert np.array_equal(np.sort(qkv["N0"]), np.arange(0, geo.qkv_width, geo.head_dim))
+    assert np.array_equal(np.sort(qkv["N0"]), np.arange(0, geo.qkv_width, geo.qkv_bn))
+    assert (qkv["N_LEN"] == geo.qkv_bn).all() and geo.head_dim % geo.qkv_bn == 0
+    per_head = geo.head_dim // geo.qkv_bn  # QKV tiles per head (North Mini Code: 2)
     lm = lw.by_name["lm_head"].fields
     assert lm["N_LEN"].sum() == geo.vocab and lm["N0"][0] == 0
     assert (lm["N0"][1:] == lm["N0"][:-1] + lm["N_LEN"][:-1]).all()
@@ -107,12 +109,12 @@ def test_postconditions(model, rows):
             for i in range(len(w)):
                 kvh = int(nt.fields["KV_HEAD"][i])
                 assert names[w[i, H.WAIT0]] == f"qkv[{l}][{kvh}]" and w[i, H.WAIT1] == -1
-                assert w[i, H.TARGET0] == geo.heads_per_kv + 2
+                assert w[i, H.TARGET0] == (geo.heads_per_kv + 2) * per_head
                 assert names[w[i, H.SIGNAL]] == f"combine[{l}][{int(nt.fields['ROW'][i])}][{kvh}]"
         if nt.op == Op.ATTN_DRAIN:
             base = int(w[0, F(Op.ATTN_DRAIN, "TASK_WAIT_BASE")])
             assert [names[base + h] for h in range(geo.kv_heads)] == [f"qkv[{l}][{h}]" for h in range(geo.kv_heads)]
-            assert w[0, F(Op.ATTN_DRAIN, "TASK_WAIT_TARGET")] == geo.heads_per_kv + 2
+            assert w[0, F(Op.ATTN_DRAIN, "TASK_WAIT_TARGET")] == (geo.heads_per_kv + 2) * per_head
             sb = int(w[0, F(Op.ATTN_DRAIN, "TASK_SIGNAL_BASE")])
             for r in range(geo.rows):
                 for h in range(geo.kv_heads):
