@@ -187,10 +187,10 @@ class QkvProj(GemmOp):
                 w = words[ti]
                 n0, nl = field(w, op, "N0"), field(w, op, "N_LEN")
                 vm.check_n(op, n0, nl, geo.qkv_width)
-                if (n0 % hd).any() or (nl % hd).any():
-                    groups.append(self._part_head_group(vm, layer, kl, n0, nl, w[:, H.FLAGS].astype(np.int64)))
-                    continue
                 flags = w[:, H.FLAGS].astype(np.int64)
+                if (n0 % hd).any() or (nl % hd).any():
+                    groups.append(self._part_head_group(vm, layer, kl, n0, nl, flags))
+                    continue
                 heads = cols(n0 // hd, nl // hd)
                 hflags = np.repeat(flags, nl // hd)
                 ropes = []
@@ -258,7 +258,7 @@ class QkvProj(GemmOp):
                 raise BadTaskError("QKV_PROJ: the tiles of one head disagree on RoPE", opcode=int(op), layer=layer)
             hflag[h] = f
         heads = np.flatnonzero(cover.any(axis=1))
-        rope = [int(h) for h in heads if (hflag[h] & Flag.ROPE) and h < nq + nkv]
+        rope = {int(h) for h in heads if (hflag[h] & Flag.ROPE) and h < nq + nkv}
         # per touched head: its covered column runs [lo, hi)
         runs = []
         for h in heads.tolist():
@@ -269,13 +269,12 @@ class QkvProj(GemmOp):
 
     def _run_part_heads(self, vm, g) -> None:
         _, layer, kl, rope, runs, W, qv = g
-        geo, st, hd = vm.geo, vm.st, vm.hd
+        geo, hd = vm.geo, vm.hd
         nq, nkv = geo.num_heads, geo.kv_heads
         if vm.tracking:
             vm.tr.read("x_norm", (layer, slice(None), slice(None)))
         Y = vm.products((self.op, layer, 0, kl), "x_norm", (layer,), 0, kl, W)
         allv = Y.view(vm.R, geo.qkv_width // hd, hd)
-        active, seq_pos = st.np["row_active"], st.np["seq_pos"]
         for h, segs in runs:
             vals = allv[:, h].clone()  # [R, hd] fp32
             if h in rope:
@@ -289,31 +288,27 @@ class QkvProj(GemmOp):
                 continue
             pool = "k_pool" if h < nq + nkv else "v_pool"
             kvh = h - nq - (0 if h < nq + nkv else nkv)
-            P = st[pool]
-            for r in range(vm.R):
-                if not active[r]:
-                    continue
-                blk, off = vm.kv_slot(layer, r, int(seq_pos[r]))
-                for lo, hi in segs:
-                    if vm.tracking:
-                        vm.tr.write(pool, (blk, off, kvh, slice(lo // KV_PIECE, -(-hi // KV_PIECE))))
-                    P[blk, off, kvh, lo:hi] = cast(vals[r, lo:hi], P.dtype)
+            for lo, hi in segs:
+                self.append_kv(vm, layer, vals[:, None], [(pool, kvh, kvh, 0)], cols=(lo, hi))
 
     @staticmethod
-    def append_kv(vm, layer: int, vals, kvp) -> None:
+    def append_kv(vm, layer: int, vals, kvp, cols: tuple[int, int] | None = None) -> None:
         """K / V heads ``vals[:, src]`` -> the paged pools at each active row's
-        current position."""
+        current position; ``cols``: only the head columns [lo, hi) (a QKV
+        tile of part of a head)."""
         st = vm.st
         active, seq_pos = st.np["row_active"], st.np["seq_pos"]
+        d = slice(None) if cols is None else slice(*cols)
         for r in range(vm.R):
             if not active[r]:
                 continue
             blk, off = vm.kv_slot(layer, r, int(seq_pos[r]))
             for pool, kvh, dst, src in kvp:
                 if vm.tracking:
-                    vm.tr.write(pool, (blk, off, kvh))
+                    vm.tr.write(pool, (blk, off, kvh) if cols is None else
+                                (blk, off, kvh, slice(cols[0] // KV_PIECE, -(-cols[1] // KV_PIECE))))
                 P = st[pool]
-                P[blk, off, dst] = cast(vals[r, src], P.dtype)
+                P[blk, off, dst, d] = cast(vals[r, src, d], P.dtype)
 
 
 class OProj(GemmOp):

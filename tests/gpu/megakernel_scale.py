@@ -798,10 +798,12 @@ def _cases(text: str) -> tuple:
     return tuple(tuple(int(x) for x in c.split(":")) for c in text.split(",") if c)
 
 
-def step_logits_per_build(eng, cubins: dict, batch: int, context: int) -> dict:
+def step_logits_per_setup(eng, setups: dict, batch: int, context: int) -> dict:
     """One decode step of ``batch`` noise rows at ``context``, run once per
-    build on the same rows and KV (the rows rewound after each): build name
-    -> fp32 logits. The step rewrites the same new token's K/V every time."""
+    setup (name -> a callable that prepares the engine: a build swapped in,
+    a host word order) on the same rows and KV (the rows rewound after
+    each): name -> fp32 logits. The step rewrites the same new token's K/V
+    every time."""
     import torch
 
     kv, be = eng.kv, eng.backend
@@ -810,15 +812,21 @@ def step_logits_per_build(eng, cubins: dict, batch: int, context: int) -> dict:
         kv.append_slot(r)
     toks = [(17 * r + 5) % 1000 for r in rows]
     got = {}
-    for v, cubin in cubins.items():
-        use_cubin(be, cubin)
-        got[v] = be.decode(rows, toks).float().clone()
+    for name, setup in setups.items():
+        setup()
+        got[name] = be.decode(rows, toks).float().clone()
         for r in rows:
             kv.seq_pos[r] -= 1
     torch.cuda.synchronize()
     for r in rows:
         kv.free_row(r)
     return got
+
+
+def step_logits_per_build(eng, cubins: dict, batch: int, context: int) -> dict:
+    """:func:`step_logits_per_setup` over builds: build name -> fp32 logits."""
+    return step_logits_per_setup(eng, {v: (lambda c=c: use_cubin(eng.backend, c)) for v, c in cubins.items()},
+                                 batch, context)
 
 
 #: attention queue orders check queue_order times (the host's, first, is row, split, kv head
@@ -873,25 +881,15 @@ def check_queue_order() -> dict:
                  num_kv_blocks=max(40000, pool_blocks(spec, 8, longest + 64)))
     _noise_kv(eng)
     orig = step.host_words
+    use = {o: (lambda o=o: setattr(step, "host_words", queue_order_host_words(o))) for o in QUEUE_ORDERS}
     times: dict = {o: {f"bs{b}_ctx{c}": [] for b, c in cases} for o in QUEUE_ORDERS}
-    bits: dict = {}
     try:
         for _ in range(2):
             for o in QUEUE_ORDERS:
-                step.host_words = queue_order_host_words(o)
+                use[o]()
                 for b, c in cases:
                     times[o][f"bs{b}_ctx{c}"].append(_step_times(eng, b, c, steps=12)["kernel_ms"])
-        b, c = cases[0]
-        rows = _rows_at(eng.kv, b, c)
-        for r in rows:
-            eng.kv.append_slot(r)
-        for o in QUEUE_ORDERS:
-            step.host_words = queue_order_host_words(o)
-            bits[o] = eng.backend.decode(rows, [(17 * r + 5) % 1000 for r in rows]).float().clone()
-            for r in rows:
-                eng.kv.seq_pos[r] -= 1
-        for r in rows:
-            eng.kv.free_row(r)
+        bits = step_logits_per_setup(eng, use, *cases[0])
     finally:
         step.host_words = orig
     first = bits[QUEUE_ORDERS[0]]
