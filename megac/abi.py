@@ -29,7 +29,8 @@ import numpy as np
 # 6: routed claims: MOE_UPGATE_DRAIN.ROUTE_SPLITS / NUM_ROWS / UP_TILES / X_SLOT (ROUTE_SPLITS > 0:
 #    the up claimer ranks the rows itself and derives its records, reading the rows from x_norm;
 #    no ROUTER_TOPK, no MOE_GATHER) and ROUTE_FINALIZE.UP_COUNT_WORD -1 (no up queue then)
-ABI_VERSION = 6
+# 7: kv_tmaps (the K and V pools' tensor maps for the attention splits' tensor copies; 0: none)
+ABI_VERSION = 7
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -467,6 +468,10 @@ KV_LAYOUT = {
     "page_table": "[num_layers, max_rows, max_blocks_per_seq] int32, -1 = unmapped/released",
     "seq_pos": "[max_rows] int32: tokens already cached = position of the current token",
     "row_active": "[max_rows] int32: a 0 row attends over an empty span, reads and writes no KV, and its outputs are ignored",
+    "kv_tmaps": "two CUtensorMaps (K pool at +0, V pool at +128 bytes; 64-byte aligned) over the pools as "
+                "[num_blocks, block_size, kv_heads, head_dim], box 16 tokens x 1 head x 64 dims, 128-byte "
+                "swizzle, encoded by the host (megac.gpu.tensormap); a null pointer: the splits copy K/V "
+                "in 16-byte pieces instead",
 }
 
 
@@ -518,6 +523,7 @@ LAUNCH_DESC: tuple[DescField, ...] = (
     _D("page_table", "ptr", KV_LAYOUT["page_table"]),
     _D("seq_pos", "ptr", KV_LAYOUT["seq_pos"]),
     _D("row_active", "ptr", KV_LAYOUT["row_active"]),
+    _D("kv_tmaps", "ptr", KV_LAYOUT["kv_tmaps"]),
     _D("kv_block_size", "i32", "tokens per KV block"),
     _D("max_blocks_per_seq", "i32", "page table row length"),
     # activations / scratch (sizes from the buffer plan)

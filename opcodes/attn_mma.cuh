@@ -25,6 +25,19 @@
 //
 // K/V rows sit in shared memory HD*2 + 16 bytes apart, so the 8 rows an
 // ldmatrix reads fall in 8 different 16-byte bank groups.
+//
+// The tensor-copy form (MEGAC_ATTN_TMA, where the host passes the pools'
+// tensor maps): each warp's lane 0 copies a chunk as boxes of 16 tokens x 1
+// head x 64 dims (K and V, one box per 64 dims) onto the warp's own
+// mbarriers, in the 128-byte swizzle (attn::swz), instead of 16-byte cp.async
+// by every lane. Why: at batch 8 the splits streamed ~15-18 GB/s per SM of
+// their time against the expert claims' ~31-34 beside them (bs8 8K trace,
+// fourteenth session): the rate every ld.global / cp.async stream in this
+// kernel hit (the SM's L1 miss handling; gemm_tc.cuh), which the copy engine
+// bypasses. A box never crosses a KV block, so chunks start at multiples of
+// 16 keys (the split's first chunk may begin before its first key, its last
+// end past its last: those keys are masked, and their V rows zeroed in
+// shared memory, so a stale page's NaN never meets a zero probability).
 #pragma once
 
 #include <cstdint>
@@ -33,6 +46,7 @@
 #include "attention.cuh"
 #include "attn_tiles.cuh"
 #include "common.cuh"
+#include "mbarrier.cuh"
 #include "profile_marks.cuh"
 
 namespace megac {
@@ -54,6 +68,44 @@ constexpr bool supported() {
   return HD % 16 == 0 && HD <= 128 && G >= 1 && G <= 8;
 }
 
+// 1: the tensor-copy form where the launch has tensor maps (kv_tmaps) and
+// the shape allows it (tma_shape, a block size that is a multiple of 16);
+// 0: 16-byte cp.async always.
+#ifndef MEGAC_ATTN_TMA
+#define MEGAC_ATTN_TMA 1
+#endif
+// Chunks a warp's tensor-copy ring holds (in flight + the one computed).
+#ifndef MEGAC_ATTN_TMA_STAGES
+#define MEGAC_ATTN_TMA_STAGES 2
+#endif
+constexpr int kTmaStages = MEGAC_ATTN_TMA_STAGES;
+constexpr int kTmaMaxWarps = 8;
+static_assert(kTmaStages >= 2, "a chunk computed and one in flight");
+
+// Head dims the boxes cut into 64-dim halves (attn::swz's layout).
+template <int HD>
+__host__ __device__ constexpr bool tma_shape() {
+  return MEGAC_ATTN_TMA && HD % 64 == 0 && HD <= 128;
+}
+
+// Per-launch state of the warps' tensor-copy rings (in the task loop's
+// shared state: the scratch is other opcodes' between splits): each warp's
+// mbarriers and the chunks it has issued since the launch (slot and phase
+// follow from that count, so consecutive splits continue the ring).
+struct TmaState {
+  uint64_t bar[kTmaMaxWarps][kTmaStages];
+  uint32_t seq[kTmaMaxWarps];
+};
+
+// Thread 0 at launch; visible after the task loop's first barrier.
+__device__ __forceinline__ void tma_init(TmaState* st) {
+  for (int w = 0; w < kTmaMaxWarps; ++w) {
+    for (int s = 0; s < kTmaStages; ++s) mbar_init(&st->bar[w][s], 1);
+    st->seq[w] = 0;
+  }
+  mbar_init_fence();
+}
+
 template <int HD, int G, int THREADS>
 struct Shape {
   static constexpr int W = THREADS / 32;            // warps
@@ -70,11 +122,19 @@ struct Shape {
   static constexpr int NT = HD / 8;                 // 8-dim column tiles of O
   static_assert(S >= 2, "a chunk computed and one in flight");
   static_assert(KPC * (HD / 8) % 32 == 0, "whole pieces per lane");
+  // the tensor-copy form: a chunk's K (then V) as HD / 64 swizzled 2 KB
+  // boxes, slots on 1024-byte boundaries (the swizzle's XOR comes from
+  // address bits 7-9), the region aligned up inside the scratch
+  static constexpr int kTileT = KPC * HD * 2;
+  static constexpr int kStageT = 2 * kTileT;
+  static constexpr int kWarpT = kTmaStages * kStageT > kMerge ? kTmaStages * kStageT : (kMerge + 1023) / 1024 * 1024;
+  static constexpr int kBytesT = tma_shape<HD>() ? W * kWarpT + 1024 : 0;
 };
 
 template <int HD, int G, int THREADS>
 __host__ __device__ constexpr int smem_bytes() {
-  return Shape<HD, G, THREADS>::kBytes;
+  using Sh = Shape<HD, G, THREADS>;
+  return Sh::kBytes > Sh::kBytesT ? Sh::kBytes : Sh::kBytesT;
 }
 
 // 1: a warp loads the page-table entries of the split's first 32 blocks at
@@ -148,34 +208,87 @@ __device__ __forceinline__ void split_bf16(float a, float b, uint32_t& hi, uint3
 #define MEGAC_ATTN_SPLIT_FN __forceinline__
 #endif
 
+// Lane 0 (tensor-copy form): the chunk at key0 (a multiple of 16 keys, in
+// KV block `blk`) into slot `slot`: K's boxes at +0, V's at +kTileT, each
+// completing its bytes on `bar`.
 template <int HD, int G, int THREADS>
-__device__ MEGAC_ATTN_SPLIT_FN void split(const Split& a, uint8_t* sm) {
+__device__ __forceinline__ void issue_tma(const Split& a, int key0, int blk, uint32_t slot, uint64_t* bar) {
   using Sh = Shape<HD, G, THREADS>;
-  constexpr int W = Sh::W, S = Sh::S, KPC = Sh::KPC;
+  mbar_arrive_expect_tx(bar, uint32_t(Sh::kStageT));
+  const int off = key0 % a.block_size;  // the box's 16 tokens stay in the block: block_size % 16 == 0
+  const char* maps = static_cast<const char*>(a.tmaps);
+#pragma unroll
+  for (int h = 0; h < HD / 64; ++h) {
+    attn::tma_load_4d(slot + h * 2048, maps, h * 64, a.kvh, off, blk, bar);
+    attn::tma_load_4d(slot + Sh::kTileT + h * 2048, maps + 128, h * 64, a.kvh, off, blk, bar);
+  }
+}
+
+// Both forms of a split; kTma: the tensor-copy form (the caller checked
+// tma_ok), else 16-byte cp.async by every lane.
+template <int HD, int G, int THREADS, bool kTma>
+__device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaState* st) {
+  using Sh = Shape<HD, G, THREADS>;
+  constexpr int W = Sh::W, KPC = Sh::KPC;
+  constexpr int S = kTma ? kTmaStages : Sh::S;
+  constexpr int kStage = kTma ? Sh::kStageT : Sh::kStage;
+  constexpr int kWarp = kTma ? Sh::kWarpT : Sh::kWarp;
+  constexpr int kTile = kTma ? Sh::kTileT : Sh::kTile;
+  static_assert(!kTma || W <= kTmaMaxWarps, "a tensor-copy ring per warp");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
-  uint8_t* mine = sm + warp * Sh::kWarp;
+  // the tensor-copy slots on 1024-byte boundaries
+  uint8_t* sm = kTma ? sm_in + ((1024u - (smem_addr(sm_in) & 1023u)) & 1023u) : sm_in;
+  uint8_t* mine = sm + warp * kWarp;
   const uint32_t base = smem_addr(mine);
-  const int nkeys = a.end > a.begin ? a.end - a.begin : 0;
+  // chunks start at the split's first key (cp.async) or the multiple of 16 at or below it (boxes)
+  const int kb = kTma ? a.begin & ~(KPC - 1) : a.begin;
+  const int nkeys = a.end > a.begin ? a.end - kb : 0;
   const int nchunks = (nkeys + KPC - 1) / KPC;
   const int count = nchunks > warp ? (nchunks - warp + W - 1) / W : 0;  // this warp's chunks
-  auto key0_of = [&](int i) { return a.begin + (warp + i * W) * KPC; };
+  auto key0_of = [&](int i) { return kb + (warp + i * W) * KPC; };
+  // tensor-copy ring: this warp's chunk i is its (seq0 + i)-th since the launch
+  const uint32_t seq0 = kTma ? st->seq[warp] : 0u;
 
 #if MEGAC_ATTN_AHEAD
   const int blk0 = a.begin / a.block_size;
   const int ahead = (a.begin < a.end && (blk0 + lane) * a.block_size < a.end) ? __ldg(a.pt + blk0 + lane) : 0;
   auto entry = [&](int key0) { return page_entry_ahead(a, key0, lane, blk0, ahead); };
 #else
+  const int blk0 = 0, ahead = 0;
   auto entry = [&](int key0) { return page_entry(a, key0, lane); };
 #endif
+  // the block of a chunk's keys (tensor-copy form: one block per chunk), warp-uniform call
+  auto chunk_block = [&](int key0) {
+    const int blk = key0 / a.block_size;
+#if MEGAC_ATTN_AHEAD
+    const int got = __shfl_sync(0xffffffffu, ahead, (blk - blk0) & 31);
+    return blk - blk0 < 32 ? got : __ldg(a.pt + blk);
+#else
+    (void)blk0;
+    (void)ahead;
+    return __ldg(a.pt + blk);
+#endif
+  };
+  auto slot_of = [&](int i) { return base + uint32_t(kTma ? (seq0 + i) % S : i % S) * kStage; };
+  auto bar_of = [&](int i) { return &st->bar[warp][(seq0 + i) % S]; };
 
   // first chunks out before anything else
-  {
+  if constexpr (kTma) {
+    int blk[S];
+#pragma unroll
+    for (int i = 0; i < S; ++i) blk[i] = i < count ? chunk_block(key0_of(i)) : 0;
+    if (lane == 0) {
+#pragma unroll
+      for (int i = 0; i < S; ++i)
+        if (i < count) issue_tma<HD, G, THREADS>(a, key0_of(i), blk[i], slot_of(i), bar_of(i));
+    }
+  } else {
     int blk[S];
 #pragma unroll
     for (int i = 0; i < S; ++i) blk[i] = i < count ? entry(key0_of(i)) : 0;
 #pragma unroll
-    for (int i = 0; i < S; ++i) issue<HD, G, THREADS>(a, key0_of(i), blk[i], base + i * Sh::kStage, lane, i < count);
+    for (int i = 0; i < S; ++i) issue<HD, G, THREADS>(a, key0_of(i), blk[i], base + i * kStage, lane, i < count);
   }
 
   // Q as the A operand (row gid; rows 8-15 zero), in registers for the split;
@@ -202,36 +315,70 @@ __device__ MEGAC_ATTN_SPLIT_FN void split(const Split& a, uint8_t* sm) {
   float m_run = -INFINITY, l_run = 0.f;  // row gid: running max (log2 domain), sum over this thread's keys
 
   // ldmatrix lane addresses within a slot: K (non-transposed: key rows are
-  // the B columns) and V (transposed: key rows are the B k-side)
+  // the B columns) and V (transposed: key rows are the B k-side); the
+  // 16-byte piece p of key row r at (padded rows) r * PITCH + 16 p, or
+  // (boxes) attn::swz<HD, 16>(r, p)
   const int mtx = lane >> 3, r8 = lane & 7;
-  const uint32_t k_lane = (r8 + 8 * (mtx >> 1)) * Sh::PITCH + (mtx & 1) * 16;
-  const uint32_t v_lane = Sh::kTile + (r8 + 8 * (mtx & 1)) * Sh::PITCH + (mtx >> 1) * 16;
+  const int k_row = r8 + 8 * (mtx >> 1), k_pc = mtx & 1;
+  const int v_row = r8 + 8 * (mtx & 1), v_pc = mtx >> 1;
+  auto at = [&](int row, int piece) -> uint32_t {
+    if constexpr (kTma)
+      return attn::swz<HD, KPC>(row, piece);
+    else
+      return uint32_t(row * Sh::PITCH + piece * 16);
+  };
 
   for (int i = 0; i < count; ++i) {
-    const int nb = i + S < count ? entry(key0_of(i + S)) : 0;  // in flight while chunk i computes
-    cp_async_wait<S - 1>();  // this lane's copies of chunk i are in
-    __syncwarp();            // and every lane's
+    int nb;  // in flight while chunk i computes
+    if constexpr (kTma) {
+      nb = i + S < count ? chunk_block(key0_of(i + S)) : 0;
+      while (!mbar_try_wait(bar_of(i), ((seq0 + i) / S) & 1u)) {
+      }
+    } else {
+      nb = i + S < count ? entry(key0_of(i + S)) : 0;
+      cp_async_wait<S - 1>();  // this lane's copies of chunk i are in
+      __syncwarp();            // and every lane's
+    }
     if (i == 0) MEGAC_MARK(3);  // warp 0's first chunk landed
-    const uint32_t slot = base + (i % S) * Sh::kStage;
+    const uint32_t slot = slot_of(i);
     const int key0 = key0_of(i);
+    if constexpr (kTma) {
+      // keys of the box outside the split: V rows zeroed (K rows are masked below)
+      if (key0 < a.begin || key0 + KPC > a.end) {
+        constexpr int kPieces = HD / 8;
+#pragma unroll
+        for (int r = 0; r < KPC * kPieces / 32; ++r) {
+          const int p = lane + 32 * r, j = p / kPieces, c = p % kPieces;
+          if (key0 + j < a.begin || key0 + j >= a.end)
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(slot + kTile + at(j, c)), "r"(0u)
+                         : "memory");
+        }
+        // these generic writes before the copy engine refills the slot
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncwarp();
+      }
+    }
 
     // S = Q K^T: keys key0 + 0..7 (s[0]) and 8..15 (s[1])
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kk = 0; kk < Sh::KK; ++kk) {
       uint32_t b0, b1, b2, b3;
-      attn::ldsm_x4(slot + k_lane + kk * 32, b0, b1, b2, b3);
+      attn::ldsm_x4(slot + at(k_row, 2 * kk + k_pc), b0, b1, b2, b3);
       attn::mma_bf16(s[0], q[kk][0], q[kk][1], q[kk][2], q[kk][3], b0, b1);
       attn::mma_bf16(s[1], q[kk][0], q[kk][1], q[kk][2], q[kk][3], b2, b3);
     }
-    // scale into the log2 domain; keys past the split: -inf
+    // scale into the log2 domain; keys outside the split: -inf
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = key0 + n * 8 + 2 * t4 + (e & 1) < a.end ? s[n][e] * sl2 : -INFINITY;
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + n * 8 + 2 * t4 + (e & 1);
+        s[n][e] = key < a.end && (!kTma || key >= a.begin) ? s[n][e] * sl2 : -INFINITY;
+      }
 
     // online softmax of row gid (s[n][0..1]; s[n][2..3] are the zero rows);
-    // the chunk holds key0 < end, so the new max is finite
+    // the chunk holds a key of the split, so the new max is finite
     {
       float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -268,17 +415,26 @@ __device__ MEGAC_ATTN_SPLIT_FN void split(const Split& a, uint8_t* sm) {
 #pragma unroll
     for (int np = 0; np < Sh::NT / 2; ++np) {
       uint32_t b0, b1, b2, b3;
-      attn::ldsm_x4_t(slot + v_lane + np * 32, b0, b1, b2, b3);
+      attn::ldsm_x4_t(slot + kTile + at(v_row, 2 * np + v_pc), b0, b1, b2, b3);
       attn::mma_bf16(o[2 * np], ph0, ph1, ph2, ph3, b0, b1);
       attn::mma_bf16(o[2 * np + 1], ph0, ph1, ph2, ph3, b2, b3);
       attn::mma_bf16(o[2 * np], pl0, pl1, pl2, pl3, b0, b1);
       attn::mma_bf16(o[2 * np + 1], pl0, pl1, pl2, pl3, b2, b3);
     }
     __syncwarp();  // every lane is done with the slot before it is refilled
-    issue<HD, G, THREADS>(a, key0_of(i + S), nb, slot, lane, i + S < count);
+    if constexpr (kTma) {
+      // (no proxy fence for this write-after-read: gemm_tc.cuh's MEGAC_TC_STAGE_FENCE)
+      if (lane == 0 && i + S < count) issue_tma<HD, G, THREADS>(a, key0_of(i + S), nb, slot, bar_of(i + S));
+    } else {
+      issue<HD, G, THREADS>(a, key0_of(i + S), nb, slot, lane, i + S < count);
+    }
   }
-  cp_async_wait<0>();  // only empty groups can remain
-  __syncwarp();
+  if constexpr (kTma) {
+    if (lane == 0) st->seq[warp] = seq0 + uint32_t(count);  // read again after the merge's barriers
+  } else {
+    cp_async_wait<0>();  // only empty groups can remain
+    __syncwarp();
+  }
   MEGAC_MARK(4);  // warp 0's keys all consumed
 
   // this warp's (O unnormalised, m, l) into its own region, heads < G only
@@ -304,12 +460,12 @@ __device__ MEGAC_ATTN_SPLIT_FN void split(const Split& a, uint8_t* sm) {
     const int h = idx / HD, d = idx % HD;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < W; ++w) mx = fmaxf(mx, reinterpret_cast<const float*>(sm + w * Sh::kWarp)[G * HD + h]);
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, reinterpret_cast<const float*>(sm + w * kWarp)[G * HD + h]);
     float l = 0.f, acc = 0.f;
     if (mx > -INFINITY) {
 #pragma unroll
       for (int w = 0; w < W; ++w) {
-        const float* rw = reinterpret_cast<const float*>(sm + w * Sh::kWarp);
+        const float* rw = reinterpret_cast<const float*>(sm + w * kWarp);
         const float f = exp2f(rw[G * HD + h] - mx);  // an empty warp: exp2(-inf) = 0
         l += rw[G * HD + G + h] * f;
         acc += rw[h * HD + d] * f;
@@ -318,8 +474,25 @@ __device__ MEGAC_ATTN_SPLIT_FN void split(const Split& a, uint8_t* sm) {
     a.o[idx] = l > 0.f ? acc / l : 0.f;
     if (d == 0) a.lse[h] = l > 0.f ? (mx + log2f(l)) * attn::kLn2 : -INFINITY;
   }
+  // the merge's generic writes before the next split's boxes land there (a
+  // claimer runs its next record without the task loop's fence)
+  if constexpr (kTma) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();  // the scratch is free for the next task
   MEGAC_MARK(5);  // the warps merged, the partial written
+}
+
+// The split in the tensor-copy form where it can run (the shape, the
+// launch's tensor maps, a block size the 16-token boxes tile), else
+// through cp.async.
+template <int HD, int G, int THREADS>
+__device__ MEGAC_ATTN_SPLIT_FN void split(const Split& a, uint8_t* sm, TmaState* st) {
+  if constexpr (tma_shape<HD>()) {
+    if (a.tmaps != nullptr && a.block_size % 16 == 0) {
+      split_impl<HD, G, THREADS, true>(a, sm, st);
+      return;
+    }
+  }
+  split_impl<HD, G, THREADS, false>(a, sm, st);
 }
 
 }  // namespace attn_mma

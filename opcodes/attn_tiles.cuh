@@ -54,6 +54,7 @@ struct Split {
   float scale;
   float* o;                   // [G][HD] of this (split, row, kv head)
   float* lse;                 // [G]
+  const void* tmaps = nullptr;  // the pools' tensor maps (LaunchDesc::kv_tmaps; attn_mma's tensor copies)
 };
 
 // The shape of a tile and of the shared memory it needs.

@@ -84,6 +84,7 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
   const int n = ptr<const int32_t>(desc->task_counts)[sm];
   if (threadIdx.x == 0) {  // visible after the loop's first barrier
     rows::ring_init(&ts->ring);
+    attn_mma::tma_init(&ts->tma);
     tc::bulk_init(&ts->tc);
   }
   const int32_t* list = ptr<const int32_t>(desc->tasks) + int64_t(sm) * desc->max_tasks * TASK_WORDS;

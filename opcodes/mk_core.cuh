@@ -26,6 +26,7 @@
 
 #include <cstdint>
 
+#include "attn_mma.cuh"
 #include "common.cuh"
 #include "profile_marks.cuh"
 #include "counters.cuh"
@@ -53,6 +54,7 @@ struct TaskShared {
   int32_t claim_signal;        // counter the claimed record signals (-1: none)
   rows::RingState ring;        // the GEMM weight ring's barriers (gemm_ring.cuh), per launch
   tc::BulkState tc;            // the tensor-core tile's per-warp rings (gemm_tc.cuh), per launch
+  attn_mma::TmaState tma;      // the attention splits' per-warp tensor-copy rings (attn_mma.cuh), per launch
   uint32_t claims;             // records this claimer task ran (profile)
   uint32_t claim_wait_ns;      // time its record waits took (profile)
   int32_t pad[2];

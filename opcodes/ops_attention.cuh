@@ -84,10 +84,11 @@ __device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, i
   float* o = ptr<float>(d->attn_o_part) + Lay::o_part_attn(layer, split, row, kvh * M::GQA);
   float* lse = ptr<float>(d->attn_lse_part) + Lay::lse_part(layer, split, row, kvh * M::GQA);
   if constexpr (AttnScratch<M>::kMma || MEGAC_ATTN_TILES) {
-    const attn_tiles::Split a{q, ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), pt, M::KV_HEADS, kvh,
-                              d->kv_block_size, begin, end, d->attn_scale, o, lse};
+    attn_tiles::Split a{q, ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), pt, M::KV_HEADS, kvh,
+                        d->kv_block_size, begin, end, d->attn_scale, o, lse};
+    a.tmaps = ptr<const void>(d->kv_tmaps);
     if constexpr (AttnScratch<M>::kMma)
-      attn_mma::split<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch);
+      attn_mma::split<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch, &c.ts->tma);
     else
       attn_tiles::split<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch);
   } else {

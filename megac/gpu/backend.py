@@ -140,7 +140,7 @@ class CudaBackend(TorchPrefillMixin):
         self.buf: dict = {}
         for f in abi.LAUNCH_DESC:
             b = self.big.plan.buffers[f.name]
-            if f.ctype != "ptr" or f.name in kw or f.name in ("k_pool", "v_pool", "tasks", "task_counts"):
+            if f.ctype != "ptr" or f.name in kw or f.name in ("k_pool", "v_pool", "kv_tmaps", "tasks", "task_counts"):
                 continue
             shape = tuple(int(d) for d in b.shape)
             if f.name == "counters":
@@ -256,6 +256,21 @@ class CudaBackend(TorchPrefillMixin):
         L, R, _ = self.host["page_table"].shape
         return self.host["page_table"].reshape(-1)[: L * R * mb].reshape(L, R, mb)
 
+    def _kv_tmaps_ptr(self) -> int:
+        """Device address of the pools' tensor maps (megac.gpu.tensormap),
+        encoded once per pair of pools; 0 where the boxes do not fit the
+        pools or MEGAC_KV_TMAPS=0 (the splits then copy in 16-byte pieces:
+        the same build, the other copy path)."""
+        from megac.gpu.tensormap import kv_tmaps
+
+        if os.environ.get("MEGAC_KV_TMAPS", "1") == "0":
+            return 0
+        key = (self.kv.k_pool.data_ptr(), self.kv.v_pool.data_ptr(), tuple(self.kv.k_pool.shape))
+        if getattr(self, "_tmaps_key", None) != key:
+            self._tmaps = kv_tmaps(self.kv.k_pool, self.kv.v_pool)
+            self._tmaps_key = key
+        return 0 if self._tmaps is None else self._tmaps.data_ptr()
+
     def _read_symbol(self, name: str) -> int:
         cp = __import__("cupy")
         ptr = self.module.get_global(name)
@@ -295,6 +310,8 @@ class CudaBackend(TorchPrefillMixin):
                 values[f.name] = counts.data_ptr()
             elif f.name in ("k_pool", "v_pool"):
                 values[f.name] = getattr(self.kv, f.name).data_ptr()
+            elif f.name == "kv_tmaps":
+                values[f.name] = self._kv_tmaps_ptr()
             elif f.name in self.kernel_weights:
                 values[f.name] = self.kernel_weights[f.name].data_ptr()
             else:

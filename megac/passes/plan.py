@@ -108,6 +108,7 @@ def _shapes(lw: Lowering) -> dict[str, tuple[str, tuple, str, str]]:
         "page_table": ("int32", (L, R, max_blocks), "kv", ""),
         "seq_pos": ("int32", (R,), "kv", ""),
         "row_active": ("int32", (R,), "kv", ""),
+        "kv_tmaps": ("int32", (2, 32), "kv", "filled by the GPU backend from the pools; unused by the VM"),
     }
     out.update(step_buffers(geo))
     for f in abi.LAUNCH_DESC:

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 6
+#define MEGAC_ABI_VERSION 7
 
 namespace megac {
 
@@ -273,6 +273,7 @@ struct LaunchDesc {
   uint64_t page_table;  // [num_layers, max_rows, max_blocks_per_seq] int32, -1 = unmapped/released
   uint64_t seq_pos;  // [max_rows] int32: tokens already cached = position of the current token
   uint64_t row_active;  // [max_rows] int32: a 0 row attends over an empty span, reads and writes no KV, and its outputs are ignored
+  uint64_t kv_tmaps;  // two CUtensorMaps (K pool at +0, V pool at +128 bytes; 64-byte aligned) over the pools as [num_blocks, block_size, kv_heads, head_dim], box 16 tokens x 1 head x 64 dims, 128-byte swizzle, encoded by the host (megac.gpu.tensormap); a null pointer: the splits copy K/V in 16-byte pieces instead
   int32_t kv_block_size;  // tokens per KV block
   int32_t max_blocks_per_seq;  // page table row length
   uint64_t x_resid;  // fp32 [rows, hidden] residual stream

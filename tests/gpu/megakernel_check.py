@@ -540,7 +540,7 @@ def prebuild(only: list[str] | None = None) -> None:
     full = load_spec("north-mini-code")
     specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
         full, variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)]),
-        *scale.config_specs(), scale.context_spec(), *[scale.split_spec(t, m) for t, m in scale.SPLITS],
+        *scale.config_specs(), *[scale.context_spec(hd) for hd in scale.CONTEXT_HEAD_DIMS], *[scale.split_spec(t, m) for t, m in scale.SPLITS],
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
         *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)],
         *[scale.routed_spec(n) for n in ("tiny-moe", "north-mini-code")],

@@ -149,7 +149,11 @@ def check_configs() -> dict:
 
 
 # ---------------------------------------------------------------- contexts
-def context_spec():
+def context_spec(head_dim: int = 16):
+    """tiny-moe with full and sliding (window 1000: a split's first key is
+    rarely a multiple of 16) layers to 128K; ``head_dim`` 64 or 128: heads
+    whose splits copy K/V in tensor-copy boxes (attn_mma.cuh), 16 the
+    cp.async path."""
     from models import variant
 
     lay = [{"attention": "full", "window": None, "rope": True, "ffn": "dense"},
@@ -157,8 +161,13 @@ def context_spec():
            {"attention": "full", "window": None, "rope": False, "ffn": "moe"},
            {"attention": "sliding", "window": 1000, "rope": True, "ffn": "moe"}]
     base = __import__("megac.spec", fromlist=["load_spec"]).load_spec("tiny-moe")
-    return variant(base, "ctx-moe", layers=lay, max_context=131072,
-                   target={**base.target.model_dump(), "kv_block_size": 64, "attn_split_tokens": 1024})
+    extra = {} if head_dim == 16 else {"head_dim": head_dim, "q_width": base.num_heads * head_dim}
+    return variant(base, "ctx-moe" if head_dim == 16 else f"ctx-moe-hd{head_dim}", layers=lay, max_context=131072,
+                   target={**base.target.model_dump(), "kv_block_size": 64, "attn_split_tokens": 1024}, **extra)
+
+
+#: context_spec head sizes check contexts runs (16: cp.async splits; 64, 128: tensor-copy boxes)
+CONTEXT_HEAD_DIMS = (16, 64, 128)
 
 
 def _reference_run(w32, spec, prompt, tokens, chunk=4096):
@@ -183,11 +192,23 @@ def _reference_run(w32, spec, prompt, tokens, chunk=4096):
 
 
 def check_contexts() -> dict:
+    """context_spec at each CONTEXT_HEAD_DIMS head size (labels suffixed
+    _hd64 / _hd128), prompts to 128K, against the fp32 reference. With
+    64 / 128 the KV pools start as NaN, so a key the splits must mask (past
+    the row's last, or before a sliding window's first in a box) that leaked
+    into a sum would show."""
+    out = {}
+    for hd in CONTEXT_HEAD_DIMS:
+        got = _contexts(context_spec(hd), nan_pool=hd != 16)
+        out.update({(k if hd == 16 else f"{k}_hd{hd}"): v for k, v in got.items()})
+    return out
+
+
+def _contexts(spec, nan_pool: bool) -> dict:
     import torch
 
     from megac.weights import random_weights
 
-    spec = context_spec()
     w = random_weights(spec, seed=9, dtype=torch.bfloat16, device=DEV)
     w32 = w.to(torch.float32)
     g = torch.Generator().manual_seed(3)
@@ -196,6 +217,9 @@ def check_contexts() -> dict:
         prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in lens]
         eng = engine(spec, w, max_batch_size=len(lens), max_model_len=spec.max_context, prefill_chunk=4096,
                       kv_cache_memory_gb=8.0, prefix_caching=False)
+        if nan_pool:
+            eng.backend.kv.k_pool.fill_(float("nan"))
+            eng.backend.kv.v_pool.fill_(float("nan"))
         t0 = time.perf_counter()
         outs = generate_all(eng, prompts, steps)
         buckets = sorted({s.context for s in eng.backend.schedules.schedules})
@@ -700,6 +724,10 @@ VARIANTS = {
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
     "attn_tiles": {"MEGAC_ATTN_MMA": 0},  # attention splits on the CUDA cores (attn_tiles.cuh)
     "attn3": {"MEGAC_ATTN_MMA_STAGES": 3},  # tensor-core splits, 2 chunks in flight per warp
+    # the splits' K/V through 16-byte cp.async by every lane (the default: tensor-copy boxes where the
+    # launch has the pools' tensor maps; MEGAC_KV_TMAPS=0 takes the same path in the default build)
+    "attn_cpasync": {"MEGAC_ATTN_TMA": 0},
+    "attn_tma3": {"MEGAC_ATTN_TMA_STAGES": 3},  # tensor-copy rings of 3 chunks per warp
     # a split's page-table entries one chunk ahead (the default loads them at once up front)
     "attn_behind": {"MEGAC_ATTN_AHEAD": 0},
     # the GEMM tile inlined into each opcode (the default shares one copy: less cold code); the
@@ -996,7 +1024,7 @@ def check_order_variants() -> dict:
 
 #: attention split settings of North Mini Code compared by check_splits
 #: (target.attn_split_tokens, target.attn_max_splits)
-SPLITS = ((512, 32), (256, 32), (128, 64))
+SPLITS = ((512, 32), (256, 32), (128, 64), (1024, 32), (768, 32))
 
 
 def routed_spec(name: str, bound: int = 8, split_tokens: int | None = None):
@@ -1185,9 +1213,20 @@ def check_pipeline() -> dict:
 
 
 def check_splits() -> dict:
-    """North Mini Code with smaller attention splits (more, shorter
-    ATTN_DECODE / ATTN_DRAIN tasks): median kernel ms at batch 1 and 8, 8K."""
-    return _kernel_ms_of({f"{t}x{m}": split_spec(t, m) for t, m in SPLITS})
+    """North Mini Code with other attention splits (more, shorter or fewer,
+    longer ATTN_DECODE / ATTN_DRAIN tasks): median kernel ms at batch 1 and
+    8, 8K. MEGAC_SPLITS ("tokens:max_splits,..."; the first again last, for
+    the drift between), MEGAC_TILE_BATCHES / MEGAC_TILE_CONTEXTS: others."""
+    import os
+
+    pick = _cases(os.environ.get("MEGAC_SPLITS", ""))
+    if not pick:
+        return _kernel_ms_of({f"{t}x{m}": split_spec(t, m) for t, m in SPLITS})
+    specs = {f"{t}x{m}": split_spec(t, m) for t, m in pick}
+    specs[f"{pick[0][0]}x{pick[0][1]}_2"] = split_spec(*pick[0])
+    batches = tuple(int(b) for b in os.environ.get("MEGAC_TILE_BATCHES", "1,8").split(","))
+    contexts = tuple(int(c) for c in os.environ.get("MEGAC_TILE_CONTEXTS", "8192").split(","))
+    return _kernel_ms_of(specs, batches=batches, contexts=contexts)
 
 
 #: North Mini Code tile settings compared by check_tiles (target.tiles)

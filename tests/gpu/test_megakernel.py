@@ -107,6 +107,8 @@ def test_contexts_to_128k_match_the_fp32_reference(tmp_path):
     r = _run("contexts", tmp_path)
     lens = [x["len"] for lab in r.values() for x in lab["rows"]]
     assert max(lens) >= 131000 and 32765 in lens
+    # head sizes whose splits copy K/V in tensor-copy boxes, from NaN-filled pools
+    assert {"mixed_hd64", "128k_hd64", "mixed_hd128", "128k_hd128"} <= set(r), sorted(r)
     for lab in r.values():
         for x in lab["rows"]:
             assert x["min_cos"] >= 0.999, x

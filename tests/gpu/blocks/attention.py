@@ -144,24 +144,10 @@ def encode_pool_tmap(pool, rows: int):
     """Tensor map (CUtensorMap, 128 bytes) over a K or V pool
     [num_blocks, BLOCK, kv_heads, HD] bf16 for the tensor-copy producer:
     box = `rows` tokens x 1 head x 64 dims, 128-byte swizzle (the layout of
-    megac::attn::swz). Encoded by the driver (cuTensorMapEncodeTiled)."""
-    import ctypes  # noqa: PLC0415
+    megac::attn::swz): the megakernel's encoder (megac.gpu.tensormap)."""
+    from megac.gpu.tensormap import encode_pool  # noqa: PLC0415
 
-    nb, bs, kvh, hd = pool.shape
-    lib = ctypes.CDLL("libcuda.so.1")
-    raw = (ctypes.c_uint8 * 192)()
-    base = (ctypes.addressof(raw) + 63) // 64 * 64  # the map must be 64-byte aligned
-    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    dims = (u64 * 4)(hd, kvh, bs, nb)
-    strides = (u64 * 3)(hd * 2, kvh * hd * 2, bs * kvh * hd * 2)
-    box = (u32 * 4)(64, 1, rows, 1)
-    one = (u32 * 4)(1, 1, 1, 1)
-    # dtype bf16 = 9, interleave none = 0, swizzle 128B = 3, L2 promotion 256B = 3, oob fill none = 0
-    rc = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(base), 9, 4, ctypes.c_void_p(pool.data_ptr()), dims,
-                                    strides, box, one, 0, 3, 3, 0)
-    if rc != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed: CUresult {rc}")
-    return bytes((ctypes.c_uint8 * 128).from_address(base))
+    return encode_pool(pool, box_tokens=rows)
 
 
 def _tmap_args(st):
