@@ -95,6 +95,7 @@ __host__ __device__ constexpr bool tma_shape() {
 struct TmaState {
   uint64_t bar[kTmaMaxWarps][kTmaStages];
   uint32_t seq[kTmaMaxWarps];
+  uint32_t primed[kTmaMaxWarps];  // of the coming split's first chunks, issued before its task's waits
 };
 
 // Thread 0 at launch; visible after the task loop's first barrier.
@@ -102,8 +103,20 @@ __device__ __forceinline__ void tma_init(TmaState* st) {
   for (int w = 0; w < kTmaMaxWarps; ++w) {
     for (int s = 0; s < kTmaStages; ++s) mbar_init(&st->bar[w][s], 1);
     st->seq[w] = 0;
+    st->primed[w] = 0;
   }
   mbar_init_fence();
+}
+
+// Thread 0, when a task gave up after its split was primed: until the
+// primed chunks have landed (no copy outlives the CTA).
+__device__ __forceinline__ void tma_drain(TmaState* st) {
+  for (int w = 0; w < kTmaMaxWarps; ++w)
+    for (uint32_t i = 0; i < st->primed[w]; ++i) {
+      const uint32_t n = st->seq[w] + i;
+      while (!mbar_try_wait(&st->bar[w][n % kTmaStages], (n / kTmaStages) & 1u)) {
+      }
+    }
 }
 
 template <int HD, int G, int THREADS>
@@ -224,6 +237,47 @@ __device__ __forceinline__ void issue_tma(const Split& a, int key0, int blk, uin
   }
 }
 
+// Where a split's tensor-copy ring starts in the scratch (1024-byte aligned).
+__device__ __forceinline__ uint8_t* tma_region(uint8_t* sm_in) {
+  return sm_in + ((1024u - (smem_addr(sm_in) & 1023u)) & 1023u);
+}
+
+// The tensor-copy form applies to split `a` (its shape, the launch's maps, its block size).
+template <int HD>
+__device__ __forceinline__ bool tma_ok(const Split& a) {
+  return tma_shape<HD>() && a.tmaps != nullptr && a.block_size % 16 == 0;
+}
+
+// Lane `wi` (< W) of a warp that runs before a static split's waits: the
+// first chunks of warp wi's share of split `a` (at most a ring's worth)
+// whose keys all precede key `fresh` (the one this step writes: its K and V
+// are not there before the waits), onto warp wi's ring; split_impl takes
+// them from there (TmaState::primed). Why: a static split waits ~10 us for
+// its Q while the memory system has room (the QKV tiles and the routing
+// chain run then) and spends ~5 us of its run before its first chunk lands.
+template <int HD, int G, int THREADS>
+__device__ __forceinline__ void prime_warp(const Split& a, uint8_t* sm_in, TmaState* st, int wi, int fresh) {
+  using Sh = Shape<HD, G, THREADS>;
+  constexpr int W = Sh::W, KPC = Sh::KPC;
+  uint32_t k = 0;
+  if (tma_ok<HD>(a) && a.begin < a.end) {
+    const uint32_t base = smem_addr(tma_region(sm_in) + wi * Sh::kWarpT);
+    const int kb = a.begin & ~(KPC - 1);
+    const int nchunks = (a.end - kb + KPC - 1) / KPC;
+    const int count = nchunks > wi ? (nchunks - wi + W - 1) / W : 0;
+    const uint32_t seq = st->seq[wi];
+    for (int i = 0; i < kTmaStages && i < count; ++i) {
+      const int key0 = kb + (wi + i * W) * KPC;
+      if (key0 + KPC > fresh) break;  // later chunks of this warp are later keys still
+      const uint32_t n = seq + uint32_t(i);
+      issue_tma<HD, G, THREADS>(a, key0, __ldg(a.pt + key0 / a.block_size), base + (n % kTmaStages) * Sh::kStageT,
+                                &st->bar[wi][n % kTmaStages]);
+      ++k;
+    }
+  }
+  st->primed[wi] = k;
+}
+
 // Both forms of a split; kTma: the tensor-copy form (the caller checked
 // tma_ok), else 16-byte cp.async by every lane.
 template <int HD, int G, int THREADS, bool kTma>
@@ -238,7 +292,7 @@ __device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaSt
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   // the tensor-copy slots on 1024-byte boundaries
-  uint8_t* sm = kTma ? sm_in + ((1024u - (smem_addr(sm_in) & 1023u)) & 1023u) : sm_in;
+  uint8_t* sm = kTma ? tma_region(sm_in) : sm_in;
   uint8_t* mine = sm + warp * kWarp;
   const uint32_t base = smem_addr(mine);
   // chunks start at the split's first key (cp.async) or the multiple of 16 at or below it (boxes)
@@ -249,6 +303,7 @@ __device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaSt
   auto key0_of = [&](int i) { return kb + (warp + i * W) * KPC; };
   // tensor-copy ring: this warp's chunk i is its (seq0 + i)-th since the launch
   const uint32_t seq0 = kTma ? st->seq[warp] : 0u;
+  const int pre = kTma ? int(st->primed[warp]) : 0;  // chunks prime_warp issued already
 
 #if MEGAC_ATTN_AHEAD
   const int blk0 = a.begin / a.block_size;
@@ -281,7 +336,7 @@ __device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaSt
     if (lane == 0) {
 #pragma unroll
       for (int i = 0; i < S; ++i)
-        if (i < count) issue_tma<HD, G, THREADS>(a, key0_of(i), blk[i], slot_of(i), bar_of(i));
+        if (i < count && i >= pre) issue_tma<HD, G, THREADS>(a, key0_of(i), blk[i], slot_of(i), bar_of(i));
     }
   } else {
     int blk[S];
@@ -430,7 +485,10 @@ __device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaSt
     }
   }
   if constexpr (kTma) {
-    if (lane == 0) st->seq[warp] = seq0 + uint32_t(count);  // read again after the merge's barriers
+    if (lane == 0) {  // read again after the merge's barriers
+      st->seq[warp] = seq0 + uint32_t(count);
+      st->primed[warp] = 0;
+    }
   } else {
     cp_async_wait<0>();  // only empty groups can remain
     __syncwarp();
@@ -487,7 +545,7 @@ __device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaSt
 template <int HD, int G, int THREADS>
 __device__ MEGAC_ATTN_SPLIT_FN void split(const Split& a, uint8_t* sm, TmaState* st) {
   if constexpr (tma_shape<HD>()) {
-    if (a.tmaps != nullptr && a.block_size % 16 == 0) {
+    if (tma_ok<HD>(a)) {
       split_impl<HD, G, THREADS, true>(a, sm, st);
       return;
     }

@@ -65,6 +65,13 @@ __device__ __forceinline__ bool call(F f, const Ctx& c) {
 // defined here: the header belongs to the one translation unit of the kernel
 extern "C" __device__ unsigned long long* megakernel_profile = nullptr;
 #endif
+// 1: a static attention split (ATTN_DECODE) issues its first tensor-copy
+// chunks before its waits, through the warm hook (ops_attention.cuh
+// attn_prime, attn_mma.cuh prime_warp); 0: when it runs. Defined here: the
+// hook's guard below needs it.
+#ifndef MEGAC_ATTN_PRIME
+#define MEGAC_ATTN_PRIME 0
+#endif
 // uint64 words per task record: start, waits done, end, the opcode word, the marks
 constexpr int kProfileWords = 4 + kProfileMarks;
 
@@ -128,7 +135,7 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
       for (int i = 0; i < kProfileMarks; ++i) profile_marks[i] = 0;
     }
 #endif
-#if MEGAC_ATTN_WARM || MEGAC_NORM_WARM
+#if MEGAC_ATTN_WARM || MEGAC_NORM_WARM || MEGAC_ATTN_PRIME
     if (threadIdx.x < 32) Dispatch::warm(c, ts->w, threadIdx.x);
 #endif
     // weights never depend on the waits: a static GEMM's first chunks stream
@@ -146,6 +153,7 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ d
     if (!ts->ok) {
       cp_async_wait<0>();  // no copy of a primed tile outlives the CTA
       tc::drain(&ts->tc);
+      if (threadIdx.x == 0) attn_mma::tma_drain(&ts->tma);
       break;
     }
     const bool ok = Dispatch::run(c, op);

@@ -160,6 +160,26 @@ __device__ __forceinline__ void warm_split(const Ctx& c, int layer, int row, int
   }
 }
 
+// Lane `lane` of warp 0, before an ATTN_DECODE task's waits: warp `lane`'s
+// first chunks of the split onto its tensor-copy ring (attn_mma::prime_warp;
+// only keys older than this step's token: those do not depend on the waits).
+template <class M>
+__device__ __forceinline__ void attn_prime(const Ctx& c, const int32_t* w, int lane) {
+  if constexpr (AttnScratch<M>::kMma && attn_mma::tma_shape<M::HEAD_DIM>()) {
+    if (lane >= M::THREADS / 32) return;
+    const LaunchDesc* d = c.d;
+    const int layer = w[H_LAYER], row = w[f_attn_decode::ROW], kvh = w[f_attn_decode::KV_HEAD];
+    int begin, end;
+    split_keys(d, row, w[f_attn_decode::SPLIT], resolve(d, w[f_attn_decode::NUM_SPLITS]),
+               w[f_attn_decode::WINDOW], begin, end);
+    attn_tiles::Split a{nullptr, ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), page_row<M>(d, layer, row),
+                        M::KV_HEADS, kvh, d->kv_block_size, begin, end, 0.f, nullptr, nullptr};
+    a.tmaps = ptr<const void>(d->kv_tmaps);
+    attn_mma::prime_warp<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch, &c.ts->tma, lane,
+                                                          ptr<const int32_t>(d->seq_pos)[row]);
+  }
+}
+
 // Warp 0 (`lane` of 32), from an ATTN_DECODE task's words `w` before its
 // waits (its dynamic NUM_SPLITS not yet resolved).
 template <class M>
@@ -167,6 +187,9 @@ __device__ __forceinline__ void attn_warm(const Ctx& c, const int32_t* w, int la
 #if MEGAC_ATTN_WARM  // the warm hook also runs for MEGAC_NORM_WARM (ops_norm.cuh)
   warm_split<M>(c, w[H_LAYER], w[f_attn_decode::ROW], w[f_attn_decode::KV_HEAD], w[f_attn_decode::SPLIT],
                 resolve(c.d, w[f_attn_decode::NUM_SPLITS]), w[f_attn_decode::WINDOW], lane, 32);
+#endif
+#if MEGAC_ATTN_PRIME
+  attn_prime<M>(c, w, lane);
 #endif
 }
 

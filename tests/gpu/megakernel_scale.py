@@ -728,6 +728,8 @@ VARIANTS = {
     # launch has the pools' tensor maps; MEGAC_KV_TMAPS=0 takes the same path in the default build)
     "attn_cpasync": {"MEGAC_ATTN_TMA": 0},
     "attn_tma3": {"MEGAC_ATTN_TMA_STAGES": 3},  # tensor-copy rings of 3 chunks per warp
+    # a static split's first tensor-copy chunks issued before its waits (older keys only)
+    "attn_prime": {"MEGAC_ATTN_PRIME": 1},
     # a split's page-table entries one chunk ahead (the default loads them at once up front)
     "attn_behind": {"MEGAC_ATTN_AHEAD": 0},
     # the GEMM tile inlined into each opcode (the default shares one copy: less cold code); the
@@ -1071,7 +1073,10 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
     for name, spec in specs.items():
         if w is None:
             w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-        eng = engine(spec, w, max_batch_size=8, max_model_len=max(contexts) + 64, num_kv_blocks=40000)
+        from megac.decode_bench import pool_blocks
+
+        eng = engine(spec, w, max_batch_size=8, max_model_len=max(contexts) + 64,
+                     num_kv_blocks=max(40000, pool_blocks(spec, max(batches), max(contexts) + 64)))
         _noise_kv(eng)
         out[name] = {f"bs{b}" + ("" if contexts == (8192,) else f"_ctx{c}"): _step_times(eng, b, c, steps=steps)[
             "kernel_ms"] for c in contexts for b in batches}
