@@ -38,11 +38,12 @@ GLOBAL_CURSOR = str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml"
 #: per trace: the (model, context) of its schedule (batch 1, order tuned with
 #: the SM cursor of its day: every trace here predates the per-layer cursor)
 MODEL = {NMC_TRACE: NMC, NMC_TRACE_3: NMC, NMC_TRACE_5: NMC, NMC_TRACE_8: NMC, SMOL_TRACE_8: SMOL}
-#: the fourteenth session's step of today's default schedule (routed claims at batch 1,
-#: expert tiles of 256 features, QKV tiles of half a head): the bundled North Mini Code
-#: calibration's; and that step's kernel time without the profile's stamps
-NMC_TRACE_14_DEFAULT = ROOT / "benchmarks" / "profile-nmc-bs1-8k-qkv64-2026-12-03-h200-session14.trace.json.gz"
-NMC_CHECK_14 = ROOT / "benchmarks" / "megakernel-qkv64-default-2026-12-03-h200-session14.json"
+#: the fifteenth session's step of today's default schedule and device code (routed claims
+#: at batch 1, expert tiles of 256 features, QKV tiles of half a head, attention splits
+#: through the tensor-memory unit): the bundled North Mini Code calibration's; and that
+#: step's kernel time without the profile's stamps
+NMC_TRACE_15_DEFAULT = ROOT / "benchmarks" / "profile-nmc-bs1-8k-attn-tma-2026-12-03-h200-session15.trace.json.gz"
+NMC_CHECK_15 = ROOT / "benchmarks" / "megakernel-profile-attn-tma-2026-12-03-h200-session15.json"
 
 
 #: the expert tiles every trace and step up to the twelfth session ran
@@ -180,7 +181,7 @@ def test_a_claimers_own_time_is_not_charged_to_its_claims(schedule_of):
 @pytest.mark.parametrize("name, model_ctx", [("h200-north-mini-code", NMC), ("h200-smollm2-135m", SMOL)])
 def test_bundled_calibration_loads_and_matches_its_own_measurement(name, model_ctx, schedule_of):
     """Each bundled calibration predicts the step it was fitted from within
-    10 % (North Mini Code's: today's default schedule, fourteenth session,
+    10 % (North Mini Code's: today's default schedule, fifteenth session,
     against the kernel time of the step without the profile's stamps, which
     add ~4 % to the traced span; SmolLM2's: the eighth session's, under that
     day's SM cursor, against its traced span)."""
@@ -190,11 +191,11 @@ def test_bundled_calibration_loads_and_matches_its_own_measurement(name, model_c
         sched = schedule_of(model_ctx)
     cal = Calibration.load(resolve(name))
     assert "H200" in cal.source
-    trace = next(t for t in [*MODEL, NMC_TRACE_14_DEFAULT] if t.name in cal.source)  # the trace it was fitted from
+    trace = next(t for t in [*MODEL, NMC_TRACE_15_DEFAULT] if t.name in cal.source)  # the trace it was fitted from
     assert cal.measured_step_us == max(r["end_us"] for r in records_from_trace(json.load(gzip.open(trace))))
     step_us = cal.measured_step_us
     if model_ctx == NMC:
-        step_us = 1e3 * json.loads(NMC_CHECK_14.read_text())["profile"]["result"]["north-mini-code"]["kernel_ms"]
+        step_us = 1e3 * json.loads(NMC_CHECK_15.read_text())["profile"]["result"]["north-mini-code"]["kernel_ms"]
         assert 0.9 < step_us / cal.measured_step_us < 1.0  # the same step, unstamped
     assert abs(simulate(sched, cal.params()).step_us / step_us - 1) < 0.10
 
@@ -251,14 +252,14 @@ def test_bench_picks_the_bundled_calibration_of_this_gpu_and_model_only():
     assert bundled_for("north-mini-code", None) is None
 
 
-#: North Mini Code's decode steps measured on the H200 in the fourteenth session on
+#: North Mini Code's decode steps measured on the H200 in the fifteenth session on
 #: today's default schedules (megac bench --json)
-NMC_STEPS_14 = [ROOT / "benchmarks" / "bench-nmc-cuda-run2-2026-12-03-h200-session14.json",
-                ROOT / "benchmarks" / "bench-nmc-128k-cuda-2026-12-03-h200-session14.json"]
+NMC_STEPS_15 = [ROOT / "benchmarks" / "bench-nmc-cuda-run2-2026-12-03-h200-session15.json",
+                ROOT / "benchmarks" / "bench-nmc-128k-cuda-2026-12-03-h200-session15.json"]
 
 
 def _measured_ms(batch, context):
-    rows = [r for f in NMC_STEPS_14 for r in json.loads(f.read_text())["rows"]]
+    rows = [r for f in NMC_STEPS_15 for r in json.loads(f.read_text())["rows"]]
     return next(r["kernel_ms"] for r in rows if (r["batch"], r["context"]) == (batch, context))
 
 
