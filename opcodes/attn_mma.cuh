@@ -248,6 +248,21 @@ __device__ __forceinline__ bool tma_ok(const Split& a) {
   return tma_shape<HD>() && a.tmaps != nullptr && a.block_size % 16 == 0;
 }
 
+// Warp `warp`'s share of a split's 16-key chunks (chunk c belongs to warp
+// c % W): they start at the split's first key, or (boxes) at the multiple
+// of 16 at or below it; split_impl and prime_warp walk the same chunks.
+template <int W, int KPC>
+struct WarpChunks {
+  int kb, count, warp;
+  __device__ __forceinline__ WarpChunks(const Split& a, bool boxes, int warp_) : warp(warp_) {
+    kb = boxes ? a.begin & ~(KPC - 1) : a.begin;
+    const int nkeys = a.end > a.begin ? a.end - kb : 0;
+    const int nchunks = (nkeys + KPC - 1) / KPC;
+    count = nchunks > warp ? (nchunks - warp + W - 1) / W : 0;
+  }
+  __device__ __forceinline__ int key0(int i) const { return kb + (warp + i * W) * KPC; }
+};
+
 // Lane `wi` (< W) of a warp that runs before a static split's waits: the
 // first chunks of warp wi's share of split `a` (at most a ring's worth)
 // whose keys all precede key `fresh` (the one this step writes: its K and V
@@ -262,12 +277,10 @@ __device__ __forceinline__ void prime_warp(const Split& a, uint8_t* sm_in, TmaSt
   uint32_t k = 0;
   if (tma_ok<HD>(a) && a.begin < a.end) {
     const uint32_t base = smem_addr(tma_region(sm_in) + wi * Sh::kWarpT);
-    const int kb = a.begin & ~(KPC - 1);
-    const int nchunks = (a.end - kb + KPC - 1) / KPC;
-    const int count = nchunks > wi ? (nchunks - wi + W - 1) / W : 0;
+    const WarpChunks<W, KPC> ch(a, true, wi);
     const uint32_t seq = st->seq[wi];
-    for (int i = 0; i < kTmaStages && i < count; ++i) {
-      const int key0 = kb + (wi + i * W) * KPC;
+    for (int i = 0; i < kTmaStages && i < ch.count; ++i) {
+      const int key0 = ch.key0(i);
       if (key0 + KPC > fresh) break;  // later chunks of this warp are later keys still
       const uint32_t n = seq + uint32_t(i);
       issue_tma<HD, G, THREADS>(a, key0, __ldg(a.pt + key0 / a.block_size), base + (n % kTmaStages) * Sh::kStageT,
@@ -295,12 +308,9 @@ __device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaSt
   uint8_t* sm = kTma ? tma_region(sm_in) : sm_in;
   uint8_t* mine = sm + warp * kWarp;
   const uint32_t base = smem_addr(mine);
-  // chunks start at the split's first key (cp.async) or the multiple of 16 at or below it (boxes)
-  const int kb = kTma ? a.begin & ~(KPC - 1) : a.begin;
-  const int nkeys = a.end > a.begin ? a.end - kb : 0;
-  const int nchunks = (nkeys + KPC - 1) / KPC;
-  const int count = nchunks > warp ? (nchunks - warp + W - 1) / W : 0;  // this warp's chunks
-  auto key0_of = [&](int i) { return kb + (warp + i * W) * KPC; };
+  const WarpChunks<W, KPC> ch(a, kTma, warp);
+  const int count = ch.count;  // this warp's chunks
+  auto key0_of = [&](int i) { return ch.key0(i); };
   // tensor-copy ring: this warp's chunk i is its (seq0 + i)-th since the launch
   const uint32_t seq0 = kTma ? st->seq[warp] : 0u;
   const int pre = kTma ? int(st->primed[warp]) : 0;  // chunks prime_warp issued already

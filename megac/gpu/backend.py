@@ -169,6 +169,8 @@ class CudaBackend(TorchPrefillMixin):
         self._step_graphs: dict = {}
         self._desc_cache: dict = {}
         self._mb_cache: dict = {}
+        #: the pools' tensor maps and the (pool addresses, shape) they were encoded for (_kv_tmaps_ptr)
+        self._tmaps = self._tmaps_key = None
         self.host: dict = {}
         self.reserve_counters(0)
         self._status_host = torch.zeros(tuple(self.buf["status"].shape), dtype=torch.int32).pin_memory()
@@ -266,7 +268,7 @@ class CudaBackend(TorchPrefillMixin):
         if os.environ.get("MEGAC_KV_TMAPS", "1") == "0":
             return 0
         key = (self.kv.k_pool.data_ptr(), self.kv.v_pool.data_ptr(), tuple(self.kv.k_pool.shape))
-        if getattr(self, "_tmaps_key", None) != key:
+        if self._tmaps_key != key:
             self._tmaps = kv_tmaps(self.kv.k_pool, self.kv.v_pool)
             self._tmaps_key = key
         return 0 if self._tmaps is None else self._tmaps.data_ptr()

@@ -1066,6 +1066,7 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
 
     import torch
 
+    from megac.decode_bench import pool_blocks
     from megac.weights import random_weights
 
     out = {}
@@ -1073,8 +1074,6 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
     for name, spec in specs.items():
         if w is None:
             w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-        from megac.decode_bench import pool_blocks
-
         eng = engine(spec, w, max_batch_size=8, max_model_len=max(contexts) + 64,
                      num_kv_blocks=max(40000, pool_blocks(spec, max(batches), max(contexts) + 64)))
         _noise_kv(eng)
@@ -1217,6 +1216,14 @@ def check_pipeline() -> dict:
     return out
 
 
+def _tile_grid() -> tuple:
+    """(batches, contexts) of checks tiles and splits: MEGAC_TILE_BATCHES /
+    MEGAC_TILE_CONTEXTS (comma lists), else batch 1 and 8 at 8K."""
+    batches = tuple(int(b) for b in os.environ.get("MEGAC_TILE_BATCHES", "1,8").split(","))
+    contexts = tuple(int(c) for c in os.environ.get("MEGAC_TILE_CONTEXTS", "8192").split(","))
+    return batches, contexts
+
+
 def check_splits() -> dict:
     """North Mini Code with other attention splits (more, shorter or fewer,
     longer ATTN_DECODE / ATTN_DRAIN tasks): median kernel ms at batch 1 and
@@ -1229,8 +1236,7 @@ def check_splits() -> dict:
         return _kernel_ms_of({f"{t}x{m}": split_spec(t, m) for t, m in SPLITS})
     specs = {f"{t}x{m}": split_spec(t, m) for t, m in pick}
     specs[f"{pick[0][0]}x{pick[0][1]}_2"] = split_spec(*pick[0])
-    batches = tuple(int(b) for b in os.environ.get("MEGAC_TILE_BATCHES", "1,8").split(","))
-    contexts = tuple(int(c) for c in os.environ.get("MEGAC_TILE_CONTEXTS", "8192").split(","))
+    batches, contexts = _tile_grid()
     return _kernel_ms_of(specs, batches=batches, contexts=contexts)
 
 
@@ -1284,8 +1290,7 @@ def check_tiles() -> dict:
     names = [n for n in (pick.split(",") if pick else TILES) if n != "default"]
     specs = {"default": tile_spec("default", {}), **{n: tile_spec(n, TILES[n]) for n in names},
              "default_2": tile_spec("default", {})}
-    batches = tuple(int(b) for b in os.environ.get("MEGAC_TILE_BATCHES", "1,8").split(","))
-    contexts = tuple(int(c) for c in os.environ.get("MEGAC_TILE_CONTEXTS", "8192").split(","))
+    batches, contexts = _tile_grid()
     return _kernel_ms_of(specs, bits=True, batches=batches, contexts=contexts)
 
 
