@@ -267,11 +267,51 @@ __device__ __forceinline__ bool moe_upgate_drain(const Ctx& c) {
                     [&]() { moe_up_tile<M>(c); }, M::NUM_LAYERS);
 }
 
+// A down claim whose expert's up tiles are still running pulls its whole
+// tile toward L2 before its wait (thread 0: one bulk prefetch per 16-row
+// group). At batch 1 the down claimers claim ~20 us before their inputs
+// are ready (fifteenth session's trace: claimed at ~15 us into a sliding
+// layer, up tiles done at ~35), their SMs idle meanwhile; after the wait the
+// tile then streams from L2, and the O-projection queued behind the claim
+// (the layer's tail) starts sooner. Only where the wait is not yet met: an
+// SM about to stream would queue its ring's copies behind the prefetches
+// (eleventh session). 1: normal priority; 2: evict_last (the expert
+// streams between are evict_first); 0: off.
+#ifndef MEGAC_DOWN_CLAIM_L2
+#define MEGAC_DOWN_CLAIM_L2 0
+#endif
+
+template <class M>
+__device__ __forceinline__ void down_claim_l2(const Ctx& c, const int32_t* rec) {
+  if constexpr (MEGAC_DOWN_CLAIM_L2 > 0) {
+    const int32_t* w = c.ts->w;
+    const int32_t wb = w[f_moe_down_drain::TASK_WAIT_BASE];
+    if (wb < 0) return;
+    const uint32_t* ctr = ptr<const uint32_t>(c.d->counters) + wb + rec[rec_moe_down::EXPERT];
+    if (ld_relaxed_gpu(ctr) >= static_cast<uint32_t>(resolve(c.d, w[f_moe_down_drain::TASK_WAIT_TARGET]))) return;
+    const WeightSpan s = moe_down_weights<M>(c, rec);
+    if (!s.tiled && s.cols != s.ld) return;  // a 16-row group is one contiguous run in these layouts
+    const uint32_t row_bytes = uint32_t(s.cols) * 2u;
+    [[maybe_unused]] uint64_t policy = 0;
+    if constexpr (MEGAC_DOWN_CLAIM_L2 == 2) policy = l2_evict_last_policy();
+    for (int r0 = 0; r0 < s.rows; r0 += 16) {
+      const uint32_t bytes = uint32_t(min(16, s.rows - r0)) * row_bytes;
+      if constexpr (MEGAC_DOWN_CLAIM_L2 == 2)
+        prefetch_l2_hint(s.p + int64_t(r0) * s.ld, bytes, policy);
+      else
+        prefetch_l2(s.p + int64_t(r0) * s.ld, bytes);
+    }
+  }
+}
+
 template <class M>
 __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
   return claim_loop(c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, f_moe_down_drain::TASK_WAIT_BASE,
                     f_moe_down_drain::TASK_WAIT_TARGET, f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{},
-                    [&](const int32_t* rec) { rows::prefetch_head(moe_down_weights<M>(c, rec), 0, 1); },
+                    [&](const int32_t* rec) {
+                      rows::prefetch_head(moe_down_weights<M>(c, rec), 0, 1);
+                      down_claim_l2<M>(c, rec);
+                    },
                     [&]() { moe_down_tile<M>(c); }, M::NUM_LAYERS);
 }
 

@@ -201,3 +201,44 @@ def test_a_claimer_wave_cannot_be_placed(tmp_path):
     bad = tmp_path / "claimers.yaml"
     bad.write_text(yaml.safe_dump(doc))
     assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "moe_down", "claimer wave")
+
+
+HALF = schedules_dir() / "experiments" / "attn-half.yaml"
+
+
+def test_a_wave_on_a_share_of_the_sms_is_dealt_over_that_many():
+    """``{wave: attn, share: 0.5}``: at batch 8 a sliding layer's 256 splits
+    run on 66 consecutive SMs, 3-4 each; the
+    placed combine on those SMs; every SM still holds one claimer of each
+    queue; the schedule verifies (compile_one runs every pass's checks) and
+    a full layer's claimed attention ignores the share."""
+    from collections import Counter
+
+    from megac.passes.pipeline import compile_one
+
+    spec = load_spec("north-mini-code")
+    tuned = compile_one(spec, order="tuned", rows=8, context=8192)
+    half = compile_one(spec, order=str(HALF), rows=8, context=8192)
+    assert half.num_tasks == tuned.num_tasks
+    S = tuned.num_sms
+    for layer in (1, 10):
+        got, want = _layer_sms(half, layer), _layer_sms(tuned, layer)
+        per = Counter(got["ATTN_DECODE"])
+        assert len(per) == round(0.5 * S) and len(got["ATTN_DECODE"]) == len(want["ATTN_DECODE"]) == 256
+        assert max(per.values()) - min(per.values()) <= 1
+        sms = sorted(per)
+        gaps = [(b - a) % S for a, b in zip(sms, sms[1:] + sms[:1])]
+        assert sorted(gaps)[:-1] == [1] * (len(sms) - 1), "not one run of consecutive SMs"
+        assert set(got["ATTN_COMBINE"]) <= set(per)
+        for op in ("MOE_UPGATE_DRAIN", "MOE_DOWN_DRAIN"):
+            assert sorted(got[op]) == list(range(S)), op
+    # a full layer's attention is claimed by every SM: as tuned
+    full = _layer_sms(half, 4)
+    assert sorted(full["ATTN_DRAIN"]) == list(range(S))
+
+
+@pytest.mark.parametrize("share", ["0", "1.5", "-0.2", "half", "true"])
+def test_a_bad_share_is_one_line(tmp_path, share):
+    bad = tmp_path / "share.yaml"
+    bad.write_text(HALF.read_text().replace("share: 0.5", f"share: {share}"))
+    assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "layers.moe[5]", "0 < f <= 1")

@@ -10,7 +10,13 @@ in the list but run on the SMs of the earlier waves b (and c), dealt round
 robin over their tasks (a's task j goes where host task j mod #hosts went),
 and move no cursor: the waves after are dealt as if a were not there. This
 says "the O-projection on the SMs that ran attention", whose SMs are free
-when it is ready while the others still stream experts. Each node kind of
+when it is ready while the others still stream experts. ``{wave: a, share:
+f}`` (0 < f <= 1) deals a's tasks round robin over only ``round(f *
+num_sms)`` consecutive SMs from the cursor (task j on cursor + j mod width)
+and moves the cursor past them: "attention on half the SMs", so that at
+batch 8 the other half reaches its expert claims while the splits run
+instead of after two rounds of them (a claimer wave, on every SM by
+design, ignores its share). Each node kind of
 a layer appears exactly once; an omitted, repeated or unknown wave, or a
 host that is not an earlier dealt wave, is rejected with a one-line error
 naming the file and the wave. A claimer host (attention claimed by every
@@ -68,6 +74,18 @@ def schedule_path(order: str) -> Path:
     return schedules_dir() / f"{order}.yaml"
 
 
+class Narrow(tuple):
+    """A wave dealt over a share of the SMs: (name, share)."""
+
+    @property
+    def name(self) -> str:
+        return self[0]
+
+    @property
+    def share(self) -> float:
+        return self[1]
+
+
 class Placed(tuple):
     """A wave dealt on other waves' SMs: (name, hosts)."""
 
@@ -81,7 +99,7 @@ class Placed(tuple):
 
 
 def _wave_name(w) -> str:
-    if isinstance(w, Placed):
+    if isinstance(w, (Placed, Narrow)):
         return w.name
     return w if isinstance(w, str) else "interleave(" + ",".join(w) + ")"
 
@@ -113,9 +131,17 @@ def parse_waves(raw, where: str, expected: tuple[str, ...]) -> list:
                                      f"wave dealt earlier in this list")
             names = [w["wave"]]
             out.append(Placed((w["wave"], tuple(hosts))))
+        elif isinstance(w, dict) and set(w) == {"wave", "share"}:
+            f = w["share"]
+            if not isinstance(w["wave"], str) or isinstance(f, bool) or not isinstance(f, (int, float)) \
+                    or not 0 < f <= 1:
+                raise OrderError(f"{where}[{i}]: a wave on a share of the SMs is {{wave: a, share: f}} with "
+                                 f"0 < f <= 1 (got {w!r})")
+            names = [w["wave"]]
+            out.append(Narrow((w["wave"], float(f))))
         else:
-            raise OrderError(f"{where}[{i}]: a wave is a node kind, {{interleave: [a, b]}} or "
-                             f"{{wave: a, sms_of: b}} (got {w!r})")
+            raise OrderError(f"{where}[{i}]: a wave is a node kind, {{interleave: [a, b]}}, "
+                             f"{{wave: a, sms_of: b}} or {{wave: a, share: f}} (got {w!r})")
         if not isinstance(out[-1], Placed):
             dealt += names
         for n in names:
@@ -187,6 +213,9 @@ def run(lw: Lowering) -> str:
         {"moe_gather"} if geo.fused_gather or geo.routed_claims else set())
 
     g_host = []
+    # per entry: the cursor's advance and the offset from the advanced
+    # cursor (a narrow wave's task j >= width goes back to cursor + j mod width)
+    g_adv, g_back = [], []
     placed_waves = 0
     count = 0  # entries emitted so far: the next entry's global position
 
@@ -196,9 +225,12 @@ def run(lw: Lowering) -> str:
         rec = []
         where: dict[str, np.ndarray] = {}  # wave part -> global positions of its entries
         for w in wave_list:
-            hosts = None
+            hosts, width = None, None
             if isinstance(w, Placed):
                 hosts = [where[h] for h in w.hosts if h in where]
+                w = w.name
+            elif isinstance(w, Narrow):
+                width = max(1, min(num_sms, round(w.share * num_sms)))
                 w = w.name
             parts = [p for p in ([w] if isinstance(w, str) else list(w)) if p not in absent]
             if not parts:
@@ -235,10 +267,20 @@ def run(lw: Lowering) -> str:
                 hp = np.concatenate(hosts)
                 h_ = hp[np.arange(len(n_)) % len(hp)]
                 placed_waves += 1
+            adv = np.where(h_ < 0, 1, 0).astype(np.int64)
+            back = np.zeros(len(n_), dtype=np.int64)
+            # a claimer wave (attention claimed by every SM in a long full
+            # layer) runs on every SM: its share is moot, it is dealt in place
+            if width is not None and (c_ < 0).all():
+                j = np.arange(len(n_), dtype=np.int64)
+                adv = (j < width).astype(np.int64)
+                back = np.where(j < width, 0, j % width - width)
             g_node.append(n_)
             g_task.append(t_)
             g_cl.append(c_)
             g_host.append(h_)
+            g_adv.append(adv)
+            g_back.append(back)
             count += len(n_)
             rec.append((_wave_name(w), int(len(n_))))
         if record:
@@ -257,13 +299,16 @@ def run(lw: Lowering) -> str:
     n = len(lw.g_node)
     lw.g_host = np.concatenate(g_host)
     dealt = lw.g_host < 0
-    # the cursor counts dealt entries only (a placed wave moves it not)
-    cursor = np.cumsum(dealt) - dealt
+    # the cursor counts dealt entries only (a placed wave moves it not; a
+    # narrow wave by its width at most)
+    adv = np.concatenate(g_adv)
+    cursor = np.cumsum(adv) - adv
     if spec_order["sm_cursor"] == "layer":
         # a layer's tasks (the final waves': layer num_layers) are contiguous in the list
         layer = np.array([nt.layer for nt in lw.nodes], dtype=np.int64)[lw.g_node]
         starts = np.flatnonzero(np.r_[True, layer[1:] != layer[:-1]])
         cursor = cursor - np.repeat(cursor[starts], np.diff(np.r_[starts, n]))
+    cursor = cursor + np.concatenate(g_back)
     lw.g_cursor = np.where(dealt, cursor, -1)
     lw.g_task = np.concatenate(g_task)
     lw.g_claimer = np.concatenate(g_cl)
@@ -329,5 +374,5 @@ def ensures(lw: Lowering) -> None:
                                       f"first claimer at {int(first)}")
 
 
-__all__ = ["NAME", "ORDERS", "OrderError", "Placed", "ensures", "load_order", "parse_waves",
+__all__ = ["NAME", "ORDERS", "Narrow", "OrderError", "Placed", "ensures", "load_order", "parse_waves",
            "requires", "run", "schedule_path"]

@@ -755,9 +755,13 @@ VARIANTS = {
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
     "pf_up64": {"MEGAC_TOPK_PREFETCH_UP_KB": 64},
     "pf_up32_dn24": {"MEGAC_TOPK_PREFETCH_UP_KB": 32, "MEGAC_TOPK_PREFETCH_DOWN_KB": 24},
+    # a down claim whose inputs are not ready pulls its whole tile toward L2 before its wait
+    # (ops_moe.cuh); 2: evict_last
+    "down_l2": {"MEGAC_DOWN_CLAIM_L2": 1},
+    "down_l2_last": {"MEGAC_DOWN_CLAIM_L2": 2},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24"}
+MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
@@ -990,7 +994,8 @@ def variant_orders() -> list[str]:
 
 def check_order_variants() -> dict:
     """North Mini Code, every (wave order, VARIANTS build) pair: median
-    kernel ms at batch 1 and 8, 8K, interleaved over the builds (2 rounds)
+    kernel ms at batch 1 and 8, 8K (MEGAC_TILE_BATCHES / MEGAC_TILE_CONTEXTS:
+    others), interleaved over the builds (2 rounds)
     within one engine per order (one after the other: two engines of this
     model do not fit beside each other), on the same random weights; and
     whether each pair's greedy tokens and logits over 8 rows equal the first
@@ -1002,16 +1007,22 @@ def check_order_variants() -> dict:
     from megac.spec import load_spec
     from megac.weights import random_weights
 
+    from megac.decode_bench import pool_blocks
+
     spec = load_spec("north-mini-code")
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    batches, contexts = _tile_grid()
+    cases = tuple((b, c) for b in batches for c in contexts)
     out, ref = {}, None
-    for order in variant_orders():
-        eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, num_kv_blocks=40000, order=order)
+    for i, order in enumerate(variant_orders()):
+        eng = engine(spec, w, max_batch_size=max(batches), max_model_len=max(contexts) + 64,
+                     num_kv_blocks=max(40000, pool_blocks(spec, max(batches), max(contexts) + 64)), order=order)
         _noise_kv(eng)
         cubins = {v: variant_cubin(spec, d, order) for v, d in variants_for(spec).items()}
-        times = interleaved_kernel_ms(eng, cubins, ((1, 8192), (8, 8192)))
+        times = interleaved_kernel_ms(eng, cubins, cases)
         for v, cubin in cubins.items():
-            key = f"{Path(order).stem}:{v}"
+            # an order named twice (the first again last, for the drift between) keeps both rows
+            key = f"{Path(order).stem}:{v}" + (f"#{i}" if f"{Path(order).stem}:{v}" in out else "")
             got = greedy_bits(eng, cubin)
             ref = ref or got
             out[key] = {**times[v], "bits_equal_first": same_bits(ref, got)}
