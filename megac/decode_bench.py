@@ -62,12 +62,12 @@ def pool_blocks(spec, rows: int, longest: int) -> int:
     rows_at and decode steps: each row's steady state plus, per sliding
     layer, what one fill piece maps before the window lets it go (a window
     shorter than a piece holds the whole piece for a moment)."""
-    from megac.kv.paged import blocks_for_tokens
+    from megac.kv.paged import peak_blocks_for_tokens
 
     bs = spec.target.kv_block_size
     piece = -(-min(FILL_PIECE, longest) // bs) + 1
     sliding = sum(1 for layer in spec.layers if layer.window is not None)
-    return rows * (blocks_for_tokens(spec, longest) + sliding * piece)
+    return rows * (peak_blocks_for_tokens(spec, longest) + sliding * piece)
 
 
 def rows_at(kv, batch: int, context: int) -> list[int]:

@@ -13,7 +13,7 @@ from typing import Callable
 
 from megac.engine.scheduler import Engine, EngineConfig
 from megac.errors import MegacError
-from megac.kv.paged import PagedKVCache, blocks_for_tokens
+from megac.kv.paged import PagedKVCache, peak_blocks_for_tokens
 from megac.runtime.artifacts import load_or_compile
 from megac.runtime.backends import make_backend, needs_schedules, resolve_kind, runs_on_gpu
 from megac.runtime.schedules import ScheduleSet
@@ -86,19 +86,20 @@ def fit_max_model_len(spec, asked: int | None, budget_blocks: int, block_size: i
     model's max_context): ``asked`` when it fits, else a one-line error; with
     nothing asked, the longest that fits (and at least 2 tokens' worth)."""
     want = asked or spec.max_context
-    if blocks_for_tokens(spec, want, block_size) <= budget_blocks:
+    if peak_blocks_for_tokens(spec, want, block_size) <= budget_blocks:
         return want
     if asked:
-        raise MegacError(f"--max-model-len {asked}: one request needs {blocks_for_tokens(spec, asked, block_size)} "
+        need = peak_blocks_for_tokens(spec, asked, block_size)
+        raise MegacError(f"--max-model-len {asked}: one request needs {need} "
                          f"KV blocks, the KV budget holds {budget_blocks}; lower --max-model-len or raise "
                          f"--kv-cache-memory / --gpu-memory-utilization")
-    lo, hi = 2, want  # the largest length whose blocks fit (blocks grow with tokens)
-    if blocks_for_tokens(spec, lo, block_size) > budget_blocks:
+    lo, hi = 2, want  # the largest length whose blocks fit (the peak grows with tokens)
+    if peak_blocks_for_tokens(spec, lo, block_size) > budget_blocks:
         raise MegacError(f"the KV budget holds {budget_blocks} blocks, less than one request of 2 tokens needs; "
                          f"raise --kv-cache-memory / --gpu-memory-utilization")
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if blocks_for_tokens(spec, mid, block_size) <= budget_blocks else (lo, mid - 1)
+        lo, hi = (mid, hi) if peak_blocks_for_tokens(spec, mid, block_size) <= budget_blocks else (lo, mid - 1)
     return lo
 
 
@@ -169,7 +170,7 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
         log.info("%s", why)
     if opts.num_kv_blocks:
         num_blocks = opts.num_kv_blocks
-        per_request = blocks_for_tokens(spec, mml, bs)
+        per_request = peak_blocks_for_tokens(spec, mml, bs)
     else:
         elem = weights.dtype.itemsize
         block_bytes = 2 * bs * spec.num_kv_heads * spec.head_dim * elem
@@ -183,7 +184,7 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
                 log.info("max model length %d -> %d (what the KV budget of %d blocks holds for one request)",
                          mml, fitted, budget)
             mml = fitted
-        per_request = blocks_for_tokens(spec, mml, bs)
+        per_request = peak_blocks_for_tokens(spec, mml, bs)
         num_blocks = max(per_request, min(batch * per_request, budget))
     kv = PagedKVCache(spec, max_rows=batch, num_blocks=num_blocks, max_context=mml,
                       dtype=weights.dtype, block_size=bs, device=device)

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from megac.engine.prefix_cache import PrefixCache
 from megac.engine.request import Phase, Request, Status
 from megac.errors import MegacError
-from megac.kv.paged import KVOutOfBlocks, blocks_for_tokens
+from megac.kv.paged import KVOutOfBlocks, blocks_for_tokens, peak_blocks_for_tokens
 from megac.runtime.backend import decode_and_sample, run_greedy
 from megac.sampling import RowSampling, needs_logits, sample_row
 
@@ -138,10 +138,15 @@ class Engine:
         """Blocks (all layers) a row holding ``tokens`` tokens maps."""
         return blocks_for_tokens(self.spec, tokens, self.kv.block_size)
 
+    def peak_blocks(self, tokens: int) -> int:
+        """Blocks a row needs at most on its way to ``tokens`` tokens (sliding
+        windows make the count at the end smaller than on the way)."""
+        return peak_blocks_for_tokens(self.spec, tokens, self.kv.block_size)
+
     def check_fits(self, tokens: int) -> str | None:
         """Why a request of ``tokens`` tokens (prompt + max new) can never
         run, or None."""
-        need = self.blocks_needed(tokens)
+        need = self.peak_blocks(tokens)
         if need > self.kv.num_blocks:
             return (f"prompt + max_tokens ({tokens} tokens) needs {need} KV blocks but the pool has "
                     f"{self.kv.num_blocks}")
@@ -151,11 +156,11 @@ class Engine:
         """Most new tokens a request with ``prompt_len`` prompt tokens can
         ever get from the whole pool (0: not even the prompt fits)."""
         lo, hi = 0, max(0, self.kv.max_context - prompt_len)
-        if self.blocks_needed(prompt_len + 1) > self.kv.num_blocks:
+        if self.peak_blocks(prompt_len + 1) > self.kv.num_blocks:
             return 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.blocks_needed(prompt_len + mid) <= self.kv.num_blocks:
+            if self.peak_blocks(prompt_len + mid) <= self.kv.num_blocks:
                 lo = mid
             else:
                 hi = mid - 1

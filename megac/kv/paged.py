@@ -38,6 +38,7 @@ changes (the server preempts a row and retries).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -111,6 +112,36 @@ def blocks_for_tokens(spec: "ModelSpec", tokens: int, block_size: int | None = N
         if layer.window is not None and tokens > 0:
             first = max(0, tokens - layer.window) // bs
         n += last_block - first + 1
+    return n
+
+
+@functools.lru_cache(maxsize=4096)
+def _sliding_peak(window: int, bs: int, tokens: int) -> int:
+    """The most blocks a sliding layer of ``window`` keys holds while a row
+    grows to ``tokens`` positions (``tokens`` past ``window + bs`` changes
+    nothing: past the window the count repeats with period ``bs``)."""
+    best = (min(tokens, window) - 1) // bs + 1
+    for t in range(window + 1, min(tokens, window + bs) + 1):
+        best = max(best, (t - 1) // bs - (t - window) // bs + 1)
+    return best
+
+
+def peak_blocks_for_tokens(spec: "ModelSpec", tokens: int, block_size: int | None = None) -> int:
+    """The most blocks (all layers together) one row holds on its way to
+    ``tokens`` positions: what a pool must hold for the row to get there.
+    :func:`blocks_for_tokens` is not monotone where a window is short next to
+    a block: a window of 8 keys on blocks of 16 holds 2 blocks at 17-23
+    tokens and 1 at 24, so a pool sized for a row's final length could
+    never let it grow through the middle (the engine waited forever)."""
+    bs = block_size or spec.target.kv_block_size
+    if tokens <= 0:
+        return 0
+    n = 0
+    for layer in spec.layers:
+        if layer.window is None:
+            n += (tokens - 1) // bs + 1
+        else:
+            n += _sliding_peak(int(layer.window), bs, min(tokens, int(layer.window) + bs))
     return n
 
 

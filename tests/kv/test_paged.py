@@ -355,3 +355,46 @@ def test_fast_append_path_equals_general_path(moe):
         assert np.array_equal(caches[0].page_table, caches[1].page_table), it
         assert np.array_equal(caches[0].seq_pos, caches[1].seq_pos)
         assert np.array_equal(caches[0]._floor, caches[1]._floor)
+
+
+@pytest.mark.parametrize("window, bs", [(WINDOW, BS), (4096, 64), (5, 16), (16, 16), (17, 16), (40, 8), (1, 4)])
+def test_peak_blocks_is_the_most_a_growing_row_holds(moe, window, bs):
+    """With a window short next to a block the blocks a row holds are not
+    monotone in its length (window 8, blocks of 16: 2 blocks per sliding
+    layer at 17-23 tokens, 1 at 24); the peak is the running maximum, counted
+    here by a row that actually grows one token at a time."""
+    from megac.kv import peak_blocks_for_tokens
+
+    layers = [l.model_dump() for l in moe.layers]
+    for l in layers:
+        if l["window"] is not None:
+            l["window"] = window
+    spec = variant(moe, f"peak-{window}-{bs}", layers=layers,
+                   target={**moe.target.model_dump(), "kv_block_size": bs})
+    kv = _cache(spec, rows=1, blocks=4096, max_context=window + 4 * bs + 8)
+    row = kv.allocate_row()
+    most = 0
+    for t in range(1, window + 4 * bs + 3):
+        kv.append_slot(row)
+        kv.advance(row, 1)
+        held = sum(len(_held_blocks(kv, layer, row)) for layer in range(len(spec.layers)))
+        assert held == blocks_for_tokens(spec, t, bs), t
+        most = max(most, held)
+        assert peak_blocks_for_tokens(spec, t, bs) == most, t
+
+
+def test_a_pool_sized_for_a_short_window_lets_a_row_grow_through_it():
+    """tiny-moe (windows of 8 keys, blocks of 16) with room for one request of
+    24 tokens: the pool must hold the 12 blocks the row needs at 17-23
+    tokens, not the 8 it holds at 24 (sized by the end, a 19-token prompt
+    waited for blocks forever and the engine never became idle)."""
+    from engines import run
+    from megac.passes.pipeline import compile_schedules
+    from megac.weights import random_weights
+
+    spec = load_spec("tiny-moe")
+    sch = compile_schedules(spec, batch_sizes=[1], buckets=[1024])
+    w = random_weights(spec, seed=3)
+    for n in (18, 19, 21):
+        out = run(spec, w, sch, [list(range(3, 3 + n))], max_tokens=5, eos_token_ids=[])
+        assert len(out[0].tokens) == 5, n
