@@ -30,7 +30,7 @@ import numpy as np
 #    the up claimer ranks the rows itself and derives its records, reading the rows from x_norm;
 #    no ROUTER_TOPK, no MOE_GATHER) and ROUTE_FINALIZE.UP_COUNT_WORD -1 (no up queue then)
 # 7: kv_tmaps (the K and V pools' tensor maps for the attention splits' tensor copies; 0: none)
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -126,6 +126,7 @@ class Flag(enum.IntFlag):
     SOFTMAX_ROUTER = 1 << 5  # ROUTER_TOPK (or a top-k ranking ROUTE_FINALIZE): softmax weights (else sigmoid)
     RENORMALIZE = 1 << 6  # ROUTER_TOPK (or a top-k ranking ROUTE_FINALIZE): renormalise the top-k weights
     LAST_LAYER = 1 << 7  # ADD_RMSNORM: the final norm of the model
+    ADD_MOE = 1 << 8  # ADD_RMSNORM: add the row's expert outputs, score-weighted in k order (MOE_COMBINE's sum)
 
 
 class QkvPart(enum.IntEnum):

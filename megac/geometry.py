@@ -30,6 +30,7 @@ Tiles (one task = one tile)
     moe_up_bn, moe_down_bn     expert tiles (interleaved gate/up rows; hidden)
     up_tiles, down_tiles       tiles per active expert
     fused_topk, fused_gather   the top-k / the gather inside ROUTE_FINALIZE
+    fused_combine  the MoE combine inside the layer's ADD_RMSNORM (one row)
     routed_claims  the up claimers rank the rows themselves (the target's
                    ``routed_claims`` row bound >= rows): ``routed_claims_at``
     lm_bn, lm_tiles            LM head vocab tile
@@ -99,6 +100,11 @@ DEFAULT_TILES = {
     # 1: ROUTE_FINALIZE also copies the rows to their routed slots, no
     # MOE_GATHER tasks (the up claims wait on the finalize task itself)
     "fused_gather": 0,
+    # 1: in schedules of one row (fused_combine_at) the layer's ADD_RMSNORM
+    # adds the row's expert outputs, score-weighted in k order, itself
+    # (MOE_COMBINE's sum, the same bits), no MOE_COMBINE task: a hop and a
+    # single-CTA task less at the end of every MoE layer
+    "fused_combine": 0,
     # routed claims in schedules of at most this many rows (0: none): every
     # expert up claimer ranks the rows itself from the router partials and
     # derives its records, reading its rows from x_norm, so its first claim
@@ -143,6 +149,21 @@ def _even_bounds(total: int, parts: int, align: int) -> tuple[int, ...]:
     parts = max(1, min(parts, units))
     bounds = [min(total, (units * i // parts) * align) for i in range(parts)] + [total]
     return tuple(bounds)
+
+
+def fused_combine_at(spec, rows: int, tiles: dict | None = None) -> bool:
+    """Whether schedules of ``rows`` rows of ``spec`` do the MoE combine
+    inside the norm (the target's ``fused_combine`` tile). One row only:
+    there a row's top-k experts are the layer's active experts, so the down
+    queue's length is known to the compiler (K x down tiles) and the norm's
+    wait on the down claims needs no wait on the finalize task that writes
+    it: the O-projection and the down claims are its two waits. With more
+    rows that length is a target word, whose writer would be a third."""
+    if not spec.moe:
+        return False
+    on = (tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+          )["fused_combine"]
+    return bool(on) and rows == 1
 
 
 def routed_claims_at(spec, rows: int, tiles: dict | None = None) -> bool:
@@ -209,6 +230,8 @@ class Geometry:
     #: the up claimers rank the rows themselves (DEFAULT_TILES' routed_claims >= rows);
     #: implies fused_topk and no gather at all
     routed_claims: bool = False
+    #: ADD_RMSNORM does the MoE combine (DEFAULT_TILES' fused_combine)
+    fused_combine: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -313,6 +336,7 @@ class Geometry:
             fused_topk=bool(experts and (t["fused_topk"] or routed)),
             fused_gather=bool(experts and t["fused_gather"] and not routed),
             routed_claims=routed,
+            fused_combine=bool(experts and t["fused_combine"] and rows == 1),
         )
 
     def with_context(self, context: int) -> "Geometry":

@@ -13,7 +13,9 @@ Nodes, in program order (``g.graph["order"]``, a topological order):
   target's ``fused_topk``, no ``.moe_gather`` with ``fused_gather``: the
   finalize node writes their outputs too; with routed claims
   (``build_graph(spec, routed=True)``) neither, and ``.moe_upgate`` reads the
-  router partials and the normed rows itself); sequential blocks
+  router partials and the normed rows itself; no ``.moe_combine`` with
+  ``build_graph(spec, fused_combine=True)``: the norm reads the experts'
+  outputs); sequential blocks
   (Llama) also ``L{l}.norm_attn`` (post-attention residual add + norm);
   every layer ``L{l}.norm`` (residual add + the next norm);
 * then ``lm_head``.
@@ -24,7 +26,7 @@ names), ``weights`` (weight tensor names read).
 
 Graph attributes: ``tensors`` = ``{name: Tensor}``, ``order`` (node names),
 ``spec_name``, ``num_layers``, ``block``, ``fused_topk``, ``fused_gather``,
-``routed_claims``.
+``routed_claims``, ``fused_combine``.
 
 Edges ``producer -> consumer`` carry ``tensor`` (the name that flows). The
 residual stream ``x_resid`` is one tensor rewritten by every norm of a row's
@@ -97,17 +99,20 @@ def fused_routing_of(spec, routed: bool = False) -> tuple[bool, bool]:
     return (topk or (routed and bool(spec.moe)), gather and not routed)
 
 
-def build_graph(spec, routed: bool = False) -> nx.DiGraph:
+def build_graph(spec, routed: bool = False, fused_combine: bool = False) -> nx.DiGraph:
     """The decode graph; ``routed``: with routed claims (the up claims read
-    the router partials and x_norm; no top-k, no gather)."""
+    the router partials and x_norm; no top-k, no gather); ``fused_combine``:
+    the norm does the MoE combine (schedules of one row:
+    :func:`megac.geometry.fused_combine_at`)."""
     L = spec.num_layers
     D = spec.hidden_size
     R = "rows"
     moe = spec.moe
     routed = bool(routed and moe)
     fused_topk, fused_gather = fused_routing_of(spec, routed)
+    fused_combine = bool(fused_combine and moe)
     g = nx.DiGraph(spec_name=spec.name, num_layers=L, block=spec.block, fused_topk=fused_topk,
-                   fused_gather=fused_gather, routed_claims=routed)
+                   fused_gather=fused_gather, routed_claims=routed, fused_combine=fused_combine)
     tensors: dict[str, Tensor] = {}
     order: list[str] = []
     last_writer: dict[str, str] = {}
@@ -184,9 +189,13 @@ def build_graph(spec, routed: bool = False) -> nx.DiGraph:
             else:
                 add(p + "moe_upgate", "moe_upgate", l, [mx, route], [ma], [w("w_moe_upgate")])
             add(p + "moe_down", "moe_down", l, [ma, route], [mo], [w("w_moe_down")])
-            add(p + "moe_combine", "moe_combine", l, [mo, topk, route], [fpart])
+            if fused_combine:  # the norm sums the experts' outputs itself
+                fpart = [mo, topk, route]
+            else:
+                add(p + "moe_combine", "moe_combine", l, [mo, topk, route], [fpart])
         x_next = tensor(f"x_norm[{2 * L if l == L - 1 else l + 1}]", "activation", (R, D), "bf16")
-        reads = ["x_resid", fpart] if seq else ["x_resid", opart, fpart]
+        fparts = fpart if isinstance(fpart, list) else [fpart]
+        reads = ["x_resid", *fparts] if seq else ["x_resid", opart, *fparts]
         add(p + "norm", "norm", l, reads, ["x_resid", x_next], [w("w_norm")])
     tensor("w_lm_head", "weight", (spec.vocab_size, D), "bf16")
     logits = tensor("logits", "scratch", (R, spec.vocab_size), "fp32")

@@ -1,5 +1,7 @@
 // ADD_RMSNORM for one row: the residual plus its partial sums, each set in
-// index order (fp32, one rounding per add, as the VM adds), then RMSNorm:
+// index order (fp32, one rounding per add, as the VM adds), then (ADD_MOE)
+// the row's expert outputs score-weighted in k order (MOE_COMBINE's sum,
+// rounded as combine_row rounds it, then added), then RMSNorm:
 // y = bf16(x * rsqrt(mean(x^2) + eps)), out = bf16(gamma * y).
 //
 // Whole CTA. The mean's sum runs over a fixed tree (per thread in index
@@ -30,6 +32,19 @@ struct AddNorm {
   bf16* out;            // the row of x_norm[GAMMA] (bf16 [D])
   int D;
   float eps;
+  // ADD_MOE: where the row's experts are (in shared memory, written by
+  // thread 0 before the call: one register here, not four live across the
+  // partials' loads: the kernel is at its 255); null: none
+  const struct MoeRow* moe = nullptr;
+};
+
+// The layer's expert outputs (fp32 [slots, D]) and the row's k routed slots
+// and scores.
+struct MoeRow {
+  const float* y;
+  const int32_t* slot;
+  const float* w;
+  int k;
 };
 
 // Elements a thread sums at once, and partial sets whose loads are issued
@@ -40,12 +55,50 @@ struct AddNorm {
 constexpr int kNormBatch = 8;
 constexpr int kSetsAtOnce = 8;
 
+// Experts a norm sums at most (MOE_COMBINE inside it: the row's top k), and
+// expert outputs a thread loads at once per element (more spill: the
+// kernel's registers are at its 255 ceiling).
+constexpr int kMoeMaxK = 8;
+constexpr int kMoeAtOnce = 4;
+
+// MOE_COMBINE's sum of elements i0 + j * blockDim.x (j < kNormBatch) of the
+// row, into acc: w0 * y0, then + wq * yq in k order, product and sum rounded
+// apart (moe::weighted_add's arithmetic, so the same bits as the task). The
+// row's slots and scores are in shared memory (rs, rw).
+__device__ __forceinline__ void moe_sum(const AddNorm& a, const MoeRow& m, const int32_t* rs, const float* rw,
+                                        int i0, float (&acc)[kNormBatch]) {
+#pragma unroll
+  for (int q0 = 0; q0 < kMoeMaxK; q0 += kMoeAtOnce) {
+    if (q0 >= m.k) break;
+    float u[kMoeAtOnce][kNormBatch];
+#pragma unroll
+    for (int q = 0; q < kMoeAtOnce; ++q)
+#pragma unroll
+      for (int j = 0; j < kNormBatch; ++j) {
+        const int i = i0 + j * blockDim.x;
+        u[q][j] = (q0 + q < m.k && i < a.D) ? __ldcg(m.y + int64_t(rs[q0 + q]) * a.D + i) : 0.f;
+      }
+#pragma unroll
+    for (int q = 0; q < kMoeAtOnce; ++q)
+      if (q0 + q < m.k) {
+        const float w = rw[q0 + q];
+#pragma unroll
+        for (int j = 0; j < kNormBatch; ++j) {
+          const float p = __fmul_rn(w, u[q][j]);
+          acc[j] = q0 + q == 0 ? p : __fadd_rn(acc[j], p);
+        }
+      }
+  }
+}
+
 // Partial set s (< n0 + n1) of the row: parts0 sets, then parts1 sets.
 __device__ __forceinline__ const float* norm_set(const AddNorm& a, int s) {
   return s < a.n0 ? a.parts0 + s * a.stride0 : a.parts1 + (s - a.n0) * a.stride1;
 }
 
-// `red` is 33 floats of shared memory (one per warp, up to 32 warps, and the scale).
+// `red` is 33 floats of shared memory (one per warp, up to 32 warps, and the
+// scale), and with ADD_MOE 2 * kMoeMaxK words more from red + 64 (a.moe
+// points past them).
 __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int nsets = a.n0 + a.n1;
@@ -86,6 +139,25 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
 #pragma unroll
           for (int j = 0; j < kNormBatch; ++j) v[j] = __fadd_rn(v[j], p[s][j]);
         }
+    }
+    if (a.moe != nullptr) {  // MOE_COMBINE's plane, the last one added
+      // the row's slots and scores through shared memory, loaded on the
+      // first pass (every thread alike) by thread q < k
+      const MoeRow& m = *a.moe;
+      int32_t* rs = reinterpret_cast<int32_t*>(red + 64);
+      float* rw = red + 64 + kMoeMaxK;
+      if (i0 == int(threadIdx.x)) {
+        __syncthreads();  // thread 0's MoeRow (written before the call) in view
+        if (threadIdx.x < m.k) {
+          rs[threadIdx.x] = __ldcg(m.slot + threadIdx.x);
+          rw[threadIdx.x] = __ldcg(m.w + threadIdx.x);
+        }
+        __syncthreads();
+      }
+      float acc[kNormBatch];
+      moe_sum(a, m, rs, rw, i0, acc);
+#pragma unroll
+      for (int j = 0; j < kNormBatch; ++j) v[j] = __fadd_rn(v[j], acc[j]);
     }
 #pragma unroll
     for (int j = 0; j < kNormBatch; ++j) {

@@ -1,7 +1,8 @@
 // Device side of ADD_RMSNORM (megac/ops/norm.py) through norm.cuh: the row's
 // residual plus the O-proj partials (ADD_ATTN) and the FFN partials
-// (ADD_FFN), each set in index order, then RMSNorm with gamma GAMMA into
-// x_norm[GAMMA].
+// (ADD_FFN), each set in index order, or the row's expert outputs
+// score-weighted in k order (ADD_MOE: MOE_COMBINE's sum), then RMSNorm with
+// gamma GAMMA into x_norm[GAMMA].
 #pragma once
 
 #include <cstdint>
@@ -57,7 +58,21 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
   a.out = ptr<__nv_bfloat16>(d->x_norm) + Lay::x_norm(gamma, row);
   a.D = M::HIDDEN;
   a.eps = d->norm_eps;
-  norm::add_rmsnorm(a, reinterpret_cast<float*>(c.scratch));
+  float* red = reinterpret_cast<float*>(c.scratch);
+  if constexpr (M::NUM_EXPERTS > 0) {
+    if (flags & FLAG_ADD_MOE) {  // MOE_COMBINE's sum here (fused_combine)
+      static_assert(M::TOP_K <= norm::kMoeMaxK, "the norm sums at most kMoeMaxK experts");
+      norm::MoeRow* m = reinterpret_cast<norm::MoeRow*>(red + 64 + 2 * norm::kMoeMaxK);
+      if (threadIdx.x == 0) {
+        m->y = ptr<const float>(d->moe_out) + Lay::moe_x(layer, 0);
+        m->slot = ptr<const int32_t>(d->route_slot) + Lay::topk(layer, row);
+        m->w = ptr<const float>(d->topk_w) + Lay::topk(layer, row);
+        m->k = M::TOP_K;
+      }
+      a.moe = m;
+    }
+  }
+  norm::add_rmsnorm(a, red);
 }
 
 }  // namespace mk

@@ -41,7 +41,7 @@ def _queue_buffer(q: int) -> str:
         raise BadTaskError(f"unknown queue id {q}") from None
 
 
-def _routed_slots(vm, d: OpDef, layer: int, rows: np.ndarray, buffer: str) -> np.ndarray:
+def routed_slots(vm, d: OpDef, layer: int, rows: np.ndarray, buffer: str) -> np.ndarray:
     """The routed slots ``[rows, K]`` of ``rows`` (ROUTE_FINALIZE's
     ``route_slot``), each inside ``buffer``'s slots."""
     slots = vm.st.np["route_slot"][layer, rows].astype(np.int64)
@@ -291,7 +291,7 @@ def _gather_rows(vm, d: OpDef, layer: int, xs: int, rows: np.ndarray, read_slots
         if read_slots:
             vm.tr.read("route_slot", (layer, int(r), slice(None)))
         vm.tr.read("x_norm", (xs, int(r), slice(None)))
-    slots = _routed_slots(vm, d, layer, rows, "moe_x")  # [m, K]
+    slots = routed_slots(vm, d, layer, rows, "moe_x")  # [m, K]
     for j in range(len(rows)):
         vm.tr.write("moe_x", (layer, slots[j], slice(None)))
     x = st["x_norm"][xs, idx(rows)]  # [m, D]
@@ -331,7 +331,7 @@ class MoeCombine(OpDef):
             for r in rows:
                 vm.tr.read("route_slot", (layer, int(r), slice(None)))
                 vm.tr.read("topk_w", (layer, int(r), slice(None)))
-            slots = _routed_slots(vm, self, layer, rows, "moe_out")
+            slots = routed_slots(vm, self, layer, rows, "moe_out")
             for j in range(len(rows)):
                 vm.tr.read("moe_out", (layer, slots[j], slice(None)))
             wts = st["topk_w"][layer, idx(rows)]  # [m, K]
@@ -582,6 +582,10 @@ class MoeDownDrain(_ExpertDrain):
         return 1
 
     def signal_count(self, layer, offset, geo):
+        if geo.rows == 1 and geo.fused_combine:
+            # one row: its top-k experts are the layer's active experts, so the
+            # count is known here (a waiter then needs no wait on its writer)
+            return min(geo.num_experts, geo.top_k) * geo.down_tiles
         return abi.dyn(geo.target_words.moe_down_count(layer))
 
     def claimed_work(self, geo, params):

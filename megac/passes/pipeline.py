@@ -29,7 +29,7 @@ import numpy as np
 
 from megac.abi import H, Op
 from megac.errors import MegacError
-from megac.geometry import Geometry, routed_claims_at
+from megac.geometry import Geometry, fused_combine_at, routed_claims_at
 from megac.ir import build_graph
 from megac.passes import Lowering, assign, depend, encode, order, plan, select, tile
 from megac.schedule import Schedule
@@ -72,7 +72,8 @@ def lower(spec, order_name: str, rows: int, context: int, *, graph=None, check: 
           log: list | None = None) -> Lowering:
     """Run tile .. encode for one key; returns the final Lowering."""
     geo = Geometry.from_spec(spec, rows, context)
-    lw = Lowering(spec=spec, geo=geo, graph=graph if graph is not None else build_graph(spec, geo.routed_claims),
+    lw = Lowering(spec=spec, geo=geo,
+                  graph=graph if graph is not None else build_graph(spec, geo.routed_claims, geo.fused_combine),
                   order_name=order_name)
     for p in PASSES:
         t0 = time.perf_counter()
@@ -205,13 +206,17 @@ def compile_schedules(spec, order: str = "tuned", batch_sizes: list[int] | None 
     for b in buckets:
         if b > spec.max_context:
             raise MegacError(f"context bucket {b} exceeds max_context {spec.max_context}")
-    # one graph per form of the MoE routing (routed claims up to the target's row bound)
-    graphs = {r: build_graph(spec, r) for r in {routed_claims_at(spec, rows) for rows in batch_sizes}}
+    # one graph per form of the MoE routing (routed claims up to the target's
+    # row bound; the combine inside the norm at one row)
+    def form(rows):
+        return routed_claims_at(spec, rows), fused_combine_at(spec, rows)
+
+    graphs = {f: build_graph(spec, *f) for f in {form(rows) for rows in batch_sizes}}
     keys = [(rows, group) for rows in batch_sizes for group in bucket_groups(spec, rows, buckets)]
     log: list[dict] = []
     schedules: list[Schedule] = []
     key_map: dict[tuple[int, int], int] = {}
-    args = [(spec, order, rows, group, graphs[routed_claims_at(spec, rows)], check, verify) for rows, group in keys]
+    args = [(spec, order, rows, group, graphs[form(rows)], check, verify) for rows, group in keys]
     for (rows, group), (sched, entries, seconds) in zip(keys, _mapped(_compile_key, args, jobs)):
         log.extend(entries)
         for b in group:

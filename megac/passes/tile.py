@@ -175,7 +175,8 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         else:
             gamma = 2 * L if l == L - 1 else l + 1
             a_splits = 0 if seq else geo.kv_heads
-            f_splits = 1 if moe else geo.ffn_splits
+            # with fused_combine the norm reads the experts' outputs, no ffn_part
+            f_splits = (0 if geo.fused_combine else 1) if moe else geo.ffn_splits
         F = dict(ROW=row, ATTN_SPLITS=np.full_like(row, a_splits), FFN_SPLITS=np.full_like(row, f_splits),
                  GAMMA=np.full_like(row, gamma))
         shape, box = (R,), _boxes((row, row + 1))
@@ -196,7 +197,7 @@ def requires(lw: Lowering) -> None:
         raise PassError(NAME, "needs a decode graph (megac.ir.build_graph)")
     if g.graph.get("num_layers") != lw.geo.num_layers:
         raise PassError(NAME, "graph and geometry disagree on num_layers")
-    for k in ("fused_topk", "fused_gather", "routed_claims"):
+    for k in ("fused_topk", "fused_gather", "routed_claims", "fused_combine"):
         if bool(g.graph.get(k)) != getattr(lw.geo, k):
             raise PassError(NAME, f"graph and geometry disagree on {k} (routing work inside ROUTE_FINALIZE)")
 

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 7
+#define MEGAC_ABI_VERSION 8
 
 namespace megac {
 
@@ -58,6 +58,7 @@ enum Flag : int32_t {
   FLAG_SOFTMAX_ROUTER = 32,
   FLAG_RENORMALIZE = 64,
   FLAG_LAST_LAYER = 128,
+  FLAG_ADD_MOE = 256,
 };
 
 // Opcode-specific fields: word index, one namespace per opcode.
