@@ -35,6 +35,8 @@ FIXED = {NMC_TRACE: (0.53, 0.52), NMC_TRACE_3: (0.524, 0.529), NMC_TRACE_5: (0.6
 SMOL_TRACE = ROOT / "benchmarks" / "profile-smollm2-bs1-1k-2026-12-01.trace.json.gz"
 NMC, SMOL = ("north-mini-code", 8192), ("smollm2-135m", 1024)
 GLOBAL_CURSOR = str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml")
+#: the tuned order until the sixteenth session: every trace and measured step here ran it
+TUNED15 = str(schedules_dir() / "experiments" / "tuned-session15.yaml")
 #: per trace: the (model, context) of its schedule (batch 1, order tuned with
 #: the SM cursor of its day: every trace here predates the per-layer cursor)
 MODEL = {NMC_TRACE: NMC, NMC_TRACE_3: NMC, NMC_TRACE_5: NMC, NMC_TRACE_8: NMC, SMOL_TRACE_8: SMOL}
@@ -127,7 +129,7 @@ def test_a_trace_of_the_per_layer_cursor_calibrates_the_default_order():
     within 10 %; against the old placement its records are another
     schedule's, a one-line error (fixed costs: the task loop's, session 8)."""
     recs = records_from_trace(json.load(gzip.open(NMC_TRACE_11)))
-    sched = compile_one(unrouted("north-mini-code"), order="tuned", rows=1, context=8192)
+    sched = compile_one(unrouted("north-mini-code"), order=TUNED15, rows=1, context=8192)
     cal = fit(recs, sched, dispatch_us=0.64, handoff_us=0.46)
     span = max(r["end_us"] for r in recs)
     predicted = simulate(sched, cal.params()).step_us
@@ -147,14 +149,14 @@ def test_a_trace_of_routed_claims_calibrates_the_default_schedule():
     fits against the default schedule and predicts it within 10 %; against
     the schedule without routed claims its records are another schedule's."""
     recs = records_from_trace(json.load(gzip.open(NMC_TRACE_12)))
-    sched = compile_one(tiles128("north-mini-code"), order="tuned", rows=1, context=8192)
+    sched = compile_one(tiles128("north-mini-code"), order=TUNED15, rows=1, context=8192)
     assert sched.geometry.routed_claims and "ROUTER_TOPK" not in sched.tasks_per_opcode
     cal = fit(recs, sched, dispatch_us=0.64, handoff_us=0.46)
     span = max(r["end_us"] for r in recs)
     predicted = simulate(sched, cal.params()).step_us
     assert abs(predicted / span - 1) < 0.10, (predicted, span)
     with pytest.raises(MegacError, match="another schedule"):
-        fit(recs, compile_one(unrouted("north-mini-code"), order="tuned", rows=1, context=8192),
+        fit(recs, compile_one(unrouted("north-mini-code"), order=TUNED15, rows=1, context=8192),
             dispatch_us=0.64, handoff_us=0.46)
 
 
@@ -186,7 +188,7 @@ def test_bundled_calibration_loads_and_matches_its_own_measurement(name, model_c
     add ~4 % to the traced span; SmolLM2's: the eighth session's, under that
     day's SM cursor, against its traced span)."""
     if model_ctx == NMC:
-        sched = compile_one(load_spec("north-mini-code"), order="tuned", rows=1, context=8192)
+        sched = compile_one(load_spec("north-mini-code"), order=TUNED15, rows=1, context=8192)
     else:
         sched = schedule_of(model_ctx)
     cal = Calibration.load(resolve(name))
@@ -272,7 +274,7 @@ def test_bundled_calibration_predicts_measured_long_context_steps(batch, context
     (scripts/refit_claim_stream.py) the model stays within 10 % of the
     H200's kernel time at every batch and context measured, 1K and 8K
     included (which the refit did not see)."""
-    sched = compile_one(load_spec("north-mini-code"), order="tuned", rows=batch, context=context)
+    sched = compile_one(load_spec("north-mini-code"), order=TUNED15, rows=batch, context=context)
     cal = Calibration.load(resolve("h200-north-mini-code"))
     pred_ms = simulate(sched, cal.params(context=context)).step_us / 1e3
     assert abs(pred_ms / _measured_ms(batch, context) - 1) < 0.10
@@ -292,7 +294,7 @@ def test_refit_recovers_the_claim_rate_that_made_the_steps():
     spec = load_spec("north-mini-code")
     cases = []
     for ctx in (32768, 131072):
-        sched = compile_one(spec, order="tuned", rows=1, context=ctx)
+        sched = compile_one(spec, order=TUNED15, rows=1, context=ctx)
         cases.append((sched, ctx, simulate(sched, truth.params(context=ctx)).step_us / 1e3))
     got, table = refit_claim_stream(cal, "ATTN_DRAIN", cases, rates_gbs=(10, 25, 40))
     assert got.us_per_byte["ATTN_DRAIN"] == pytest.approx(k)
@@ -323,7 +325,7 @@ def test_the_claims_stamps_split_fixed_from_streaming_time():
         return tiles128("north-mini-code") if bn == 128 else whole_heads("north-mini-code")
 
     recs = {bn: records_from_trace(json.load(gzip.open(f))) for bn, f in NMC_TRACE_13.items()}
-    sched = {(bn, rows): compile_one(spec_of(bn), order="tuned", rows=rows, context=8192)
+    sched = {(bn, rows): compile_one(spec_of(bn), order=TUNED15, rows=rows, context=8192)
              for bn in (128, 256) for rows in (1, 8)}
     span = {bn: max(r["end_us"] for r in rs) for bn, rs in recs.items()}
     assert span[256] < span[128]

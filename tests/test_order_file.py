@@ -28,6 +28,10 @@ def test_the_bundled_names_agree():
     assert sorted(ORDERS) == sorted(p.stem for p in schedules_dir().glob("*.yaml"))
 
 
+#: the tuned order until the sixteenth session (every wave dealt over all the SMs)
+SESSION15 = schedules_dir() / "experiments" / "tuned-session15.yaml"
+
+
 def test_an_order_file_schedules_as_its_waves_say(tmp_path):
     same = tmp_path / "mine.yaml"
     shutil.copy(schedules_dir() / "interleaved.yaml", same)
@@ -35,8 +39,9 @@ def test_an_order_file_schedules_as_its_waves_say(tmp_path):
     want = megac("schedule", "tiny-moe", "--order", "interleaved", "--json")
     assert got.returncode == 0 == want.returncode, got.stderr
     assert _waves(got) == _waves(want)
-    # and an order of its own: O-proj before the expert down projection
-    doc = yaml.safe_load((schedules_dir() / "tuned.yaml").read_text())
+    # and an order of its own: O-proj before the expert down projection (from the
+    # plain-wave tuned order of the fifteenth session)
+    doc = yaml.safe_load(SESSION15.read_text())
     moe = doc["layers"]["moe"]
     moe.remove("o_proj")
     moe.insert(moe.index("moe_down"), "o_proj")
@@ -149,14 +154,16 @@ def test_a_placed_wave_runs_on_its_hosts_sms_and_moves_no_cursor():
     """``{wave: o_proj, sms_of: attn}``: every O-projection task of a layer
     runs on an SM that ran one of that layer's attention splits, spread
     evenly over them; every other task but the norm (dealt right after the
-    MoE combine now, not after the O-projection) sits on the SM tuned gives
-    it; and the schedule verifies (compile_one runs every pass's checks)."""
+    MoE combine now, not after the O-projection) sits on the SM the
+    fifteenth session's tuned order gives it; and the schedule verifies
+    (compile_one runs every pass's checks)."""
     from collections import Counter
 
     from megac.passes.pipeline import compile_one
 
     spec = load_spec("north-mini-code")
-    tuned = compile_one(spec, order="tuned", rows=1, context=8192)
+    # the order the placed experiment was written against
+    tuned = compile_one(spec, order=str(SESSION15), rows=1, context=8192)
     placed = compile_one(spec, order=str(PLACED), rows=1, context=8192)
     assert placed.num_tasks == tuned.num_tasks
     for layer in (1, 10):  # sliding MoE layers (a full one claims its attention: no host SMs)
