@@ -19,6 +19,7 @@ from megac.passes import PassError, assign, depend, encode, order, plan, tile
 from megac.passes.order import OrderError, load_order
 from megac.passes.pipeline import bucket_groups, compile_one, compile_schedules, lower
 from megac.passes.plan import gate_up_rows
+from megac.resources import schedules_dir
 from megac.spec import load_spec
 
 MODELS = ["tiny-moe", "tiny-llama", "smollm2-135m", "north-mini-code"]
@@ -33,6 +34,10 @@ def spec_of(name):
     if name not in _SPECS:
         _SPECS[name] = load_spec(name)
     return _SPECS[name]
+
+
+#: the tuned order until the sixteenth session: every wave dealt over all the SMs
+PLAIN = str(schedules_dir() / "experiments" / "tuned-session15.yaml")
 
 
 def lowered(name, rows, order_name="tuned"):
@@ -164,13 +169,19 @@ def test_postconditions(model, rows):
         has = W[:, wc] >= 0
         assert (last[W[has, wc]] < pos[has]).all()
 
-    # assign: static task k -> SM (k - its layer's first task) mod num_sms (the
-    # default cursor restarts every layer); claimers cover every SM once per node
-    static = lw.g_claimer < 0
-    layer = W[:, H.LAYER]
+    # assign: under an order of plain waves (the fifteenth session's tuned; today's
+    # deals a MoE layer's attention and O-projection over half the SMs, checked in
+    # tests/test_order_file.py) static task k -> SM (k - its layer's first task) mod
+    # num_sms (the default cursor restarts every layer); claimers cover every SM once
+    # per node
+    plain = lowered(model, rows, PLAIN)
+    Wp = live_words(plain)
+    posp = np.arange(len(Wp))
+    static = plain.g_claimer < 0
+    layer = Wp[:, H.LAYER]
     first = {int(l): int(np.flatnonzero(layer == l)[0]) for l in np.unique(layer)}
     start = np.array([first[int(l)] for l in layer])
-    assert (lw.sm[static] == (pos[static] - start[static]) % geo.num_sms).all()
+    assert (plain.sm[static] == (posp[static] - start[static]) % geo.num_sms).all()
     for nt in lw.nodes:
         if nt.claimer:
             assert sorted(lw.sm[lw.g_node == nt.index].tolist()) == list(range(geo.num_sms))
