@@ -336,7 +336,7 @@ class Geometry:
             fused_topk=bool(experts and (t["fused_topk"] or routed)),
             fused_gather=bool(experts and t["fused_gather"] and not routed),
             routed_claims=routed,
-            fused_combine=bool(experts and t["fused_combine"] and rows == 1),
+            fused_combine=fused_combine_at(spec, rows, t),
         )
 
     def with_context(self, context: int) -> "Geometry":

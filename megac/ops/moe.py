@@ -582,9 +582,9 @@ class MoeDownDrain(_ExpertDrain):
         return 1
 
     def signal_count(self, layer, offset, geo):
-        if geo.rows == 1 and geo.fused_combine:
-            # one row: its top-k experts are the layer's active experts, so the
-            # count is known here (a waiter then needs no wait on its writer)
+        if geo.fused_combine:
+            # one row (fused_combine_at): its top-k experts are the layer's active
+            # experts, so the count is known here (a waiter then needs no wait on its writer)
             return min(geo.num_experts, geo.top_k) * geo.down_tiles
         return abi.dyn(geo.target_words.moe_down_count(layer))
 

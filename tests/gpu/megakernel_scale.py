@@ -1258,10 +1258,10 @@ TILES = {
     "up64": {"moe_up_bn": 64},
     "r16": {"router_splits": 16},  # router GEMM over 16 SMs instead of 4
     "up96_r16": {"moe_up_bn": 96, "router_splits": 16},
-    # fewer, longer expert claims: the marks put ~7 us (up, routed) and ~4.6 us (down) of
-    # every claim before its first stage lands and stream ~65-78 GB/s per SM after
     # the MoE combine inside the norm at batch 1 (geometry.fused_combine_at): a hop and a task less
     "fused_combine": {"fused_combine": 1},
+    # fewer, longer expert claims: the marks put ~7 us (up, routed) and ~4.6 us (down) of
+    # every claim before its first stage lands and stream ~65-78 GB/s per SM after
     "up192": {"moe_up_bn": 192},  # 8 up tiles per expert: 64 claims at batch 1
     "up256": {"moe_up_bn": 256},  # 6 up tiles per expert: 48 claims at batch 1
     "dn256": {"moe_down_bn": 256},  # 8 down tiles per expert
