@@ -249,3 +249,69 @@ def test_a_bad_share_is_one_line(tmp_path, share):
     bad = tmp_path / "share.yaml"
     bad.write_text(HALF.read_text().replace("share: 0.5", f"share: {share}"))
     assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "layers.moe[5]", "0 < f <= 1")
+
+
+SPLIT = schedules_dir() / "experiments" / "full-attn-half.yaml"
+
+
+def test_a_split_claimer_wave_claims_on_half_the_sms_first():
+    """``{wave: attn, share: 0.5, rest_after: moe_upgate}``: in a full layer
+    at batch 8, 66 consecutive SMs hold their attention claimer before their
+    expert up claimer (and the attention combines, placed on them), the
+    other 66 after it; every SM still holds one claimer of each queue; the
+    sliding layers (static splits) are as tuned; the schedule verifies
+    (compile_one runs every pass's checks, the deadlock walk included)."""
+    from megac import abi
+    from megac.passes.pipeline import compile_one
+
+    spec = load_spec("north-mini-code")
+    tuned = compile_one(spec, order="tuned", rows=8, context=8192)
+    split = compile_one(spec, order=str(SPLIT), rows=8, context=8192)
+    assert split.num_tasks == tuned.num_tasks
+    S = split.num_sms
+    for layer in (1, 10):
+        assert _layer_sms(split, layer) == _layer_sms(tuned, layer)
+    full = _layer_sms(split, 4)
+    for op in ("ATTN_DRAIN", "MOE_UPGATE_DRAIN", "MOE_DOWN_DRAIN"):
+        assert sorted(full[op]) == list(range(S)), op
+    early = []
+    for s in range(S):
+        ops = [abi.Op(int(w[abi.H.OPCODE])).name for w in split.tasks[s, : int(split.task_counts[s])]
+               if int(w[abi.H.LAYER]) == 4]
+        if ops.index("ATTN_DRAIN") < ops.index("MOE_UPGATE_DRAIN"):
+            early.append(s)
+        assert "ATTN_COMBINE" not in ops or s in early, s
+    assert len(early) == round(0.5 * S)
+    gaps = [(b - a) % S for a, b in zip(early, early[1:] + early[:1])]
+    assert sorted(gaps)[:-1] == [1] * (len(early) - 1), "not one run of consecutive SMs"
+    assert set(full["ATTN_COMBINE"]) <= set(early)
+    # tuned: every SM claims attention before its expert claims
+    for s in range(S):
+        ops = [abi.Op(int(w[abi.H.OPCODE])).name for w in tuned.tasks[s, : int(tuned.task_counts[s])]
+               if int(w[abi.H.LAYER]) == 4]
+        assert ops.index("ATTN_DRAIN") < ops.index("MOE_UPGATE_DRAIN")
+
+
+@pytest.mark.parametrize("after,match", [
+    ("qkv", "not a wave later in this list"),
+    ("attn", "not a wave later in this list"),
+    ("nowhere", "not a wave later in this list"),
+    ("[moe_down]", "rest_after takes one wave name"),
+])
+def test_a_bad_rest_after_is_one_line(tmp_path, after, match):
+    bad = tmp_path / "split.yaml"
+    bad.write_text(SPLIT.read_text().replace("rest_after: moe_upgate", f"rest_after: {after}"))
+    assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "layers.moe[5]", match)
+
+
+def test_a_waiter_before_every_claimer_of_its_queue_is_refused(tmp_path):
+    """The order pass's own check: a wave that waits on a claimed queue's
+    counter must follow at least that queue's first claimer (here the
+    attention combines before a full layer's attention claimers)."""
+    doc = yaml.safe_load(SPLIT.read_text())
+    moe = doc["layers"]["moe"]
+    moe.remove({"wave": "attn_combine", "sms_of": "attn"})
+    moe.insert(moe.index("moe_gather") + 1, "attn_combine")
+    bad = tmp_path / "early.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "not topological", "attn_combine")

@@ -27,11 +27,19 @@ dealt by the cursor in its place, as a plain wave.
 A claimer node's template is emitted ``num_sms`` times (one claimer per SM;
 ``assign`` gives them distinct SMs).
 
+``{wave: a, share: f, rest_after: b}`` splits a claimer wave (attention
+claimed in a long full layer): the claimers of the ``round(f * num_sms)``
+SMs from the cursor take this place (and name those SMs, so a later wave
+may be placed on them), the other SMs' claimers go right after wave b. At
+batch 8 half the SMs then claim the full layer's attention while the other
+half go straight to their expert claims, as the share does for the static
+splits of a sliding layer. For a wave that is not claimed it is ``share``.
+
 Ensures: the global list is a topological order of the dependencies: every
 wait's counter has all its signallers earlier (for a counter signalled by
-claimed tasks: every claimer of that queue), every claimed task's wait
-counter is complete before the first claimer of its queue; otherwise a
-one-line error names the offending pair.
+claimed tasks: the first claimer of that queue, which drains it), every
+claimed task's wait counter is complete before the first claimer of its
+queue; otherwise a one-line error names the offending pair.
 """
 
 from __future__ import annotations
@@ -75,7 +83,8 @@ def schedule_path(order: str) -> Path:
 
 
 class Narrow(tuple):
-    """A wave dealt over a share of the SMs: (name, share)."""
+    """A wave dealt over a share of the SMs: (name, share) or (name, share,
+    rest_after): a claimer wave's other claimers go after wave rest_after."""
 
     @property
     def name(self) -> str:
@@ -84,6 +93,10 @@ class Narrow(tuple):
     @property
     def share(self) -> float:
         return self[1]
+
+    @property
+    def rest_after(self) -> str | None:
+        return self[2] if len(self) > 2 else None
 
 
 class Placed(tuple):
@@ -109,6 +122,7 @@ def parse_waves(raw, where: str, expected: tuple[str, ...]) -> list:
     if not isinstance(raw, list) or not raw:
         raise OrderError(f"{where}: must be a non-empty list of waves")
     out, seen, dealt = [], [], []
+    rest_after: list[tuple[int, str, str]] = []  # (index, wave, the later wave its other claimers follow)
     for i, w in enumerate(raw):
         if isinstance(w, str):
             names = [w]
@@ -131,17 +145,24 @@ def parse_waves(raw, where: str, expected: tuple[str, ...]) -> list:
                                      f"wave dealt earlier in this list")
             names = [w["wave"]]
             out.append(Placed((w["wave"], tuple(hosts))))
-        elif isinstance(w, dict) and set(w) == {"wave", "share"}:
+        elif isinstance(w, dict) and set(w) in ({"wave", "share"}, {"wave", "share", "rest_after"}):
             f = w["share"]
             if not isinstance(w["wave"], str) or isinstance(f, bool) or not isinstance(f, (int, float)) \
                     or not 0 < f <= 1:
                 raise OrderError(f"{where}[{i}]: a wave on a share of the SMs is {{wave: a, share: f}} with "
                                  f"0 < f <= 1 (got {w!r})")
             names = [w["wave"]]
-            out.append(Narrow((w["wave"], float(f))))
+            if "rest_after" in w:
+                if not isinstance(w["rest_after"], str):
+                    raise OrderError(f"{where}[{i}]: rest_after takes one wave name (got {w['rest_after']!r})")
+                rest_after.append((i, w["wave"], w["rest_after"]))
+                out.append(Narrow((w["wave"], float(f), w["rest_after"])))
+            else:
+                out.append(Narrow((w["wave"], float(f))))
         else:
             raise OrderError(f"{where}[{i}]: a wave is a node kind, {{interleave: [a, b]}}, "
-                             f"{{wave: a, sms_of: b}} or {{wave: a, share: f}} (got {w!r})")
+                             f"{{wave: a, sms_of: b}}, {{wave: a, share: f}} or "
+                             f"{{wave: a, share: f, rest_after: b}} (got {w!r})")
         if not isinstance(out[-1], Placed):
             dealt += names
         for n in names:
@@ -153,6 +174,10 @@ def parse_waves(raw, where: str, expected: tuple[str, ...]) -> list:
     missing = [n for n in expected if n not in seen]
     if missing:
         raise OrderError(f"{where}: wave(s) {', '.join(missing)} missing")
+    for i, name, after in rest_after:
+        if after not in seen or seen.index(after) <= seen.index(name):
+            raise OrderError(f"{where}[{i}]: wave '{name}' puts its other claimers after '{after}', which is "
+                             f"not a wave later in this list")
     return out
 
 
@@ -226,16 +251,41 @@ def run(lw: Lowering) -> str:
         record = key not in waves
         rec = []
         where: dict[str, np.ndarray] = {}  # wave part -> global positions of its entries
+        # wave name -> the held-back claimers of a split claimer wave that go after it
+        rest: dict[str, list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]] = {}
+
+        def push(name, n_, t_, c_, h_, adv, back):
+            nonlocal count
+            g_node.append(n_)
+            g_task.append(t_)
+            g_cl.append(c_)
+            g_host.append(h_)
+            g_adv.append(adv)
+            g_back.append(back)
+            count += len(n_)
+            rec.append((name, int(len(n_))))
+
+        def flush_rest(names):
+            for nm in names:
+                for label, n_, t_, c_ in rest.pop(nm, []):
+                    # they move no cursor: their SMs follow from their node's
+                    # first claimer (assign), which the first part holds
+                    z = np.zeros(len(n_), dtype=np.int64)
+                    push(label, n_, t_, c_, np.full(len(n_), -1, dtype=np.int64), z, z)
+
         for w in wave_list:
-            hosts, width = None, None
+            hosts, width, after = None, None, None
             if isinstance(w, Placed):
                 hosts = [where[h] for h in w.hosts if h in where]
                 w = w.name
             elif isinstance(w, Narrow):
                 width = max(1, min(num_sms, round(w.share * num_sms)))
+                after = w.rest_after
                 w = w.name
-            parts = [p for p in ([w] if isinstance(w, str) else list(w)) if p not in absent]
+            wave_names = [w] if isinstance(w, str) else list(w)
+            parts = [p for p in wave_names if p not in absent]
             if not parts:
+                flush_rest(wave_names)
                 continue
             if len(parts) == 1 and not isinstance(w, str):
                 w = parts[0]
@@ -244,9 +294,17 @@ def run(lw: Lowering) -> str:
                 nt = lw.by_name[f"{prefix}{kind}" if prefix else kind]
                 t, c = _node_positions(nt, num_sms)
                 ents.append((np.full(len(t), nt.index, dtype=np.int64), t, c))
+            held = None
             if len(ents) == 1:
                 n_, t_, c_ = ents[0]
                 if (c_ < 0).all():  # a claimer wave runs on every SM: it names no SMs
+                    where[parts[0]] = count + np.arange(len(n_), dtype=np.int64)
+                elif after is not None and width < len(n_):
+                    # a claimer wave split: the claimers of the first `width`
+                    # SMs here (they name those SMs: a later wave may be placed
+                    # on them), the others after wave `after`
+                    held = (f"{_wave_name(w)}(rest)", n_[width:], t_[width:], c_[width:])
+                    n_, t_, c_ = n_[:width], t_[:width], c_[:width]
                     where[parts[0]] = count + np.arange(len(n_), dtype=np.int64)
             else:
                 (na, ta, ca), (nb, tb, cb) = ents
@@ -277,14 +335,10 @@ def run(lw: Lowering) -> str:
                 j = np.arange(len(n_), dtype=np.int64)
                 adv = (j < width).astype(np.int64)
                 back = np.where(j < width, 0, j % width - width)
-            g_node.append(n_)
-            g_task.append(t_)
-            g_cl.append(c_)
-            g_host.append(h_)
-            g_adv.append(adv)
-            g_back.append(back)
-            count += len(n_)
-            rec.append((_wave_name(w), int(len(n_))))
+            push(_wave_name(w), n_, t_, c_, h_, adv, back)
+            if held is not None:
+                rest.setdefault(after, []).append(held)
+            flush_rest(wave_names)
         if record:
             waves[key] = rec
 
@@ -338,7 +392,12 @@ def ensures(lw: Lowering) -> None:
     np.maximum.at(node_last, lw.g_node, pos)
     np.minimum.at(node_first, lw.g_node, pos)
     group = np.array([lw.nodes[int(ni)].claimer for ni in lw.counter_node], dtype=bool) if C else np.zeros(0, bool)
-    last[group] = node_last[lw.counter_node[group]]
+    # a counter of claimed tasks completes once the queue's first claimer has
+    # run: it claims until the queue is drained, and every claimed record's
+    # waits are complete before that claimer (checked below), so whoever holds
+    # a record finishes it without waiting; later claimers find the queue
+    # drained (a split claimer wave's other claimers may follow the waiters)
+    last[group] = node_first[lw.counter_node[group]]
 
     def name(k):
         nt = lw.nodes[int(lw.g_node[k])]

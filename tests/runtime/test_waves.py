@@ -53,11 +53,17 @@ def test_out_of_order_lists_and_forward_waits_are_refused():
     s = compile_one(load_spec("tiny-moe"), "tuned", 1, 1024)
     sm = int(np.argmax(s.task_counts))
     n = int(s.task_counts[sm])
+    # the SM's first and last static tasks swapped (a claimer joins its wave's
+    # launch wherever it stands, so claimers would not do)
+    claimers = [int(abi.Op.ATTN_DRAIN), int(abi.Op.MOE_UPGATE_DRAIN), int(abi.Op.MOE_DOWN_DRAIN)]
+    static = np.flatnonzero(~np.isin(s.tasks[sm, :n, H.OPCODE], claimers))
+    a, b = int(static[0]), int(static[-1])
+    assert b > a and s.tasks[sm, a, H.LAYER] < s.tasks[sm, b, H.LAYER]
     tasks = s.tasks.copy()
-    tasks[sm, [0, n - 1]] = tasks[sm, [n - 1, 0]]  # the LM head first, the first layer's task last
+    tasks[sm, [a, b]] = tasks[sm, [b, a]]
     order = s.global_order.copy()
-    pick = [np.flatnonzero((order[:, 0] == sm) & (order[:, 1] == k))[0] for k in (0, n - 1)]
-    order[pick[0], 1], order[pick[1], 1] = n - 1, 0
+    pick = [np.flatnonzero((order[:, 0] == sm) & (order[:, 1] == k))[0] for k in (a, b)]
+    order[pick[0], 1], order[pick[1], 1] = b, a
     with pytest.raises(MegacError, match="not in wave order"):
         split_waves(dataclasses.replace(s, tasks=tasks, global_order=order))
     # a first-wave task waiting on the LM head's inputs (the last norm's counter)
@@ -96,3 +102,30 @@ def test_a_schedule_loaded_from_an_artifact_splits_the_same(tmp_path):
     assert [w.name for w in got] == [w.name for w in want]
     for a, b in zip(got, want):
         assert np.array_equal(a.counts, b.counts) and np.array_equal(a.tasks, b.tasks)
+
+
+def test_a_split_claimer_wave_launches_its_claimers_together():
+    """``{wave: attn, share: 0.5, rest_after: moe_upgate}``: the attention
+    claimers that follow an SM's expert claimer in its list join the
+    attention wave's launch (every claimer of the queue in one launch); the
+    static tasks keep their order and every header wait is met by earlier
+    launches."""
+    from megac.resources import schedules_dir
+
+    s = compile_one(load_spec("tiny-moe"), str(schedules_dir() / "experiments" / "full-attn-half.yaml"), 4, 1024)
+    waves = split_waves(s)
+    drain = int(abi.Op.ATTN_DRAIN)
+    moved = 0
+    for sm in range(s.num_sms):
+        listed = s.tasks[sm, : s.task_counts[sm]]
+        joined = np.concatenate([w.tasks[sm, : w.counts[sm]] for w in waves])
+        assert sorted(map(tuple, joined)) == sorted(map(tuple, listed))
+        static = listed[:, H.OPCODE] != drain
+        assert np.array_equal(joined[joined[:, H.OPCODE] != drain], listed[static])
+        moved += not np.array_equal(joined, listed)
+    assert moved > 0, "no SM holds an attention claimer after its expert claimer"
+    for w in waves:
+        ops = {int(o) for sm in range(s.num_sms) for o in w.tasks[sm, : w.counts[sm], H.OPCODE]}
+        if drain in ops:  # one launch per full layer holds every SM's attention claimer
+            assert sum(int((w.tasks[sm, : w.counts[sm], H.OPCODE] == drain).sum()) for sm in range(s.num_sms)) \
+                == s.num_sms, w.name

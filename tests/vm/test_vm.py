@@ -160,6 +160,25 @@ def test_a_placed_wave_order_matches_transformers(ckpt):
         _check_against_hf(model, prompts, outs, 6)
 
 
+def test_a_split_claimer_wave_matches_transformers(ckpt):
+    """``{wave: attn, share: 0.5, rest_after: moe_upgate}``: half the SMs
+    claim a full layer's attention before their expert claims, the others
+    after them (the waiters on attention follow only the first half): the
+    same results, in the VM's checked mode too (every read against the
+    counters' happens-before order), on 132 SMs and on 5 (3 claimers
+    before the expert claims, 2 after)."""
+    from megac.resources import schedules_dir
+
+    spec, w, model = ckpt("moe")
+    order = str(schedules_dir() / "experiments" / "full-attn-half.yaml")
+    prompts = _prompts(spec)
+    for sms, mode in ((132, "fast"), (132, "checked"), (5, "checked")):
+        sp = spec.model_copy(update={"target": spec.target.model_copy(update={"num_sms": sms})})
+        eng = vm_engine(sp, w, compile_schedules(sp, order=order, batch_sizes=[1, 2, 4]), mode=mode)
+        outs = generate(eng, prompts, max_tokens=6, eos_token_ids=[], return_logits=True)
+        _check_against_hf(model, prompts, outs, 6)
+
+
 @pytest.mark.parametrize("name", ["moe-tied", "softmax", "sigmoid-renorm", "nope-dense", "sliding-splits",
                                   "llama-mqa"])
 def test_fp32_variants_match_transformers(ckpt, name):
@@ -243,7 +262,11 @@ def test_orders_and_sm_counts_give_identical_bits(ckpt):
     spec, w, _ = ckpt("moe")
     prompts = _prompts(spec, (6, 21), seed=3)
     ref = None
-    for order, sms in (("tuned", 132), ("interleaved", 132), ("attention-first", 132), ("tuned", 7)):
+    from megac.resources import schedules_dir
+
+    split = str(schedules_dir() / "experiments" / "full-attn-half.yaml")
+    for order, sms in (("tuned", 132), ("interleaved", 132), ("attention-first", 132), ("tuned", 7), (split, 7),
+                       (split, 132)):
         sp = spec.model_copy(update={"target": spec.target.model_copy(update={"num_sms": sms})})
         outs = run(sp, w, compile_schedules(sp, order=order, batch_sizes=[2], buckets=[1024]), prompts, max_tokens=6,
                    eos_token_ids=[], return_logits=True)
