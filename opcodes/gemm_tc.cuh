@@ -198,6 +198,9 @@ __device__ __forceinline__ void tile(const bf16* __restrict__ w, int ldb, const 
 // same run): register-fed 5.70 / 19.15; rings of 4 x 4 KB 4.79 / 14.87, 8 x 2
 // KB 5.62 / 18.89, 5 x 4 KB 4.85 / 15.23, 2 x 8 KB 4.44 / 13.65. Fewer,
 // larger copies win; more stages in flight do not: the cost is per stage.
+// But not past 8 KB: 2 x 10 KB (a 160 KB ring; 12 KB does not fit the
+// scratch) ran 49-60 % slower (seventeenth session; not analysed beyond
+// its build: the stage loop then keeps 96 bytes of stack against 32).
 #ifndef MEGAC_TC_BULK
 #define MEGAC_TC_BULK 1
 #endif
@@ -292,11 +295,28 @@ __device__ __forceinline__ void issue(const rows::WeightSpan& s, const Walk& wk,
   }
 }
 
+// 1: prime() is one function every static GEMM opcode's dispatch calls
+// instead of a copy of its walk's divisions inlined into each (North Mini
+// Code's kernel 71,427 -> 65,470 lines of SASS); 0: inlined. The span by
+// value, as tile_bulk's (by reference a noinline call puts it on the stack).
+// Measured (H200, seventeenth session, check variants, three runs, same
+// bits): NMC bs1 8K -1.0 / -0.3 / -0.5 %, bs8 8K -0.1 / -0.4 / -0.6 %, bs4
+// 32K -0.2 / -0.3 / -1.1 %, bs8 32K -0.2 / -0.4 / +0.2 %; SmolLM2 1K bs1
+// +0.7 / -0.3 %.
+#ifndef MEGAC_TC_PRIME_NOINLINE
+#define MEGAC_TC_PRIME_NOINLINE 1
+#endif
+#if MEGAC_TC_PRIME_NOINLINE
+#define MEGAC_TC_PRIME_FN __noinline__
+#else
+#define MEGAC_TC_PRIME_FN __forceinline__
+#endif
+
 // Every thread, before a static task's waits: each warp's lane 0 issues the
 // warp's first kStages stages of the tile `s`. The scratch's earlier generic
 // writes were fenced for the async proxy at the end of the task before
 // (megakernel.cuh).
-__device__ __forceinline__ void prime(const rows::WeightSpan& s, uint8_t* ring, BulkState* st) {
+__device__ MEGAC_TC_PRIME_FN void prime(const rows::WeightSpan s, uint8_t* ring, BulkState* st) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   if (lane != 0) return;
   const Walk wk(s.rows, s.cols, warp, nwarps);

@@ -3,6 +3,7 @@
 # weights), the megakernel and the graphs baseline back to back in one call.
 #   bash scripts/gpu_bench_table.sh "$OUT" [table|long|smollm2|ablation|profile ...]
 # table:    North Mini Code, batch 1-8 x context 1K, 8K, 32K: cuda, graphs, waves
+# pair:     the same, cuda and graphs only
 # long:     North Mini Code at 128K, batch 1-8 (one weight copy each: bench's cuda engines give the
 #           canonical copy back, graphs never had a second)
 # smollm2:  SmolLM2-135M's shape, batch 1-8 x 1K, 4K, both backends
@@ -27,6 +28,10 @@ for part in "${parts[@]}"; do
   case $part in
     table)
       for b in cuda graphs waves; do
+        bench "nmc-$b" north-mini-code --backend $b --batch-size 1,2,4,8 --context 1024,8192,32768 --steps 30
+      done ;;
+    pair)  # table's megakernel and graphs rows alone (the ratio table)
+      for b in cuda graphs; do
         bench "nmc-$b" north-mini-code --backend $b --batch-size 1,2,4,8 --context 1024,8192,32768 --steps 30
       done ;;
     long)

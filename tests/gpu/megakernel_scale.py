@@ -759,6 +759,9 @@ VARIANTS = {
     # (ops_moe.cuh); 2: evict_last
     "down_l2": {"MEGAC_DOWN_CLAIM_L2": 1},
     "down_l2_last": {"MEGAC_DOWN_CLAIM_L2": 2},
+    # the tensor-core tile's prime inlined into every caller (gemm_tc.cuh; one copy since the
+    # seventeenth session)
+    "prime_inline": {"MEGAC_TC_PRIME_NOINLINE": 0},
 }
 #: variants that change nothing in a dense model (not built for one)
 MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
