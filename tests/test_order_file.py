@@ -315,3 +315,28 @@ def test_a_waiter_before_every_claimer_of_its_queue_is_refused(tmp_path):
     bad = tmp_path / "early.yaml"
     bad.write_text(yaml.safe_dump(doc))
     assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "not topological", "attn_combine")
+
+
+def test_the_rest_of_a_split_claimer_wave_after_a_wave_the_graph_leaves_out(tmp_path):
+    """``rest_after`` naming a wave the graph has not (the MoE combine inside
+    the norm: target tile fused_combine, batch 1): the other claimers take
+    that wave's place, after the down claimers, and the schedule verifies."""
+    from megac import abi
+    from megac.passes.pipeline import compile_one
+    from models import variant
+
+    spec = load_spec("north-mini-code")
+    fused = variant(spec, "nmc-fused-combine",
+                    target={**spec.target.model_dump(), "tiles": {**(spec.target.tiles or {}), "fused_combine": 1}})
+    doc = yaml.safe_load(SPLIT.read_text())
+    doc["layers"]["moe"][5] = {"wave": "attn", "share": 0.5, "rest_after": "moe_combine"}
+    f = tmp_path / "after-combine.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    sched = compile_one(fused, order=str(f), rows=1, context=8192)
+    late = 0
+    for s in range(sched.num_sms):
+        ops = [abi.Op(int(w[abi.H.OPCODE])).name for w in sched.tasks[s, : int(sched.task_counts[s])]
+               if int(w[abi.H.LAYER]) == 4]
+        assert ops.count("ATTN_DRAIN") == 1 and "MOE_COMBINE" not in ops
+        late += ops.index("ATTN_DRAIN") > ops.index("MOE_DOWN_DRAIN")
+    assert late == sched.num_sms - round(0.5 * sched.num_sms)
