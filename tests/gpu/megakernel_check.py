@@ -401,10 +401,13 @@ def check_orders() -> dict:
 def check_waves() -> dict:
     """The waves baseline (one launch per wave, megac.gpu.waves) runs the
     same tiles as the persistent megakernel, whose every sum has a fixed
-    order: identical tokens and logits (tiny-moe, three orders, batch 2),
-    and North Mini Code's step time both ways (batch 1 and 8, 8K)."""
+    order: identical tokens and logits (tiny-moe, three orders and the split
+    claimer wave of schedules/experiments/full-attn-half.yaml, whose later
+    claimers join the attention wave's launch; batch 2), and North Mini
+    Code's step time both ways (batch 1 and 8, 8K)."""
     import torch
 
+    from megac.resources import schedules_dir
     from megac.spec import load_spec
     from megac.weights import random_weights
 
@@ -412,16 +415,18 @@ def check_waves() -> dict:
     w = random_weights(spec, seed=11, dtype=torch.bfloat16)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6] * 7]
     out = {}
-    for order in ("tuned", "interleaved", "attention-first"):
+    split = str(schedules_dir() / "experiments" / "full-attn-half.yaml")
+    for order in ("tuned", "interleaved", "attention-first", split):
         ref = scale.generate_all(scale.engine(spec, w, "cuda", order=order, max_batch_size=2, max_model_len=128),
                                  prompts, 8)
         eng = scale.engine(spec, w, "waves", order=order, max_batch_size=2, max_model_len=128)
         got = scale.generate_all(eng, prompts, 8)
-        out[order] = scale.same_bits(ref, got)
-        out[f"{order}_graph_mode"] = eng.backend.graph_mode
+        key = Path(order).stem
+        out[key] = scale.same_bits(ref, got)
+        out[f"{key}_graph_mode"] = eng.backend.graph_mode
         # the launches that ran were the waves' (the step graph would replay the persistent kernel)
-        out[f"{order}_wave_graphs"] = len(eng.backend._graphs) if eng.backend.graph_mode == "graph" else -1
-        out[f"{order}_step_graphs"] = len(eng.backend._step_graphs)
+        out[f"{key}_wave_graphs"] = len(eng.backend._graphs) if eng.backend.graph_mode == "graph" else -1
+        out[f"{key}_step_graphs"] = len(eng.backend._step_graphs)
     out["nmc"] = scale.waves_step_times()
     return out
 

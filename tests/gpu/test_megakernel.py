@@ -154,9 +154,10 @@ def test_smollm2_greedy_text_matches_transformers(tmp_path):
 def test_waves_baseline_equals_the_megakernel(tmp_path):
     """One launch per wave (megac.gpu.waves) gives the persistent
     megakernel's bits: the tiles and their sums are the same, only the
-    launches differ."""
+    launches differ; with a split claimer wave too (full-attn-half: an
+    SM's later attention claimer joins the attention wave's launch)."""
     r = _run("waves", tmp_path)
-    for order in ("tuned", "interleaved", "attention-first"):
+    for order in ("tuned", "interleaved", "attention-first", "full-attn-half"):
         assert r[order], (order, r)
         assert r[f"{order}_step_graphs"] == 0 and r[f"{order}_wave_graphs"] != 0, (order, r)
 
