@@ -13,7 +13,7 @@ if [ "$what" = battery ]; then
     | grep -v Warning | tail -${TAIL:-25}
 fi
 if [ "$what" = variants ]; then
-  MEGAC_VARIANT_MODELS=${MODELS:-north-mini-code} MEGAC_VARIANTS=${VARS:-default,ahead} \
+  MEGAC_VARIANT_MODELS=${MODELS:-north-mini-code} MEGAC_VARIANTS=${VARS:-default,prime_inline} \
     MEGAC_VARIANT_CASES=${CASES:-1:8192,8:8192,4:32768,8:32768} timeout ${T1:-300} \
     python3 -m gpu.megakernel_check --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | tail -12
 fi

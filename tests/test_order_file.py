@@ -108,6 +108,20 @@ def _opcodes_per_sm_and_layer(sched):
     return {k: tuple(v) for k, v in out.items()}
 
 
+def _op_names(sched, layer: int) -> dict:
+    """{sm: [opcode name of each of its tasks of ``layer``, in run order]}."""
+    from megac import abi
+
+    per = _opcodes_per_sm_and_layer(sched)
+    return {s: [abi.Op(op).name for op in per.get((s, layer), ())] for s in range(sched.num_sms)}
+
+
+def _assert_one_run_of_consecutive_sms(sms, num_sms: int) -> None:
+    sms = sorted(sms)
+    gaps = [(b - a) % num_sms for a, b in zip(sms, sms[1:] + sms[:1])]
+    assert sorted(gaps)[:-1] == [1] * (len(sms) - 1), "not one run of consecutive SMs"
+
+
 def test_the_layer_cursor_runs_each_layers_tasks_on_the_same_sms():
     """The default cursor (``sm_cursor: layer``) deals every layer from SM 0:
     each SM runs the same opcodes in every layer of a kind (its code stays
@@ -233,9 +247,7 @@ def test_a_wave_on_a_share_of_the_sms_is_dealt_over_that_many():
         per = Counter(got["ATTN_DECODE"])
         assert len(per) == round(0.5 * S) and len(got["ATTN_DECODE"]) == len(want["ATTN_DECODE"]) == 256
         assert max(per.values()) - min(per.values()) <= 1
-        sms = sorted(per)
-        gaps = [(b - a) % S for a, b in zip(sms, sms[1:] + sms[:1])]
-        assert sorted(gaps)[:-1] == [1] * (len(sms) - 1), "not one run of consecutive SMs"
+        _assert_one_run_of_consecutive_sms(per, S)
         assert set(got["ATTN_COMBINE"]) <= set(per)
         for op in ("MOE_UPGATE_DRAIN", "MOE_DOWN_DRAIN"):
             assert sorted(got[op]) == list(range(S)), op
@@ -261,7 +273,6 @@ def test_a_split_claimer_wave_claims_on_half_the_sms_first():
     other 66 after it; every SM still holds one claimer of each queue; the
     sliding layers (static splits) are as tuned; the schedule verifies
     (compile_one runs every pass's checks, the deadlock walk included)."""
-    from megac import abi
     from megac.passes.pipeline import compile_one
 
     spec = load_spec("north-mini-code")
@@ -275,20 +286,15 @@ def test_a_split_claimer_wave_claims_on_half_the_sms_first():
     for op in ("ATTN_DRAIN", "MOE_UPGATE_DRAIN", "MOE_DOWN_DRAIN"):
         assert sorted(full[op]) == list(range(S)), op
     early = []
-    for s in range(S):
-        ops = [abi.Op(int(w[abi.H.OPCODE])).name for w in split.tasks[s, : int(split.task_counts[s])]
-               if int(w[abi.H.LAYER]) == 4]
+    for s, ops in _op_names(split, 4).items():
         if ops.index("ATTN_DRAIN") < ops.index("MOE_UPGATE_DRAIN"):
             early.append(s)
         assert "ATTN_COMBINE" not in ops or s in early, s
     assert len(early) == round(0.5 * S)
-    gaps = [(b - a) % S for a, b in zip(early, early[1:] + early[:1])]
-    assert sorted(gaps)[:-1] == [1] * (len(early) - 1), "not one run of consecutive SMs"
+    _assert_one_run_of_consecutive_sms(early, S)
     assert set(full["ATTN_COMBINE"]) <= set(early)
     # tuned: every SM claims attention before its expert claims
-    for s in range(S):
-        ops = [abi.Op(int(w[abi.H.OPCODE])).name for w in tuned.tasks[s, : int(tuned.task_counts[s])]
-               if int(w[abi.H.LAYER]) == 4]
+    for ops in _op_names(tuned, 4).values():
         assert ops.index("ATTN_DRAIN") < ops.index("MOE_UPGATE_DRAIN")
 
 
@@ -321,7 +327,6 @@ def test_the_rest_of_a_split_claimer_wave_after_a_wave_the_graph_leaves_out(tmp_
     """``rest_after`` naming a wave the graph has not (the MoE combine inside
     the norm: target tile fused_combine, batch 1): the other claimers take
     that wave's place, after the down claimers, and the schedule verifies."""
-    from megac import abi
     from megac.passes.pipeline import compile_one
     from models import variant
 
@@ -334,9 +339,7 @@ def test_the_rest_of_a_split_claimer_wave_after_a_wave_the_graph_leaves_out(tmp_
     f.write_text(yaml.safe_dump(doc))
     sched = compile_one(fused, order=str(f), rows=1, context=8192)
     late = 0
-    for s in range(sched.num_sms):
-        ops = [abi.Op(int(w[abi.H.OPCODE])).name for w in sched.tasks[s, : int(sched.task_counts[s])]
-               if int(w[abi.H.LAYER]) == 4]
+    for ops in _op_names(sched, 4).values():
         assert ops.count("ATTN_DRAIN") == 1 and "MOE_COMBINE" not in ops
         late += ops.index("ATTN_DRAIN") > ops.index("MOE_DOWN_DRAIN")
     assert late == sched.num_sms - round(0.5 * sched.num_sms)

@@ -75,7 +75,7 @@ def split_waves(sched) -> list[Wave]:
     wave_at[sm, slot] = node_wave[sched.task_node]
     counter_wave = {i: node_wave[sched.node_names.index(c.producer)] for i, c in enumerate(sched.counters)
                     if c.producer in sched.node_names}
-    claimer_ops = np.array(sorted(_CLAIM_WAIT), dtype=np.int64)
+    claimer_ops = np.array([int(op) for op in abi.CLAIMERS], dtype=np.int64)
     for s in range(S):
         w = wave_at[s, : sched.task_counts[s]]
         if (w < 0).any():

@@ -55,8 +55,7 @@ def test_out_of_order_lists_and_forward_waits_are_refused():
     n = int(s.task_counts[sm])
     # the SM's first and last static tasks swapped (a claimer joins its wave's
     # launch wherever it stands, so claimers would not do)
-    claimers = [int(abi.Op.ATTN_DRAIN), int(abi.Op.MOE_UPGATE_DRAIN), int(abi.Op.MOE_DOWN_DRAIN)]
-    static = np.flatnonzero(~np.isin(s.tasks[sm, :n, H.OPCODE], claimers))
+    static = np.flatnonzero(~np.isin(s.tasks[sm, :n, H.OPCODE], [int(op) for op in abi.CLAIMERS]))
     a, b = int(static[0]), int(static[-1])
     assert b > a and s.tasks[sm, a, H.LAYER] < s.tasks[sm, b, H.LAYER]
     tasks = s.tasks.copy()
