@@ -77,13 +77,13 @@ constexpr int kProfileWords = 4 + kProfileMarks;
 
 template <class M, class Dispatch>
 __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ desc) {
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem[];  // the scratch's alignment (kScratchOffset) from here
   TaskShared* ts = reinterpret_cast<TaskShared*>(smem);
-  Ctx c{desc, ts, smem + sizeof(TaskShared), M::SCRATCH_BYTES,
+  Ctx c{desc, ts, smem + kScratchOffset, M::SCRATCH_BYTES,
         WaitSite{ptr<int32_t>(desc->status), desc->watchdog_ns, 0, 0, 0}, false};
   uint32_t dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-  if (dyn < uint32_t(sizeof(TaskShared) + M::SCRATCH_BYTES)) {  // the host launched with too little
+  if (dyn < uint32_t(kScratchOffset + M::SCRATCH_BYTES)) {  // the host launched with too little
     if (threadIdx.x == 0) report_error(c.site.status, -1, -1, -1, int32_t(dyn), M::SCRATCH_BYTES, -1, kErrBadTask);
     return;
   }

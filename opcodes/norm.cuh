@@ -56,10 +56,12 @@ constexpr int kNormBatch = 8;
 constexpr int kSetsAtOnce = 8;
 
 // Experts a norm sums at most (MOE_COMBINE inside it: the row's top k), and
-// expert outputs a thread loads at once per element (more spill: the
-// kernel's registers are at its 255 ceiling).
+// expert outputs a thread loads at once per element: all of them, so the
+// combine costs one L2 round trip after the partials' (two rounds of four
+// cost a round trip more on every layer's critical path; the partials'
+// registers are dead by then, so the 64 loads in flight do not spill).
 constexpr int kMoeMaxK = 8;
-constexpr int kMoeAtOnce = 4;
+constexpr int kMoeAtOnce = 8;
 
 // MOE_COMBINE's sum of elements i0 + j * blockDim.x (j < kNormBatch) of the
 // row, into acc: w0 * y0, then + wq * yq in k order, product and sum rounded
@@ -113,6 +115,20 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
       g[j] = i < a.D ? __bfloat162float(a.gamma[i]) : 0.f;
     }
   }
+  // ADD_MOE: the row's slots and scores are loaded first, by threads q < k,
+  // into registers, so their round trip overlaps the residual's and the
+  // partials' loads; they go to shared memory after those loads are issued
+  int32_t my_slot = 0;
+  float my_w = 0.f;
+  int32_t* rs = reinterpret_cast<int32_t*>(red + 64);
+  float* rw = red + 64 + kMoeMaxK;
+  if (a.moe != nullptr) {
+    __syncthreads();  // thread 0's MoeRow (written before the call) in view
+    if (int(threadIdx.x) < a.moe->k) {
+      my_slot = __ldcg(a.moe->slot + threadIdx.x);
+      my_w = __ldcg(a.moe->w + threadIdx.x);
+    }
+  }
   float ss = 0.f;
   // per element the same adds in the same order as one at a time:
   // x, then parts0[0..n0), then parts1[0..n1); ss over elements in index order
@@ -141,16 +157,11 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
         }
     }
     if (a.moe != nullptr) {  // MOE_COMBINE's plane, the last one added
-      // the row's slots and scores through shared memory, loaded on the
-      // first pass (every thread alike) by thread q < k
       const MoeRow& m = *a.moe;
-      int32_t* rs = reinterpret_cast<int32_t*>(red + 64);
-      float* rw = red + 64 + kMoeMaxK;
-      if (i0 == int(threadIdx.x)) {
-        __syncthreads();  // thread 0's MoeRow (written before the call) in view
-        if (threadIdx.x < m.k) {
-          rs[threadIdx.x] = __ldcg(m.slot + threadIdx.x);
-          rw[threadIdx.x] = __ldcg(m.w + threadIdx.x);
+      if (i0 == int(threadIdx.x)) {  // first pass: the slots and scores to the CTA
+        if (int(threadIdx.x) < m.k) {
+          rs[threadIdx.x] = my_slot;
+          rw[threadIdx.x] = my_w;
         }
         __syncthreads();
       }

@@ -762,6 +762,9 @@ VARIANTS = {
     # the tensor-core tile's prime inlined into every caller (gemm_tc.cuh; one copy since the
     # seventeenth session)
     "prime_inline": {"MEGAC_TC_PRIME_NOINLINE": 0},
+    # the opcodes' scratch where every build before the eighteenth session had it: right after
+    # TaskShared's 960 bytes, 64 bytes past a 128-byte line (mk_core.cuh; 1024-aligned by default)
+    "scratch64": {"MEGAC_SCRATCH_ALIGN": 64},
 }
 #: variants that change nothing in a dense model (not built for one)
 MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
@@ -1353,10 +1356,19 @@ def check_profile() -> dict:
         models.insert(1, ("north-mini-code-routed8", 1, 8192))
     if os.environ.get("MEGAC_PROFILE_CASES"):  # North Mini Code at these "B:CTX,..." instead
         models = [("north-mini-code", b, ctx) for b, ctx in _cases(os.environ["MEGAC_PROFILE_CASES"])]
+    # MEGAC_PROFILE_TILES (comma list of TILES names): those tile settings of North Mini Code
+    # too, at each North Mini Code case (a spec named nmc-NAME)
+    tiles = [n for n in os.environ.get("MEGAC_PROFILE_TILES", "").split(",") if n]
+    models += [(f"nmc-{n}", b, ctx) for n in tiles for m, b, ctx in list(models) if m == "north-mini-code"]
     from megac.decode_bench import pool_blocks
 
     for model, b, ctx in models:
-        spec = routed_spec("north-mini-code") if model == "north-mini-code-routed8" else load_spec(model)
+        if model == "north-mini-code-routed8":
+            spec = routed_spec("north-mini-code")
+        elif model.startswith("nmc-"):
+            spec = tile_spec(model[4:], TILES[model[4:]])
+        else:
+            spec = load_spec(model)
         w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
         eng = engine(spec, w, max_batch_size=8, max_model_len=min(max(ctx, 8192) + 64, spec.max_context),
                      num_kv_blocks=max(40000, pool_blocks(spec, 8, max(ctx, 8192) + 64)))

@@ -1,6 +1,6 @@
 #!/bin/bash
-# Seventeenth session's GPU battery (run on the device machine, from the repo
-# root): bash scripts/gpu_session17.sh [orders|battery|variants]
+# Eighteenth session's GPU battery (run on the device machine, from the repo
+# root): bash scripts/gpu_session18.sh [orders|battery|variants|tiles|profile]
 mkdir -p build/cubin && cp build/cubin-sel/* build/cubin/ && source scripts/gpu_env.sh
 what=${1:-orders}
 if [ "$what" = orders ]; then
@@ -16,4 +16,14 @@ if [ "$what" = variants ]; then
   MEGAC_VARIANT_MODELS=${MODELS:-north-mini-code} MEGAC_VARIANTS=${VARS:-default,prime_inline} \
     MEGAC_VARIANT_CASES=${CASES:-1:8192,8:8192,4:32768,8:32768} timeout ${T1:-300} \
     python3 -m gpu.megakernel_check --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | tail -12
+fi
+if [ "$what" = tiles ]; then
+  MEGAC_VARIANTS=default MEGAC_TILES=${TILES:-fused_combine} MEGAC_TILE_BATCHES=${TB:-1} \
+    MEGAC_TILE_CONTEXTS=${TC:-8192,32768} timeout ${T1:-300} \
+    python3 -m gpu.megakernel_check --run tiles --out $OUT/tiles.json 2>&1 | grep -v Warning | tail -12
+fi
+if [ "$what" = profile ]; then
+  MEGAC_PROFILE_CASES=${CASES:-1:8192} MEGAC_PROFILE_TILES=${TILES:-} MEGAC_PROFILE_VARIANTS=${VARS:-} \
+    timeout ${T1:-400} python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json 2>&1 \
+    | grep -v Warning | cut -c1-600 | tail -${TAIL:-8}
 fi
