@@ -41,6 +41,15 @@ using bf16 = __nv_bfloat16;
 template <class M>
 constexpr bool kTiled = MEGAC_TC_GEMM && M::GEMM_TILED;
 
+// Where the tensor-core tile's bulk-copy ring starts in the scratch: after
+// the partials, aligned up to MEGAC_TC_RING_ALIGN bytes (the scratch itself
+// is 1024-aligned, mk_core.cuh). The ring's place moved whole steps (its
+// 1 KB copies 16 or 64 bytes past a 128-byte line ran 6-9 % slower at
+// batch 8 than on one: eighteenth session); 1024 is a switch, unmeasured.
+#ifndef MEGAC_TC_RING_ALIGN
+#define MEGAC_TC_RING_ALIGN 128
+#endif
+
 // Scratch of a GEMM tile: X staging [8][MAX_KLEN (+ padding)] bf16, ys
 // [MAX_NLEN][8] fp32, then the tensor-core tile's K-slice partials, the
 // warps' cp.async rings (rows::kStages > 0) or the bulk-copy ring's stages
@@ -53,14 +62,16 @@ struct GemmScratch {
   static constexpr int kYBytes = (M::MAX_NLEN * 8 * 4 + 127) / 128 * 128;
   static constexpr bool kPiped = !kTc && !kRing && rows::kStages > 0;
   static constexpr int kPartBytes = kTc ? tc::part_bytes(M::THREADS / 32) : 0;
-  static constexpr int kBytes = kXBytes + kYBytes + kPartBytes + (kTc ? tc::ring_bytes(M::THREADS / 32) : 0) +
+  static constexpr int kRingOffset =
+      (kXBytes + kYBytes + kPartBytes + MEGAC_TC_RING_ALIGN - 1) / MEGAC_TC_RING_ALIGN * MEGAC_TC_RING_ALIGN;
+  static constexpr int kBytes = kRingOffset + (kTc ? tc::ring_bytes(M::THREADS / 32) : 0) +
                                 (kRing ? rows::kRingBytes : 0) + (kPiped ? rows::pipe_bytes(M::THREADS / 32) : 0);
   __device__ static bf16* xs(const Ctx& c) { return reinterpret_cast<bf16*>(c.scratch); }
   __device__ static float* ys(const Ctx& c) { return reinterpret_cast<float*>(c.scratch + kXBytes); }
   __device__ static uint8_t* ring(const Ctx& c) { return c.scratch + kXBytes + kYBytes; }
   __device__ static uint8_t* pipes(const Ctx& c) { return c.scratch + kXBytes + kYBytes; }
   __device__ static float* part(const Ctx& c) { return reinterpret_cast<float*>(c.scratch + kXBytes + kYBytes); }
-  __device__ static uint8_t* tc_ring(const Ctx& c) { return c.scratch + kXBytes + kYBytes + kPartBytes; }
+  __device__ static uint8_t* tc_ring(const Ctx& c) { return c.scratch + kRingOffset; }
 };
 
 // Rows [n0, n0 + nlen) x columns [k0, k0 + klen) of an [N, K] weight matrix

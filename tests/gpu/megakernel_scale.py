@@ -765,6 +765,9 @@ VARIANTS = {
     # the opcodes' scratch where every build before the eighteenth session had it: right after
     # TaskShared's 960 bytes, 64 bytes past a 128-byte line (mk_core.cuh; 1024-aligned by default)
     "scratch64": {"MEGAC_SCRATCH_ALIGN": 64},
+    # the tensor-core tile's bulk-copy ring 1024-aligned in the scratch (ops_gemm.cuh; 128 by default,
+    # where North Mini Code's ring lands 512 bytes past a 1 KB line)
+    "ring1024": {"MEGAC_TC_RING_ALIGN": 1024},
 }
 #: variants that change nothing in a dense model (not built for one)
 MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
