@@ -62,12 +62,12 @@ struct TaskShared {
 static_assert(sizeof(TaskShared) % 16 == 0, "keeps the scratch that follows aligned");
 
 // Where the opcodes' scratch starts in the dynamic shared memory: after
-// TaskShared, aligned up to MEGAC_SCRATCH_ALIGN bytes. The GEMM rings' bulk
-// copies and their ldmatrix reads sit at fixed offsets in it, and where the
-// scratch starts moves the whole step (eighteenth session, NMC): 64 bytes
-// past a 128-byte line (TaskShared's 960 bytes, every build before) against
-// 1024-aligned, 2 % slower at batch 1 and 5-6 % at batch 4 and 8; 16 bytes
-// past one, ~10 % slower still.
+// TaskShared, aligned up to MEGAC_SCRATCH_ALIGN bytes. The GEMM rings' 1 KB
+// bulk copies land at fixed offsets from it, and where the scratch starts
+// moves the whole step (eighteenth session, NMC): 64 bytes past a 128-byte
+// line (TaskShared's 960 bytes, every build before) against 1024-aligned,
+// 2-3 % slower at batch 1 and 5-6 % at batch 4 and 8; 16 bytes past one,
+// ~9 % slower than 64.
 #ifndef MEGAC_SCRATCH_ALIGN
 #define MEGAC_SCRATCH_ALIGN 1024
 #endif
@@ -75,7 +75,7 @@ constexpr int kScratchOffset =
     (int(sizeof(TaskShared)) + MEGAC_SCRATCH_ALIGN - 1) / MEGAC_SCRATCH_ALIGN * MEGAC_SCRATCH_ALIGN;
 
 // Per-launch view the opcodes read: the descriptor and this CTA's shared
-// scratch (everything after TaskShared, kScratchBytes of it).
+// scratch (from kScratchOffset, M::SCRATCH_BYTES of it).
 struct Ctx {
   const LaunchDesc* d;
   TaskShared* ts;
