@@ -98,11 +98,29 @@ __device__ __forceinline__ const float* norm_set(const AddNorm& a, int s) {
   return s < a.n0 ? a.parts0 + s * a.stride0 : a.parts1 + (s - a.n0) * a.stride1;
 }
 
+// 1 / rms of the row from each thread's sum of squares `ss`: warps, then
+// the warp sums in warp order (a fixed tree). `red`: 33 floats of shared
+// memory. Whole CTA.
+__device__ __forceinline__ float inv_rms(const AddNorm& a, float ss, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.f;
+    for (int w = 0; w < nwarps; ++w) t += red[w];
+    red[32] = rsqrtf(t / float(a.D) + a.eps);
+  }
+  __syncthreads();
+  MEGAC_MARK(1);  // the row's 1 / rms known to the CTA
+  return red[32];
+}
+
 // `red` is 33 floats of shared memory (one per warp, up to 32 warps, and the
 // scale), and with ADD_MOE 2 * kMoeMaxK words more from red + 64 (a.moe
 // points past them).
 __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int nsets = a.n0 + a.n1;
   // a row of at most kNormBatch elements per thread stays in registers, and
   // its gamma loads go out with the first loads
@@ -180,18 +198,7 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
     }
   }
   MEGAC_MARK(0);  // thread 0's loads and adds done
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (lane == 0) red[warp] = ss;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0.f;
-    for (int w = 0; w < nwarps; ++w) t += red[w];
-    red[32] = rsqrtf(t / float(a.D) + a.eps);
-  }
-  __syncthreads();
-  MEGAC_MARK(1);  // the row's 1 / rms known to the CTA
-  const float r = red[32];
+  const float r = inv_rms(a, ss, red);
   if (one_pass) {
 #pragma unroll
     for (int j = 0; j < kNormBatch; ++j) {
@@ -205,6 +212,90 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
     for (int i = threadIdx.x; i < a.D; i += blockDim.x) {
       const float y = __bfloat162float(__float2bfloat16_rn(a.x[i] * r));
       a.out[i] = __float2bfloat16_rn(__bfloat162float(a.gamma[i]) * y);
+    }
+  }
+  __syncthreads();
+}
+
+
+// ADD_RMSNORM's vector form (MEGAC_NORM_VEC, ops_norm.cuh; rows without
+// ADD_MOE whose D is a multiple of 4 and at most kNormBatch per thread):
+// each thread owns kNormBatch / 4 runs of 4 consecutive elements and moves
+// them as float4 (the planes) and 4 x bf16 (gamma, the output). Why: the
+// norm's 48 KB of planes take 3.2 us through 32-bit loads, ~15 GB/s (one
+// request per 128 bytes a warp), where MOE_COMBINE's float4 loads read its
+// 64 KB in ~1.5 us. The same adds per element in the same order; the sum of
+// squares runs over each thread's elements in its own order, so its bits
+// may differ from add_rmsnorm's by the order of that sum (a few ulp of the
+// scale, as against the VM).
+constexpr int kNormVecRuns = kNormBatch / 4;
+
+__device__ __forceinline__ bool vec_fits(const AddNorm& a) {
+  return a.moe == nullptr && a.D % 4 == 0 && a.D <= kNormBatch * int(blockDim.x);
+}
+
+__device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
+  const int nsets = a.n0 + a.n1;
+  const int n4 = a.D / 4;
+  float4 v[kNormVecRuns];
+  uint2 g[kNormVecRuns];  // 4 bf16 of gamma per run
+#pragma unroll
+  for (int j = 0; j < kNormVecRuns; ++j) {
+    const int c = threadIdx.x + j * blockDim.x;
+    g[j] = c < n4 ? __ldg(reinterpret_cast<const uint2*>(a.gamma) + c) : make_uint2(0u, 0u);
+    v[j] = c < n4 ? __ldcg(reinterpret_cast<const float4*>(a.x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int s0 = 0; s0 < nsets; s0 += kSetsAtOnce) {
+    float4 p[kSetsAtOnce][kNormVecRuns];
+#pragma unroll
+    for (int s = 0; s < kSetsAtOnce; ++s) {
+      const float* src = s0 + s < nsets ? norm_set(a, s0 + s) : nullptr;
+#pragma unroll
+      for (int j = 0; j < kNormVecRuns; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        p[s][j] = (src != nullptr && c < n4) ? __ldcg(reinterpret_cast<const float4*>(src) + c)
+                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kSetsAtOnce; ++s)
+      if (s0 + s < nsets) {
+#pragma unroll
+        for (int j = 0; j < kNormVecRuns; ++j) {
+          v[j].x = __fadd_rn(v[j].x, p[s][j].x);
+          v[j].y = __fadd_rn(v[j].y, p[s][j].y);
+          v[j].z = __fadd_rn(v[j].z, p[s][j].z);
+          v[j].w = __fadd_rn(v[j].w, p[s][j].w);
+        }
+      }
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < kNormVecRuns; ++j) {
+    const int c = threadIdx.x + j * blockDim.x;
+    if (c < n4) {
+      reinterpret_cast<float4*>(a.x)[c] = v[j];
+      ss = fmaf(v[j].x, v[j].x, ss);
+      ss = fmaf(v[j].y, v[j].y, ss);
+      ss = fmaf(v[j].z, v[j].z, ss);
+      ss = fmaf(v[j].w, v[j].w, ss);
+    }
+  }
+  MEGAC_MARK(0);  // thread 0's loads and adds done
+  const float r = inv_rms(a, ss, red);
+#pragma unroll
+  for (int j = 0; j < kNormVecRuns; ++j) {
+    const int c = threadIdx.x + j * blockDim.x;
+    if (c < n4) {
+      const float x4[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+      const bf16* g4 = reinterpret_cast<const bf16*>(&g[j]);
+      bf16 o4[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float y = __bfloat162float(__float2bfloat16_rn(x4[e] * r));
+        o4[e] = __float2bfloat16_rn(__bfloat162float(g4[e]) * y);
+      }
+      reinterpret_cast<uint2*>(a.out)[c] = *reinterpret_cast<const uint2*>(o4);
     }
   }
   __syncthreads();

@@ -20,6 +20,12 @@
 #define MEGAC_NORM_WARM 0
 #endif
 
+// 1: rows without ADD_MOE through norm::add_rmsnorm_vec (float4 loads of
+// the planes); 0: add_rmsnorm's 32-bit loads. A switch, unmeasured.
+#ifndef MEGAC_NORM_VEC
+#define MEGAC_NORM_VEC 0
+#endif
+
 namespace megac {
 namespace mk {
 
@@ -72,6 +78,12 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
       a.moe = m;
     }
   }
+#if MEGAC_NORM_VEC
+  if (norm::vec_fits(a)) {
+    norm::add_rmsnorm_vec(a, red);
+    return;
+  }
+#endif
   norm::add_rmsnorm(a, red);
 }
 

@@ -768,6 +768,10 @@ VARIANTS = {
     # the tensor-core tile's bulk-copy ring 1024-aligned in the scratch (ops_gemm.cuh; 128 by default,
     # where North Mini Code's ring lands 512 bytes past a 1 KB line)
     "ring1024": {"MEGAC_TC_RING_ALIGN": 1024},
+    # ADD_RMSNORM's planes through float4 loads (norm.cuh's add_rmsnorm_vec; 32-bit loads by default;
+    # its sum of squares runs in another order, so its bits may differ from the default's by a few ulp
+    # of the scale)
+    "norm_vec": {"MEGAC_NORM_VEC": 1},
 }
 #: variants that change nothing in a dense model (not built for one)
 MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
