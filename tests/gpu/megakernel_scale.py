@@ -1275,6 +1275,7 @@ TILES = {
     "fused_combine": {"fused_combine": 1},
     # fewer, longer expert claims: the marks put ~7 us (up, routed) and ~4.6 us (down) of
     # every claim before its first stage lands and stream ~65-78 GB/s per SM after
+    "up128": {"moe_up_bn": 128},  # 12 up tiles per expert: 96 claims at batch 1 (the default before 256)
     "up192": {"moe_up_bn": 192},  # 8 up tiles per expert: 64 claims at batch 1
     "up256": {"moe_up_bn": 256},  # 6 up tiles per expert: 48 claims at batch 1
     "dn256": {"moe_down_bn": 256},  # 8 down tiles per expert
