@@ -4,6 +4,7 @@ the CPU under the calibrated cost model; a bad file is a one-line error."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -122,17 +123,23 @@ def _assert_one_run_of_consecutive_sms(sms, num_sms: int) -> None:
     assert sorted(gaps)[:-1] == [1] * (len(sms) - 1), "not one run of consecutive SMs"
 
 
+@functools.lru_cache(maxsize=None)
+def _nmc_8k(order: str, rows: int):
+    """North Mini Code's schedule of ``rows`` at 8K under ``order`` (a name
+    or a file path), compiled once per module (compile_one runs every
+    pass's checks and the verifier; the tests only read it)."""
+    from megac.passes.pipeline import compile_one
+
+    return compile_one(load_spec("north-mini-code"), order=order, rows=rows, context=8192)
+
+
 def test_the_layer_cursor_runs_each_layers_tasks_on_the_same_sms():
     """The default cursor (``sm_cursor: layer``) deals every layer from SM 0:
     each SM runs the same opcodes in every layer of a kind (its code stays
     warm), where the global cursor moves them from layer to layer; both
     verify and run the same tasks."""
-    from megac.passes.pipeline import compile_one
-
-    spec = load_spec("north-mini-code")
-    tuned = compile_one(spec, order="tuned", rows=1, context=8192)
-    glob = compile_one(spec, order=str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml"), rows=1,
-                       context=8192)
+    tuned = _nmc_8k("tuned", 1)
+    glob = _nmc_8k(str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml"), 1)
     assert glob.num_tasks == tuned.num_tasks
     for sched, same in ((tuned, True), (glob, False)):
         ops = _opcodes_per_sm_and_layer(sched)
@@ -173,12 +180,9 @@ def test_a_placed_wave_runs_on_its_hosts_sms_and_moves_no_cursor():
     (compile_one runs every pass's checks)."""
     from collections import Counter
 
-    from megac.passes.pipeline import compile_one
-
-    spec = load_spec("north-mini-code")
     # the order the placed experiment was written against
-    tuned = compile_one(spec, order=str(SESSION15), rows=1, context=8192)
-    placed = compile_one(spec, order=str(PLACED), rows=1, context=8192)
+    tuned = _nmc_8k(str(SESSION15), 1)
+    placed = _nmc_8k(str(PLACED), 1)
     assert placed.num_tasks == tuned.num_tasks
     for layer in (1, 10):  # sliding MoE layers (a full one claims its attention: no host SMs)
         got, want = _layer_sms(placed, layer), _layer_sms(tuned, layer)
@@ -195,7 +199,7 @@ def test_a_placed_wave_runs_on_its_hosts_sms_and_moves_no_cursor():
     # O-projection is dealt by the cursor in its place (before the claims)
     full = _layer_sms(placed, 4)
     assert "ATTN_DRAIN" in full and len(set(full["O_PROJ"])) == len(full["O_PROJ"]) == 128
-    late = compile_one(spec, order=str(PLACED).replace(".yaml", "-late.yaml"), rows=1, context=8192)
+    late = _nmc_8k(str(PLACED).replace(".yaml", "-late.yaml"), 1)
     assert _layer_sms(late, 4) == _layer_sms(tuned, 4)
     assert set(_layer_sms(late, 10)["O_PROJ"]) == set(_layer_sms(late, 10)["ATTN_DECODE"])
 
@@ -235,11 +239,8 @@ def test_a_wave_on_a_share_of_the_sms_is_dealt_over_that_many():
     a full layer's claimed attention ignores the share."""
     from collections import Counter
 
-    from megac.passes.pipeline import compile_one
-
-    spec = load_spec("north-mini-code")
-    tuned = compile_one(spec, order="tuned", rows=8, context=8192)
-    half = compile_one(spec, order=str(HALF), rows=8, context=8192)
+    tuned = _nmc_8k("tuned", 8)
+    half = _nmc_8k(str(HALF), 8)
     assert half.num_tasks == tuned.num_tasks
     S = tuned.num_sms
     for layer in (1, 10):
@@ -273,11 +274,8 @@ def test_a_split_claimer_wave_claims_on_half_the_sms_first():
     other 66 after it; every SM still holds one claimer of each queue; the
     sliding layers (static splits) are as tuned; the schedule verifies
     (compile_one runs every pass's checks, the deadlock walk included)."""
-    from megac.passes.pipeline import compile_one
-
-    spec = load_spec("north-mini-code")
-    tuned = compile_one(spec, order="tuned", rows=8, context=8192)
-    split = compile_one(spec, order=str(SPLIT), rows=8, context=8192)
+    tuned = _nmc_8k("tuned", 8)
+    split = _nmc_8k(str(SPLIT), 8)
     assert split.num_tasks == tuned.num_tasks
     S = split.num_sms
     for layer in (1, 10):
