@@ -98,6 +98,38 @@ __device__ __forceinline__ const float* norm_set(const AddNorm& a, int s) {
   return s < a.n0 ? a.parts0 + s * a.stride0 : a.parts1 + (s - a.n0) * a.stride1;
 }
 
+// The row's partial sets added to this thread's elements `v`, each set in
+// index order (one rounding per add, as the VM adds): element j is unit
+// first + j * blockDim.x of a plane seen as T (float: add_rmsnorm; float4:
+// add_rmsnorm_vec), present where below n; kSetsAtOnce sets' loads are
+// issued together before their adds.
+__device__ __forceinline__ float add_rn(float x, float y) { return __fadd_rn(x, y); }
+__device__ __forceinline__ float4 add_rn(float4 x, float4 y) {
+  return make_float4(__fadd_rn(x.x, y.x), __fadd_rn(x.y, y.y), __fadd_rn(x.z, y.z), __fadd_rn(x.w, y.w));
+}
+
+template <class T, int N>
+__device__ __forceinline__ void add_sets(const AddNorm& a, int nsets, int first, int n, T (&v)[N]) {
+  for (int s0 = 0; s0 < nsets; s0 += kSetsAtOnce) {
+    T p[kSetsAtOnce][N];
+#pragma unroll
+    for (int s = 0; s < kSetsAtOnce; ++s) {
+      const T* src = s0 + s < nsets ? reinterpret_cast<const T*>(norm_set(a, s0 + s)) : nullptr;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int u = first + j * blockDim.x;
+        p[s][j] = (src != nullptr && u < n) ? __ldcg(src + u) : T{};
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kSetsAtOnce; ++s)
+      if (s0 + s < nsets) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) v[j] = add_rn(v[j], p[s][j]);
+      }
+  }
+}
+
 // 1 / rms of the row from each thread's sum of squares `ss`: warps, then
 // the warp sums in warp order (a fixed tree). `red`: 33 floats of shared
 // memory. Whole CTA.
@@ -156,24 +188,7 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
       const int i = i0 + j * blockDim.x;
       v[j] = i < a.D ? __ldcg(a.x + i) : 0.f;
     }
-    for (int s0 = 0; s0 < nsets; s0 += kSetsAtOnce) {
-      float p[kSetsAtOnce][kNormBatch];
-#pragma unroll
-      for (int s = 0; s < kSetsAtOnce; ++s) {
-        const float* src = s0 + s < nsets ? norm_set(a, s0 + s) : nullptr;
-#pragma unroll
-        for (int j = 0; j < kNormBatch; ++j) {
-          const int i = i0 + j * blockDim.x;
-          p[s][j] = (src != nullptr && i < a.D) ? __ldcg(src + i) : 0.f;
-        }
-      }
-#pragma unroll
-      for (int s = 0; s < kSetsAtOnce; ++s)
-        if (s0 + s < nsets) {
-#pragma unroll
-          for (int j = 0; j < kNormBatch; ++j) v[j] = __fadd_rn(v[j], p[s][j]);
-        }
-    }
+    add_sets(a, nsets, i0, a.D, v);
     if (a.moe != nullptr) {  // MOE_COMBINE's plane, the last one added
       const MoeRow& m = *a.moe;
       if (i0 == int(threadIdx.x)) {  // first pass: the slots and scores to the CTA
@@ -245,30 +260,7 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
     g[j] = c < n4 ? __ldg(reinterpret_cast<const uint2*>(a.gamma) + c) : make_uint2(0u, 0u);
     v[j] = c < n4 ? __ldcg(reinterpret_cast<const float4*>(a.x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  for (int s0 = 0; s0 < nsets; s0 += kSetsAtOnce) {
-    float4 p[kSetsAtOnce][kNormVecRuns];
-#pragma unroll
-    for (int s = 0; s < kSetsAtOnce; ++s) {
-      const float* src = s0 + s < nsets ? norm_set(a, s0 + s) : nullptr;
-#pragma unroll
-      for (int j = 0; j < kNormVecRuns; ++j) {
-        const int c = threadIdx.x + j * blockDim.x;
-        p[s][j] = (src != nullptr && c < n4) ? __ldcg(reinterpret_cast<const float4*>(src) + c)
-                                             : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-#pragma unroll
-    for (int s = 0; s < kSetsAtOnce; ++s)
-      if (s0 + s < nsets) {
-#pragma unroll
-        for (int j = 0; j < kNormVecRuns; ++j) {
-          v[j].x = __fadd_rn(v[j].x, p[s][j].x);
-          v[j].y = __fadd_rn(v[j].y, p[s][j].y);
-          v[j].z = __fadd_rn(v[j].z, p[s][j].z);
-          v[j].w = __fadd_rn(v[j].w, p[s][j].w);
-        }
-      }
-  }
+  add_sets(a, nsets, int(threadIdx.x), n4, v);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < kNormVecRuns; ++j) {
