@@ -30,7 +30,11 @@ import numpy as np
 #    the up claimer ranks the rows itself and derives its records, reading the rows from x_norm;
 #    no ROUTER_TOPK, no MOE_GATHER) and ROUTE_FINALIZE.UP_COUNT_WORD -1 (no up queue then)
 # 7: kv_tmaps (the K and V pools' tensor maps for the attention splits' tensor copies; 0: none)
-ABI_VERSION = 8
+# 8: ADD_MOE (the MoE combine inside ADD_RMSNORM)
+# 9: x_resid has a slot per norm ([2L+1, rows, hidden], slot = GAMMA; ADD_RMSNORM.RESID_IN the slot
+#    it reads), and NORM_IN with QKV_PROJ / ROUTER_GEMM.NORM_LAYER / NORM_ATTN_SPLITS /
+#    NORM_FFN_SPLITS / NORM_RESID_IN (the tile folds the norm that writes its x_norm slot)
+ABI_VERSION = 9
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -127,6 +131,7 @@ class Flag(enum.IntFlag):
     RENORMALIZE = 1 << 6  # ROUTER_TOPK (or a top-k ranking ROUTE_FINALIZE): renormalise the top-k weights
     LAST_LAYER = 1 << 7  # ADD_RMSNORM: the final norm of the model
     ADD_MOE = 1 << 8  # ADD_RMSNORM: add the row's expert outputs, score-weighted in k order (MOE_COMBINE's sum)
+    NORM_IN = 1 << 9  # QKV_PROJ / ROUTER_GEMM: the input is the norm of the NORM_* fields, computed here (_NORM_IN)
 
 
 class QkvPart(enum.IntEnum):
@@ -147,13 +152,26 @@ _GEMM = (
     ("SPLIT", "split-K index (partial buffer slot)"),
 )
 
+# A GEMM tile flagged NORM_IN folds the ADD_RMSNORM that writes its x_norm
+# slot: it adds that norm's partials to its residual slot and normalises each
+# row itself (the same arithmetic, so the same bits) into its staged input,
+# instead of waiting for the norm task and reading x_norm. The norm task
+# still runs for the residual slot and the slot's other readers.
+_NORM_IN = (
+    ("NORM_LAYER", "NORM_IN: the layer whose partials the folded norm adds"),
+    ("NORM_ATTN_SPLITS", "NORM_IN: O-proj partials to add (as ADD_RMSNORM's ATTN_SPLITS; 0: none)"),
+    ("NORM_FFN_SPLITS", "NORM_IN: FFN partials to add (as ADD_RMSNORM's FFN_SPLITS; 0: none)"),
+    ("NORM_RESID_IN", "NORM_IN: x_resid slot the folded norm reads (its RESID_IN)"),
+)
+
 OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
     Op.NOP: (),
     Op.QKV_PROJ: _GEMM
     + (
         ("PART", "QkvPart: 0 Q, 1 K, 2 V"),
         ("HEAD", "head index within its part (q head, or kv head for K/V)"),
-    ),
+    )
+    + _NORM_IN,
     Op.ATTN_DECODE: (
         ("ROW", "batch row"),
         ("KV_HEAD", "kv head"),
@@ -181,7 +199,7 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
         ("X_SLOT", "x_norm slot read: l for a parallel block, num_layers+l after a sequential block's attention"),
     ),
     Op.FFN_DOWN: _GEMM,
-    Op.ROUTER_GEMM: _GEMM + (("X_SLOT", "x_norm slot read (as FFN_UPGATE_ACT)"),),
+    Op.ROUTER_GEMM: _GEMM + (("X_SLOT", "x_norm slot read (as FFN_UPGATE_ACT)"),) + _NORM_IN,
     Op.ROUTER_TOPK: (
         ("ROW", "batch row"),
         ("NUM_SPLITS", "router split-K partials to sum, in index order"),
@@ -232,7 +250,8 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
         ("ROW", "batch row"),
         ("ATTN_SPLITS", "O-proj split-K partials to add, in index order"),
         ("FFN_SPLITS", "FFN partials to add, in index order"),
-        ("GAMMA", "norm index = x_norm slot written: l input norm of layer l, num_layers+l post-attention norm of a sequential layer l, 2*num_layers final norm"),
+        ("GAMMA", "norm index = x_norm and x_resid slot written: l input norm of layer l, num_layers+l post-attention norm of a sequential layer l, 2*num_layers final norm"),
+        ("RESID_IN", "x_resid slot read: the previous norm's GAMMA (0: the seeded embedding)"),
     ),
     Op.LM_HEAD: _GEMM,
 }
@@ -528,7 +547,7 @@ LAUNCH_DESC: tuple[DescField, ...] = (
     _D("kv_block_size", "i32", "tokens per KV block"),
     _D("max_blocks_per_seq", "i32", "page table row length"),
     # activations / scratch (sizes from the buffer plan)
-    _D("x_resid", "ptr", "fp32 [rows, hidden] residual stream"),
+    _D("x_resid", "ptr", "fp32 [2*num_layers+1, rows, hidden] residual stream after each norm, slot = GAMMA index (slot 0: the embedding)"),
     _D("x_norm", "ptr", "bf16 [2*num_layers+1, rows, hidden] normed activations, slot = GAMMA index"),
     _D("q", "ptr", "bf16 [num_layers, rows, q_width]"),
     _D("attn_o_part", "ptr", "fp32 [num_layers, max_splits, rows, num_heads, head_dim], split-major"),

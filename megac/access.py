@@ -75,10 +75,9 @@ Logical buffers (``logical_shapes``) are the launch-descriptor names plus:
 * ``moe_up_queue``/``moe_down_queue [L]``, ``attn_queue [1]``;
 * ``target_word [TargetWords.total]``.
 
-``x_resid`` is the only buffer written more than once per step
-(``MULTI_WRITTEN``: each ADD_RMSNORM of a row rewrites that row); a read of
-it sees the latest writer. Every other region is written at most once per
-step. Regions cover buffers written inside the step and the step inputs
+Every region is written at most once per step (``MULTI_WRITTEN`` names
+buffers that may be rewritten, a read of which sees the latest writer: none
+since the residual has a slot per norm). Regions cover buffers written inside the step and the step inputs
 above; weights and the old KV cache are not modelled (read-only).
 """
 
@@ -95,9 +94,10 @@ from megac.geometry import Geometry
 from megac.ops import CLAIMER_OF_QUEUE, REGISTRY, claimer_for_queue
 from megac.ops.base import BoxCollector, Boxes, SubTasks, dyn_mask
 
-#: Buffers written more than once per step (every ADD_RMSNORM of a row rewrites
-#: that row of the residual): a read sees the latest writer before it.
-MULTI_WRITTEN = ("x_resid",)
+#: Buffers written more than once per step (a read sees the latest writer
+#: before it): none since each norm writes its own residual slot; the
+#: mechanism stays for a buffer that needs it.
+MULTI_WRITTEN: tuple[str, ...] = ()
 
 #: Read-only inputs of a step, not modelled as regions (weights, old KV, tables).
 STEP_INPUT_BUFFERS = (
@@ -168,7 +168,7 @@ def logical_shapes(geo: Geometry) -> dict[str, tuple[int, ...]]:
 def step_inputs(geo: Geometry) -> list[Region]:
     tw = geo.target_words
     return [
-        Region("x_resid", ((0, geo.rows), (0, geo.hidden))),
+        Region("x_resid", ((0, 1), (0, geo.rows), (0, geo.hidden))),
         Region("x_norm", ((0, 1), (0, geo.rows), (0, geo.hidden))),
         Region("target_word", ((0, tw.host_words),)),
         Region("attn_queue", ((0, 1),)),

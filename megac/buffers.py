@@ -20,7 +20,7 @@ def step_buffers(geo) -> dict[str, tuple[str, tuple[int, ...], str, str]]:
     L, R, D = geo.num_layers, geo.rows, geo.hidden
     RK = R * max(geo.top_k, 0)
     return {
-        "x_resid": ("fp32", (R, D), "activation", "seeded before launch"),
+        "x_resid": ("fp32", (geo.norm_slots, R, D), "activation", "slot 0 seeded before launch; slot = GAMMA"),
         "x_norm": ("bf16", (geo.norm_slots, R, D), "activation", "slot 0 seeded before launch"),
         "q": ("bf16", (L, R, geo.q_width), "scratch", ""),
         "attn_o_part": ("fp32", (L, geo.max_splits, R, geo.num_heads, geo.head_dim), "scratch", "split-major"),

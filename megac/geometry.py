@@ -114,6 +114,16 @@ DEFAULT_TILES = {
     # routing hops are on the critical path (small batches). H200, North Mini
     # Code 8K: batch 1 -1.7 %, batch 2 even, batch 4 +3 %, batch 8 +2.8 %
     "routed_claims": 1,
+    # the norm folded into its GEMM readers in schedules of at most this many
+    # rows (0: none): a layer's QKV and router tiles add the norm's partials
+    # and normalise the rows themselves (NORM_IN) instead of waiting for the
+    # ADD_RMSNORM task, a hop and a single-CTA task less on both of a layer's
+    # paths; the norm task still writes the residual and the slot the expert
+    # claims read. Each reader loads every row's partials: small batches.
+    # Parallel blocks whose layer and the layer before have MoE FFNs, with
+    # routed claims (there the up claims read x_norm and order the residual
+    # slot for the next fold; else the next norm would need a third wait).
+    "norm_fold": 0,
 }
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
@@ -164,6 +174,19 @@ def fused_combine_at(spec, rows: int, tiles: dict | None = None) -> bool:
     on = (tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
           )["fused_combine"]
     return bool(on) and rows == 1
+
+
+def norm_fold_at(spec, rows: int, tiles: dict | None = None) -> bool:
+    """Whether schedules of ``rows`` rows of ``spec`` fold norms into their
+    GEMM readers (the target's ``norm_fold`` tile: a row bound, 0 none)."""
+    if spec.block != "parallel" or not spec.moe:
+        return False
+    t = tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+    # with routed claims the claimers' own wait on the norm orders the next
+    # fold's residual slot; without them (a gather task, a per-row combine)
+    # the next norm would need a third wait
+    return (0 < rows <= t["norm_fold"] and not fused_combine_at(spec, rows, t)
+            and routed_claims_at(spec, rows, t))
 
 
 def routed_claims_at(spec, rows: int, tiles: dict | None = None) -> bool:
@@ -232,6 +255,9 @@ class Geometry:
     routed_claims: bool = False
     #: ADD_RMSNORM does the MoE combine (DEFAULT_TILES' fused_combine)
     fused_combine: bool = False
+    #: the norms of slots ``folded_slots`` folded into their QKV and router tiles
+    #: (DEFAULT_TILES' norm_fold >= rows)
+    norm_fold: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -337,6 +363,7 @@ class Geometry:
             fused_gather=bool(experts and t["fused_gather"] and not routed),
             routed_claims=routed,
             fused_combine=fused_combine_at(spec, rows, t),
+            norm_fold=norm_fold_at(spec, rows, t),
         )
 
     def with_context(self, context: int) -> "Geometry":
@@ -411,6 +438,19 @@ class Geometry:
     def norm_input_slot(self, layer: int) -> int:
         """x_norm slot the FFN (and router, gather) of ``layer`` read."""
         return layer if self.block == "parallel" else self.num_layers + layer
+
+    def folded(self, layer: int) -> bool:
+        """Whether layer ``layer``'s QKV and router tiles fold the norm that
+        writes their x_norm slot (norm_fold; see DEFAULT_TILES)."""
+        return (self.norm_fold and self.block == "parallel" and 2 <= layer < self.num_layers
+                and self.ffn[layer] == "moe" and self.ffn[layer - 1] == "moe")
+
+    def resid_in_slot(self, kind: str, layer: int) -> int:
+        """x_resid slot the norm of node ``kind`` ("norm" or "norm_attn") on
+        ``layer`` adds its partials to: the previous norm's GAMMA (each norm
+        writes its own slot, so every slot is written once per step and a
+        reader of the old residual never races the next norm's write)."""
+        return layer if kind == "norm_attn" else self.norm_input_slot(layer)
 
     @property
     def finalize_topk_splits(self) -> int:

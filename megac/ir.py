@@ -29,8 +29,9 @@ Graph attributes: ``tensors`` = ``{name: Tensor}``, ``order`` (node names),
 ``routed_claims``, ``fused_combine``.
 
 Edges ``producer -> consumer`` carry ``tensor`` (the name that flows). The
-residual stream ``x_resid`` is one tensor rewritten by every norm of a row's
-chain; its edges go from the latest writer.
+residual stream is one tensor per norm, ``x_resid[g]`` next to ``x_norm[g]``
+(``x_resid[0]``: the embedding): each norm reads the previous norm's and
+writes its own, so no tensor is written twice in a step.
 
 Tensors are typed: ``weight`` (immutable), ``activation`` (normed inputs,
 residual), ``kv`` (the KV cache), ``scratch`` (per-layer intermediates).
@@ -99,11 +100,14 @@ def fused_routing_of(spec, routed: bool = False) -> tuple[bool, bool]:
     return (topk or (routed and bool(spec.moe)), gather and not routed)
 
 
-def build_graph(spec, routed: bool = False, fused_combine: bool = False) -> nx.DiGraph:
+def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=()) -> nx.DiGraph:
     """The decode graph; ``routed``: with routed claims (the up claims read
     the router partials and x_norm; no top-k, no gather); ``fused_combine``:
     the norm does the MoE combine (schedules of one row:
-    :func:`megac.geometry.fused_combine_at`)."""
+    :func:`megac.geometry.fused_combine_at`); ``folded``: layers whose QKV
+    and router nodes fold the norm that writes their x_norm slot (they read
+    that norm's inputs instead: :meth:`megac.geometry.Geometry.folded`)."""
+    folded = frozenset(folded)
     L = spec.num_layers
     D = spec.hidden_size
     R = "rows"
@@ -116,6 +120,7 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False) -> nx.D
     tensors: dict[str, Tensor] = {}
     order: list[str] = []
     last_writer: dict[str, str] = {}
+    norm_reads: dict[int, list[str]] = {}  # x_norm slot -> what its norm reads
 
     def tensor(name, kind, shape, dtype):
         tensors.setdefault(name, Tensor(name, kind, tuple(shape), dtype))
@@ -134,7 +139,7 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False) -> nx.D
         for t in writes:
             last_writer[t] = name
 
-    tensor("x_resid", "activation", (R, D), "fp32")
+    tensor("x_resid[0]", "activation", (R, D), "fp32")
     tensor("x_norm[0]", "activation", (R, D), "bf16")
     tensor("kv_cache", "kv", ("blocks", "block_size", spec.num_kv_heads, spec.head_dim), "bf16")
     seq = spec.block == "sequential"
@@ -147,14 +152,17 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False) -> nx.D
         part = tensor(f"attn_part[{l}]", "scratch", (R, spec.num_heads, "splits", spec.head_dim + 1), "fp32")
         aout = tensor(f"attn_out[{l}]", "scratch", (R, spec.q_width), "bf16")
         opart = tensor(f"o_part[{l}]", "scratch", (spec.num_kv_heads, R, D), "fp32")
-        add(p + "qkv", "qkv", l, [x_in], [q, kv], [w("w_qkv")])
+        # a folded reader reads what the norm writing x_in reads
+        x_src = norm_reads[l] if l in folded else [x_in]
+        add(p + "qkv", "qkv", l, x_src, [q, kv], [w("w_qkv")])
         add(p + "attn", "attn", l, [q, kv, "kv_cache"], [part])
         add(p + "attn_combine", "attn_combine", l, [part], [aout])
         add(p + "o_proj", "o_proj", l, [aout], [opart], [w("w_o")])
         ffn_in = x_in
         if seq:
             ffn_in = tensor(f"x_norm[{L + l}]", "activation", (R, D), "bf16")
-            add(p + "norm_attn", "norm_attn", l, ["x_resid", opart], ["x_resid", ffn_in], [w("w_norm_attn")])
+            r_in, r_out = f"x_resid[{l}]", tensor(f"x_resid[{L + l}]", "activation", (R, D), "fp32")
+            add(p + "norm_attn", "norm_attn", l, [r_in, opart], [r_out, ffn_in], [w("w_norm_attn")])
         if layer.ffn == "dense":
             F = spec.dense_intermediate_size
             act = tensor(f"ffn_act[{l}]", "scratch", (R, F), "bf16")
@@ -170,7 +178,7 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False) -> nx.D
             ma = tensor(f"moe_act[{l}]", "scratch", (E, R, K, F), "bf16")
             mo = tensor(f"moe_out[{l}]", "scratch", (E, R, K, D), "fp32")
             fpart = tensor(f"ffn_part[{l}]", "scratch", (1, R, D), "fp32")
-            add(p + "router", "router", l, [ffn_in], [rpart], [w("w_router")])
+            add(p + "router", "router", l, x_src if l in folded else [ffn_in], [rpart], [w("w_router")])
             # the finalize task may rank the rows itself and copy them to their
             # slots: a hop less each (the target's fused_topk / fused_gather)
             fin_reads, fin_writes = [rpart] if fused_topk else [topk], [route]
@@ -193,10 +201,14 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False) -> nx.D
                 fpart = [mo, topk, route]
             else:
                 add(p + "moe_combine", "moe_combine", l, [mo, topk, route], [fpart])
-        x_next = tensor(f"x_norm[{2 * L if l == L - 1 else l + 1}]", "activation", (R, D), "bf16")
+        g_next = 2 * L if l == L - 1 else l + 1
+        x_next = tensor(f"x_norm[{g_next}]", "activation", (R, D), "bf16")
+        r_in = f"x_resid[{L + l if seq else l}]"
+        r_out = tensor(f"x_resid[{g_next}]", "activation", (R, D), "fp32")
         fparts = fpart if isinstance(fpart, list) else [fpart]
-        reads = ["x_resid", *fparts] if seq else ["x_resid", opart, *fparts]
-        add(p + "norm", "norm", l, reads, ["x_resid", x_next], [w("w_norm")])
+        reads = [r_in, *fparts] if seq else [r_in, opart, *fparts]
+        add(p + "norm", "norm", l, reads, [r_out, x_next], [w("w_norm")])
+        norm_reads[g_next] = reads
     tensor("w_lm_head", "weight", (spec.vocab_size, D), "bf16")
     logits = tensor("logits", "scratch", (R, spec.vocab_size), "fp32")
     add("lm_head", "lm_head", L, [f"x_norm[{2 * L}]"], [logits], ["w_lm_head"])

@@ -18,8 +18,8 @@ namespace mk {
 template <class M>
 struct Layout {
   static constexpr int64_t R = M::MAX_ROWS, D = M::HIDDEN, L = M::NUM_LAYERS;
-  // [R, D]
-  MEGAC_HD static constexpr int64_t x_resid(int r) { return r * D; }
+  // [slots, R, D] (slot = GAMMA, as x_norm)
+  MEGAC_HD static constexpr int64_t x_resid(int slot, int r) { return (slot * R + r) * D; }
   // [slots, R, D]
   MEGAC_HD static constexpr int64_t x_norm(int slot, int r) { return (slot * R + r) * D; }
   // [L, R, q_width]

@@ -21,7 +21,8 @@ namespace norm {
 using bf16 = __nv_bfloat16;
 
 struct AddNorm {
-  float* x;             // the row of x_resid (fp32 [D]), read and rewritten
+  const float* x;       // the row of the residual read (fp32 [D]: x_resid[RESID_IN])
+  float* x_out;         // the row of the residual written (x_resid[GAMMA])
   const float* parts0;  // first partial set: parts0 + s * stride0, s < n0 (may be null)
   int64_t stride0;
   int n0;
@@ -29,7 +30,11 @@ struct AddNorm {
   int64_t stride1;
   int n1;
   const bf16* gamma;    // [D]
-  bf16* out;            // the row of x_norm[GAMMA] (bf16 [D])
+  bf16* out;            // the row of x_norm[GAMMA] (bf16), element i at out[i - lo]
+  // the output elements written: [lo, hi) (a NORM_IN tile stages its K range
+  // in shared memory; the norm task writes all D); with x_out null the
+  // residual is not written (a NORM_IN tile; rows of one pass only)
+  int lo = 0, hi = 0;
   int D;
   float eps;
   // ADD_MOE: where the row's experts are (in shared memory, written by
@@ -207,7 +212,7 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
     for (int j = 0; j < kNormBatch; ++j) {
       const int i = i0 + j * blockDim.x;
       if (i < a.D) {
-        a.x[i] = v[j];
+        if (a.x_out != nullptr) a.x_out[i] = v[j];
         ss = fmaf(v[j], v[j], ss);
       }
     }
@@ -218,15 +223,15 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
 #pragma unroll
     for (int j = 0; j < kNormBatch; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
-      if (i < a.D) {
+      if (i >= a.lo && i < a.hi) {
         const float y = __bfloat162float(__float2bfloat16_rn(v[j] * r));
-        a.out[i] = __float2bfloat16_rn(g[j] * y);
+        a.out[i - a.lo] = __float2bfloat16_rn(g[j] * y);
       }
     }
   } else {
     for (int i = threadIdx.x; i < a.D; i += blockDim.x) {
-      const float y = __bfloat162float(__float2bfloat16_rn(a.x[i] * r));
-      a.out[i] = __float2bfloat16_rn(__bfloat162float(a.gamma[i]) * y);
+      const float y = __bfloat162float(__float2bfloat16_rn(a.x_out[i] * r));
+      if (i >= a.lo && i < a.hi) a.out[i - a.lo] = __float2bfloat16_rn(__bfloat162float(a.gamma[i]) * y);
     }
   }
   __syncthreads();
@@ -266,7 +271,7 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
   for (int j = 0; j < kNormVecRuns; ++j) {
     const int c = threadIdx.x + j * blockDim.x;
     if (c < n4) {
-      reinterpret_cast<float4*>(a.x)[c] = v[j];
+      if (a.x_out != nullptr) reinterpret_cast<float4*>(a.x_out)[c] = v[j];
       ss = fmaf(v[j].x, v[j].x, ss);
       ss = fmaf(v[j].y, v[j].y, ss);
       ss = fmaf(v[j].z, v[j].z, ss);
@@ -278,7 +283,7 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
 #pragma unroll
   for (int j = 0; j < kNormVecRuns; ++j) {
     const int c = threadIdx.x + j * blockDim.x;
-    if (c < n4) {
+    if (4 * c >= a.lo && 4 * c < a.hi) {  // lo, hi: multiples of 4
       const float x4[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
       const bf16* g4 = reinterpret_cast<const bf16*>(&g[j]);
       bf16 o4[4];
@@ -287,7 +292,7 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
         const float y = __bfloat162float(__float2bfloat16_rn(x4[e] * r));
         o4[e] = __float2bfloat16_rn(__bfloat162float(g4[e]) * y);
       }
-      reinterpret_cast<uint2*>(a.out)[c] = *reinterpret_cast<const uint2*>(o4);
+      reinterpret_cast<uint2*>(a.out)[c - a.lo / 4] = *reinterpret_cast<const uint2*>(o4);
     }
   }
   __syncthreads();

@@ -14,6 +14,7 @@
 #include "gemm_tc.cuh"
 #include "mk_core.cuh"
 #include "mk_layout.cuh"
+#include "ops_norm.cuh"
 
 namespace megac {
 namespace mk {
@@ -184,11 +185,14 @@ __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s) {
 // what the dispatcher primed (c.primed).
 template <class M>
 __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const bf16* x, int64_t ldx, int rows,
-                                       const int32_t* rowof = nullptr) {
+                                       const int32_t* rowof = nullptr, bool folded = false, NormIn fold = {}) {
   if constexpr (GemmScratch<M>::kTc) {
     bf16* xs = GemmScratch<M>::xs(c);
     float* ys = GemmScratch<M>::ys(c);
-    tc::stage_x(x, ldx, rows, s.cols, xs, rowof);
+    if (folded)
+      stage_norm_in<M>(c, fold, rows, s.cols, xs, tc::x_pitch(s.cols), ys);
+    else
+      tc::stage_x(x, ldx, rows, s.cols, xs, rowof);
     MEGAC_MARK(2);  // the activations staged in shared memory
     if constexpr (tc::kBulk)
       tc::tile_bulk(s, xs, rows, ys, GemmScratch<M>::part(c), GemmScratch<M>::tc_ring(c), &c.ts->tc, c.primed);
@@ -198,7 +202,10 @@ __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const 
   } else if constexpr (GemmScratch<M>::kPiped) {
     bf16* xs = GemmScratch<M>::xs(c);
     float* ys = GemmScratch<M>::ys(c);
-    rows::stage_x(x, ldx, rows, s.cols, xs, rowof);
+    if (folded)
+      stage_norm_in<M>(c, fold, rows, s.cols, xs, s.cols, ys);
+    else
+      rows::stage_x(x, ldx, rows, s.cols, xs, rowof);
     rows::tile_piped(s, xs, rows, ys, GemmScratch<M>::pipes(c), c.primed);
     return ys;
   } else if constexpr (GemmScratch<M>::kRing) {
@@ -207,13 +214,31 @@ __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const 
     // this thread's earlier generic writes to the scratch (another opcode's)
     // before the copy engine writes the ring there; stage_x's barrier follows
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    rows::stage_x(x, ldx, rows, s.cols, xs, rowof);
+    if (folded)
+      stage_norm_in<M>(c, fold, rows, s.cols, xs, s.cols, ys);
+    else
+      rows::stage_x(x, ldx, rows, s.cols, xs, rowof);
     rows::tile_ring(s, xs, rows, ys, GemmScratch<M>::ring(c), &c.ts->ring, &c.ts->ok, c.site);
     return ys;
   } else {
+    if (folded) {
+      bf16* xs = GemmScratch<M>::xs(c);
+      float* ys = GemmScratch<M>::ys(c);
+      stage_norm_in<M>(c, fold, rows, s.cols, xs, s.cols, ys);
+      rows::tile(s.p, s.ld, xs, rows, s.rows, s.cols, ys);
+      return ys;
+    }
     return gemm<M>(c, s.p, s.ld, x, ldx, rows, s.rows, s.cols, rowof);
   }
 }
+
+// The folded norm of a QKV_PROJ / ROUTER_GEMM task (op: the field
+// namespace): its NORM_* fields, the x_norm slot the norm writes and the
+// task's K0; gemm() stages it where the task is flagged NORM_IN (passed by
+// value: a pointer to it would put it in local memory).
+#define MK_NORM_IN(op, slot_)                                                                            \
+  NormIn{MK_F(op, NORM_LAYER), MK_F(op, NORM_ATTN_SPLITS), MK_F(op, NORM_FFN_SPLITS), MK_F(op, NORM_RESID_IN), \
+         (slot_), MK_F(op, K0)}
 
 template <class M>
 __device__ __forceinline__ void qkv_proj(const Ctx& c) {
@@ -222,7 +247,9 @@ __device__ __forceinline__ void qkv_proj(const Ctx& c) {
   const int layer = c.ts->w[H_LAYER], flags = c.ts->w[H_FLAGS];
   const int n0 = MK_F(qkv_proj, N0), nlen = MK_F(qkv_proj, N_LEN);
   const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(layer, 0) + MK_F(qkv_proj, K0);
-  const float* ys = gemm<M>(c, qkv_proj_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows);
+  const NormIn fold = MK_NORM_IN(qkv_proj, layer);
+  const float* ys = gemm<M>(c, qkv_proj_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows, nullptr,
+                            (flags & FLAG_NORM_IN) != 0, fold);
   rows::QkvOut a;
   a.seq_pos = ptr<const int32_t>(d->seq_pos);
   a.row_active = ptr<const int32_t>(d->row_active);
@@ -284,7 +311,9 @@ __device__ __forceinline__ void router_gemm(const Ctx& c) {
   const int n0 = MK_F(router_gemm, N0), nlen = MK_F(router_gemm, N_LEN), split = MK_F(router_gemm, SPLIT);
   const int xslot = MK_F(router_gemm, X_SLOT);
   const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0) + MK_F(router_gemm, K0);
-  const float* ys = gemm<M>(c, router_gemm_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows);
+  const NormIn fold = MK_NORM_IN(router_gemm, xslot);
+  const float* ys = gemm<M>(c, router_gemm_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows, nullptr,
+                            (c.ts->w[H_FLAGS] & FLAG_NORM_IN) != 0, fold);
   rows::store<float>(ys, ptr<float>(d->router_part) + Lay::router_part(layer, split, 0) + n0, M::NUM_EXPERTS,
                      d->rows, nlen);
 }

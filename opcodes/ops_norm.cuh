@@ -21,9 +21,11 @@
 #endif
 
 // 1: rows without ADD_MOE through norm::add_rmsnorm_vec (float4 loads of
-// the planes); 0: add_rmsnorm's 32-bit loads. A switch, unmeasured.
+// the planes); 0: add_rmsnorm's 32-bit loads. H200, North Mini Code, kernel
+// ms against 32-bit loads (nineteenth session, check variants): bs1 8K
+// -1.6 %, bs8 8K -0.5 %, bs4 32K -2.4 %, bs8 32K -0.6 %.
 #ifndef MEGAC_NORM_VEC
-#define MEGAC_NORM_VEC 0
+#define MEGAC_NORM_VEC 1
 #endif
 
 namespace megac {
@@ -53,7 +55,8 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
   const int layer = c.ts->w[H_LAYER], flags = c.ts->w[H_FLAGS];
   const int row = c.ts->w[f_add_rmsnorm::ROW], gamma = c.ts->w[f_add_rmsnorm::GAMMA];
   norm::AddNorm a;
-  a.x = ptr<float>(d->x_resid) + Lay::x_resid(row);
+  a.x = ptr<const float>(d->x_resid) + Lay::x_resid(c.ts->w[f_add_rmsnorm::RESID_IN], row);
+  a.x_out = ptr<float>(d->x_resid) + Lay::x_resid(gamma, row);
   a.parts0 = ptr<const float>(d->o_part) + Lay::o_part(layer, 0, row);
   a.stride0 = Lay::o_part(0, 1, 0);
   a.n0 = (flags & FLAG_ADD_ATTN) ? c.ts->w[f_add_rmsnorm::ATTN_SPLITS] : 0;
@@ -62,6 +65,7 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
   a.n1 = (flags & FLAG_ADD_FFN) ? c.ts->w[f_add_rmsnorm::FFN_SPLITS] : 0;
   a.gamma = ptr<const __nv_bfloat16>(d->w_norm) + Lay::w_norm(gamma);
   a.out = ptr<__nv_bfloat16>(d->x_norm) + Lay::x_norm(gamma, row);
+  a.hi = M::HIDDEN;
   a.D = M::HIDDEN;
   a.eps = d->norm_eps;
   float* red = reinterpret_cast<float*>(c.scratch);
@@ -85,6 +89,54 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
   }
 #endif
   norm::add_rmsnorm(a, red);
+}
+
+// NORM_IN (abi.py's _NORM_IN fields): a GEMM tile that folds the norm
+// writing x_norm slot `slot` stages that norm's output itself: per row m <
+// rows, the norm's planes (residual slot `resid`, `n_attn` O-proj and
+// `n_ffn` FFN partial sets of layer `layer`) added and normalised by the
+// norm task's own code path (so the same bits), elements [k0, k0 + klen)
+// to xs + m * pitch; the residual is not written (the norm task does).
+struct NormIn {
+  int layer, n_attn, n_ffn, resid, slot, k0;
+};
+
+// Whole CTA, ends with a barrier. `red`: shared floats free while staging
+// (the tile's ys). Rows of one pass only (D <= kNormBatch per thread, which
+// codegen's check_envelope demands of a schedule that folds).
+template <class M>
+__device__ __forceinline__ void stage_norm_in(const Ctx& c, const NormIn& f, int rows, int klen, __nv_bfloat16* xs,
+                                              int pitch, float* red) {
+  if constexpr (M::HIDDEN <= norm::kNormBatch * M::THREADS) {
+    using Lay = Layout<M>;
+    const LaunchDesc* d = c.d;
+    for (int m = 0; m < rows; ++m) {
+      norm::AddNorm a;
+      a.x = ptr<const float>(d->x_resid) + Lay::x_resid(f.resid, m);
+      a.x_out = nullptr;
+      a.parts0 = ptr<const float>(d->o_part) + Lay::o_part(f.layer, 0, m);
+      a.stride0 = Lay::o_part(0, 1, 0);
+      a.n0 = f.n_attn;
+      a.parts1 = ptr<const float>(d->ffn_part) + Lay::ffn_part(f.layer, 0, m);
+      a.stride1 = Lay::ffn_part(0, 1, 0);
+      a.n1 = f.n_ffn;
+      a.gamma = ptr<const __nv_bfloat16>(d->w_norm) + Lay::w_norm(f.slot);
+      a.out = xs + m * pitch;
+      a.lo = f.k0;
+      a.hi = f.k0 + klen;
+      a.D = M::HIDDEN;
+      a.eps = d->norm_eps;
+#if MEGAC_NORM_VEC
+      if (norm::vec_fits(a)) {
+        norm::add_rmsnorm_vec(a, red);
+        continue;
+      }
+#endif
+      norm::add_rmsnorm(a, red);
+    }
+  } else {
+    __trap();  // refused at compile time (check_envelope)
+  }
 }
 
 }  // namespace mk

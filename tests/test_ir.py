@@ -60,7 +60,7 @@ def test_graph_block_structure(spec):
     tensors = g.graph["tensors"]
     assert tensors["w_qkv[0]"].kind == "weight"
     assert tensors["kv_new[0]"].kind == "kv"
-    assert tensors["x_resid"].kind == "activation"
+    assert tensors["x_resid[0]"].kind == "activation"
     if spec.block == "parallel":
         # attention and FFN both read x_norm[l]; norm adds both
         ffn = "L0.ffn_upgate" if spec.layers[0].ffn == "dense" else "L0.router"

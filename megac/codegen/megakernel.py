@@ -30,6 +30,8 @@ from megac.schedule import schedule_key
 SOURCE = "megakernel.cu"
 #: threads per CTA of the first megakernel (every task runs on the whole CTA)
 THREADS = 256
+#: elements of a row one thread holds in one pass of ADD_RMSNORM (norm.cuh's kNormBatch)
+_NORM_BATCH = 8
 #: the launch's extern "C" names
 ENTRY = "megakernel"
 SMEM_SYMBOL = "megakernel_smem_bytes"
@@ -108,6 +110,10 @@ def check_envelope(spec, geo) -> None:
 def model_constants(spec, schedules) -> list[tuple[str, int]]:
     geo = largest(schedules).geometry
     check_envelope(spec, geo)
+    if any(s.geometry.norm_fold for s in schedules) and geo.hidden > _NORM_BATCH * THREADS:
+        # a folded norm keeps its row in registers (ops_norm.cuh's stage_norm_in)
+        raise MegacError(f"megakernel: {spec.name}: target.tiles.norm_fold needs hidden_size <= "
+                         f"{_NORM_BATCH * THREADS} (got {geo.hidden}); set norm_fold: 0")
     kmax, nmax = _gemm_extents(schedules)
     return [
         ("NUM_LAYERS", geo.num_layers), ("HIDDEN", geo.hidden), ("NUM_HEADS", geo.num_heads),
@@ -123,7 +129,7 @@ def model_constants(spec, schedules) -> list[tuple[str, int]]:
 
 # (buffer, Layout<Model> expression per dimension, condition on the model)
 _LAYOUT_CHECKS = (
-    ("x_resid", ("x_resid(1)",), None),
+    ("x_resid", ("x_resid(1, 0)", "x_resid(0, 1)"), None),
     ("x_norm", ("x_norm(1, 0)", "x_norm(0, 1)"), None),
     ("q", ("q(1, 0)", "q(0, 1)"), None),
     ("attn_o_part", ("o_part_attn(1, 0, 0, 0)", "o_part_attn(0, 1, 0, 0)", "o_part_attn(0, 0, 1, 0)",

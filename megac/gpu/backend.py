@@ -422,11 +422,11 @@ class CudaBackend(TorchPrefillMixin):
 
     def _seed(self, geo, ids) -> None:
         """The seed (host.seed_ids: embedding gather, first norm) of the token
-        ids ``ids`` (on the GPU) into x_resid and x_norm[0]."""
+        ids ``ids`` (on the GPU) into x_resid[0] and x_norm[0]."""
         torch = _torch()
         x, xn = host.seed_ids(ids, geo, self.kernel_weights["w_embed"], self.kernel_weights["w_norm"][0],
                               float(self.spec.norm_eps), torch.bfloat16)
-        self.buf["x_resid"][: geo.rows].copy_(x)
+        self.buf["x_resid"][0, : geo.rows].copy_(x)
         self.buf["x_norm"][0, : geo.rows].copy_(xn)
 
     def _seed_device(self, geo, n: int) -> None:

@@ -23,6 +23,7 @@ from megac.abi import Flag, H, Op
 from megac.errors import BadTaskError
 from megac.ops.base import BF16, BIG, FP32, KV_PIECE, Limits, OpDef, at, field, span, summed
 from megac.ops.cpu import as_slice, cast, cols, idx, ranges, rotate
+from megac.ops.norm import norm_in_access, norm_in_input, norm_in_of, norm_in_rules
 
 
 class _ColumnStore:
@@ -103,6 +104,7 @@ class GemmOp(OpDef):
                 vm.require_ffn(words, self)
             groups = []
             keys = ("K0", "K_LEN", "SPLIT") + ((xslot,) if by_field else ())
+            fold_ok = xbuf == "x_norm"  # NORM_IN: only an x_norm input folds its norm
             for key, ti in vm.groups(words, op, keys):
                 layer, k0, kl, split = key[:4]
                 xs = vm.x_slot(op, key[4], layer) if by_field else xslot(layer)
@@ -114,16 +116,22 @@ class GemmOp(OpDef):
                     raise BadTaskError(f"{op.name}: SPLIT {split} outside the {out} buffer "
                                        f"({vm.st[out].shape[1]} slots)", layer=layer)
                 rngs = [(int(a), int(b)) for a, b in zip(n0, n0 + nl)]
+                fold = norm_in_of(vm, op, words[ti]) if fold_ok else None
                 groups.append((layer, k0, kl, split, xs, rngs, W, _ColumnStore(vm.st[out][layer, split],
-                                                                                as_slice(cols(n0, nl)), W.shape[0])))
+                                                                                as_slice(cols(n0, nl)), W.shape[0]),
+                               fold))
             return groups
 
-        for layer, k0, kl, split, xs, rngs, W, store in vm.plan(op.name, words, build):
-            if vm.tracking:
+        for layer, k0, kl, split, xs, rngs, W, store, fold in vm.plan(op.name, words, build):
+            xb = xbuf
+            if fold is not None:
+                xb = norm_in_input(vm, xs, fold)
+            elif vm.tracking:
                 vm.tr.read(xbuf, (xs, slice(None), slice(k0, k0 + kl)))
+            if vm.tracking:
                 for a, b in rngs:
                     vm.tr.write(out, (layer, split, slice(None), slice(a, b)))
-            store(vm.products((op, layer, k0, kl), xbuf, (xs,), k0, kl, W))
+            store(vm.products((op, layer, k0, kl), xb, (xs,), k0, kl, W))
 
 
 class QkvProj(GemmOp):
@@ -143,6 +151,8 @@ class QkvProj(GemmOp):
         if geo.rope[nt.layer]:
             f = Flag.ROPE | (Flag.ROPE_HALF if geo.rope_half else 0)
             flags[nt.fields["PART"] != abi.QkvPart.V] = int(f)
+        if geo.folded(nt.layer):
+            flags |= int(Flag.NORM_IN)
         return flags
 
     def check_tiles(self, F_, geo):
@@ -158,7 +168,7 @@ class QkvProj(GemmOp):
             return np.where(sub[:, abi.field_index(Op.QKV_PROJ, "PART")] == abi.QkvPart.Q, geo.num_heads,
                             geo.kv_heads)
 
-        return super().field_rules(lim) + [("PART", 0, 3, False), ("HEAD", 0, head_hi, False)]
+        return super().field_rules(lim) + [("PART", 0, 3, False), ("HEAD", 0, head_hi, False)] + norm_in_rules(lim)
 
     def out_elem(self, nl):
         return BF16 * nl
@@ -167,7 +177,7 @@ class QkvProj(GemmOp):
         n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")
         k0, kl = field(w, self.op, "K0"), field(w, self.op, "K_LEN")
         R = geo.rows
-        acc.add("x_norm", False, ix, at(layer), span(R), (k0, k0 + kl))
+        norm_in_access(acc, self.op, w, ix, geo, layer, k0, kl)
         isq = n0 < geo.q_width
         acc.add("q", True, ix[isq], at(layer[isq]), span(R), (n0[isq], n0[isq] + nl[isq]))
         kv = ~isq
@@ -188,8 +198,9 @@ class QkvProj(GemmOp):
                 n0, nl = field(w, op, "N0"), field(w, op, "N_LEN")
                 vm.check_n(op, n0, nl, geo.qkv_width)
                 flags = w[:, H.FLAGS].astype(np.int64)
+                fold = norm_in_of(vm, op, w)
                 if (n0 % hd).any() or (nl % hd).any():
-                    groups.append(self._part_head_group(vm, layer, kl, n0, nl, flags))
+                    groups.append(self._part_head_group(vm, layer, kl, n0, nl, flags) + (fold,))
                     continue
                 heads = cols(n0 // hd, nl // hd)
                 hflags = np.repeat(flags, nl // hd)
@@ -212,17 +223,15 @@ class QkvProj(GemmOp):
                         kvh = heads[sel] - nq - part * nkv
                         kvp.append((pool, kvh, as_slice(kvh), as_slice(np.flatnonzero(sel))))
                 groups.append((layer, kl, as_slice(heads), ropes, q, kvp, st.w("w_qkv")[layer],
-                               st["q"][layer].view(vm.R, nq, hd)))
+                               st["q"][layer].view(vm.R, nq, hd), fold))
             return groups
 
         for g in vm.plan(op.name, words, build):
             if g[0] == "part":
                 self._run_part_heads(vm, g)
                 continue
-            layer, kl, hsel, ropes, q, kvp, W, qv = g
-            if vm.tracking:
-                vm.tr.read("x_norm", (layer, slice(None), slice(None)))
-            Y = vm.products((op, layer, 0, kl), "x_norm", (layer,), 0, kl, W)
+            layer, kl, hsel, ropes, q, kvp, W, qv, fold = g
+            Y = vm.products((op, layer, 0, kl), self._input(vm, layer, fold), (layer,), 0, kl, W)
             vals = Y.view(vm.R, geo.qkv_width // hd, hd)[:, hsel].clone()  # [R, m, hd] fp32
             if ropes:
                 c, s = vm.rope_table()
@@ -267,13 +276,21 @@ class QkvProj(GemmOp):
             runs.append((h, [(int(r[0]), int(r[-1]) + 1) for r in np.split(c, cuts)]))
         return ("part", layer, kl, rope, runs, vm.st.w("w_qkv")[layer], vm.st["q"][layer].view(vm.R, nq, hd))
 
-    def _run_part_heads(self, vm, g) -> None:
-        _, layer, kl, rope, runs, W, qv = g
-        geo, hd = vm.geo, vm.hd
-        nq, nkv = geo.num_heads, geo.kv_heads
+    @staticmethod
+    def _input(vm, layer: int, fold) -> str:
+        """The buffer a layer's tiles read their input from: x_norm, or with
+        NORM_IN the folded norm's output (``norm_in_input``)."""
+        if fold is not None:
+            return norm_in_input(vm, layer, fold)
         if vm.tracking:
             vm.tr.read("x_norm", (layer, slice(None), slice(None)))
-        Y = vm.products((self.op, layer, 0, kl), "x_norm", (layer,), 0, kl, W)
+        return "x_norm"
+
+    def _run_part_heads(self, vm, g) -> None:
+        _, layer, kl, rope, runs, W, qv, fold = g
+        geo, hd = vm.geo, vm.hd
+        nq, nkv = geo.num_heads, geo.kv_heads
+        Y = vm.products((self.op, layer, 0, kl), self._input(vm, layer, fold), (layer,), 0, kl, W)
         allv = Y.view(vm.R, geo.qkv_width // hd, hd)
         for h, segs in runs:
             vals = allv[:, h].clone()  # [R, hd] fp32
@@ -435,13 +452,16 @@ class RouterGemm(GemmOp):
     def dims(self, geo):
         return geo.num_experts, geo.hidden
 
+    def flags(self, nt, geo):
+        return int(Flag.NORM_IN) if geo.folded(nt.layer) else 0
+
     def field_rules(self, lim):
-        return super().field_rules(lim) if lim.geo.num_experts else None
+        return super().field_rules(lim) + norm_in_rules(lim) if lim.geo.num_experts else None
 
     def access(self, acc, w, ix, layer, geo):
         n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")
         k0, kl = field(w, self.op, "K0"), field(w, self.op, "K_LEN")
-        acc.add("x_norm", False, ix, at(field(w, self.op, "X_SLOT")), span(geo.rows), (k0, k0 + kl))
+        norm_in_access(acc, self.op, w, ix, geo, field(w, self.op, "X_SLOT"), k0, kl)
         acc.add("router_part", True, ix, at(layer), at(field(w, self.op, "SPLIT")), span(geo.rows), (n0, n0 + nl))
 
     def run(self, vm, words):

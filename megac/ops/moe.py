@@ -445,6 +445,13 @@ class MoeUpgateDrain(_ExpertDrain):
         # the ranking's input: every routed row's router partials (no queue)
         acc.add("router_part", False, idx, at(layer), (0, field(w, self.op, "ROUTE_SPLITS")),
                 (0, field(w, self.op, "NUM_ROWS")), span(E))
+        # where the router folds the norm (NORM_IN) it no longer orders the
+        # claims after the norm task that writes their rows: the claimer
+        # waits on it itself, a header wait (routed claims have no task wait)
+        f = np.array([geo.folded(int(l)) for l in layer], dtype=bool)
+        if f.any():
+            slot = np.array([geo.norm_input_slot(int(l)) for l in layer[f]], dtype=np.int64)
+            acc.add("x_norm", False, idx[f], at(slot), span(geo.rows), span(geo.hidden))
 
     def subtask_access(self, acc, sub, geo):
         m = len(sub)

@@ -4,8 +4,10 @@ of the FFN partials the row's expert outputs, score-weighted in k order:
 MOE_COMBINE's sum, done here under the target's ``fused_combine``), then
 RMSNorm with gamma ``GAMMA`` into ``x_norm[GAMMA]``.
 
-``x_resid`` is the only buffer written more than once per step: each
-ADD_RMSNORM of a row rewrites that row, and only its own row's chain reads it.
+The residual after each norm has its own slot: ADD_RMSNORM reads row ROW of
+``x_resid[RESID_IN]`` (the previous norm's slot; 0 is the seeded embedding)
+and writes ``x_resid[GAMMA]``, so each slot is written once per step and a
+task that reads the old residual never races the next norm.
 
 Device: none yet (the megakernel assembly adds it).
 """
@@ -32,14 +34,17 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, act: torch.dtype)
 
 class _Rows:
     """The rows ``rs`` (a slice or an index tensor) of ADD_RMSNORM's ``[R, D]``
-    planes: the residual, the norm output and the partials. With a slice the
-    row views are taken once (reads and writes are then plain tensors)."""
+    planes: the residual read and written, the norm output and the partials.
+    With a slice the row views are taken once (reads and writes are then
+    plain tensors)."""
 
-    def __init__(self, rs, resid: torch.Tensor, norm: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    def __init__(self, rs, resid_in: torch.Tensor, resid_out: torch.Tensor, norm: torch.Tensor,
+                 parts: list[torch.Tensor]) -> None:
         self.rs = rs
         self.sliced = isinstance(rs, slice)
         pick = (lambda t: t[rs]) if self.sliced else (lambda t: t)
-        self.resid, self.norm, self.parts = pick(resid), pick(norm), [pick(t) for t in parts]
+        self.resid_in, self.resid_out, self.norm = pick(resid_in), pick(resid_out), pick(norm)
+        self.parts = [pick(t) for t in parts]
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.sliced else t[self.rs]
@@ -51,11 +56,12 @@ class _Rows:
             t[self.rs] = x
 
 
-def track(vm, layer: int, gamma: int, rows: list[int], parts: list[tuple[str, int]], slots=None) -> None:
+def track(vm, layer: int, gamma: int, resid_in: int, rows: list[int], parts: list[tuple[str, int]],
+          slots=None) -> None:
     """ADD_RMSNORM's accesses of ``rows`` (checked mode), in execution order
     (``slots``: the rows' routed slots where the norm does the MoE combine)."""
     for r in rows:
-        vm.tr.read("x_resid", (r, slice(None)))
+        vm.tr.read("x_resid", (resid_in, r, slice(None)))
     for name, sp in parts:
         for r in rows:
             vm.tr.read(name, (layer, sp, r, slice(None)))
@@ -65,7 +71,7 @@ def track(vm, layer: int, gamma: int, rows: list[int], parts: list[tuple[str, in
             vm.tr.read("topk_w", (layer, r, slice(None)))
             vm.tr.read("moe_out", (layer, slots[j], slice(None)))
     for r in rows:
-        vm.tr.write("x_resid", (r, slice(None)))
+        vm.tr.write("x_resid", (gamma, r, slice(None)))
         vm.tr.write("x_norm", (gamma, r, slice(None)))
 
 
@@ -91,6 +97,8 @@ class AddRmsnorm(OpDef):
     def check_tiles(self, F_, geo):
         if np.any((F_["GAMMA"] < 0) | (F_["GAMMA"] >= geo.norm_slots)):
             return "GAMMA outside the norm slots"
+        if np.any((F_["RESID_IN"] < 0) | (F_["RESID_IN"] >= geo.norm_slots) | (F_["RESID_IN"] == F_["GAMMA"])):
+            return "RESID_IN outside the norm slots or equal to GAMMA"
         return None
 
     def field_rules(self, lim):
@@ -100,13 +108,14 @@ class AddRmsnorm(OpDef):
             ("ATTN_SPLITS", 0, BIG, False),
             ("FFN_SPLITS", 0, BIG, False),
             ("GAMMA", 0, 2 * g.num_layers + 1, False),
+            ("RESID_IN", 0, 2 * g.num_layers + 1, False),
         ]
 
     def access(self, acc, w, ix, layer, geo):
         op, D = self.op, geo.hidden
         row = field(w, op, "ROW")
         flags = w[:, H.FLAGS].astype(np.int64)
-        acc.add("x_resid", False, ix, at(row), span(D))
+        acc.add("x_resid", False, ix, at(field(w, op, "RESID_IN")), at(row), span(D))
         a = (flags & abi.Flag.ADD_ATTN) != 0
         acc.add("o_part", False, ix[a], at(layer[a]), (0, field(w[a], op, "ATTN_SPLITS")), at(row[a]), span(D))
         f = (flags & abi.Flag.ADD_FFN) != 0
@@ -117,7 +126,7 @@ class AddRmsnorm(OpDef):
             acc.add("moe_out", False, ix[m], at(layer[m]), span(E), at(row[m]), span(K), span(D))
             acc.add("topk_w", False, ix[m], at(layer[m]), at(row[m]), span(K))
             acc.add("route_slot", False, ix[m], at(layer[m]), at(row[m]), span(K))
-        acc.add("x_resid", True, ix, at(row), span(D))
+        acc.add("x_resid", True, ix, at(field(w, op, "GAMMA")), at(row), span(D))
         acc.add("x_norm", True, ix, at(field(w, op, "GAMMA")), at(row), span(D))
 
     def task_bytes(self, w, geo, params):
@@ -131,11 +140,13 @@ class AddRmsnorm(OpDef):
 
         def build(words):
             groups = []
-            for (layer, na, nf, gamma, flags), ti in vm.groups(words, op, ("ATTN_SPLITS", "FFN_SPLITS", "GAMMA"),
-                                                               flags=True):
+            for (layer, na, nf, gamma, rin, flags), ti in vm.groups(
+                    words, op, ("ATTN_SPLITS", "FFN_SPLITS", "GAMMA", "RESID_IN"), flags=True):
                 rows = field(words[ti], op, "ROW")
                 if ((rows < 0) | (rows >= vm.R)).any() or not 0 <= gamma < geo.norm_slots:
                     raise BadTaskError("ADD_RMSNORM: ROW or GAMMA out of range", layer=layer)
+                if not 0 <= rin < geo.norm_slots or rin == gamma:
+                    raise BadTaskError("ADD_RMSNORM: RESID_IN out of range or equal to GAMMA", layer=layer)
                 parts = []
                 if flags & Flag.ADD_ATTN:
                     if not 0 <= na <= st["o_part"].shape[1]:
@@ -149,25 +160,107 @@ class AddRmsnorm(OpDef):
                 if moe and geo.ffn[layer] != "moe":
                     raise BadTaskError(f"ADD_RMSNORM with ADD_MOE on layer {layer}, which has no MoE FFN",
                                        layer=layer)
-                groups.append((layer, gamma, [int(r) for r in rows], parts, moe,
-                               _Rows(as_slice(rows), st["x_resid"], st["x_norm"][gamma],
+                groups.append((layer, gamma, rin, [int(r) for r in rows], parts, moe,
+                               _Rows(as_slice(rows), st["x_resid"][rin], st["x_resid"][gamma], st["x_norm"][gamma],
                                      [st[name][layer, sp] for name, sp in parts]),
                                st["w_norm"][gamma]))
             return groups
 
-        for layer, gamma, rows, parts, moe, io, gam in vm.plan(op.name, words, build):
+        for layer, gamma, rin, rows, parts, moe, io, gam in vm.plan(op.name, words, build):
             slots = routed_slots(vm, self, layer, np.asarray(rows), "moe_out") if moe else None
             if vm.tracking:
-                track(vm, layer, gamma, rows, parts, slots)
-            x = io.read(io.resid)
+                track(vm, layer, gamma, rin, rows, parts, slots)
+            x = io.read(io.resid_in)
             for plane in io.parts:
                 x = x + io.read(plane)
             if moe:  # MOE_COMBINE's sum, then added as its ffn_part plane would be
                 x = x + routing.combine(st["topk_w"][layer, idx(rows)], st["moe_out"][layer][idx(slots)])
-            io.write(io.resid, x)
+            io.write(io.resid_out, x)
             io.write(io.norm, rms_norm(x, gam, vm.eps, st.act))
+
+
+# ---------------------------------------------------------------------------
+# NORM_IN: a GEMM tile that folds the norm writing its x_norm slot
+# ---------------------------------------------------------------------------
+NORM_IN_FIELDS = ("NORM_LAYER", "NORM_ATTN_SPLITS", "NORM_FFN_SPLITS", "NORM_RESID_IN")
+
+
+def norm_in_rules(lim) -> list:
+    """Field rules of the NORM_* fields (zeros where the tile does not fold)."""
+    g = lim.geo
+    return [
+        ("NORM_LAYER", 0, g.num_layers, False),
+        ("NORM_ATTN_SPLITS", 0, g.kv_heads + 1, False),
+        ("NORM_FFN_SPLITS", 0, BIG, False),
+        ("NORM_RESID_IN", 0, g.norm_slots, False),
+    ]
+
+
+def norm_in_access(acc, op, w, ix, geo, x_slot, k0, kl) -> None:
+    """A GEMM tile's input reads: rows ``[k0, k0 + kl)`` of ``x_norm[x_slot]``,
+    or, flagged NORM_IN, every row of what the folded norm reads (its
+    residual slot and its partials: the whole row, for the row's scale)."""
+    R, D = geo.rows, geo.hidden
+    f = (w[:, H.FLAGS].astype(np.int64) & Flag.NORM_IN) != 0
+    n = ~f
+    acc.add("x_norm", False, ix[n], at(x_slot[n]), span(R), (k0[n], k0[n] + kl[n]))
+    if not f.any():
+        return
+    wf, ixf = w[f], ix[f]
+    nl = field(wf, op, "NORM_LAYER")
+    acc.add("x_resid", False, ixf, at(field(wf, op, "NORM_RESID_IN")), span(R), span(D))
+    na, nf = field(wf, op, "NORM_ATTN_SPLITS"), field(wf, op, "NORM_FFN_SPLITS")
+    a, b = na > 0, nf > 0
+    acc.add("o_part", False, ixf[a], at(nl[a]), (0, na[a]), span(R), span(D))
+    acc.add("ffn_part", False, ixf[b], at(nl[b]), (0, nf[b]), span(R), span(D))
+
+
+def norm_in_of(vm, op, w) -> tuple[int, int, int, int] | None:
+    """The folded norm's (layer, attn splits, FFN splits, residual slot) of
+    the tasks ``w`` of one group (all flagged NORM_IN or none), or None."""
+    f = (w[:, H.FLAGS].astype(np.int64) & Flag.NORM_IN) != 0
+    if not f.any():
+        return None
+    if not f.all():
+        raise BadTaskError(f"{op.name}: the tiles of one input disagree on NORM_IN", opcode=int(op))
+    vals = [field(w, op, name) for name in NORM_IN_FIELDS]
+    if any((v != v[0]).any() for v in vals):
+        raise BadTaskError(f"{op.name}: the tiles of one input disagree on the folded norm", opcode=int(op))
+    nl, na, nf, rin = (int(v[0]) for v in vals)
+    st = vm.st
+    if not (0 <= nl < vm.geo.num_layers and 0 <= na <= st["o_part"].shape[1] and 0 <= nf <= st["ffn_part"].shape[1]
+            and 0 <= rin < vm.geo.norm_slots):
+        raise BadTaskError(f"{op.name}: NORM_* fields out of range", opcode=int(op))
+    return nl, na, nf, rin
+
+
+def norm_in_input(vm, slot: int, fold: tuple[int, int, int, int]) -> str:
+    """The folded norm's output for x_norm slot ``slot`` (ADD_RMSNORM's
+    arithmetic on the same planes in the same order, so the bits the norm
+    task writes to ``x_norm[slot]``), into the VM's private ``x_fold[slot]``
+    once a step; returns that buffer's name for ``VM.products``."""
+    nl, na, nf, rin = fold
+    st = vm.st
+    if vm.tracking:
+        for r in range(vm.R):
+            vm.tr.read("x_resid", (rin, r, slice(None)))
+            for sp in range(na):
+                vm.tr.read("o_part", (nl, sp, r, slice(None)))
+            for sp in range(nf):
+                vm.tr.read("ffn_part", (nl, sp, r, slice(None)))
+    key = ("norm_in", slot)
+    if key not in vm.cache:
+        x = st["x_resid"][rin]
+        for sp in range(na):
+            x = x + st["o_part"][nl, sp]
+        for sp in range(nf):
+            x = x + st["ffn_part"][nl, sp]
+        st["x_fold"][slot] = rms_norm(x, st["w_norm"][slot], vm.eps, st.act)
+        vm.cache[key] = True
+    return "x_fold"
 
 
 NORM_OPS = (AddRmsnorm(),)
 
-__all__ = ["AddRmsnorm", "NORM_OPS", "rms_norm"]
+__all__ = ["AddRmsnorm", "NORM_IN_FIELDS", "NORM_OPS", "norm_in_access", "norm_in_input", "norm_in_of",
+           "norm_in_rules", "rms_norm"]

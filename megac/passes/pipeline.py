@@ -29,7 +29,7 @@ import numpy as np
 
 from megac.abi import H, Op
 from megac.errors import MegacError
-from megac.geometry import Geometry, fused_combine_at, routed_claims_at
+from megac.geometry import Geometry
 from megac.ir import build_graph
 from megac.passes import Lowering, assign, depend, encode, order, plan, select, tile
 from megac.schedule import Schedule
@@ -68,12 +68,18 @@ def _verifier() -> Callable | None:
     return getattr(v, "verify", None)
 
 
+def graph_form(geo: Geometry) -> tuple:
+    """build_graph's arguments for schedules of ``geo``: routed claims, the
+    combine inside the norm, the layers that fold their norm."""
+    return geo.routed_claims, geo.fused_combine, tuple(l for l in range(geo.num_layers) if geo.folded(l))
+
+
 def lower(spec, order_name: str, rows: int, context: int, *, graph=None, check: bool = True,
           log: list | None = None) -> Lowering:
     """Run tile .. encode for one key; returns the final Lowering."""
     geo = Geometry.from_spec(spec, rows, context)
     lw = Lowering(spec=spec, geo=geo,
-                  graph=graph if graph is not None else build_graph(spec, geo.routed_claims, geo.fused_combine),
+                  graph=graph if graph is not None else build_graph(spec, *graph_form(geo)),
                   order_name=order_name)
     for p in PASSES:
         t0 = time.perf_counter()
@@ -209,7 +215,7 @@ def compile_schedules(spec, order: str = "tuned", batch_sizes: list[int] | None 
     # one graph per form of the MoE routing (routed claims up to the target's
     # row bound; the combine inside the norm at one row)
     def form(rows):
-        return routed_claims_at(spec, rows), fused_combine_at(spec, rows)
+        return graph_form(Geometry.from_spec(spec, rows, buckets[0]))
 
     graphs = {f: build_graph(spec, *f) for f in {form(rows) for rows in batch_sizes}}
     keys = [(rows, group) for rows in batch_sizes for group in bucket_groups(spec, rows, buckets)]

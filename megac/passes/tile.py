@@ -69,6 +69,31 @@ def _boxes(*dims):
     return lo, hi
 
 
+def _norm_params(geo: Geometry, kind: str, l: int) -> tuple[int, int, int]:
+    """(GAMMA, ATTN_SPLITS, FFN_SPLITS) of the norm node ``kind`` of layer ``l``."""
+    L = geo.num_layers
+    if kind == "norm_attn":
+        return L + l, geo.kv_heads, 0
+    moe = geo.ffn[l] == "moe"
+    a_splits = 0 if geo.block == "sequential" else geo.kv_heads
+    # with fused_combine the norm reads the experts' outputs, no ffn_part
+    f_splits = (0 if geo.fused_combine else 1) if moe else geo.ffn_splits
+    return (2 * L if l == L - 1 else l + 1), a_splits, f_splits
+
+
+def _fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarray]:
+    """The NORM_* fields of layer ``l``'s QKV / router tiles: the parameters
+    of the norm that writes their x_norm slot (layer ``l - 1``'s "norm", a
+    parallel block) where they fold it (Geometry.folded), else zeros."""
+    vals = (0, 0, 0, 0)
+    if geo.folded(l):
+        gamma, a_splits, f_splits = _norm_params(geo, "norm", l - 1)
+        assert gamma == geo.norm_input_slot(l)
+        vals = (l - 1, a_splits, f_splits, geo.resid_in_slot("norm", l - 1))
+    names = ("NORM_LAYER", "NORM_ATTN_SPLITS", "NORM_FFN_SPLITS", "NORM_RESID_IN")
+    return {n: np.full_like(like, v) for n, v in zip(names, vals)}
+
+
 def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
     k, l = nt.kind, nt.layer
     R, D, hd = geo.rows, geo.hidden, geo.head_dim
@@ -82,7 +107,7 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         h, sub = _grid(range(nq + 2 * nkv), range(per))
         n0 = h * hd + sub * bn
         F = dict(N0=n0, N_LEN=np.full_like(n0, bn), K0=np.zeros_like(n0), K_LEN=np.full_like(n0, D),
-                 SPLIT=np.zeros_like(n0), PART=part[h], HEAD=head[h])
+                 SPLIT=np.zeros_like(n0), PART=part[h], HEAD=head[h], **_fold_fields(geo, l, n0))
         shape, box = (geo.qkv_width,), _boxes((n0, n0 + bn))
     elif k == "attn" and geo.sliding[l]:
         S = geo.sliding_static_splits
@@ -145,7 +170,7 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         nn0, nlen = _ranges(geo.num_experts, geo.router_bn)
         s, t = _grid(range(geo.router_splits), range(len(nn0)))
         F = dict(N0=nn0[t], N_LEN=nlen[t], K0=b[s], K_LEN=b[s + 1] - b[s], SPLIT=s,
-                 X_SLOT=np.full_like(s, geo.norm_input_slot(l)))
+                 X_SLOT=np.full_like(s, geo.norm_input_slot(l)), **_fold_fields(geo, l, s))
         shape, box = (geo.router_splits, geo.num_experts), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
     elif k == "topk":
         row = np.arange(R, dtype=np.int64)
@@ -166,19 +191,9 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         shape, box = (R,), _boxes((row, row + 1))
     elif k in ("norm", "norm_attn"):
         row = np.arange(R, dtype=np.int64)
-        L = geo.num_layers
-        seq = geo.block == "sequential"
-        moe = geo.ffn[l] == "moe"
-        if k == "norm_attn":
-            gamma = L + l
-            a_splits, f_splits = geo.kv_heads, 0
-        else:
-            gamma = 2 * L if l == L - 1 else l + 1
-            a_splits = 0 if seq else geo.kv_heads
-            # with fused_combine the norm reads the experts' outputs, no ffn_part
-            f_splits = (0 if geo.fused_combine else 1) if moe else geo.ffn_splits
+        gamma, a_splits, f_splits = _norm_params(geo, k, l)
         F = dict(ROW=row, ATTN_SPLITS=np.full_like(row, a_splits), FFN_SPLITS=np.full_like(row, f_splits),
-                 GAMMA=np.full_like(row, gamma))
+                 GAMMA=np.full_like(row, gamma), RESID_IN=np.full_like(row, geo.resid_in_slot(k, l)))
         shape, box = (R,), _boxes((row, row + 1))
     elif k == "lm_head":
         n0, nlen = _ranges(geo.vocab, geo.lm_bn)

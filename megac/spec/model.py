@@ -173,9 +173,9 @@ class TargetSpec(BaseModel):
             if k in ("fused_topk", "fused_gather", "fused_combine"):
                 if x not in (0, 1):
                     raise ValueError(f"{k} is 0 or 1 (got {x})")
-            elif k == "routed_claims":
+            elif k in ("routed_claims", "norm_fold"):
                 if not 0 <= x <= 65536:
-                    raise ValueError(f"routed_claims is a row bound in 0..65536, 0: none (got {x})")
+                    raise ValueError(f"{k} is a row bound in 0..65536, 0: none (got {x})")
             elif not 1 <= x <= 65536:
                 raise ValueError(f"{k} must be in 1..65536 (got {x})")
             if k in ("upgate_bn", "moe_up_bn") and x % 2:

@@ -70,10 +70,10 @@ class DecodeStep:
                     kv.v_pool[blk, p % bs] = float("nan")
 
     def seed_rows(self, tokens: Sequence[int]) -> None:
-        """Embedding gather into x_resid and the first RMSNorm into x_norm[0]."""
+        """Embedding gather into x_resid[0] and the first RMSNorm into x_norm[0]."""
         st = self.st
         x, xn = host.seed_rows(tokens, st.geo, st["w_embed"], st["w_norm"][0], self.interp.ops.eps, st.act)
-        st["x_resid"].copy_(x)
+        st["x_resid"][0] = x
         st["x_norm"][0] = xn
 
     def host_words(self, positions: Sequence[int]) -> int:

@@ -160,9 +160,7 @@ class Tracker:
             # per planned element (an argmax record is one element of its words)
             shape = tuple(st.plan.buffers[name].shape)
             inp = None
-            if name == "x_resid":
-                inp = np.ones(shape, dtype=bool)
-            elif name == "x_norm":
+            if name in ("x_resid", "x_norm"):  # slot 0 seeded before launch
                 inp = np.zeros(shape, dtype=bool)
                 inp[0] = True
             self.bufs[name] = _Track(shape, inp)

@@ -164,6 +164,9 @@ class DeviceState:
                 self.desc[f.name] = self._scalar(f.name, f.ctype)
             else:
                 self.desc[f.name] = self._alloc(spec)
+        # the VM's private input of GEMM tiles that fold their norm (NORM_IN:
+        # ops.norm.norm_in_input), shaped as x_norm; not a device buffer
+        self.desc["x_fold"] = torch.zeros_like(self.desc["x_norm"])
         # the schedule itself
         self.desc["tasks"] = torch.from_numpy(np.ascontiguousarray(schedule.tasks, dtype=np.int32))
         self.desc["task_counts"] = torch.from_numpy(np.ascontiguousarray(schedule.task_counts, dtype=np.int32))

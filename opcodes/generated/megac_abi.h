@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 8
+#define MEGAC_ABI_VERSION 9
 
 namespace megac {
 
@@ -59,6 +59,7 @@ enum Flag : int32_t {
   FLAG_RENORMALIZE = 64,
   FLAG_LAST_LAYER = 128,
   FLAG_ADD_MOE = 256,
+  FLAG_NORM_IN = 512,
 };
 
 // Opcode-specific fields: word index, one namespace per opcode.
@@ -70,6 +71,10 @@ constexpr int K_LEN = 11;
 constexpr int SPLIT = 12;
 constexpr int PART = 13;
 constexpr int HEAD = 14;
+constexpr int NORM_LAYER = 15;
+constexpr int NORM_ATTN_SPLITS = 16;
+constexpr int NORM_FFN_SPLITS = 17;
+constexpr int NORM_RESID_IN = 18;
 }  // namespace f_qkv_proj
 namespace f_attn_decode {
 constexpr int ROW = 8;
@@ -121,6 +126,10 @@ constexpr int K0 = 10;
 constexpr int K_LEN = 11;
 constexpr int SPLIT = 12;
 constexpr int X_SLOT = 13;
+constexpr int NORM_LAYER = 14;
+constexpr int NORM_ATTN_SPLITS = 15;
+constexpr int NORM_FFN_SPLITS = 16;
+constexpr int NORM_RESID_IN = 17;
 }  // namespace f_router_gemm
 namespace f_router_topk {
 constexpr int ROW = 8;
@@ -169,6 +178,7 @@ constexpr int ROW = 8;
 constexpr int ATTN_SPLITS = 9;
 constexpr int FFN_SPLITS = 10;
 constexpr int GAMMA = 11;
+constexpr int RESID_IN = 12;
 }  // namespace f_add_rmsnorm
 namespace f_lm_head {
 constexpr int N0 = 8;
@@ -277,7 +287,7 @@ struct LaunchDesc {
   uint64_t kv_tmaps;  // two CUtensorMaps (K pool at +0, V pool at +128 bytes; 64-byte aligned) over the pools as [num_blocks, block_size, kv_heads, head_dim], box 16 tokens x 1 head x 64 dims, 128-byte swizzle, encoded by the host (megac.gpu.tensormap); a null pointer: the splits copy K/V in 16-byte pieces instead
   int32_t kv_block_size;  // tokens per KV block
   int32_t max_blocks_per_seq;  // page table row length
-  uint64_t x_resid;  // fp32 [rows, hidden] residual stream
+  uint64_t x_resid;  // fp32 [2*num_layers+1, rows, hidden] residual stream after each norm, slot = GAMMA index (slot 0: the embedding)
   uint64_t x_norm;  // bf16 [2*num_layers+1, rows, hidden] normed activations, slot = GAMMA index
   uint64_t q;  // bf16 [num_layers, rows, q_width]
   uint64_t attn_o_part;  // fp32 [num_layers, max_splits, rows, num_heads, head_dim], split-major

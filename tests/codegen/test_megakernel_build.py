@@ -88,3 +88,18 @@ def test_gemm_layout_is_tiled_exactly_where_every_tile_fits():
     res = compile_schedules(odd, batch_sizes=[1])
     assert not gemm_tiled(res.schedules)
     assert "GEMM_TILED = 0;" in render_megakernel(odd, res.schedules)
+
+
+def test_a_folded_norm_needs_a_row_in_one_pass(tmp_path):
+    """The norm folded into its readers keeps each row in registers (8
+    elements a thread): a wider model that asks for norm_fold gets no
+    megakernel, and the reason names the tile."""
+    from models import variant
+
+    moe = load_spec("tiny-moe")
+    wide = variant(moe, "wide-fold", hidden_size=2056, target={**moe.target.model_dump(), "tiles": {"norm_fold": 1}})
+    res = compile_schedules(wide, batch_sizes=[1], buckets=[1024])
+    assert res.schedules[0].geometry.norm_fold
+    m = write_artifact(tmp_path, wide, res.schedules, order="tuned")
+    assert not (tmp_path / SOURCE).exists()
+    assert "norm_fold needs hidden_size <= 2048 (got 2056)" in m["megakernel_unsupported"]

@@ -563,11 +563,12 @@ def prebuild(only: list[str] | None = None) -> None:
             for v, defines in builds.items():
                 if defines:
                     print(f"{spec.name} [{v}]: {scale.variant_cubin(spec, defines)}", flush=True)
-            if spec.name == "north-mini-code":  # check order_variants
-                for order in scale.variant_orders():
-                    for v, defines in scale.variants_for(spec).items():
-                        print(f"{spec.name} ({order}) [{v}]: {scale.variant_cubin(spec, defines, order)}",
-                              flush=True)
+        # check order_variants (on MEGAC_ORDER_TILES' tile set where named)
+        order_tiles = os.environ.get("MEGAC_ORDER_TILES", "default")
+        if spec.name == ("north-mini-code" if order_tiles == "default" else f"nmc-{order_tiles}"):
+            for order in scale.variant_orders():
+                for v, defines in scale.variants_for(spec).items():
+                    print(f"{spec.name} ({order}) [{v}]: {scale.variant_cubin(spec, defines, order)}", flush=True)
         # the orders and waves checks (tiny-moe) and megac bench --order all (NMC) run every order
         for order in ORDERS if spec.name in ("tiny-moe", "north-mini-code") else ("tuned",):
             t0 = time.perf_counter()

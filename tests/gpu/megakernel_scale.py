@@ -768,10 +768,10 @@ VARIANTS = {
     # the tensor-core tile's bulk-copy ring 1024-aligned in the scratch (ops_gemm.cuh; 128 by default,
     # where North Mini Code's ring lands 512 bytes past a 1 KB line)
     "ring1024": {"MEGAC_TC_RING_ALIGN": 1024},
-    # ADD_RMSNORM's planes through float4 loads (norm.cuh's add_rmsnorm_vec; 32-bit loads by default;
-    # its sum of squares runs in another order, so its bits may differ from the default's by a few ulp
-    # of the scale)
-    "norm_vec": {"MEGAC_NORM_VEC": 1},
+    # ADD_RMSNORM's planes through 32-bit loads (norm.cuh's add_rmsnorm; float4 loads by default since
+    # the nineteenth session; its sum of squares runs in another order, so its bits may differ from the
+    # default's by a few ulp of the scale)
+    "norm_scalar": {"MEGAC_NORM_VEC": 0},
 }
 #: variants that change nothing in a dense model (not built for one)
 MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
@@ -1022,7 +1022,9 @@ def check_order_variants() -> dict:
 
     from megac.decode_bench import pool_blocks
 
-    spec = load_spec("north-mini-code")
+    # MEGAC_ORDER_TILES: a TILES name, the orders of that tile set (e.g. fold)
+    tiles = os.environ.get("MEGAC_ORDER_TILES", "default")
+    spec = tile_spec(tiles, TILES[tiles]) if tiles != "default" else load_spec("north-mini-code")
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
     batches, contexts = _tile_grid()
     cases = tuple((b, c) for b in batches for c in contexts)
@@ -1289,6 +1291,9 @@ TILES = {
     "qkv64": {"qkv_bn": 64},  # North Mini Code's default since the fourteenth session
     "qkv32": {"qkv_bn": 32},
     "qkv128": {"qkv_bn": 128},  # whole heads, the default before
+    # the norm folded into the QKV and router tiles at batch 1 (geometry.norm_fold_at): each
+    # stages the norm of its x_norm slot itself, no hop through the ADD_RMSNORM task
+    "fold": {"norm_fold": 1},
 }
 
 

@@ -419,3 +419,28 @@ def test_parallel_compile_gives_the_same_schedules():
         assert [(c.name, c.producer, c.count, c.count_word) for c in a.counters] == \
                [(c.name, c.producer, c.count, c.count_word) for c in b.counters]
     assert [e["pass"] for e in one.pass_log] == [e["pass"] for e in two.pass_log]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
+def test_each_norm_adds_to_the_residual_the_previous_norm_wrote(model):
+    """The residual is a chain through the norm slots: per row, in layer
+    order (the attention norm before the FFN norm of a sequential layer),
+    each ADD_RMSNORM reads the slot the norm before it wrote (the first the
+    seeded slot 0) and writes a slot no other norm writes; the last writes
+    the final norm's slot, the one LM_HEAD reads."""
+    lw = lowered(model, 2)
+    geo = lw.geo
+    w = live_words(lw)
+    norms = w[w[:, H.OPCODE] == Op.ADD_RMSNORM]
+    for r in range(geo.rows):
+        mine = norms[norms[:, F(Op.ADD_RMSNORM, "ROW")] == r]
+        # sequential layers: the attention norm (ADD_ATTN alone) comes first
+        seq_first = (mine[:, H.FLAGS] & abi.Flag.ADD_FFN) == 0
+        mine = mine[np.lexsort((~seq_first, mine[:, H.LAYER]))]
+        assert len(mine) == geo.num_layers * (2 if geo.block == "sequential" else 1)
+        slot = 0
+        for t in mine:
+            assert t[F(Op.ADD_RMSNORM, "RESID_IN")] == slot
+            slot = int(t[F(Op.ADD_RMSNORM, "GAMMA")])
+        assert slot == geo.final_norm_slot
+        assert len(set(mine[:, F(Op.ADD_RMSNORM, "GAMMA")].tolist())) == len(mine)

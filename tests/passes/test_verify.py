@@ -89,7 +89,7 @@ def build_handmade(rows: int = 2, num_sms: int = 4, context: int = 64):
             b.task(Op.O_PROJ, l, [(attn + sp, rows)], oproj, N0=0, N_LEN=D, K0=sp * hpk * hd, K_LEN=hpk * hd, SPLIT=sp)
         for r in range(rows):
             b.task(Op.ADD_RMSNORM, l, [(oproj, kvh)], na, flags=abi.Flag.ADD_ATTN, ROW=r, ATTN_SPLITS=kvh,
-                   FFN_SPLITS=0, GAMMA=L + l)
+                   FFN_SPLITS=0, GAMMA=L + l, RESID_IN=l)
         half, bounds = geo.upgate_bn // 2, geo.ffn_split_bounds
         split_of = [next(i for i in range(geo.ffn_splits) if bounds[i] <= t * half < bounds[i + 1])
                     for t in range(geo.upgate_col_tiles)]
@@ -106,7 +106,7 @@ def build_handmade(rows: int = 2, num_sms: int = 4, context: int = 64):
         for r in range(rows):
             b.task(Op.ADD_RMSNORM, l, [(down, n_down)], norm,
                    flags=abi.Flag.ADD_FFN | (abi.Flag.LAST_LAYER if last else 0), ROW=r, ATTN_SPLITS=0,
-                   FFN_SPLITS=geo.ffn_splits, GAMMA=2 * L if last else l + 1)
+                   FFN_SPLITS=geo.ffn_splits, GAMMA=2 * L if last else l + 1, RESID_IN=L + l)
         prev_norm = norm
     for n0 in range(0, geo.vocab, geo.lm_bn):
         b.task(Op.LM_HEAD, L, [(prev_norm, rows)], -1, N0=n0, N_LEN=min(geo.lm_bn, geo.vocab - n0), K0=0, K_LEN=D,
@@ -335,16 +335,19 @@ def test_overwrite_race(hand):
 
 
 def test_write_after_read_race(hand):
-    """The layer-1 norm waits on the layer's QKV instead of its FFN: it now
-    rewrites x_resid while the attention norm of that layer may still read it."""
+    """The layer-1 norm waits on the layer's QKV instead of its FFN and writes
+    norm slot 1 (GAMMA) instead of its own: it now overwrites the residual
+    slot the attention norm of that layer may still read."""
     s = clone(hand)
     qkv0 = int(s.tasks[find(s, Op.QKV_PROJ, 1)[0]][H.SIGNAL])
     for sm, k in find(s, Op.ADD_RMSNORM, 1, lambda w: w[H.FLAGS] & abi.Flag.ADD_FFN):
         s.tasks[sm, k, H.WAIT0] = qkv0
         s.tasks[sm, k, H.TARGET0] = 3
+        s.tasks[sm, k, F(Op.ADD_RMSNORM, "GAMMA")] = 1
     # the layer-1 down counter is now never waited: no target breaks
     ks = kinds(s)
-    assert "war" in ks and "waw" in ks and "raw" in ks
+    assert "war" in ks and "raw" in ks
+    assert any("x_resid" in str(v) for v in V.check(s) if v.kind == "war")
     rejects(s, "raw")
 
 
