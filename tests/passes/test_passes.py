@@ -135,8 +135,13 @@ def test_postconditions(model, rows):
                 s = int(nt.fields["SPLIT"][i])
                 assert names[w[i, H.WAIT0]] == f"attn_done[{l}][{s}]" and w[i, H.WAIT1] == -1
                 assert w[i, H.TARGET0] == geo.rows
-        # the next layer waits norm[l] (target rows)
-        if nt.op == Op.QKV_PROJ and l > 0:
+        # the next layer waits norm[l] (target rows), or where it folds that
+        # norm (NORM_IN) what the norm task waits on
+        if nt.op == Op.QKV_PROJ and l > 0 and geo.folded(l):
+            (norm,) = [m for m in lw.nodes if m.kind == "norm" and m.layer == l - 1]
+            nw = norm.words.astype(np.int64)[0]
+            assert (w[:, [H.WAIT0, H.TARGET0, H.WAIT1, H.TARGET1]] == nw[[H.WAIT0, H.TARGET0, H.WAIT1, H.TARGET1]]).all()
+        elif nt.op == Op.QKV_PROJ and l > 0:
             assert (w[:, H.WAIT0] == names.index(f"norm[{l - 1}]")).all()
             assert (w[:, H.TARGET0] == geo.rows).all() and (w[:, H.WAIT1] == -1).all()
         if nt.op == Op.MOE_COMBINE:
@@ -147,9 +152,11 @@ def test_postconditions(model, rows):
             assert names[w[0, H.WAIT0]] == f"route[{l}]" and w[0, H.TARGET0] == 1
         if nt.op == Op.MOE_UPGATE_DRAIN and geo.routed_claims:
             # routed claims: the claimers rank the rows from the router's partials (every router task)
-            assert names[w[0, H.WAIT0]] == f"router[{l}]"
-            assert w[0, H.TARGET0] == geo.router_splits * -(-geo.num_experts // geo.router_bn)
-            assert w[0, H.WAIT1] == -1 and w[0, F(Op.MOE_UPGATE_DRAIN, "TASK_WAIT_BASE")] == -1
+            # (where the router folds the norm, the claimer waits on the norm task itself too)
+            waits = {names[w[0, c]]: w[0, t] for c, t in ((H.WAIT0, H.TARGET0), (H.WAIT1, H.TARGET1)) if w[0, c] >= 0}
+            assert set(waits) == ({f"router[{l}]", f"norm[{l - 1}]"} if geo.folded(l) else {f"router[{l}]"})
+            assert waits[f"router[{l}]"] == geo.router_splits * -(-geo.num_experts // geo.router_bn)
+            assert w[0, F(Op.MOE_UPGATE_DRAIN, "TASK_WAIT_BASE")] == -1
         if nt.op == Op.MOE_DOWN_DRAIN:
             base = int(w[0, F(Op.MOE_DOWN_DRAIN, "TASK_WAIT_BASE")])
             assert names[base] == f"moe_up[{l}][0]" and names[base + geo.num_experts - 1] == f"moe_up[{l}][{geo.num_experts - 1}]"
