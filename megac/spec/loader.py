@@ -58,7 +58,9 @@ The top-level keys are the :class:`ModelSpec` fields::
       tiles: {moe_up_bn: 96}    # optional tile sizes (megac.geometry.DEFAULT_TILES keys;
                                 # fused_topk: 1 / fused_gather: 1 do the MoE top-k / the
                                 # gather inside ROUTE_FINALIZE; routed_claims: N, batches
-                                # of <= N rows have every up claimer rank the rows itself)
+                                # of <= N rows have every up claimer rank the rows itself;
+                                # norm_fold: N, batches of <= N rows fold the norm into
+                                # the QKV and router tiles, 0 never)
 
 ``layers`` is either an explicit list, one mapping per layer::
 
