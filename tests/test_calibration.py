@@ -52,6 +52,22 @@ NMC_BENCH_16 = ROOT / "benchmarks" / "bench-nmc-cuda-ahoh-run1-2026-12-03-h200-s
 TILES_128 = {"moe_up_bn": 128, "moe_down_bn": 128}
 
 
+#: every trace and step recorded up to the eighteenth session ran its norms as
+#: tasks (the norm folded into its QKV and router readers at batch 1 since the
+#: nineteenth: target tile norm_fold)
+UNFOLDED = {"norm_fold": 0}
+
+
+def unfolded(model: str):
+    """``model`` as bundled but with its norms as tasks: the schedule every
+    recorded step here ran (a measurement fits only the schedule it ran)."""
+    from models import variant
+
+    spec = load_spec(model)
+    return variant(spec, spec.name, target={**spec.target.model_dump(),
+                                            "tiles": {**(spec.target.tiles or {}), **UNFOLDED}})
+
+
 def whole_heads(model: str, **tiles):
     """``model`` with a QKV tile per whole head (and ``tiles``): what every
     trace and step up to the thirteenth session ran (North Mini Code's QKV
@@ -60,7 +76,7 @@ def whole_heads(model: str, **tiles):
     from models import variant
 
     spec = load_spec(model)
-    tiles = {**(spec.target.tiles or {}), "qkv_bn": spec.head_dim, **tiles}
+    tiles = {**(spec.target.tiles or {}), "qkv_bn": spec.head_dim, **UNFOLDED, **tiles}
     return variant(spec, spec.name, target={**spec.target.model_dump(), "tiles": tiles})
 
 
@@ -188,7 +204,7 @@ def test_bundled_calibration_loads_and_matches_its_own_measurement(name, model_c
     the eighth session's, under that day's SM cursor, against its traced
     span)."""
     if model_ctx == NMC:
-        sched = compile_one(load_spec("north-mini-code"), order="tuned", rows=1, context=8192)
+        sched = compile_one(unfolded("north-mini-code"), order="tuned", rows=1, context=8192)
     else:
         sched = schedule_of(model_ctx)
     cal = Calibration.load(resolve(name))
@@ -232,9 +248,15 @@ def test_schedule_command_predicts_with_a_calibration(tmp_path):
 
     from megac.cli import main
 
-    # a model.yaml of one's own: North Mini Code as bundled, its default schedule
+    # a model.yaml of one's own: North Mini Code as bundled, its default schedule with the
+    # norms as tasks (as the recorded steps ran)
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "megac" / "spec" / "bundled" / "north-mini-code.yaml").read_text())
+    target = doc.setdefault("target", {}) or {}
+    doc["target"] = {**target, "tiles": {**(target.get("tiles") or {}), **UNFOLDED}}
     spec_file = Path(tmp_path) / "nmc.yaml"
-    spec_file.write_text((ROOT / "megac" / "spec" / "bundled" / "north-mini-code.yaml").read_text())
+    spec_file.write_text(yaml.safe_dump(doc))
     r = CliRunner().invoke(main, ["schedule", str(spec_file), "--calibration", "h200-north-mini-code", "--json"])
     assert r.exit_code == 0, r.output
     pred = json.loads(r.output)["predicted"]
@@ -276,7 +298,7 @@ def test_bundled_calibration_predicts_measured_long_context_steps(batch, context
     (scripts/refit_claim_stream.py) the model stays within 10 % of the
     H200's kernel time at every batch and context measured, 1K included
     (which the refit did not see)."""
-    sched = compile_one(load_spec("north-mini-code"), order="tuned", rows=batch, context=context)
+    sched = compile_one(unfolded("north-mini-code"), order="tuned", rows=batch, context=context)
     cal = Calibration.load(resolve("h200-north-mini-code"))
     pred_ms = simulate(sched, cal.params(context=context)).step_us / 1e3
     assert abs(pred_ms / _measured_ms(batch, context) - 1) < 0.10
