@@ -257,8 +257,8 @@ class Geometry:
     routed_claims: bool = False
     #: ADD_RMSNORM does the MoE combine (DEFAULT_TILES' fused_combine)
     fused_combine: bool = False
-    #: the norms of slots ``folded_slots`` folded into their QKV and router tiles
-    #: (DEFAULT_TILES' norm_fold >= rows)
+    #: layers fold the norm into their QKV and router tiles where ``folded``
+    #: says (DEFAULT_TILES' norm_fold >= rows)
     norm_fold: bool = False
 
     # ------------------------------------------------------------- builders

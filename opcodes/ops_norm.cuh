@@ -48,26 +48,54 @@ __device__ __forceinline__ void norm_warm(const Ctx& c, const int32_t* w, int la
 #endif
 }
 
+// A norm's planes for row `row`: the residual slot `resid`, `n_attn`
+// O-proj and `n_ffn` FFN partial sets of layer `layer`, gamma of norm slot
+// `gamma`. The caller says where the output goes (out, lo, hi) and whether
+// the residual is written (x_out).
+template <class M>
+__device__ __forceinline__ norm::AddNorm norm_planes(const LaunchDesc* d, int layer, int row, int resid, int n_attn,
+                                                     int n_ffn, int gamma) {
+  using Lay = Layout<M>;
+  norm::AddNorm a;
+  a.x = ptr<const float>(d->x_resid) + Lay::x_resid(resid, row);
+  a.x_out = nullptr;
+  a.parts0 = ptr<const float>(d->o_part) + Lay::o_part(layer, 0, row);
+  a.stride0 = Lay::o_part(0, 1, 0);
+  a.n0 = n_attn;
+  a.parts1 = ptr<const float>(d->ffn_part) + Lay::ffn_part(layer, 0, row);
+  a.stride1 = Lay::ffn_part(0, 1, 0);
+  a.n1 = n_ffn;
+  a.gamma = ptr<const __nv_bfloat16>(d->w_norm) + Lay::w_norm(gamma);
+  a.D = M::HIDDEN;
+  a.eps = d->norm_eps;
+  return a;
+}
+
+// One norm through the form this build uses: the float4 form where the row
+// fits it (MEGAC_NORM_VEC), else the 32-bit one. The norm task and a NORM_IN
+// tile both come here, so they take the same path and write the same bits.
+__device__ __forceinline__ void run_norm(const norm::AddNorm& a, float* red) {
+#if MEGAC_NORM_VEC
+  if (norm::vec_fits(a)) {
+    norm::add_rmsnorm_vec(a, red);
+    return;
+  }
+#endif
+  norm::add_rmsnorm(a, red);
+}
+
 template <class M>
 __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER], flags = c.ts->w[H_FLAGS];
   const int row = c.ts->w[f_add_rmsnorm::ROW], gamma = c.ts->w[f_add_rmsnorm::GAMMA];
-  norm::AddNorm a;
-  a.x = ptr<const float>(d->x_resid) + Lay::x_resid(c.ts->w[f_add_rmsnorm::RESID_IN], row);
+  norm::AddNorm a = norm_planes<M>(d, layer, row, c.ts->w[f_add_rmsnorm::RESID_IN],
+                                   (flags & FLAG_ADD_ATTN) ? c.ts->w[f_add_rmsnorm::ATTN_SPLITS] : 0,
+                                   (flags & FLAG_ADD_FFN) ? c.ts->w[f_add_rmsnorm::FFN_SPLITS] : 0, gamma);
   a.x_out = ptr<float>(d->x_resid) + Lay::x_resid(gamma, row);
-  a.parts0 = ptr<const float>(d->o_part) + Lay::o_part(layer, 0, row);
-  a.stride0 = Lay::o_part(0, 1, 0);
-  a.n0 = (flags & FLAG_ADD_ATTN) ? c.ts->w[f_add_rmsnorm::ATTN_SPLITS] : 0;
-  a.parts1 = ptr<const float>(d->ffn_part) + Lay::ffn_part(layer, 0, row);
-  a.stride1 = Lay::ffn_part(0, 1, 0);
-  a.n1 = (flags & FLAG_ADD_FFN) ? c.ts->w[f_add_rmsnorm::FFN_SPLITS] : 0;
-  a.gamma = ptr<const __nv_bfloat16>(d->w_norm) + Lay::w_norm(gamma);
   a.out = ptr<__nv_bfloat16>(d->x_norm) + Lay::x_norm(gamma, row);
   a.hi = M::HIDDEN;
-  a.D = M::HIDDEN;
-  a.eps = d->norm_eps;
   float* red = reinterpret_cast<float*>(c.scratch);
   if constexpr (M::NUM_EXPERTS > 0) {
     if (flags & FLAG_ADD_MOE) {  // MOE_COMBINE's sum here (fused_combine)
@@ -82,13 +110,7 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
       a.moe = m;
     }
   }
-#if MEGAC_NORM_VEC
-  if (norm::vec_fits(a)) {
-    norm::add_rmsnorm_vec(a, red);
-    return;
-  }
-#endif
-  norm::add_rmsnorm(a, red);
+  run_norm(a, red);
 }
 
 // NORM_IN (abi.py's _NORM_IN fields): a GEMM tile that folds the norm
@@ -108,31 +130,12 @@ template <class M>
 __device__ __forceinline__ void stage_norm_in(const Ctx& c, const NormIn& f, int rows, int klen, __nv_bfloat16* xs,
                                               int pitch, float* red) {
   if constexpr (M::HIDDEN <= norm::kNormBatch * M::THREADS) {
-    using Lay = Layout<M>;
-    const LaunchDesc* d = c.d;
     for (int m = 0; m < rows; ++m) {
-      norm::AddNorm a;
-      a.x = ptr<const float>(d->x_resid) + Lay::x_resid(f.resid, m);
-      a.x_out = nullptr;
-      a.parts0 = ptr<const float>(d->o_part) + Lay::o_part(f.layer, 0, m);
-      a.stride0 = Lay::o_part(0, 1, 0);
-      a.n0 = f.n_attn;
-      a.parts1 = ptr<const float>(d->ffn_part) + Lay::ffn_part(f.layer, 0, m);
-      a.stride1 = Lay::ffn_part(0, 1, 0);
-      a.n1 = f.n_ffn;
-      a.gamma = ptr<const __nv_bfloat16>(d->w_norm) + Lay::w_norm(f.slot);
-      a.out = xs + m * pitch;
+      norm::AddNorm a = norm_planes<M>(c.d, f.layer, m, f.resid, f.n_attn, f.n_ffn, f.slot);
+      a.out = xs + m * pitch;  // the residual is not written (x_out null)
       a.lo = f.k0;
       a.hi = f.k0 + klen;
-      a.D = M::HIDDEN;
-      a.eps = d->norm_eps;
-#if MEGAC_NORM_VEC
-      if (norm::vec_fits(a)) {
-        norm::add_rmsnorm_vec(a, red);
-        continue;
-      }
-#endif
-      norm::add_rmsnorm(a, red);
+      run_norm(a, red);
     }
   } else {
     __trap();  // refused at compile time (check_envelope)

@@ -42,6 +42,7 @@ from megac import abi
 from megac.abi import Queue
 from megac.access import queue_subtasks, subtask_boxes
 from megac.geometry import Geometry
+from megac.ops.norm import NORM_IN_FIELDS
 from megac.passes import Lowering, NodeTasks, PassError
 
 NAME = "tile"
@@ -90,8 +91,7 @@ def _fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarra
         gamma, a_splits, f_splits = _norm_params(geo, "norm", l - 1)
         assert gamma == geo.norm_input_slot(l)
         vals = (l - 1, a_splits, f_splits, geo.resid_in_slot("norm", l - 1))
-    names = ("NORM_LAYER", "NORM_ATTN_SPLITS", "NORM_FFN_SPLITS", "NORM_RESID_IN")
-    return {n: np.full_like(like, v) for n, v in zip(names, vals)}
+    return {n: np.full_like(like, v) for n, v in zip(NORM_IN_FIELDS, vals)}
 
 
 def _tile_node(nt: NodeTasks, geo: Geometry) -> None:

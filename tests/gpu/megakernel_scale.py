@@ -1294,6 +1294,8 @@ TILES = {
     # the norm folded into the QKV and router tiles at batch 1 (geometry.norm_fold_at): each
     # stages the norm of its x_norm slot itself, no hop through the ADD_RMSNORM task
     "fold": {"norm_fold": 1},
+    # the norms as tasks at batch 1 too (the default before the nineteenth session)
+    "nofold": {"norm_fold": 0},
 }
 
 
