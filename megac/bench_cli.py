@@ -235,7 +235,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
                          expert_probs=expert_probs, progress=tick)
         rows += [{"order": o, "routing": routing, **r} for r in got]
         if oi == 0 and (profile_path or plot_path):
-            _profile(engine, cases[0], profile_path, plot_path, spec.name, say)
+            _profile(engine, cases[0], profile_path, plot_path, spec.name, say, order=str(o))
         # the next order's engine needs the GPU memory this one holds (its KV pool, buffers)
         del engine
         gc.collect()
@@ -259,7 +259,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
         say(f"wrote {json_path}")
 
 
-def _profile(engine, case, profile_path, plot_path, name: str, say) -> None:
+def _profile(engine, case, profile_path, plot_path, name: str, say, order: str = "tuned") -> None:
     """One profiled step of ``case`` (batch, context): the trace and the
     picture, and what the instrumentation costs."""
     from megac.gpu import profile
@@ -280,7 +280,10 @@ def _profile(engine, case, profile_path, plot_path, name: str, say) -> None:
         say(f"inside {op} (median us after its wait, {m['tasks']} tasks): {points}; ends at {m['run_us']:.1f}")
     if profile_path is not None:
         profile_path.parent.mkdir(parents=True, exist_ok=True)
-        profile_path.write_text(json.dumps(profile.chrome_trace(recs)))
+        meta = {"model": name, "batch": batch, "context": context, "order": order,
+                "kernel_ms": got["kernel_ms"], "profiled_ms": got["profiled_ms"],
+                "device": _device_name("cuda")}
+        profile_path.write_text(json.dumps(profile.chrome_trace(recs, meta)))
         say(f"wrote {profile_path} (open in ui.perfetto.dev)")
     if plot_path is not None:
         plot_measured(recs, plot_path, title=f"{name}, batch {batch}, context {context}: one measured step")

@@ -62,6 +62,13 @@ class Calibration:
     #: claimer opcode name -> µs each of its claims costs besides its bytes
     #: (refit_claim_stream; absent: the claim's whole time is per byte)
     claim_fixed_us: dict[str, float] = field(default_factory=dict)
+    #: opcode name -> µs its tasks work before their header waits pass (a
+    #: GEMM's first weight stages): the trace's start-to-waited where the
+    #: inputs were there before the task started
+    pre_us_by_op: dict[str, float] = field(default_factory=dict)
+    #: claimer opcode name -> µs from its header waits to its first claim (a
+    #: routed expert claimer ranks the rows itself)
+    claimer_lead_us: dict[str, float] = field(default_factory=dict)
 
     def params(self, **overrides) -> CostParams:
         fixed = {int(Op[k]): v for k, v in self.fixed_us_by_op.items()}
@@ -70,7 +77,9 @@ class Calibration:
         p = CostParams(fixed_us=self.fixed_us, dependency_latency_us=self.dependency_latency_us,
                        op_us_per_byte={int(Op[k]): v for k, v in self.us_per_byte.items()},
                        op_fixed_us=fixed,
-                       claimer_us={int(Op[k]): v for k, v in self.claimer_us.items()})
+                       claimer_us={int(Op[k]): v for k, v in self.claimer_us.items()},
+                       op_pre_us={int(Op[k]): v for k, v in self.pre_us_by_op.items()},
+                       claimer_lead_us={int(Op[k]): v for k, v in self.claimer_lead_us.items()})
         for k, v in overrides.items():
             setattr(p, k, v)
         return p
@@ -85,7 +94,8 @@ class Calibration:
         try:
             data = json.loads(Path(path).read_text())
             for name in (list(data["us_per_byte"]) + list(data["fixed_us_by_op"]) + list(data.get("claimer_us", {}))
-                         + list(data.get("claim_fixed_us", {}))):
+                         + list(data.get("claim_fixed_us", {})) + list(data.get("pre_us_by_op", {}))
+                         + list(data.get("claimer_lead_us", {}))):
                 Op[name]
             return cls(**data)
         except FileNotFoundError:
@@ -138,15 +148,110 @@ def check_records(records, schedule) -> None:
                              "there: the trace was measured on another schedule")
 
 
-def fit(records, schedule, *, dispatch_us: float, handoff_us: float, source: str = "") -> Calibration:
+@dataclass
+class TraceTiming:
+    """What a trace says about the task loop itself (µs, medians)."""
+
+    #: a task's start after the previous task's end on its SM
+    dispatch_us: float | None
+    #: a wait's pass after its last signaller's end, where the task waited
+    handoff_us: float | None
+    #: opcode name -> start to waits passed where the inputs were already there
+    pre_us: dict[str, float]
+    #: claimer opcode name -> waits passed to its first claim's records (routed ranking)
+    lead_us: dict[str, float]
+    #: samples behind each figure
+    samples: dict[str, int]
+
+
+def trace_timing(records, schedule) -> TraceTiming:
+    """The task loop's own costs measured in one step's records: each static
+    task's header waits are matched with the end stamps of the static tasks
+    that signal their counters (counters a claimer queue completes, and
+    dynamic targets, are left out), which splits a task's start-to-waited
+    into work it does before waiting (where its inputs were there before it
+    started) and the hand-off (where they arrived after)."""
+    from megac.abi import DYN_FLAG  # noqa: PLC0415
+    from megac.gpu.profile import MARK_NAMES  # noqa: PLC0415
+    from megac.passes.program import Program, build_groups  # noqa: PLC0415
+    from megac.passes.violations import Sink  # noqa: PLC0415
+
+    p = Program.from_schedule(schedule)
+    build_groups(p, Sink())
+    rec = {(int(r["sm"]), int(r["task"])): r for r in records}
+    queue_done = {c for g in p.groups for c, _ in g.signals}
+    ends: dict[int, list[float]] = {}
+    for i in range(p.n):
+        r = rec.get((int(p.sm[i]), int(p.slot[i])))
+        if p.sig[i] >= 0 and r is not None and p.claimer_group[i] < 0:
+            ends.setdefault(int(p.sig[i]), []).append(r["end_us"])
+    for v in ends.values():
+        v.sort()
+    before: dict[str, list[float]] = {}
+    after: list[tuple[str, float, float]] = []  # (op, waited - satisfied, satisfied - start)
+    for i in range(p.n):
+        r = rec.get((int(p.sm[i]), int(p.slot[i])))
+        if r is None or p.claimer_group[i] >= 0:
+            continue
+        sat, known = float("-inf"), True
+        for c, t in ((int(p.w0[i]), int(p.t0[i])), (int(p.w1[i]), int(p.t1[i]))):
+            if c < 0:
+                continue
+            ev = ends.get(c, [])
+            if c in queue_done or t & DYN_FLAG or t <= 0 or len(ev) < t:
+                known = False
+                break
+            sat = max(sat, ev[t - 1])
+        if not known:
+            continue
+        if sat < r["start_us"]:
+            before.setdefault(r["op"], []).append(r["waited_us"] - r["start_us"])
+        else:
+            after.append((r["op"], r["waited_us"] - sat, sat - r["start_us"]))
+    pre = {op: float(np.median(v)) for op, v in before.items()}
+    # a hand-off shows where the inputs came after the task's own pre-wait work
+    hand = [w for op, w, late in after if late > pre.get(op, 0.0)]
+    gaps = []
+    by_sm: dict[int, list] = {}
+    for r in records:
+        by_sm.setdefault(int(r["sm"]), []).append(r)
+    for rs in by_sm.values():
+        rs.sort(key=lambda r: r["start_us"])
+        gaps += [b["start_us"] - a["end_us"] for a, b in zip(rs, rs[1:])
+                 if not REGISTRY[Op[b["op"]]].claimer and not REGISTRY[Op[a["op"]]].claimer]
+    lead = {}
+    for op, names in MARK_NAMES.items():
+        j = next((n for n, name in enumerate(names) if "records derived" in name), None)
+        if j is None:
+            continue
+        v = [r["marks_us"][j] - r["waited_us"] for r in records if r["op"] == op and int(r["claims"]) > 0
+             and len(r.get("marks_us") or []) > j and r["marks_us"][j] is not None]
+        if v:
+            lead[op] = float(np.median(v))
+    return TraceTiming(dispatch_us=float(np.median(gaps)) if gaps else None,
+                       handoff_us=float(np.median(hand)) if hand else None, pre_us=pre, lead_us=lead,
+                       samples={"dispatch": len(gaps), "handoff": len(hand),
+                                **{f"pre {op}": len(v) for op, v in before.items()}})
+
+
+def fit(records, schedule, *, dispatch_us: float | None = None, handoff_us: float | None = None,
+        context: int | None = None, source: str = "") -> Calibration:
     """A :class:`Calibration` from the measured ``records`` of one step of
-    ``schedule`` (see the module docstring)."""
+    ``schedule`` (see the module docstring). ``dispatch_us`` and
+    ``handoff_us`` default to the trace's own (:func:`trace_timing`);
+    ``context`` is the step's (default: the schedule's bucket), which sizes
+    the attention tasks' bytes."""
     records = list(records)
     if not records:
         raise MegacError("calibration: no task records")
     check_records(records, schedule)
+    timing = trace_timing(records, schedule)
+    if dispatch_us is None:
+        dispatch_us = timing.dispatch_us if timing.dispatch_us is not None else CostParams().fixed_us
+    if handoff_us is None:
+        handoff_us = timing.handoff_us if timing.handoff_us is not None else CostParams().dependency_latency_us
     geo = schedule.geometry
-    params = CostParams()
+    params = CostParams(context=context)
     run: dict[str, list[float]] = {}
     nbytes: dict[str, list[float]] = {}
     claims: dict[str, list[int]] = {}
@@ -165,10 +270,13 @@ def fit(records, schedule, *, dispatch_us: float, handoff_us: float, source: str
                 tb[(s, k)] = float(task_bytes(schedule.tasks[s, k][None, :], geo, params)[0])
             run.setdefault(r["op"], []).append(r["end_us"] - r["waited_us"])
             nbytes.setdefault(r["op"], []).append(tb[(s, k)])
+            if r.get("marks_us"):
+                stamps.setdefault(r["op"], []).append(r["marks_us"])
     upb: dict[str, float] = {}
     fixed_by_op: dict[str, float] = {}
     claimer: dict[str, float] = {}
     claim_fixed: dict[str, float] = {}
+    leads: dict[str, float] = {}
     notes: dict = {}
     for name, times in run.items():
         d = REGISTRY[Op[name]]
@@ -185,7 +293,11 @@ def fit(records, schedule, *, dispatch_us: float, handoff_us: float, source: str
             drained = float(np.mean(np.asarray(times)[cl == 0])) if (cl == 0).any() else 0.0
             per_claim = (total - drained * len(times)) / done
             upb[name] = per_claim / b
-            claimer[name] = dispatch_us + drained
+            # a claimer that ranks the rows before claiming (lead) pays it, claims or not
+            lead = min(timing.lead_us.get(name, 0.0), drained)
+            if lead > 0:
+                leads[name] = lead
+            claimer[name] = dispatch_us + drained - lead
             notes[name] = {"claimers": len(times), "claims": done, "us_per_claim": round(per_claim, 3),
                            "bytes_per_claim": b, "us_drained": round(drained, 3)}
             stream = _claim_stream_us(stamps.get(name, []), name)
@@ -197,29 +309,41 @@ def fit(records, schedule, *, dispatch_us: float, handoff_us: float, source: str
                 notes[name]["us_streaming_per_claim"] = round(stream, 3)
         else:
             b = float(np.sum(nbytes[name]))
-            if b <= 0:
-                fixed_by_op[name] = dispatch_us + total / len(times)
-            else:
-                upb[name] = total / b
-            notes[name] = {"tasks": len(times), "us_per_task": round(total / len(times), 3),
+            per_task = total / len(times)
+            notes[name] = {"tasks": len(times), "us_per_task": round(per_task, 3),
                            "bytes_per_task": b / len(times)}
+            if b <= 0:
+                fixed_by_op[name] = dispatch_us + per_task
+                continue
+            upb[name] = total / b
+            stream = _claim_stream_us(stamps.get(name, []), name)
+            if stream is not None and 0.0 < stream < per_task:
+                # as for a claim: the span its weights (or keys) stream is per byte, the
+                # rest (staging, the reduction, the merge) per task
+                upb[name] = stream / (b / len(times))
+                fixed_by_op[name] = dispatch_us + per_task - stream
+                notes[name]["us_streaming_per_task"] = round(stream, 3)
     span = max(r["end_us"] for r in records)
     return Calibration(us_per_byte=upb, fixed_us_by_op=fixed_by_op, fixed_us=float(dispatch_us),
                        dependency_latency_us=float(handoff_us), source=source, measured_step_us=float(span),
-                       notes=notes, claimer_us=claimer, claim_fixed_us=claim_fixed)
+                       notes=notes, claimer_us=claimer, claim_fixed_us=claim_fixed,
+                       pre_us_by_op={k: round(v, 3) for k, v in timing.pre_us.items()},
+                       claimer_lead_us={k: round(v, 3) for k, v in leads.items()})
 
 
 def _claim_stream_us(marks: list, op_name: str) -> float | None:
-    """Median µs a claimer's first claim spent streaming its weights: from
-    its first stage landed to its last stage consumed (the GEMM tile's
-    stamps, :data:`megac.gpu.profile.MARK_NAMES`); None where the opcode has
-    no such stamps or no claim reached them."""
+    """Median µs a task (a claimer's first claim) spent streaming its
+    weights or keys: from its first stage (chunk) landed to its last
+    consumed (the GEMM tile's and the attention split's stamps,
+    :data:`megac.gpu.profile.MARK_NAMES`); None where the opcode has no such
+    stamps or no task reached them."""
     from megac.gpu.profile import MARK_NAMES  # noqa: PLC0415
 
     names = MARK_NAMES.get(op_name, ())
-    if "first stage landed" not in names or "stages consumed" not in names:
+    i = next((names.index(n) for n in ("first stage landed", "first chunk landed") if n in names), None)
+    j = next((names.index(n) for n in ("stages consumed", "keys consumed") if n in names), None)
+    if i is None or j is None:
         return None
-    i, j = names.index("first stage landed"), names.index("stages consumed")
     spans = [m[j] - m[i] for m in marks if len(m) > j and m[i] is not None and m[j] is not None]
     return float(np.median(spans)) if spans else None
 

@@ -11,7 +11,11 @@ every signaller of each counter it waits on is done), with time:
   activations and the KV it reads, the partials it writes (derived from the
   task words and the geometry alone);
 * a wait releases ``dependency_latency_us`` after the last signal arrives
-  (~1 us for one grid-wide dependency on the H200);
+  (~1 us for one grid-wide dependency on the H200); a task may work
+  ``op_pre_us`` before its waits (a GEMM's first weight stages: it costs
+  time only where the inputs were there already) and a claimer
+  ``claimer_lead_us`` after them before its first claim (a routed claimer
+  ranks the rows);
 * a claimer queue's work is claimed one task at a time by whichever claimer
   reaches it first (in time order; as on the device, a claimer claims
   before it waits on the claimed task's inputs), so it spreads over the
@@ -70,6 +74,13 @@ class CostParams:
     #: claimer opcode -> µs a claimer task costs beyond its claimed tasks (its
     #: dispatch and the claim that finds the queue drained; 0 unless given)
     claimer_us: dict[int, float] = field(default_factory=dict)
+    #: opcode -> µs a task of it works before its header waits pass (a GEMM
+    #: issues its first weight stages, then waits: that work overlaps a wait
+    #: and costs its own time only when the inputs are already there)
+    op_pre_us: dict[int, float] = field(default_factory=dict)
+    #: claimer opcode -> µs a claimer spends after its header waits before its
+    #: first claim (a routed expert claimer ranks the rows itself first)
+    claimer_lead_us: dict[int, float] = field(default_factory=dict)
 
     def task_cost(self, op: int, nbytes, default_us_per_byte: float):
         """µs of a task (or claimed task) of opcode ``op`` moving ``nbytes``."""
@@ -229,8 +240,14 @@ def simulate(schedule, params: CostParams | None = None, **overrides) -> CostRes
     for ss in hooks.g_sigs:
         for c in ss:
             units[c] += 1  # a queue completes its counters as one unit
+    pre = np.zeros(p.n)
+    for opv, us in params.op_pre_us.items():
+        pre[p.op == int(opv)] = us
+    lead = np.zeros(p.n)
+    for opv, us in params.claimer_lead_us.items():
+        lead[(p.op == int(opv)) & (p.claimer_group >= 0)] = us
     walker = Walker(p.start, ok(p.w0), p.t0, ok(p.w1), p.t1, sig, p.claimer_group >= 0,
-                    UnitCounters(units, params.dependency_latency_us), hooks)
+                    UnitCounters(units, params.dependency_latency_us), hooks, pre=pre, lead=lead)
     stuck = walker.run("time")
     if stuck:
         b = stuck[0]

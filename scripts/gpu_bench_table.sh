@@ -9,6 +9,7 @@
 # smollm2:  SmolLM2-135M's shape, batch 1-8 x 1K, 4K, both backends
 # ablation: the three wave orders, uniform and skewed routing, batch 1 and 8 at 8K
 # profile:  one profiled North Mini Code step (bs1, 8K) and its timeline
+# profiles: a profiled step per PROFILE_CASES (batch:context), for the cost model's fit
 # stepgraph: the cuda rows again with MEGAC_STEP_GRAPH=0 (separate seed and launch, no step graph)
 # experiments: tuned and every schedules/experiments/*.yaml order, North Mini Code batch 1 and 8 at 8K
 set -uo pipefail
@@ -61,6 +62,16 @@ for part in "${parts[@]}"; do
       echo "== profile"
       megac bench north-mini-code --backend cuda --random-weights --batch-size 1 --context 8192 --steps 10 \
         --profile "$out/profile-nmc-bs1-8k.json" --plot "$out/timeline-nmc-bs1-8k.png" 2>&1 | tail -12 ;;
+    profiles)  # PROFILE_CASES="[MODEL:]B:C ..." (default North Mini Code 1:8192 4:1024 4:8192 8:8192)
+      for mbc in ${PROFILE_CASES:-1:8192 4:1024 4:8192 8:8192}; do
+        IFS=: read -r -a f <<< "$mbc"
+        [ ${#f[@]} -eq 2 ] && f=(north-mini-code "${f[@]}")
+        m=${f[0]} b=${f[1]} c=${f[2]}
+        echo "== profile $m bs$b ctx$c"
+        megac bench "$m" --backend cuda --random-weights --batch-size "$b" --context "$c" --steps 10 \
+          --profile "$out/profile-$m-bs$b-$c.json" --json "$out/bench-profiled-$m-bs$b-$c.json" 2>&1 \
+          | grep -v "it/s\]" | tail -8
+      done ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

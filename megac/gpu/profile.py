@@ -211,9 +211,12 @@ def format_layer_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def chrome_trace(recs: Iterable[dict]) -> dict:
+def chrome_trace(recs: Iterable[dict], meta: dict | None = None) -> dict:
     """Chrome / Perfetto trace events: one track per SM, each task's header
-    wait ("wait") and its run (the opcode's name) as separate slices."""
+    wait ("wait") and its run (the opcode's name) as separate slices;
+    ``meta`` (the step's model, batch, context, order, kernel times: what
+    ``megac calibrate`` needs to rebuild its schedule) goes to the trace's
+    ``otherData``."""
     ev = []
     for r in recs:
         base = {"pid": 0, "tid": r["sm"], "ph": "X"}
@@ -225,7 +228,10 @@ def chrome_trace(recs: Iterable[dict]) -> dict:
                             "claim_wait_us": r["claim_wait_us"], "marks_us": r.get("marks_us")}})
     ev += [{"pid": 0, "tid": s, "ph": "M", "name": "thread_name", "args": {"name": f"SM {s}"}}
            for s in sorted({r["sm"] for r in recs})]
-    return {"traceEvents": ev, "displayTimeUnit": "ns"}
+    out = {"traceEvents": ev, "displayTimeUnit": "ns"}
+    if meta:
+        out["otherData"] = dict(meta)
+    return out
 
 
 def records_from_trace(trace: dict) -> list[dict]:

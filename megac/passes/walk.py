@@ -146,7 +146,8 @@ class Walker:
     live-task range of each SM in SM-major order; per task its header and
     whether it is a claimer)."""
 
-    def __init__(self, start, w0, t0, w1, t1, sig, claimer, counters, hooks: Hooks) -> None:
+    def __init__(self, start, w0, t0, w1, t1, sig, claimer, counters, hooks: Hooks, *,
+                 pre=None, lead=None) -> None:
         self.start = [int(x) for x in start[:-1]]
         self.end = [int(x) for x in start[1:]]
         self.head = list(self.start)
@@ -154,6 +155,13 @@ class Walker:
         self.w1, self.t1 = [int(x) for x in w1], [int(x) for x in t1]
         self.sig = [int(x) for x in sig]
         self.claimer = [bool(x) for x in claimer]
+        n = len(self.sig)
+        #: per task, time (the cost model's) it spends before its header waits (a GEMM
+        #: issues its first weight stages, then waits: that work overlaps the wait) and,
+        #: for a claimer, after them before its first claim (a routed claimer ranks the
+        #: rows); zeros unless given
+        self.pre = [float(x) for x in pre] if pre is not None else [0.0] * n
+        self.lead = [float(x) for x in lead] if lead is not None else [0.0] * n
         self.counters = counters
         self.hooks = hooks
         hooks.walker = self  # hooks may signal counters themselves (walker.signal)
@@ -208,6 +216,7 @@ class Walker:
         h = self.hooks
         ph = self.phase[s]
         if ph == START:
+            self.now[s] += self.pre[k]
             h.start(s, k)
             self.target[s] = h.target(s, k, 0, self.t0[k]) if self.w0[k] >= 0 else 0
             self.phase[s] = WAIT0
@@ -231,6 +240,7 @@ class Walker:
                 self.now[s] = max(self.now[s], self.counters.release(c))
                 h.acquired(s, k, c)
             if self.claimer[k]:
+                self.now[s] += self.lead[k]
                 self.phase[s] = CLAIM
                 return True
             self.now[s] = h.run_task(s, k, self.now[s])
@@ -269,10 +279,11 @@ class Walker:
         k = self.head[s]
         cnt = self.counters
         a, b = self.w0[k], self.w1[k]
-        now = self.now[s]
+        now = self.now[s] + self.pre[k]
         if a >= 0:
             if not cnt.ready(a, self.t0[k]):
                 self.phase[s], self.target[s] = WAIT0, self.t0[k]
+                self.now[s] = now
                 return self._block(s, a)
             r = cnt.release(a)
             if r > now:

@@ -1,0 +1,165 @@
+"""``megac calibrate``: fit the cost model to one measured step.
+
+::
+
+    megac bench north-mini-code --backend cuda --random-weights --batch-size 1 --context 8192 \\
+        --profile step.json                        # on the GPU: one profiled step
+    megac calibrate step.json -o h200-nmc.json     # here: the fit, and how well it predicts
+    megac calibrate step.json --steps bench.json   # ... and every step bench.json measured
+    megac schedule north-mini-code --calibration h200-nmc.json --plot timeline.png
+
+The trace names its model, batch, context and order (``otherData``, written
+by ``megac bench --profile``); a trace recorded before they were written
+needs ``--model``, ``--batch-size``, ``--context`` and the order it ran.
+With ``--steps`` (``megac bench --json`` files of the same model) the
+attention claims' streaming rate is refit to the measured steps at
+``--min-context`` and above (one trace holds one claim size, so it cannot
+tell a claim's fixed part from its rate), and every step is predicted
+against its measured kernel time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import click
+
+from megac.errors import MegacError
+from megac.order_option import ORDER_HELP, OrderType
+
+
+def read_trace(path: Path) -> dict:
+    """A Chrome trace written by ``megac bench --profile`` (``.json`` or ``.json.gz``)."""
+    try:
+        raw = path.read_bytes()
+        text = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+        trace = json.loads(text)
+    except FileNotFoundError:
+        raise MegacError(f"calibrate: {path}: no such file") from None
+    except (OSError, ValueError, EOFError) as err:
+        raise MegacError(f"calibrate: {path}: not a JSON trace ({type(err).__name__}: {err})") from None
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise MegacError(f"calibrate: {path}: no traceEvents (write one with megac bench --profile FILE.json)")
+    return trace
+
+
+def _step_rows(paths, model: str) -> list[tuple[int, int, float]]:
+    rows = []
+    for p in paths:
+        try:
+            run = json.loads(Path(p).read_text())
+            got = run["run"]["model"]
+            these = [(int(r["batch"]), int(r["context"]), float(r["kernel_ms"])) for r in run["rows"]]
+        except FileNotFoundError:
+            raise MegacError(f"calibrate: --steps {p}: no such file") from None
+        except (ValueError, KeyError, TypeError) as err:
+            raise MegacError(f"calibrate: --steps {p}: not a megac bench --json file ({type(err).__name__}: {err})") from None
+        if got != model:
+            raise MegacError(f"calibrate: --steps {p} measured {got}, the trace {model}")
+        rows += these
+    return rows
+
+
+@click.command("calibrate")
+@click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model", default=None, help="The traced model (default: the trace's).")
+@click.option("--batch-size", type=click.IntRange(1, 64), default=None, help="The traced step's batch (default: the trace's).")
+@click.option("--context", type=click.IntRange(1), default=None, help="The traced step's context (default: the trace's).")
+@click.option("--order", type=OrderType(), default=None, help=ORDER_HELP + " Default: the trace's, else tuned.")
+@click.option("--steps", "step_files", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="megac bench --json files of the same model: refit the attention claims' rate and predict every row.")
+@click.option("--refit-op", default="ATTN_DRAIN", show_default=True, help="The claimer opcode --steps refits.")
+@click.option("--min-context", type=click.IntRange(1), default=8192, show_default=True,
+              help="--steps rows the refit sees (the rest are only predicted).")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the calibration here (for megac schedule/bench --calibration).")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw the traced step's predicted timeline (.png or .svg).")
+def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op, min_context, out, plot):
+    """Fit the cost model to the measured step in TRACE and report how well it predicts."""
+    from megac.calibration import fit, refit_claim_stream, trace_timing
+    from megac.costmodel import simulate
+    from megac.gpu.profile import records_from_trace
+    from megac.passes.pipeline import compile_one
+    from megac.spec import load_spec
+
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
+    data = read_trace(trace)
+    meta = data.get("otherData") or {}
+    model = model or meta.get("model")
+    batch = batch_size or meta.get("batch")
+    ctx = context or meta.get("context")
+    order = order or meta.get("order") or "tuned"
+    missing = [n for n, v in (("--model", model), ("--batch-size", batch), ("--context", ctx)) if not v]
+    if missing:
+        raise MegacError(f"calibrate: {trace} does not name its {', '.join(m[2:] for m in missing)} "
+                         f"(a trace from before megac bench recorded them): pass {', '.join(missing)}")
+    if plot is not None:
+        from megac.plot import check_plot_path
+
+        check_plot_path(plot, "--plot")
+    try:
+        records = records_from_trace(data)
+    except (KeyError, TypeError) as err:
+        raise MegacError(f"calibrate: {trace}: not a megac profile trace (an event lacks {err})") from None
+    spec = load_spec(model)
+    sched = compile_one(spec, order=order, rows=int(batch), context=int(ctx))
+    timing = trace_timing(records, sched)
+    device = meta.get("device", "the GPU")
+    source = f"{device}, {spec.name} batch {batch} context {ctx} order {order}; trace {trace.name}"
+    cal = fit(records, sched, context=int(ctx), source=source)
+    span = cal.measured_step_us
+    pred = simulate(sched, cal.params(context=int(ctx))).step_us
+    say(f"fitted on {len(records)} task records of {spec.name} (batch {batch}, context {ctx}, order {order})")
+    say(f"task loop: dispatch {cal.fixed_us:.2f} us, hand-off {cal.dependency_latency_us:.2f} us "
+        f"({timing.samples['dispatch']} and {timing.samples['handoff']} samples in the trace)")
+    for op in sorted(cal.notes):
+        n = cal.notes[op]
+        extra = []
+        if op in cal.pre_us_by_op:
+            extra.append(f"{cal.pre_us_by_op[op]:.2f} before its waits")
+        if op in cal.claimer_lead_us:
+            extra.append(f"{cal.claimer_lead_us[op]:.2f} ranking before its claims")
+        per = n.get("us_per_task", n.get("us_per_claim"))
+        unit = "task" if "us_per_task" in n else "claim"
+        say(f"  {op:17s} {per:7.2f} us per {unit}" + (f" ({', '.join(extra)})" if extra else ""))
+    kernel = meta.get("kernel_ms")
+    line = f"predicted step {pred:.1f} us against the traced {span:.1f} ({100 * (pred / span - 1):+.1f} %)"
+    if kernel:
+        line += f"; the unstamped kernel {1e3 * kernel:.1f} us ({100 * (pred / (1e3 * kernel) - 1):+.1f} %)"
+    click.echo(line)
+    if step_files:
+        from megac.runtime.artifacts import load_or_compile
+        from megac.runtime.schedules import ScheduleSet
+
+        rows = _step_rows(step_files, spec.name)
+        say(f"refitting {refit_op} to {sum(c >= min_context for _, c, _ in rows)} of {len(rows)} measured steps")
+        ss = ScheduleSet(load_or_compile(spec, order).schedules)
+        cases = [(ss.pick(b, c), c, ms) for b, c, ms in rows if c >= min_context]
+        if not cases:
+            raise MegacError(f"calibrate: no --steps row at --min-context {min_context} or above")
+        cal, table = refit_claim_stream(cal, refit_op, cases, source=", ".join(p.name for p in step_files))
+        rate = 1e-3 / cal.us_per_byte[refit_op]
+        click.echo(f"{refit_op}: {cal.claim_fixed_us[refit_op]:.2f} us per claim + {rate:.0f} GB/s per SM "
+                   f"(mean |error| {100 * min(table.values()):.1f} % on the rows it saw)")
+        errs = []
+        click.echo(f"{'batch':>5} {'context':>8} {'measured ms':>12} {'predicted':>10} {'error':>8}")
+        for b, c, ms in sorted(rows):
+            p = simulate(ss.pick(b, c), cal.params(context=c)).step_us / 1e3
+            errs.append(p / ms - 1)
+            click.echo(f"{b:5d} {c:8d} {ms:12.3f} {p:10.3f} {100 * errs[-1]:+7.1f} %" + ("" if c >= min_context else "  (held out)"))
+        click.echo(f"error {100 * min(errs):+.1f} .. {100 * max(errs):+.1f} % over {len(errs)} steps")
+        cal.source = f"{cal.source}; {refit_op} refit to the measured steps of {', '.join(p.name for p in step_files)}"
+    if plot is not None:
+        from megac.plot import plot_timeline
+
+        plot_timeline(simulate(sched, cal.params(context=int(ctx))), plot)
+        say(f"wrote {plot}")
+    if out is not None:
+        cal.save(out)
+        say(f"wrote {out} (megac schedule {spec.name} --calibration {out})")
+
+
+__all__ = ["calibrate_cmd", "read_trace"]
