@@ -281,6 +281,7 @@ def _profile(engine, case, profile_path, plot_path, name: str, say, order: str =
     if profile_path is not None:
         profile_path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": name, "batch": batch, "context": context, "order": order,
+                "schedule_context": got.get("schedule_context"),
                 "kernel_ms": got["kernel_ms"], "profiled_ms": got["profiled_ms"],
                 "device": _device_name("cuda")}
         profile_path.write_text(json.dumps(profile.chrome_trace(recs, meta)))

@@ -45,13 +45,18 @@ def read_trace(path: Path) -> dict:
     return trace
 
 
-def _step_rows(paths, model: str) -> list[tuple[int, int, float]]:
+def _step_rows(paths, model: str) -> list[tuple[int, int, float, int]]:
+    """(batch, context, kernel ms, the median timed step's context: its schedule's bucket)."""
+    from megac.decode_bench import timed_context
+
     rows = []
     for p in paths:
         try:
             run = json.loads(Path(p).read_text())
             got = run["run"]["model"]
-            these = [(int(r["batch"]), int(r["context"]), float(r["kernel_ms"])) for r in run["rows"]]
+            w, n = int(run["run"].get("warmup", 0)), int(run["run"].get("steps", 0))
+            these = [(int(r["batch"]), int(r["context"]), float(r["kernel_ms"]), timed_context(int(r["context"]), w, n))
+                     for r in run["rows"]]
         except FileNotFoundError:
             raise MegacError(f"calibrate: --steps {p}: no such file") from None
         except (ValueError, KeyError, TypeError) as err:
@@ -60,6 +65,36 @@ def _step_rows(paths, model: str) -> list[tuple[int, int, float]]:
             raise MegacError(f"calibrate: --steps {p} measured {got}, the trace {model}")
         rows += these
     return rows
+
+
+def _traced_schedule(spec, order, batch: int, ctx: int, schedule_context, records, say):
+    """The schedule the trace ran: its context bucket's where the trace names
+    it; else the step's context's, else whichever bucket of the compiled
+    artifact the records match (a step at 1024 tokens plus its warm-up ran
+    the 2048 bucket's schedule)."""
+    from megac.calibration import check_records
+    from megac.passes.pipeline import compile_one
+
+    sched = compile_one(spec, order=order, rows=batch, context=int(schedule_context or ctx))
+    if schedule_context:
+        return sched
+    try:
+        check_records(records, sched)
+        return sched
+    except MegacError as first:
+        from megac.runtime.artifacts import load_or_compile
+
+        say(f"the trace is not the {ctx}-token schedule's; trying the compiled context buckets")
+        for s in load_or_compile(spec, order).schedules:
+            if int(s.geometry.rows) != batch:
+                continue
+            try:
+                check_records(records, s)
+            except MegacError:
+                continue
+            say(f"the trace ran the {int(s.geometry.context)}-token bucket's schedule")
+            return s
+        raise first
 
 
 @click.command("calibrate")
@@ -82,7 +117,6 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
     from megac.calibration import fit, refit_claim_stream, trace_timing
     from megac.costmodel import simulate
     from megac.gpu.profile import records_from_trace
-    from megac.passes.pipeline import compile_one
     from megac.spec import load_spec
 
     say = lambda m: click.echo(m, err=True)  # noqa: E731
@@ -105,11 +139,13 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
     except (KeyError, TypeError) as err:
         raise MegacError(f"calibrate: {trace}: not a megac profile trace (an event lacks {err})") from None
     spec = load_spec(model)
-    sched = compile_one(spec, order=order, rows=int(batch), context=int(ctx))
+    sched = _traced_schedule(spec, order, int(batch), int(ctx), meta.get("schedule_context"), records, say)
     timing = trace_timing(records, sched)
     device = meta.get("device", "the GPU")
     source = f"{device}, {spec.name} batch {batch} context {ctx} order {order}; trace {trace.name}"
-    cal = fit(records, sched, context=int(ctx), source=source)
+    kernel, profiled = meta.get("kernel_ms"), meta.get("profiled_ms")
+    scale = kernel / profiled if kernel and profiled else 1.0
+    cal = fit(records, sched, context=int(ctx), scale=scale, source=source)
     span = cal.measured_step_us
     pred = simulate(sched, cal.params(context=int(ctx))).step_us
     say(f"fitted on {len(records)} task records of {spec.name} (batch {batch}, context {ctx}, order {order})")
@@ -125,19 +161,21 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
         per = n.get("us_per_task", n.get("us_per_claim"))
         unit = "task" if "us_per_task" in n else "claim"
         say(f"  {op:17s} {per:7.2f} us per {unit}" + (f" ({', '.join(extra)})" if extra else ""))
-    kernel = meta.get("kernel_ms")
-    line = f"predicted step {pred:.1f} us against the traced {span:.1f} ({100 * (pred / span - 1):+.1f} %)"
-    if kernel:
-        line += f"; the unstamped kernel {1e3 * kernel:.1f} us ({100 * (pred / (1e3 * kernel) - 1):+.1f} %)"
-    click.echo(line)
+    if scale != 1.0:
+        say(f"the stamps slowed the traced step {100 * (1 / scale - 1):.1f} % ({profiled:.3f} against {kernel:.3f} ms "
+            f"unstamped): every fitted time scaled by {scale:.4f}")
+        click.echo(f"predicted step {pred:.1f} us against the unstamped kernel's {1e3 * kernel:.1f} "
+                   f"({100 * (pred / (1e3 * kernel) - 1):+.1f} %; the stamped trace spans {span:.1f})")
+    else:
+        click.echo(f"predicted step {pred:.1f} us against the traced {span:.1f} ({100 * (pred / span - 1):+.1f} %)")
     if step_files:
         from megac.runtime.artifacts import load_or_compile
         from megac.runtime.schedules import ScheduleSet
 
         rows = _step_rows(step_files, spec.name)
-        say(f"refitting {refit_op} to {sum(c >= min_context for _, c, _ in rows)} of {len(rows)} measured steps")
+        say(f"refitting {refit_op} to {sum(c >= min_context for _, c, _, _ in rows)} of {len(rows)} measured steps")
         ss = ScheduleSet(load_or_compile(spec, order).schedules)
-        cases = [(ss.pick(b, c), c, ms) for b, c, ms in rows if c >= min_context]
+        cases = [(ss.pick(b, tc), c, ms) for b, c, ms, tc in rows if c >= min_context]
         if not cases:
             raise MegacError(f"calibrate: no --steps row at --min-context {min_context} or above")
         cal, table = refit_claim_stream(cal, refit_op, cases, source=", ".join(p.name for p in step_files))
@@ -146,8 +184,8 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
                    f"(mean |error| {100 * min(table.values()):.1f} % on the rows it saw)")
         errs = []
         click.echo(f"{'batch':>5} {'context':>8} {'measured ms':>12} {'predicted':>10} {'error':>8}")
-        for b, c, ms in sorted(rows):
-            p = simulate(ss.pick(b, c), cal.params(context=c)).step_us / 1e3
+        for b, c, ms, tc in sorted(rows):
+            p = simulate(ss.pick(b, tc), cal.params(context=c)).step_us / 1e3
             errs.append(p / ms - 1)
             click.echo(f"{b:5d} {c:8d} {ms:12.3f} {p:10.3f} {100 * errs[-1]:+7.1f} %" + ("" if c >= min_context else "  (held out)"))
         click.echo(f"error {100 * min(errs):+.1f} .. {100 * max(errs):+.1f} % over {len(errs)} steps")

@@ -69,16 +69,28 @@ class Calibration:
     #: claimer opcode name -> µs from its header waits to its first claim (a
     #: routed expert claimer ranks the rows itself)
     claimer_lead_us: dict[str, float] = field(default_factory=dict)
+    #: the factor every fitted time was scaled by: the plain build's step over
+    #: the instrumented one's, measured in the same run (1: times as traced)
+    instrumentation_scale: float = 1.0
 
     def params(self, **overrides) -> CostParams:
-        fixed = {int(Op[k]): v for k, v in self.fixed_us_by_op.items()}
+        d = self.fixed_us
+        # The dispatch (the task words, the barriers) comes before a task's waits: on
+        # the SM's path where the inputs are there, hidden where the task waits for
+        # them (charged after each run, it put ~0.7 µs on every hop of a chain: SmolLM2's
+        # layers, eight hops each, came out 15 % long). So every opcode starts with it
+        # (pre) and keeps after its waits only what it measured beyond it.
+        fixed = {int(op): 0.0 for op in Op}
+        fixed.update({int(Op[k]): max(v - d, 0.0) for k, v in self.fixed_us_by_op.items()})
         # a claim's fitted µs cover its whole turn of the claim loop (no dispatch of its own)
         fixed.update({int(Op[k]): self.claim_fixed_us.get(k, 0.0) for k in self.claimer_us})
-        p = CostParams(fixed_us=self.fixed_us, dependency_latency_us=self.dependency_latency_us,
+        pre = {int(op): d for op in Op}
+        pre.update({int(Op[k]): d + v for k, v in self.pre_us_by_op.items()})
+        p = CostParams(fixed_us=d, dependency_latency_us=self.dependency_latency_us,
                        op_us_per_byte={int(Op[k]): v for k, v in self.us_per_byte.items()},
                        op_fixed_us=fixed,
-                       claimer_us={int(Op[k]): v for k, v in self.claimer_us.items()},
-                       op_pre_us={int(Op[k]): v for k, v in self.pre_us_by_op.items()},
+                       claimer_us={int(Op[k]): max(v - d, 0.0) for k, v in self.claimer_us.items()},
+                       op_pre_us=pre,
                        claimer_lead_us={int(Op[k]): v for k, v in self.claimer_lead_us.items()})
         for k, v in overrides.items():
             setattr(p, k, v)
@@ -235,12 +247,17 @@ def trace_timing(records, schedule) -> TraceTiming:
 
 
 def fit(records, schedule, *, dispatch_us: float | None = None, handoff_us: float | None = None,
-        context: int | None = None, source: str = "") -> Calibration:
+        context: int | None = None, scale: float = 1.0, source: str = "") -> Calibration:
     """A :class:`Calibration` from the measured ``records`` of one step of
     ``schedule`` (see the module docstring). ``dispatch_us`` and
     ``handoff_us`` default to the trace's own (:func:`trace_timing`);
     ``context`` is the step's (default: the schedule's bucket), which sizes
-    the attention tasks' bytes."""
+    the attention tasks' bytes. ``scale`` multiplies every fitted time: the
+    instrumented build's step is slower than the plain one (its stamps:
+    +2 % on North Mini Code, +5 % on SmolLM2), and ``kernel_ms /
+    profiled_ms`` of the same run (``megac bench --profile`` records both)
+    makes the model predict the plain build's step, assuming the stamps
+    slow every piece of work alike."""
     records = list(records)
     if not records:
         raise MegacError("calibration: no task records")
@@ -324,11 +341,16 @@ def fit(records, schedule, *, dispatch_us: float | None = None, handoff_us: floa
                 fixed_by_op[name] = dispatch_us + per_task - stream
                 notes[name]["us_streaming_per_task"] = round(stream, 3)
     span = max(r["end_us"] for r in records)
-    return Calibration(us_per_byte=upb, fixed_us_by_op=fixed_by_op, fixed_us=float(dispatch_us),
-                       dependency_latency_us=float(handoff_us), source=source, measured_step_us=float(span),
-                       notes=notes, claimer_us=claimer, claim_fixed_us=claim_fixed,
-                       pre_us_by_op={k: round(v, 3) for k, v in timing.pre_us.items()},
-                       claimer_lead_us={k: round(v, 3) for k, v in leads.items()})
+
+    def sc(d):
+        return {k: v * scale for k, v in d.items()}
+
+    return Calibration(us_per_byte=sc(upb), fixed_us_by_op=sc(fixed_by_op), fixed_us=float(dispatch_us) * scale,
+                       dependency_latency_us=float(handoff_us) * scale, source=source, measured_step_us=float(span),
+                       notes=notes, claimer_us=sc(claimer), claim_fixed_us=sc(claim_fixed),
+                       pre_us_by_op={k: round(v * scale, 3) for k, v in timing.pre_us.items()},
+                       claimer_lead_us={k: round(v * scale, 3) for k, v in leads.items()},
+                       instrumentation_scale=round(float(scale), 4))
 
 
 def _claim_stream_us(marks: list, op_name: str) -> float | None:

@@ -70,6 +70,13 @@ def pool_blocks(spec, rows: int, longest: int) -> int:
     return rows * (peak_blocks_for_tokens(spec, longest) + sliding * piece)
 
 
+def timed_context(context: int, warmup: int, steps: int) -> int:
+    """The context of the median timed step of a case at ``context`` (rows
+    filled to ``context - 1``; each of ``warmup + steps`` steps adds a
+    token): the schedule bucket that step runs is the one the case times."""
+    return context + warmup + steps // 2
+
+
 def rows_at(kv, batch: int, context: int) -> list[int]:
     """``batch`` fresh KV rows holding ``context - 1`` tokens (the step adds the last)."""
     rows = [kv.allocate_row() for _ in range(batch)]
@@ -138,7 +145,9 @@ def run(engine, cases: Sequence[tuple[int, int]], *, steps: int = 30, warmup: in
             raise MegacError(f"bench: batch {batch} exceeds the backend's {be.max_batch_size}")
         rows = rows_at(kv, batch, context)
         try:
-            sched = be.schedules.pick(batch, context) if hasattr(be, "schedules") else None
+            # the schedule the timed steps run: step i decodes at context + i tokens, so a
+            # case at a bucket's edge (1024) times the next bucket's schedule (2048's)
+            sched = be.schedules.pick(batch, timed_context(context, warmup, steps)) if hasattr(be, "schedules") else None
             own = getattr(be, "kernel_ms", None)
             if own is not None:
                 own.clear()
@@ -214,5 +223,5 @@ def ranking(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["DATASHEET_BPS", "FILL_PIECE", "fill_kv_noise", "measure_ceiling", "pool_blocks", "ranking", "rows_at",
+__all__ = ["DATASHEET_BPS", "FILL_PIECE", "fill_kv_noise", "measure_ceiling", "pool_blocks", "ranking", "rows_at", "timed_context",
            "run", "step_bytes", "table"]

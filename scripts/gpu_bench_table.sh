@@ -71,6 +71,7 @@ for part in "${parts[@]}"; do
         megac bench "$m" --backend cuda --random-weights --batch-size "$b" --context "$c" --steps 10 \
           --profile "$out/profile-$m-bs$b-$c.json" --json "$out/bench-profiled-$m-bs$b-$c.json" 2>&1 \
           | grep -v "it/s\]" | tail -8
+        gzip -f "$out/profile-$m-bs$b-$c.json"  # a call brings back only so many files, and smaller
       done ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac

@@ -29,10 +29,6 @@ NMC_TRACE_5 = ROOT / "benchmarks" / "profile-nmc-bs1-8k-session5.trace.json.gz"
 #: the eighth session's device code: the bundled calibrations'
 NMC_TRACE_8 = ROOT / "benchmarks" / "profile-nmc-bs1-8k-2026-12-02-h200-session8.trace.json.gz"
 SMOL_TRACE_8 = ROOT / "benchmarks" / "profile-smollm2-bs1-1k-2026-12-02-h200-session8.trace.json.gz"
-#: per trace: the NOP-chain dispatch and hand-off µs measured in the same run
-#: (sessions 5 and 8: the fourth session's, run 11; the task loop did not change)
-FIXED = {NMC_TRACE: (0.53, 0.52), NMC_TRACE_3: (0.524, 0.529), NMC_TRACE_5: (0.64, 0.46),
-         NMC_TRACE_8: (0.64, 0.46), SMOL_TRACE_8: (0.64, 0.46)}
 SMOL_TRACE = ROOT / "benchmarks" / "profile-smollm2-bs1-1k-2026-12-01.trace.json.gz"
 NMC, SMOL = ("north-mini-code", 8192), ("smollm2-135m", 1024)
 GLOBAL_CURSOR = str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml")
@@ -44,8 +40,6 @@ MODEL = {NMC_TRACE: NMC, NMC_TRACE_3: NMC, NMC_TRACE_5: NMC, NMC_TRACE_8: NMC, S
 #: the sixteenth session's step of today's default order (attention and the O-projection on
 #: half the SMs): the bundled North Mini Code calibration's since the seventeenth session;
 #: and that order's batch-1 8K kernel time measured on the same machine without the stamps
-NMC_TRACE_16_DEFAULT = ROOT / "benchmarks" / "profile-nmc-bs1-8k-half-sms-2026-12-03-h200-session16.trace.json.gz"
-NMC_BENCH_16 = ROOT / "benchmarks" / "bench-nmc-cuda-ahoh-run1-2026-12-03-h200-session16.json"
 
 
 #: the expert tiles every trace and step up to the twelfth session ran
@@ -110,7 +104,7 @@ def schedule_of():
 
 
 def _measured(trace, schedule_of):
-    return records_from_trace(json.load(gzip.open(trace))), schedule_of(MODEL[trace]), FIXED[trace]
+    return records_from_trace(json.load(gzip.open(trace))), schedule_of(MODEL[trace])
 
 
 @pytest.fixture(scope="module", params=[NMC_TRACE, NMC_TRACE_3, NMC_TRACE_5, NMC_TRACE_8, SMOL_TRACE_8],
@@ -121,13 +115,15 @@ def measured(request, schedule_of):
 
 def test_calibrated_model_predicts_the_measured_step_within_10_percent(measured):
     """Per-opcode costs come from the tasks' own run times; the fixed and
-    hand-off costs from the NOP-chain measurement; the step's span is not
-    fitted, so matching it checks the model's dependency structure. The
+    hand-off costs (and each opcode's work before its waits) from the
+    trace's own gaps between tasks (:func:`megac.calibration.trace_timing`);
+    the step's span is not fitted, so matching it checks the model's
+    dependency structure. The
     uncalibrated model (bandwidth-bound tasks) misses by well over the
     tolerance (0.37-0.77 of the measured step over the sessions and
     models), so the match is the calibration's doing."""
-    recs, sched, (dispatch, handoff) = measured
-    cal = fit(recs, sched, dispatch_us=dispatch, handoff_us=handoff)
+    recs, sched = measured
+    cal = fit(recs, sched)
     span = max(r["end_us"] for r in recs)
     assert cal.measured_step_us == span
     predicted = simulate(sched, cal.params()).step_us
@@ -146,13 +142,13 @@ def test_a_trace_of_the_per_layer_cursor_calibrates_the_default_order():
     schedule's, a one-line error (fixed costs: the task loop's, session 8)."""
     recs = records_from_trace(json.load(gzip.open(NMC_TRACE_11)))
     sched = compile_one(unrouted("north-mini-code"), order=TUNED15, rows=1, context=8192)
-    cal = fit(recs, sched, dispatch_us=0.64, handoff_us=0.46)
+    cal = fit(recs, sched)
     span = max(r["end_us"] for r in recs)
     predicted = simulate(sched, cal.params()).step_us
     assert abs(predicted / span - 1) < 0.10, (predicted, span)
     old = compile_one(unrouted("north-mini-code"), order=GLOBAL_CURSOR, rows=1, context=8192)
     with pytest.raises(MegacError, match="another schedule"):
-        fit(recs, old, dispatch_us=0.64, handoff_us=0.46)
+        fit(recs, old)
 
 
 #: the twelfth session's device code and default schedule: batch 1 with routed claims
@@ -167,13 +163,12 @@ def test_a_trace_of_routed_claims_calibrates_the_default_schedule():
     recs = records_from_trace(json.load(gzip.open(NMC_TRACE_12)))
     sched = compile_one(tiles128("north-mini-code"), order=TUNED15, rows=1, context=8192)
     assert sched.geometry.routed_claims and "ROUTER_TOPK" not in sched.tasks_per_opcode
-    cal = fit(recs, sched, dispatch_us=0.64, handoff_us=0.46)
+    cal = fit(recs, sched)
     span = max(r["end_us"] for r in recs)
     predicted = simulate(sched, cal.params()).step_us
     assert abs(predicted / span - 1) < 0.10, (predicted, span)
     with pytest.raises(MegacError, match="another schedule"):
-        fit(recs, compile_one(unrouted("north-mini-code"), order=TUNED15, rows=1, context=8192),
-            dispatch_us=0.64, handoff_us=0.46)
+        fit(recs, compile_one(unrouted("north-mini-code"), order=TUNED15, rows=1, context=8192))
 
 
 def test_a_claimers_own_time_is_not_charged_to_its_claims(schedule_of):
@@ -182,49 +177,53 @@ def test_a_claimers_own_time_is_not_charged_to_its_claims(schedule_of):
     claimer's (``claimer_us``, every claimer pays it), not its claims':
     charged to the claims it made each 20 µs against the 8 µs measured, and
     the predicted step 29 % long."""
-    recs, sched, (dispatch, handoff) = _measured(SMOL_TRACE_8, schedule_of)
-    cal = fit(recs, sched, dispatch_us=dispatch, handoff_us=handoff)
+    recs, sched = _measured(SMOL_TRACE_8, schedule_of)
+    cal = fit(recs, sched)
     drain = [r for r in recs if r["op"] == "ATTN_DRAIN"]
     empty = [r["end_us"] - r["waited_us"] for r in drain if r["claims"] == 0]
     busy = [(r["end_us"] - r["waited_us"] - r["claim_wait_us"]) / r["claims"] for r in drain if r["claims"]]
     drained = sum(empty) / len(empty)
-    assert cal.claimer_us["ATTN_DRAIN"] == pytest.approx(dispatch + drained)
+    assert cal.claimer_us["ATTN_DRAIN"] == pytest.approx(cal.fixed_us + drained)
     assert cal.notes["ATTN_DRAIN"]["us_per_claim"] == pytest.approx(sum(busy) / len(busy) - drained, abs=0.01)
     sim = simulate(sched, cal.params())
     own = (sim.opcode == Op.ATTN_DRAIN) & ~sim.claimed
     assert own.sum() == len(drain)  # every claimer, claims or not
-    assert (sim.end - sim.start)[own] == pytest.approx(cal.claimer_us["ATTN_DRAIN"])
+    # the claimer's dispatch comes before its waits (the model's start), the rest after its claims
+    assert (sim.end - sim.start)[own] == pytest.approx(cal.claimer_us["ATTN_DRAIN"] - cal.fixed_us)
 
 
-@pytest.mark.parametrize("name, model_ctx", [("h200-north-mini-code", NMC), ("h200-smollm2-135m", SMOL)])
-def test_bundled_calibration_loads_and_matches_its_own_measurement(name, model_ctx, schedule_of):
-    """Each bundled calibration predicts the step it was fitted from within
-    10 % (North Mini Code's: today's default schedule, sixteenth session,
-    against that schedule's kernel time measured on the same machine without
-    the profile's stamps, which add ~3-7 % to the traced span; SmolLM2's:
-    the eighth session's, under that day's SM cursor, against its traced
-    span)."""
-    if model_ctx == NMC:
-        sched = compile_one(unfolded("north-mini-code"), order="tuned", rows=1, context=8192)
-    else:
-        sched = schedule_of(model_ctx)
+#: the traces the bundled calibrations were fitted on (twentieth session: megac bench --profile,
+#: which records the step's model, batch, context, schedule bucket and plain and instrumented
+#: kernel times in the trace)
+BUNDLED_TRACES = {"h200-north-mini-code": ROOT / "benchmarks" / "profile-north-mini-code-bs1-8192-2026-12-03-h200-session20.trace.json.gz",
+                  "h200-smollm2-135m": ROOT / "benchmarks" / "profile-smollm2-135m-bs1-1024-2026-12-03-h200-session20.trace.json.gz"}
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED_TRACES))
+def test_bundled_calibration_loads_and_matches_its_own_measurement(name):
+    """Each bundled calibration names the trace it was fitted on, scales the
+    traced times by the plain build's step over the instrumented one's (both
+    measured in that run) and predicts that run's plain kernel time within
+    10 % on today's default schedule."""
     cal = Calibration.load(resolve(name))
-    assert "H200" in cal.source
-    trace = next(t for t in [*MODEL, NMC_TRACE_16_DEFAULT] if t.name in cal.source)  # the trace it was fitted from
-    assert cal.measured_step_us == max(r["end_us"] for r in records_from_trace(json.load(gzip.open(trace))))
-    step_us = cal.measured_step_us
-    if model_ctx == NMC:
-        rows = json.loads(NMC_BENCH_16.read_text())["rows"]
-        step_us = 1e3 * next(r["kernel_ms"] for r in rows if (r["batch"], r["context"]) == (1, 8192))
-        assert 0.9 < step_us / cal.measured_step_us < 1.0  # the same step, unstamped
-    assert abs(simulate(sched, cal.params()).step_us / step_us - 1) < 0.10
+    trace = BUNDLED_TRACES[name]
+    assert "H200" in cal.source and trace.name in cal.source
+    data = json.load(gzip.open(trace))
+    meta = data["otherData"]
+    assert cal.measured_step_us == max(r["end_us"] for r in records_from_trace(data))
+    assert cal.instrumentation_scale == pytest.approx(meta["kernel_ms"] / meta["profiled_ms"], abs=1e-4)
+    assert cal.instrumentation_scale < 1.0  # the stamps cost time
+    bucket = meta.get("schedule_context") or meta["context"]  # (traces before it was recorded: at 8K and 1K alike)
+    sched = compile_one(load_spec(meta["model"]), order="tuned", rows=meta["batch"], context=bucket)
+    pred = simulate(sched, cal.params(context=meta["context"])).step_us
+    assert abs(pred / (1e3 * meta["kernel_ms"]) - 1) < 0.10, (pred, meta["kernel_ms"])
 
 
 def test_a_trace_of_another_schedule_is_refused(measured, schedule_of):
-    recs, sched, _ = measured
+    recs, sched = measured
     other = schedule_of(SMOL if sched is schedule_of(NMC) else NMC)
     with pytest.raises(MegacError, match="another schedule"):
-        fit(recs, other, dispatch_us=0.5, handoff_us=0.5)
+        fit(recs, other)
 
 
 def test_trace_round_trip():
@@ -244,25 +243,16 @@ def test_bad_calibration_inputs(tmp_path):
         Calibration.load(bad)
 
 
-def test_schedule_command_predicts_with_a_calibration(tmp_path):
+def test_schedule_command_predicts_with_a_calibration():
     from click.testing import CliRunner
 
     from megac.cli import main
 
-    # a model.yaml of one's own: North Mini Code as bundled, its default schedule with the
-    # norms as tasks (as the recorded steps ran)
-    import yaml
-
-    doc = yaml.safe_load((ROOT / "megac" / "spec" / "bundled" / "north-mini-code.yaml").read_text())
-    target = doc.setdefault("target", {}) or {}
-    doc["target"] = {**target, "tiles": {**(target.get("tiles") or {}), **UNFOLDED}}
-    spec_file = Path(tmp_path) / "nmc.yaml"
-    spec_file.write_text(yaml.safe_dump(doc))
-    r = CliRunner().invoke(main, ["schedule", str(spec_file), "--calibration", "h200-north-mini-code", "--json"])
+    r = CliRunner().invoke(main, ["schedule", "north-mini-code", "--calibration", "h200-north-mini-code", "--json"])
     assert r.exit_code == 0, r.output
     pred = json.loads(r.output)["predicted"]
-    # against the kernel time the H200 measured for that schedule (batch 1, 8K)
-    assert abs(pred["step_us"] / 1e3 / _measured_ms(1, 8192) - 1) < 0.10 and "H200" in pred["calibration"]
+    # against the kernel time the H200 measured for the default schedule (batch 1, 8K)
+    assert abs(pred["step_us"] / 1e3 / _steps(NMC_STEPS_19)[(1, 8192)][0] - 1) < 0.10 and "H200" in pred["calibration"]
     r = CliRunner().invoke(main, ["schedule", "tiny-moe", "--calibration", "h999-none"])
     assert r.exit_code == 2 and "no bundled calibration" in r.output
 
@@ -278,31 +268,39 @@ def test_bench_picks_the_bundled_calibration_of_this_gpu_and_model_only():
     assert bundled_for("north-mini-code", None) is None
 
 
-#: North Mini Code's decode steps measured on the H200 on today's default schedules and
-#: device code (megac bench --json): 1K-32K in the seventeenth session, 128K in the
-#: sixteenth (its order file, attn-half-oproj-half, has the waves tuned has since)
-NMC_STEPS = [ROOT / "benchmarks" / "bench-nmc-cuda-2026-12-03-h200-session17.json",
-             ROOT / "benchmarks" / "bench-nmc-128k-cuda-ahoh-2026-12-03-h200-session16.json"]
+def _steps(files) -> dict:
+    """(batch, context) -> (kernel ms, the context of the median timed step: its schedule's bucket)."""
+    from megac.decode_bench import timed_context
+
+    out = {}
+    for f in files:
+        run = json.loads(f.read_text())
+        w, n = run["run"]["warmup"], run["run"]["steps"]
+        out.update({(r["batch"], r["context"]): (r["kernel_ms"], timed_context(r["context"], w, n)) for r in run["rows"]})
+    return out
 
 
-def _measured_ms(batch, context):
-    rows = [r for f in NMC_STEPS for r in json.loads(f.read_text())["rows"]]
-    return next(r["kernel_ms"] for r in rows if (r["batch"], r["context"]) == (batch, context))
+#: SmolLM2's steps measured in the nineteenth session (same device code as the trace's)
+SMOL_STEPS_19 = [ROOT / "benchmarks" / "bench-smollm2-cuda-fold-2026-12-03-h200-session19.json"]
 
 
-@pytest.mark.parametrize("batch, context", [(1, 1024), (8, 1024), (1, 8192), (8, 8192), (1, 32768), (8, 32768),
-                                            (1, 131072), (8, 131072)])
-def test_bundled_calibration_predicts_measured_long_context_steps(batch, context):
-    """Fitted at 8K, the attention claims' time was all per byte and the
-    128K steps came out +20-53 % too long (ninth session); with the claim's
-    fixed part and streaming rate refit from the measured 8K-128K steps
-    (scripts/refit_claim_stream.py) the model stays within 10 % of the
-    H200's kernel time at every batch and context measured, 1K included
-    (which the refit did not see)."""
-    sched = compile_one(unfolded("north-mini-code"), order="tuned", rows=batch, context=context)
-    cal = Calibration.load(resolve("h200-north-mini-code"))
+@pytest.mark.parametrize("model, batch, context",
+                         [("north-mini-code", b, c) for b in (1, 2, 4, 8) for c in (1024, 8192, 32768, 131072)]
+                         + [("smollm2-135m", b, c) for b in (1, 2, 4, 8) for c in (1024, 4096)])
+def test_bundled_calibration_predicts_every_measured_step(model, batch, context):
+    """Fitted on one traced step (batch 1; 8K or 1K) and its attention
+    claims' streaming rate refit to the measured steps at 8K and beyond
+    (North Mini Code; SmolLM2's at every context), the model stays within
+    10 % of the H200's kernel time at every batch and context measured,
+    North Mini Code's 1K steps included (which the refit did not see). Each
+    step is simulated on the schedule its timed steps ran: a case at 1024
+    tokens decodes at 1029-1058 and runs the 2048 bucket's."""
+    files = NMC_STEPS_19 if model == "north-mini-code" else SMOL_STEPS_19
+    ms, timed = _steps(files)[(batch, context)]
+    sched = compile_one(load_spec(model), order="tuned", rows=batch, context=timed)
+    cal = Calibration.load(resolve(f"h200-{model}"))
     pred_ms = simulate(sched, cal.params(context=context)).step_us / 1e3
-    assert abs(pred_ms / _measured_ms(batch, context) - 1) < 0.10
+    assert abs(pred_ms / ms - 1) < 0.10, (pred_ms, ms)
 
 
 def test_refit_recovers_the_claim_rate_that_made_the_steps():
@@ -355,7 +353,7 @@ def test_the_claims_stamps_split_fixed_from_streaming_time():
     span = {bn: max(r["end_us"] for r in rs) for bn, rs in recs.items()}
     assert span[256] < span[128]
     for fitted, other in ((128, 256), (256, 128)):
-        cal = fit(recs[fitted], sched[(fitted, 1)], dispatch_us=0.64, handoff_us=0.46)
+        cal = fit(recs[fitted], sched[(fitted, 1)])
         for op in ("MOE_UPGATE_DRAIN", "MOE_DOWN_DRAIN"):
             note = cal.notes[op]
             assert 0 < note["us_streaming_per_claim"] < note["us_per_claim"]
@@ -373,10 +371,6 @@ def test_the_claims_stamps_split_fixed_from_streaming_time():
 NMC_TRACE_19 = ROOT / "benchmarks" / "profile-nmc-bs1-8k-fold-2026-12-03-h200-session19.trace.json.gz"
 NMC_STEPS_19 = [ROOT / "benchmarks" / "bench-nmc-cuda-fold-2026-12-03-h200-session19.json",
                 ROOT / "benchmarks" / "bench-nmc-128k-cuda-fold-2026-12-03-h200-session19.json"]
-
-
-def _rows19():
-    return {(r["batch"], r["context"]): r["kernel_ms"] for f in NMC_STEPS_19 for r in json.loads(f.read_text())["rows"]}
 
 
 @pytest.fixture(scope="module")
@@ -425,7 +419,7 @@ def test_the_loops_own_costs_are_what_the_fold_trace_needed(fold19):
     span = max(r["end_us"] for r in recs)
     pred = simulate(sched, cal.params(context=8192)).step_us
     assert abs(pred / span - 1) < 0.10, (pred, span)
-    assert abs(pred / 1e3 / _rows19()[(1, 8192)] - 1) < 0.10
+    assert abs(pred / 1e3 / _steps(NMC_STEPS_19)[(1, 8192)][0] - 1) < 0.10
     old = fit(recs, sched, dispatch_us=0.64, handoff_us=0.46, context=8192)
     old = replace(old, pre_us_by_op={}, claimer_lead_us={},
                   claimer_us={k: v + cal.claimer_lead_us.get(k, 0.0) for k, v in old.claimer_us.items()})
@@ -447,16 +441,23 @@ def test_calibrate_command_fits_a_trace_and_writes_a_calibration(tmp_path, fold1
     from megac.gpu.profile import chrome_trace
 
     recs, sched = fold19
-    meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "kernel_ms": 3.041}
+    # the nineteenth session's run: the stamps' step and the plain one's (bench, same code)
+    meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "kernel_ms": 3.041,
+            "profiled_ms": 3.081}
     trace = tmp_path / "step.json.gz"
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     out = tmp_path / "cal.json"
     r = _cli(trace, "-o", out)
     assert r.exit_code == 0, r.output
-    assert "predicted step" in r.output and "unstamped kernel" in r.output
+    assert "predicted step" in r.output and "unstamped kernel" in r.output and "scaled by 0.987" in r.output
     cal = Calibration.load(out)
-    assert "north-mini-code batch 1 context 8192" in cal.source
+    assert "north-mini-code batch 1 context 8192" in cal.source and cal.instrumentation_scale == 0.987
     assert abs(simulate(sched, cal.params(context=8192)).step_us / 3041 - 1) < 0.10
+    # the same trace without the plain build's time: the times as traced
+    meta.pop("profiled_ms")
+    trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
+    r = _cli(trace)
+    assert r.exit_code == 0 and "against the traced" in r.output, r.output
 
 
 def test_calibrate_command_refuses_bad_input(tmp_path):

@@ -285,7 +285,6 @@ def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5, defi
     plain_cubin = backend.cubin
     instrumented = build_cubin(art / SOURCE, include_dirs=[opcodes_dir(), art], defines={**(defines or {}), "MEGAC_PROFILE": 1})
     rows = rows_at(kv, batch, context)
-    sched = backend.schedules.for_rows(kv, rows)
 
     def median_ms() -> float:
         backend.kernel_ms.clear()
@@ -302,6 +301,10 @@ def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5, defi
         profiled = median_ms()
         for r in rows:
             kv.append_slot(r)
+        # the profiled step's own schedule: after the warm-up steps a step at a bucket's
+        # edge (1024 tokens) runs the next bucket's (reading its records with the first
+        # step's schedule dropped and mislabelled tasks)
+        sched = backend.schedules.for_rows(kv, rows)
         buf.zero_()
         backend.decode(rows, step_tokens(rows, warmup))
         recs = read(buf, sched)
@@ -309,7 +312,10 @@ def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5, defi
         backend.use_cubin(plain_cubin)
         for r in rows:
             kv.free_row(r)
-    return {"records": recs, "kernel_ms": plain, "profiled_ms": profiled}
+    # the schedule of the rows' context bucket ran (a step at 1024 tokens plus the warm-up
+    # steps runs the 2048 bucket's): megac calibrate rebuilds that one
+    return {"records": recs, "kernel_ms": plain, "profiled_ms": profiled,
+            "schedule_context": int(sched.geometry.context)}
 
 
 __all__ = ["MARKS", "MARK_NAMES", "SYMBOL", "WORDS", "attach", "chrome_trace", "format_layer_table", "layer_table",
