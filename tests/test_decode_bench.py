@@ -80,3 +80,32 @@ def test_the_bench_pool_holds_rows_filled_in_pieces(context):
             kv.append_slot(r)
             kv.advance(r, 1)
     assert all(int(kv.seq_pos[r]) == context - 1 + steps for r in rows)
+
+
+def test_the_model_column_simulates_the_schedule_the_timed_steps_ran(monkeypatch):
+    """A case at a bucket's edge (1024 tokens) decodes its timed steps at
+    1025 and beyond, on the next bucket's schedule: the bytes and the cost
+    model's prediction must come from that schedule, not the 1024 bucket's
+    (North Mini Code at batch 4: +10.9 % against +2.7 % once it did)."""
+    from megac.runtime.schedules import ScheduleSet
+
+    spec = load_spec("tiny-moe")
+    eng = build_engine(spec, random_weights(spec, seed=2), EngineOptions(backend="cpu", max_batch_size=1,
+                                                                           max_model_len=2048))
+    db.fill_kv_noise(eng.kv)
+    picked = []
+    real = ScheduleSet.pick
+
+    def spy(self, rows, context):
+        s = real(self, rows, context)
+        picked.append((context, int(s.geometry.context)))
+        return s
+
+    monkeypatch.setattr(ScheduleSet, "pick", spy)
+    db.run(eng, [(1, 1024)], steps=2, warmup=1)
+    # the first pick is the bench's own (the median timed step's), then one per decoded step
+    bench, steps = picked[0], picked[1:]
+    assert [ctx for ctx, _ in steps] == [1024, 1025, 1026]
+    # the bench asks for the median timed step's context and gets that step's schedule (tiny-moe's
+    # buckets share one schedule; North Mini Code's 1024 and 2048 buckets do not)
+    assert bench == (db.timed_context(1024, 1, 2), steps[-1][1]) and 1025 <= bench[0] <= 1026
