@@ -19,8 +19,9 @@ every signaller of each counter it waits on is done), with time:
 * a claimer queue's work is claimed one task at a time by whichever claimer
   reaches it first (in time order; as on the device, a claimer claims
   before it waits on the claimed task's inputs), so it spreads over the
-  claimers that reach it while there is work left; the queue's counters
-  complete when its last claimed task ends. The number of claimed tasks follows the bucket's
+  claimers that reach it while there is work left; a claimed task waits on
+  its own part's counters and signals its part's (an expert's up tiles
+  signal that expert's counter, which its down tiles wait on). The number of claimed tasks follows the bucket's
   context (attention splits) and the expected number of active experts under
   uniform routing (``E * (1 - (1 - k/E) ** rows)``), or under the per-expert
   routing chances ``expert_probs`` (``sum_e 1 - (1 - p_e) ** rows``), unless given.
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megac.abi import H, Op
+from megac.abi import H, Op, Queue
 from megac.ops import REGISTRY
 from megac.errors import MegacError
 from megac.ops.moe import expected_active_experts
@@ -157,8 +158,10 @@ def task_bytes(words: np.ndarray, geo, params: CostParams | None = None) -> np.n
 # --------------------------------------------------------------------------
 class _TimedHooks(Hooks):
     """Time and bytes per piece of work. A claimer queue's claimed tasks are
-    claimed one at a time by whichever claimer gets there first; the queue's
-    counters complete when its last claimed task ends."""
+    claimed one at a time by whichever claimer gets there first; each waits
+    on its own part's counters and signals its part's (an expert's down
+    tiles wait on that expert's up tiles alone, as on the device, not on
+    every up tile of the layer)."""
 
     def __init__(self, p, cost: list[float], nbytes, op, layer, params: CostParams) -> None:
         geo = p.geo
@@ -166,19 +169,24 @@ class _TimedHooks(Hooks):
         self.cg = p.claimer_group.tolist()
         us_per_byte = 1e6 * p.num_sms / params.bandwidth
         C = p.num_counters
-        self.g_left, self.g_cost, self.g_bytes, self.g_sigs, self.g_waits = [], [], [], [], []
-        self.g_run, self.g_end = [], []
+        self.g_cost, self.g_bytes, self.g_pieces, self.g_next = [], [], [], []
         for g in p.groups:
             n, b = REGISTRY[Op(g.op)].claimed_work(geo, params)
-            self.g_left.append(n)
-            self.g_run.append(n)
             self.g_bytes.append(b)
             self.g_cost.append(params.task_cost(g.op, b, us_per_byte))
-            self.g_waits.append(sorted({c for c, _ in g.waits if 0 <= c < C}))
-            self.g_sigs.append(sorted({c for c, _ in g.signals if 0 <= c < C}))
-            self.g_end.append(0.0)
+            self.g_pieces.append(_claimed_parts(p, g, int(n)))
+            self.g_next.append(0)
+        self.part_waits = [[(c, t) for c, t in w if 0 <= c < C] for w in p.part_waits]
+        self.part_sigs = [[c for c in s if 0 <= c < C] for s in p.part_sigs]
+        self.n = p.n
         self.claimer_us = {int(o): float(v) for o, v in params.claimer_us.items()}
         self.rec: list[tuple] = []  # (sm, start, end, opcode, layer, bytes, claimed, task)
+
+    def claimed_signals(self):
+        """Every counter signal the claimed pieces will make (one per piece per counter)."""
+        for pieces in self.g_pieces:
+            for j in pieces:
+                yield from self.part_sigs[j]
 
     def run_task(self, s, k, t):
         e = t + self.cost[k]
@@ -187,20 +195,17 @@ class _TimedHooks(Hooks):
 
     def claim(self, s, k, t):
         gi = self.cg[k]
-        if self.g_left[gi] <= 0:
+        i = self.g_next[gi]
+        if i >= len(self.g_pieces[gi]):
             return None
-        self.g_left[gi] -= 1
-        return Claim([(c, 0) for c in self.g_waits[gi]], [], gi)
+        self.g_next[gi] = i + 1
+        j = self.g_pieces[gi][i]
+        return Claim(self.part_waits[j], self.part_sigs[j], gi)
 
     def run_claimed(self, s, k, claim, t):
         gi = claim.payload
         e = t + self.g_cost[gi]
         self.rec.append((s, t, e, int(self.op[k]), int(self.layer[k]), self.g_bytes[gi], True, -1))
-        self.g_end[gi] = max(self.g_end[gi], e)
-        self.g_run[gi] -= 1
-        if self.g_run[gi] == 0:
-            for c in self.g_sigs[gi]:
-                self.walker.signal(c, self.g_end[gi])
         return e
 
     def finish(self, s, k, t):
@@ -209,6 +214,30 @@ class _TimedHooks(Hooks):
             return t
         self.rec.append((s, t, t + c, int(self.op[k]), int(self.layer[k]), 0.0, False, k))
         return t + c
+
+
+def _claimed_parts(p, g, n: int) -> list[int]:
+    """The part (index into ``p.part_waits``) of each of a queue's ``n``
+    claimed tasks, in claim order. An expert queue's parts are its experts:
+    the active ones' tiles in full, expert by expert (``n`` counts active
+    experts' tiles). Any other queue's parts (an attention queue's (row, KV
+    head)) all take a share of ``n`` (the splits of the step's context)."""
+    parts = [int(x) - p.n for x in g.parts]
+    if not parts or n <= 0:
+        return []
+    sizes = [p.part_size[j] for j in parts]
+    out: list[int] = []
+    if g.queue in (int(Queue.MOE_UP), int(Queue.MOE_DOWN)):
+        for j, size in zip(parts, sizes):
+            take = min(size, n - len(out))
+            out += [j] * take
+            if len(out) >= n:
+                break
+    else:
+        base, extra = divmod(n, len(parts))
+        for i, j in enumerate(parts):
+            out += [j] * (base + (i < extra))
+    return out
 
 
 def simulate(schedule, params: CostParams | None = None, **overrides) -> CostResult:
@@ -237,9 +266,8 @@ def simulate(schedule, params: CostParams | None = None, **overrides) -> CostRes
     sig = ok(p.sig)
     units = np.bincount(sig[sig >= 0], minlength=C).astype(np.int64)
     hooks = _TimedHooks(p, cost, nbytes, p.op, p.layer, params)
-    for ss in hooks.g_sigs:
-        for c in ss:
-            units[c] += 1  # a queue completes its counters as one unit
+    for c in hooks.claimed_signals():
+        units[c] += 1  # each claimed task signals its part's counters
     pre = np.zeros(p.n)
     for opv, us in params.op_pre_us.items():
         pre[p.op == int(opv)] = us

@@ -94,6 +94,7 @@ class Program:
         self.part_waits: list[list[tuple[int, int]]] = []
         self.part_sigs: list[list[int]] = []
         self.part_what: list[tuple] = []  # (SubTasks, index): described on demand
+        self.part_size: list[int] = []  # claimable tasks merged into each part
         self.part_boxes: list[Any] = []  # access.Boxes with task = global part id
         self._tables = None  # per-buffer regions, computed once (access_tables)
 
@@ -192,6 +193,7 @@ def build_groups(p: Program, out: Sink) -> None:
         p.part_waits += [[(wb + o, wt)] for o in woff.tolist()]
         p.part_sigs += [[sb + o] for o in soff.tolist()]
         p.part_what += [(sub, k) for k in first.tolist()]
+        p.part_size += np.bincount(inv.reshape(-1), minlength=len(uk)).tolist()
         part_group.append(np.full(len(uk), gi))
         g.waits = sorted({(wb + int(o), wt) for o in np.unique(woff)})
         g.signals = [(sb + int(o), int(acc.queue_signal_count(queue, layer, int(o), p.geo))) for o in np.unique(soff)]
