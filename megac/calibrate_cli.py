@@ -173,12 +173,18 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
         from megac.runtime.schedules import ScheduleSet
 
         rows = _step_rows(step_files, spec.name)
-        say(f"refitting {refit_op} to {sum(c >= min_context for _, c, _, _ in rows)} of {len(rows)} measured steps")
-        ss = ScheduleSet(load_or_compile(spec, order).schedules)
+        from megac.progress import bar, phase
+
+        with phase(say, f"the {spec.name} schedules compiled or loaded"):
+            ss = ScheduleSet(load_or_compile(spec, order, progress=say).schedules)
         cases = [(ss.pick(b, tc), c, ms) for b, c, ms, tc in rows if c >= min_context]
         if not cases:
             raise MegacError(f"calibrate: no --steps row at --min-context {min_context} or above")
-        cal, table = refit_claim_stream(cal, refit_op, cases, source=", ".join(p.name for p in step_files))
+        rates = (10, 15, 20, 25, 30, 35, 40, 50, 60)
+        say(f"refitting {refit_op} to {len(cases)} of {len(rows)} measured steps ({len(rates)} streaming rates each)")
+        with phase(say, "refit"), bar(len(rates) * len(cases), "simulating", unit="step") as b:
+            cal, table = refit_claim_stream(cal, refit_op, cases, rates, source=", ".join(p.name for p in step_files),
+                                            step=b.update)
         rate = 1e-3 / cal.us_per_byte[refit_op]
         click.echo(f"{refit_op}: {cal.claim_fixed_us[refit_op]:.2f} us per claim + {rate:.0f} GB/s per SM "
                    f"(mean |error| {100 * min(table.values()):.1f} % on the rows it saw)")

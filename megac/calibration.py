@@ -370,7 +370,8 @@ def _claim_stream_us(marks: list, op_name: str) -> float | None:
     return float(np.median(spans)) if spans else None
 
 
-def refit_claim_stream(cal: Calibration, op_name: str, cases, rates_gbs=None, *, source: str = "") -> tuple:
+def refit_claim_stream(cal: Calibration, op_name: str, cases, rates_gbs=None, *, source: str = "",
+                       step=None) -> tuple:
     """Split a claimer opcode's per-claim time into a fixed part and a
     streaming rate per SM from measured whole steps at several contexts.
 
@@ -381,7 +382,8 @@ def refit_claim_stream(cal: Calibration, op_name: str, cases, rates_gbs=None, *,
     candidate rate keeps the traced claim's time (fixed = time - bytes /
     rate) and the rate with the least mean squared relative error of the
     predicted steps over ``cases`` (``(schedule, context, measured kernel
-    ms)``) wins. Returns (the refitted calibration, {rate: mean |error|}).
+    ms)``) wins. Returns (the refitted calibration, {rate: mean |error|});
+    ``step`` is called after each simulated step.
     """
     if op_name not in cal.claimer_us:
         raise MegacError(f"calibration: {op_name} is not a calibrated claimer opcode")
@@ -396,7 +398,11 @@ def refit_claim_stream(cal: Calibration, op_name: str, cases, rates_gbs=None, *,
         k = 1e6 / (float(rate) * 1e9)
         trial = replace(cal, us_per_byte={**cal.us_per_byte, op_name: k},
                         claim_fixed_us={**cal.claim_fixed_us, op_name: max(u0 - k * b0, 0.0)})
-        errs = [simulate(sched, trial.params(context=ctx)).step_us / 1e3 / ms - 1.0 for sched, ctx, ms in cases]
+        errs = []
+        for sched, ctx, ms in cases:
+            errs.append(simulate(sched, trial.params(context=ctx)).step_us / 1e3 / ms - 1.0)
+            if step is not None:
+                step()  # one simulated step (a progress bar's tick)
         table[rate] = float(np.mean(np.abs(errs)))
         sq = float(np.mean(np.square(errs)))
         if best is None or sq < best[0]:

@@ -479,3 +479,21 @@ def test_calibrate_command_refuses_bad_input(tmp_path):
     r = _cli(NMC_TRACE_19, "--model", "smollm2-135m", "--batch-size", "1", "--context", "1024",
              "-o", tmp_path / "x.json")
     assert r.exit_code == 2 and "another schedule" in r.output and not (tmp_path / "x.json").exists()
+
+
+def test_calibrate_command_refits_to_measured_steps(tmp_path):
+    """``--steps``: SmolLM2's traced step and the eight steps the H200 timed;
+    the attention claims' rate is refit to the rows at ``--min-context``
+    and above, every row is predicted (the others marked held out), and the
+    calibration written says what it was refit to. Steps of another model
+    are refused."""
+    out = tmp_path / "smol.json"
+    trace = BUNDLED_TRACES["h200-smollm2-135m"]
+    r = _cli(trace, "--steps", SMOL_STEPS_19[0], "--min-context", "4096", "-o", out)
+    assert r.exit_code == 0, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()[:1].isdigit()]
+    assert len(lines) == 8 and sum("held out" in ln for ln in lines) == 4
+    cal = Calibration.load(out)
+    assert "ATTN_DRAIN" in cal.claim_fixed_us and SMOL_STEPS_19[0].name in cal.source
+    r = _cli(trace, "--steps", NMC_STEPS_19[0])
+    assert r.exit_code == 2 and "measured north-mini-code, the trace smollm2-135m" in r.output
