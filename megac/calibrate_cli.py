@@ -114,7 +114,7 @@ def _traced_schedule(spec, order, batch: int, ctx: int, schedule_context, record
               help="Draw the traced step's predicted timeline (.png or .svg).")
 def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op, min_context, out, plot):
     """Fit the cost model to the measured step in TRACE and report how well it predicts."""
-    from megac.calibration import fit, refit_claim_stream, trace_timing
+    from megac.calibration import REFIT_RATES_GBS, fit, refit_claim_stream, trace_timing
     from megac.costmodel import simulate
     from megac.gpu.profile import records_from_trace
     from megac.spec import load_spec
@@ -169,18 +169,17 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
     else:
         click.echo(f"predicted step {pred:.1f} us against the traced {span:.1f} ({100 * (pred / span - 1):+.1f} %)")
     if step_files:
+        from megac.progress import bar, phase
         from megac.runtime.artifacts import load_or_compile
         from megac.runtime.schedules import ScheduleSet
 
         rows = _step_rows(step_files, spec.name)
-        from megac.progress import bar, phase
-
         with phase(say, f"the {spec.name} schedules compiled or loaded"):
             ss = ScheduleSet(load_or_compile(spec, order, progress=say).schedules)
         cases = [(ss.pick(b, tc), c, ms) for b, c, ms, tc in rows if c >= min_context]
         if not cases:
             raise MegacError(f"calibrate: no --steps row at --min-context {min_context} or above")
-        rates = (10, 15, 20, 25, 30, 35, 40, 50, 60)
+        rates = REFIT_RATES_GBS
         say(f"refitting {refit_op} to {len(cases)} of {len(rows)} measured steps ({len(rates)} streaming rates each)")
         with phase(say, "refit"), bar(len(rates) * len(cases), "simulating", unit="step") as b:
             cal, table = refit_claim_stream(cal, refit_op, cases, rates, source=", ".join(p.name for p in step_files),

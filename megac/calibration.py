@@ -254,7 +254,7 @@ def fit(records, schedule, *, dispatch_us: float | None = None, handoff_us: floa
     ``context`` is the step's (default: the schedule's bucket), which sizes
     the attention tasks' bytes. ``scale`` multiplies every fitted time: the
     instrumented build's step is slower than the plain one (its stamps:
-    +2 % on North Mini Code, +5 % on SmolLM2), and ``kernel_ms /
+    +6 % on North Mini Code, +15 % on SmolLM2, twentieth session), and ``kernel_ms /
     profiled_ms`` of the same run (``megac bench --profile`` records both)
     makes the model predict the plain build's step, assuming the stamps
     slow every piece of work alike."""
@@ -370,6 +370,10 @@ def _claim_stream_us(marks: list, op_name: str) -> float | None:
     return float(np.median(spans)) if spans else None
 
 
+#: the per-SM streaming rates (GB/s) refit_claim_stream tries by default
+REFIT_RATES_GBS = (10, 15, 20, 25, 30, 35, 40, 50, 60)
+
+
 def refit_claim_stream(cal: Calibration, op_name: str, cases, rates_gbs=None, *, source: str = "",
                        step=None) -> tuple:
     """Split a claimer opcode's per-claim time into a fixed part and a
@@ -392,7 +396,7 @@ def refit_claim_stream(cal: Calibration, op_name: str, cases, rates_gbs=None, *,
     if b0 <= 0:
         raise MegacError(f"calibration: no traced claim size for {op_name}")
     u0 = cal.claim_fixed_us.get(op_name, 0.0) + cal.us_per_byte[op_name] * b0
-    rates = list(rates_gbs or (10, 15, 20, 25, 30, 35, 40, 50, 60))
+    rates = list(rates_gbs or REFIT_RATES_GBS)
     best, table = None, {}
     for rate in rates:
         k = 1e6 / (float(rate) * 1e9)
@@ -412,4 +416,4 @@ def refit_claim_stream(cal: Calibration, op_name: str, cases, rates_gbs=None, *,
     return out, table
 
 
-__all__ = ["BUNDLED_DIR", "Calibration", "bundled", "check_records", "fit", "refit_claim_stream", "resolve"]
+__all__ = ["BUNDLED_DIR", "REFIT_RATES_GBS", "Calibration", "bundled", "check_records", "fit", "refit_claim_stream", "resolve"]

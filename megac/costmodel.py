@@ -178,7 +178,6 @@ class _TimedHooks(Hooks):
             self.g_next.append(0)
         self.part_waits = [[(c, t) for c, t in w if 0 <= c < C] for w in p.part_waits]
         self.part_sigs = [[c for c in s if 0 <= c < C] for s in p.part_sigs]
-        self.n = p.n
         self.claimer_us = {int(o): float(v) for o, v in params.claimer_us.items()}
         self.rec: list[tuple] = []  # (sm, start, end, opcode, layer, bytes, claimed, task)
 

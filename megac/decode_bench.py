@@ -223,5 +223,5 @@ def ranking(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["DATASHEET_BPS", "FILL_PIECE", "fill_kv_noise", "measure_ceiling", "pool_blocks", "ranking", "rows_at", "timed_context",
-           "run", "step_bytes", "table"]
+__all__ = ["DATASHEET_BPS", "FILL_PIECE", "fill_kv_noise", "measure_ceiling", "pool_blocks", "ranking", "rows_at",
+           "run", "step_bytes", "table", "timed_context"]
