@@ -112,7 +112,11 @@ def _traced_schedule(spec, order, batch: int, ctx: int, schedule_context, record
               help="Write the calibration here (for megac schedule/bench --calibration).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw the traced step's predicted timeline (.png or .svg).")
-def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op, min_context, out, plot):
+@click.option("--shared-bandwidth", type=click.FloatRange(min=0, min_open=True), default=None, metavar="TB/S",
+              help="Have every SM's streams share this bandwidth (the whole GPU's, e.g. the ceiling megac bench "
+                   "measures): ranks tilings that spread work over more SMs, at some cost to the absolute step.")
+def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op, min_context, out, plot,
+                  shared_bandwidth):
     """Fit the cost model to the measured step in TRACE and report how well it predicts."""
     from megac.calibration import REFIT_RATES_GBS, fit, refit_claim_stream, trace_timing
     from megac.costmodel import simulate
@@ -146,6 +150,11 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
     kernel, profiled = meta.get("kernel_ms"), meta.get("profiled_ms")
     scale = kernel / profiled if kernel and profiled else 1.0
     cal = fit(records, sched, context=int(ctx), scale=scale, source=source)
+    if shared_bandwidth is not None:
+        from dataclasses import replace
+
+        cal = replace(cal, shared_bandwidth_bps=shared_bandwidth * 1e12)
+        say(f"the streams share {shared_bandwidth:.2f} TB/s")
     span = cal.measured_step_us
     pred = simulate(sched, cal.params(context=int(ctx))).step_us
     say(f"fitted on {len(records)} task records of {spec.name} (batch {batch}, context {ctx}, order {order})")

@@ -72,6 +72,11 @@ class Calibration:
     #: the factor every fitted time was scaled by: the plain build's step over
     #: the instrumented one's, measured in the same run (1: times as traced)
     instrumentation_scale: float = 1.0
+    #: B/s the streams of all SMs share (CostParams.shared_bandwidth; None:
+    #: none). The per-opcode rates are fitted without it: with it the model
+    #: charges contention the traced rates already hold, so the bundled
+    #: calibrations leave it unset; it ranks tilings (docs/perf-notes.md)
+    shared_bandwidth_bps: float | None = None
 
     def params(self, **overrides) -> CostParams:
         d = self.fixed_us
@@ -91,7 +96,8 @@ class Calibration:
                        op_fixed_us=fixed,
                        claimer_us={int(Op[k]): max(v - d, 0.0) for k, v in self.claimer_us.items()},
                        op_pre_us=pre,
-                       claimer_lead_us={int(Op[k]): v for k, v in self.claimer_lead_us.items()})
+                       claimer_lead_us={int(Op[k]): v for k, v in self.claimer_lead_us.items()},
+                       shared_bandwidth=self.shared_bandwidth_bps)
         for k, v in overrides.items():
             setattr(p, k, v)
         return p

@@ -4,7 +4,8 @@
 mkdir -p build/cubin && cp build/cubin-sel/* build/cubin/ && source scripts/gpu_env.sh
 what=${1:-orders}
 if [ "$what" = orders ]; then
-  MEGAC_VARIANTS=default MEGAC_TILE_BATCHES=${TB:-1,8} MEGAC_TILE_CONTEXTS=${TC:-8192,32768} \
+  MEGAC_VARIANTS=${VARS:-default} MEGAC_ORDER_TILES=${OTILES:-default} MEGAC_TILE_BATCHES=${TB:-1,8} \
+    MEGAC_TILE_CONTEXTS=${TC:-8192,32768} \
     MEGAC_VARIANT_ORDERS=${ORDERS:-tuned,schedules/experiments/full-attn-half.yaml,tuned} \
     timeout ${T2:-330} python3 -m gpu.megakernel_check --run order_variants --out $OUT/orders.json 2>&1 | grep -v Warning | tail -12
 fi

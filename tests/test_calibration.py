@@ -463,6 +463,16 @@ def test_calibrate_command_fits_a_trace_and_writes_a_calibration(tmp_path, fold1
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     r = _cli(trace)
     assert r.exit_code == 0 and "against the traced" in r.output, r.output
+    # --shared-bandwidth: the streams share the limit; the step is no shorter for it
+    shared = tmp_path / "shared.json"
+    r = _cli(trace, "--shared-bandwidth", "4.2", "-o", shared)
+    assert r.exit_code == 0 and "share 4.20 TB/s" in r.output, r.output
+    with_limit = Calibration.load(shared)
+    assert with_limit.shared_bandwidth_bps == pytest.approx(4.2e12)
+    assert (simulate(sched, with_limit.params(context=8192)).step_us
+            > simulate(sched, with_limit.params(context=8192, shared_bandwidth=None)).step_us)
+    r = _cli(trace, "--shared-bandwidth", "0")
+    assert r.exit_code == 2 and "--shared-bandwidth" in r.output
 
 
 def test_calibrate_command_refuses_bad_input(tmp_path):

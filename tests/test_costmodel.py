@@ -161,3 +161,50 @@ def test_an_experts_down_tiles_wait_on_that_experts_up_tiles_alone():
         assert sim.start[down].min() >= sim.end[up].min()  # no down tile before any expert's up tiles
         overlapped += sim.start[down].min() < sim.end[up].max()
     assert overlapped == 48
+
+
+def test_shared_bandwidth_hands_out_the_rest_first_come_first_served():
+    """Against hand arithmetic: a GPU of 1000 B/µs, two streams of 1000 B
+    from t = 0, each at most 600 B/µs. The first takes 600 a µs and is
+    through at 1000 / 600 = 1.667 µs; the second gets the 400 left until
+    then (667 B), then 600 a µs for its last 333 B: through at 2.22 µs
+    (the ledger's 0.1 µs bins round it to 2.2)."""
+    bw = cm.SharedBandwidth(1e9)
+    a = bw.stream(0.0, 1000.0, 1 / 600)
+    b = bw.stream(0.0, 1000.0, 1 / 600)
+    assert a == pytest.approx(1000 / 600, abs=0.05)
+    assert b == pytest.approx(1.0 / 0.6 + (1000 - 400 / 0.6) / 600, abs=0.05)
+    # a stream alone, below the shared limit, at its own rate; one that
+    # starts later (3.05 µs, mid-bin) too, from where it starts
+    c = bw.stream(3.05, 300.0, 1 / 200)
+    assert c == pytest.approx(3.05 + 1.5, abs=1e-9)
+    # nothing left: the next stream waits until the first bin with room
+    full = cm.SharedBandwidth(1e9)
+    full.stream(10.0, 2000.0, 1 / 1000)  # 10 .. 12 µs at the whole limit
+    assert full.stream(10.0, 100.0, 1 / 1000) == pytest.approx(12.1, abs=1e-9)
+    with pytest.raises(MegacError, match="positive"):
+        cm.SharedBandwidth(0.0)
+
+
+def test_shared_bandwidth_bounds_the_step(moe, nmc1):
+    """A limit far above every stream's sum changes nothing; one the streams
+    exceed makes the step slower, never faster than its bytes at that limit."""
+    for s in (moe, nmc1):
+        free = cm.simulate(s)
+        loose = cm.simulate(s, shared_bandwidth=1e18)
+        assert loose.step_us == pytest.approx(free.step_us, rel=1e-6)
+        tight_bps = 0.5 * free.total_bytes / (free.step_us * 1e-6)  # half the step's average rate
+        tight = cm.simulate(s, shared_bandwidth=tight_bps)
+        assert tight.step_us > free.step_us
+        assert tight.step_us * 1e-6 >= tight.total_bytes / tight_bps * (1 - 1e-6)
+
+
+def test_shared_bandwidth_travels_with_a_calibration(tmp_path):
+    from dataclasses import replace
+
+    from megac.calibration import Calibration, resolve
+
+    cal = Calibration.load(resolve("h200-north-mini-code"))
+    assert cal.shared_bandwidth_bps is None and cal.params().shared_bandwidth is None
+    path = replace(cal, shared_bandwidth_bps=4.2e12).save(tmp_path / "c.json")
+    assert Calibration.load(path).params().shared_bandwidth == 4.2e12

@@ -973,7 +973,7 @@ def check_variants() -> dict:
         eng = engine(spec, w, max_batch_size=8, max_model_len=min(longest + 64, spec.max_context),
                      num_kv_blocks=max(40000, pool_blocks(spec, 8, longest + 64)))
         _noise_kv(eng)
-        out[model] = interleaved_kernel_ms(eng, cubins, cases)
+        out[model] = interleaved_kernel_ms(eng, cubins, cases, rounds=int(os.environ.get("MEGAC_VARIANT_ROUNDS", "2")))
         if spec.moe:
             # every build must give the default's bits
             ref = None
