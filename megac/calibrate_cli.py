@@ -114,7 +114,8 @@ def _traced_schedule(spec, order, batch: int, ctx: int, schedule_context, record
               help="Draw the traced step's predicted timeline (.png or .svg).")
 @click.option("--shared-bandwidth", type=click.FloatRange(min=0, min_open=True), default=None, metavar="TB/S",
               help="Have every SM's streams share this bandwidth (the whole GPU's, e.g. the ceiling megac bench "
-                   "measures): ranks tilings that spread work over more SMs, at some cost to the absolute step.")
+                   "measures), so tilings that spread work over more SMs are ranked as measured; with --steps "
+                   "the traced rates are refit as uncontended ones.")
 def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op, min_context, out, plot,
                   shared_bandwidth):
     """Fit the cost model to the measured step in TRACE and report how well it predicts."""
@@ -153,8 +154,9 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
     if shared_bandwidth is not None:
         from dataclasses import replace
 
-        cal = replace(cal, shared_bandwidth_bps=shared_bandwidth * 1e12)
-        say(f"the streams share {shared_bandwidth:.2f} TB/s")
+        cal = replace(cal, shared_bandwidth_bps=float(round(shared_bandwidth * 1e12)))
+        say(f"the streams share {shared_bandwidth:.2f} TB/s"
+            + ("" if step_files else " (the rates stay as traced, contention included: --steps refits them)"))
     span = cal.measured_step_us
     pred = simulate(sched, cal.params(context=int(ctx))).step_us
     say(f"fitted on {len(records)} task records of {spec.name} (batch {batch}, context {ctx}, order {order})")
@@ -196,6 +198,15 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
         rate = 1e-3 / cal.us_per_byte[refit_op]
         click.echo(f"{refit_op}: {cal.claim_fixed_us[refit_op]:.2f} us per claim + {rate:.0f} GB/s per SM "
                    f"(mean |error| {100 * min(table.values()):.1f} % on the rows it saw)")
+        if cal.shared_bandwidth_bps:
+            from megac.calibration import RATE_SCALES, refit_rate_scale
+
+            say(f"refitting the uncontended rates under the shared {shared_bandwidth:.2f} TB/s "
+                f"({len(RATE_SCALES)} scales)")
+            with phase(say, "rate scale"), bar(len(RATE_SCALES) * len(cases), "simulating", unit="step") as b:
+                cal, table = refit_rate_scale(cal, cases, step=b.update)
+            click.echo(f"every rate x {cal.rate_scale:.2f} (mean |error| {100 * min(table.values()):.1f} % "
+                       f"on the rows it saw)")
         errs = []
         click.echo(f"{'batch':>5} {'context':>8} {'measured ms':>12} {'predicted':>10} {'error':>8}")
         for b, c, ms, tc in sorted(rows):
@@ -204,6 +215,9 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
             click.echo(f"{b:5d} {c:8d} {ms:12.3f} {p:10.3f} {100 * errs[-1]:+7.1f} %" + ("" if c >= min_context else "  (held out)"))
         click.echo(f"error {100 * min(errs):+.1f} .. {100 * max(errs):+.1f} % over {len(errs)} steps")
         cal.source = f"{cal.source}; {refit_op} refit to the measured steps of {', '.join(p.name for p in step_files)}"
+        if cal.shared_bandwidth_bps:
+            cal.source += (f"; every rate x {cal.rate_scale:.2f} as uncontended under a shared "
+                           f"{cal.shared_bandwidth_bps / 1e12:.2f} TB/s")
     if plot is not None:
         from megac.plot import plot_timeline
 

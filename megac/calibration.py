@@ -73,10 +73,12 @@ class Calibration:
     #: the instrumented one's, measured in the same run (1: times as traced)
     instrumentation_scale: float = 1.0
     #: B/s the streams of all SMs share (CostParams.shared_bandwidth; None:
-    #: none). The per-opcode rates are fitted without it: with it the model
-    #: charges contention the traced rates already hold, so the bundled
-    #: calibrations leave it unset; it ranks tilings (docs/perf-notes.md)
+    #: none). A trace's rates hold the contention of their moment, so under
+    #: the limit they are refit as uncontended ones (rate_scale)
     shared_bandwidth_bps: float | None = None
+    #: the factor the traced per-opcode rates were multiplied by to stand for
+    #: uncontended ones under shared_bandwidth (refit_rate_scale; 1: as traced)
+    rate_scale: float = 1.0
 
     def params(self, **overrides) -> CostParams:
         d = self.fixed_us
@@ -422,4 +424,39 @@ def refit_claim_stream(cal: Calibration, op_name: str, cases, rates_gbs=None, *,
     return out, table
 
 
-__all__ = ["BUNDLED_DIR", "REFIT_RATES_GBS", "Calibration", "bundled", "check_records", "fit", "refit_claim_stream", "resolve"]
+#: the rate scales refit_rate_scale tries (traced rate -> uncontended rate)
+RATE_SCALES = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.8, 2.0)
+
+
+def refit_rate_scale(cal: Calibration, cases, scales=None, *, step=None) -> tuple:
+    """The traced per-opcode rates as uncontended ones, for a calibration
+    with ``shared_bandwidth_bps``: every task's rate in a trace is what it
+    got beside the others streaming then, so the shared limit would charge
+    that contention twice. Each candidate scale multiplies every rate (µs
+    per byte divided by it); the one with the least mean squared relative
+    error of the predicted steps over ``cases`` (``(schedule, context,
+    measured kernel ms)``) wins. Returns (the refitted calibration, {scale:
+    mean |error|}); ``step`` is called after each simulated step."""
+    if not cal.shared_bandwidth_bps:
+        raise MegacError("calibration: a rate scale needs a shared bandwidth (--shared-bandwidth)")
+    best, table = None, {}
+    for a in list(scales or RATE_SCALES):
+        a = float(a)
+        if not a > 0:
+            raise MegacError(f"calibration: rate scale {a} is not positive")
+        trial = replace(cal, us_per_byte={k: v * cal.rate_scale / a for k, v in cal.us_per_byte.items()},
+                        rate_scale=a)
+        errs = []
+        for sched, ctx, ms in cases:
+            errs.append(simulate(sched, trial.params(context=ctx)).step_us / 1e3 / ms - 1.0)
+            if step is not None:
+                step()
+        table[a] = float(np.mean(np.abs(errs)))
+        sq = float(np.mean(np.square(errs)))
+        if best is None or sq < best[0]:
+            best = (sq, trial)
+    return best[1], table
+
+
+__all__ = ["BUNDLED_DIR", "RATE_SCALES", "REFIT_RATES_GBS", "Calibration", "bundled", "check_records", "fit",
+           "refit_claim_stream", "refit_rate_scale", "resolve"]

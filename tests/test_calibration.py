@@ -304,6 +304,29 @@ def test_bundled_calibration_predicts_every_measured_step(model, batch, context)
     assert abs(pred_ms / ms - 1) < 0.10, (pred_ms, ms)
 
 
+def test_refit_recovers_the_rate_scale_that_made_the_steps():
+    """Steps made by a calibration whose rates are 1.3x the traced ones
+    under a shared 4 TB/s: the refit over scales 1.0 / 1.3 / 1.6 finds 1.3
+    and divides every µs per byte by it; without a shared limit it refuses."""
+    from dataclasses import replace
+
+    from megac.calibration import refit_rate_scale
+
+    cal = replace(Calibration.load(resolve("h200-smollm2-135m")), shared_bandwidth_bps=4e12)
+    truth = replace(cal, us_per_byte={k: v / 1.3 for k, v in cal.us_per_byte.items()})
+    spec = load_spec("smollm2-135m")
+    cases = []
+    for rows, ctx in ((1, 1024), (8, 4096)):
+        sched = compile_one(spec, order="tuned", rows=rows, context=ctx)
+        cases.append((sched, ctx, simulate(sched, truth.params(context=ctx)).step_us / 1e3))
+    got, table = refit_rate_scale(cal, cases, scales=(1.0, 1.3, 1.6))
+    assert got.rate_scale == 1.3 and got.shared_bandwidth_bps == 4e12
+    assert got.us_per_byte == pytest.approx(truth.us_per_byte)
+    assert table[1.3] < 1e-9 < min(table[1.0], table[1.6])
+    with pytest.raises(MegacError, match="shared bandwidth"):
+        refit_rate_scale(replace(cal, shared_bandwidth_bps=None), cases)
+
+
 def test_refit_recovers_the_claim_rate_that_made_the_steps():
     from dataclasses import replace
 
@@ -505,5 +528,13 @@ def test_calibrate_command_refits_to_measured_steps(tmp_path):
     assert len(lines) == 8 and sum("held out" in ln for ln in lines) == 4
     cal = Calibration.load(out)
     assert "ATTN_DRAIN" in cal.claim_fixed_us and SMOL_STEPS_19[0].name in cal.source
+    # with a shared limit the rates are refit as uncontended ones too
+    shared = tmp_path / "smol-shared.json"
+    r = _cli(trace, "--steps", SMOL_STEPS_19[0], "--min-context", "4096", "--shared-bandwidth", "4.23", "-o", shared)
+    assert r.exit_code == 0 and "every rate x" in r.output, r.output
+    from megac.calibration import RATE_SCALES
+
+    got = Calibration.load(shared)
+    assert got.rate_scale in RATE_SCALES and got.shared_bandwidth_bps == pytest.approx(4.23e12)
     r = _cli(trace, "--steps", NMC_STEPS_19[0])
     assert r.exit_code == 2 and "measured north-mini-code, the trace smollm2-135m" in r.output
