@@ -67,6 +67,27 @@ def _step_rows(paths, model: str) -> list[tuple[int, int, float, int]]:
     return rows
 
 
+def _with_tiles(spec, tiles, say):
+    """``spec`` compiled with the tile settings the trace recorded (``otherData``
+    ``tiles``, written since the twenty-first session), where they differ from
+    what it asks for today: the traced schedule is rebuilt as it ran even after
+    a default tile changed. Traces without them: ``spec`` as it is."""
+    from megac.geometry import DEFAULT_TILES
+
+    if not tiles:
+        return spec
+    if not isinstance(tiles, dict) or any(k not in DEFAULT_TILES or not isinstance(v, int) for k, v in tiles.items()):
+        raise MegacError(f"calibrate: the trace's tiles are not tile settings: {tiles!r}")
+    now = {**DEFAULT_TILES, **(spec.target.tiles or {})}
+    if all(now.get(k) == v for k, v in tiles.items()):
+        return spec
+    differ = ", ".join(f"{k} {now.get(k)} -> {v}" for k, v in sorted(tiles.items()) if now.get(k) != v)
+    say(f"compiling with the trace's tiles ({differ})")
+    data = spec.model_dump()
+    data["target"]["tiles"] = {**(data["target"].get("tiles") or {}), **tiles}
+    return type(spec).model_validate(data)
+
+
 def _traced_schedule(spec, order, batch: int, ctx: int, schedule_context, records, say):
     """The schedule the trace ran: its context bucket's where the trace names
     it; else the step's context's, else whichever bucket of the compiled
@@ -143,7 +164,7 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
         records = records_from_trace(data)
     except (KeyError, TypeError) as err:
         raise MegacError(f"calibrate: {trace}: not a megac profile trace (an event lacks {err})") from None
-    spec = load_spec(model)
+    spec = _with_tiles(load_spec(model), meta.get("tiles"), say)
     sched = _traced_schedule(spec, order, int(batch), int(ctx), meta.get("schedule_context"), records, say)
     timing = trace_timing(records, sched)
     device = meta.get("device", "the GPU")

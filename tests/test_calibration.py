@@ -498,6 +498,32 @@ def test_calibrate_command_fits_a_trace_and_writes_a_calibration(tmp_path, fold1
     assert r.exit_code == 2 and "--shared-bandwidth" in r.output
 
 
+def test_calibrate_command_rebuilds_the_traced_tiles(tmp_path, fold19, monkeypatch):
+    """A trace records the tile settings it ran (``otherData`` ``tiles``):
+    after a default tile changed, ``megac calibrate`` still rebuilds the
+    traced schedule from them; a trace without them is refused as another
+    schedule's, one whose tiles are not tile settings in one line."""
+    from megac import geometry
+    from megac.gpu.profile import chrome_trace
+
+    recs, sched = fold19
+    meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "schedule_context": 8192,
+            "tiles": dict(geometry.DEFAULT_TILES)}
+    monkeypatch.setitem(geometry.DEFAULT_TILES, "o_proj_bn", 128)  # the default moved on since the trace
+    trace = tmp_path / "step.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
+    r = _cli(trace)
+    assert r.exit_code == 0 and "compiling with the trace's tiles (o_proj_bn 128 -> 64)" in r.output, r.output
+    meta.pop("tiles")
+    trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
+    r = _cli(trace)
+    assert r.exit_code == 2 and "another schedule" in r.output, r.output
+    meta["tiles"] = {"o_proj_bn": "wide"}
+    trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
+    r = _cli(trace)
+    assert r.exit_code == 2 and "not tile settings" in r.output, r.output
+
+
 def test_calibrate_command_refuses_bad_input(tmp_path):
     """A trace without its step named, a file that is no trace, a missing
     file: one line each, exit 2, nothing written."""

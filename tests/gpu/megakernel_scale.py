@@ -1277,6 +1277,9 @@ TILES = {
     "fused_combine": {"fused_combine": 1},
     # fewer, longer expert claims: the marks put ~7 us (up, routed) and ~4.6 us (down) of
     # every claim before its first stage lands and stream ~65-78 GB/s per SM after
+    # O-projection tiles of 128 features (64 tiles of 256 KB; the calibrated model's pick, twenty-first session)
+    "o128": {"o_proj_bn": 128},
+    "up128_o128": {"moe_up_bn": 128, "o_proj_bn": 128},
     "up128": {"moe_up_bn": 128},  # 12 up tiles per expert: 96 claims at batch 1 (the default before 256)
     "up192": {"moe_up_bn": 192},  # 8 up tiles per expert: 64 claims at batch 1
     "up256": {"moe_up_bn": 256},  # 6 up tiles per expert: 48 claims at batch 1
