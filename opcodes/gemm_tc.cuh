@@ -55,6 +55,14 @@ __host__ __device__ constexpr int x_pitch(int klen) { return (klen * 2) % 128 ==
 // Shared bytes of the K-part partial sums: at most one 16-row group per warp.
 __host__ __device__ constexpr int part_bytes(int nwarps) { return nwarps * 16 * 8 * 4; }
 
+// 1: a routed up claimer pulls the layer's x_norm rows into its L1 as its
+// waits pass, so the ranking hides their latency and each claim stages them
+// from L1 (ld.ca) instead of an L2 round trip behind nothing yet (~1.3 us at
+// batch 1); 0: each claim stages them through L2 (ld.cg).
+#ifndef MEGAC_UP_X_L1
+#define MEGAC_UP_X_L1 1
+#endif
+
 // xs[m * x_pitch(klen) + k] = x[m * ldx + k] for m < rows, k < klen (read
 // through L2 only: other CTAs wrote x). Whole CTA, then a barrier.
 __device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs,
@@ -63,7 +71,10 @@ __device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, in
   for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
     const int m = i / per_row, c = i % per_row;
     const int64_t r = rowof != nullptr ? rowof[m] : m;  // rowof: the tile's rows gathered (routed claims)
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(x + r * ldx) + c);
+    // a routed claim's rows (x_norm) were pulled into this SM's L1 after its
+    // acquire (ops_moe.cuh MEGAC_UP_X_L1), so they are this layer's
+    const uint4* src = reinterpret_cast<const uint4*>(x + r * ldx) + c;
+    const uint4 v = MEGAC_UP_X_L1 && rowof != nullptr ? __ldca(src) : __ldcg(src);
     *reinterpret_cast<uint4*>(xs + m * pitch + c * 8) = v;
   }
   __syncthreads();
@@ -93,11 +104,17 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kAcc][4]) {
 // One 16 x 32 block: `lo` / `hi` this lane's 16 bytes of rows g and g + 8,
 // `xv` its 16 bytes of X. `rel`, the block's index within its slice, picks
 // the accumulators (the same for both feeds, so their sums are identical).
+// The chains are (2u, 2u + 1) % kAcc for u = rel % kUnroll, that is 2 * (rel &
+// 1) and the next: written as the parity so that a stage of an even number of
+// blocks (kStageBlocks) keeps the index a constant after unrolling. As
+// rel % kUnroll it was one only where kStageBlocks is a multiple of kUnroll:
+// 10-block stages put acc in local memory (96 bytes of stack, ~60 % slower).
+static_assert(kAcc == 4 && kUnroll % 2 == 0, "the chains follow the block's parity");
 __device__ __forceinline__ void mma_block(float (&acc)[kAcc][4], int rel, const uint4& lo, const uint4& hi,
                                           const uint4& xv) {
-  const int u = rel % kUnroll;
-  gemm::mma_16816(acc[(2 * u) % kAcc], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-  gemm::mma_16816(acc[(2 * u + 1) % kAcc], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+  const int p = 2 * (rel & 1);
+  gemm::mma_16816(acc[p], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+  gemm::mma_16816(acc[p + 1], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
 }
 
 // An item's sums, accumulators added in a fixed order: into ys (one slice)
@@ -225,6 +242,7 @@ constexpr bool kBulk = MEGAC_TC_BULK != 0;
 constexpr int kStageBlocks = MEGAC_TC_STAGE_BLOCKS;
 constexpr int kStages = MEGAC_TC_STAGES;
 constexpr int kStageBytes = kStageBlocks * 1024;
+static_assert(kStageBlocks % 2 == 0, "an odd stage makes the accumulator chain dynamic (mma_block)");
 constexpr int kMaxWarps = 8;
 static_assert(kStages >= 2, "a warp's ring needs a slot to read and one to fill");
 

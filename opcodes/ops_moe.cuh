@@ -205,6 +205,17 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
   // the first index is taken now: its atomic's round trip overlaps the ranking
   uint32_t idx = 0;
   if (threadIdx.x == 0) idx = atomicAdd(head, 1u);
+#if MEGAC_UP_X_L1
+  // every row's x_norm toward this SM's L1 while it ranks (gemm_tc.cuh
+  // stage_x reads them with ld.ca): after the header's acquire, and nothing
+  // writes them again before the layer's claims are done
+  {
+    constexpr int kLines = (M::HIDDEN * 2 + 127) / 128;  // 128-byte lines per row
+    const bf16* xn = ptr<const bf16>(d->x_norm) + Layout<M>::x_norm(xslot, 0);
+    for (int i = threadIdx.x; i < rows * kLines; i += blockDim.x)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(xn + int64_t(i / kLines) * M::HIDDEN + (i % kLines) * 64));
+  }
+#endif
   int32_t* work = RS::work(c);
   int32_t* cnt = work;         // [E]
   int32_t* off = cnt + E;      // [E]

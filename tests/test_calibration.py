@@ -19,6 +19,7 @@ from megac.gpu.profile import chrome_trace, records_from_trace
 from megac.passes.pipeline import compile_one
 from megac.resources import schedules_dir
 from megac.spec import load_spec
+from megac import geometry
 
 ROOT = Path(__file__).resolve().parents[1]
 NMC_TRACE = ROOT / "benchmarks" / "profile-nmc-bs1-8k-2026-12-01.trace.json.gz"
@@ -42,6 +43,21 @@ MODEL = {NMC_TRACE: NMC, NMC_TRACE_3: NMC, NMC_TRACE_5: NMC, NMC_TRACE_8: NMC, S
 #: and that order's batch-1 8K kernel time measured on the same machine without the stamps
 
 
+#: every North Mini Code trace and step here ran O-projection tiles of 64
+#: features (128 since the twenty-first session: the geometry's default)
+O_PROJ_64 = {"o_proj_bn": 64}
+
+
+def traced(model: str):
+    """``model`` as the recorded traces and steps ran it (64-feature
+    O-projection tiles; a measurement fits only the schedule it ran)."""
+    from models import variant
+
+    spec = load_spec(model)
+    return variant(spec, spec.name, target={**spec.target.model_dump(),
+                                            "tiles": {**(spec.target.tiles or {}), **O_PROJ_64}})
+
+
 #: the expert tiles every trace and step up to the twelfth session ran
 #: (128 features a claim; 256 since the thirteenth)
 TILES_128 = {"moe_up_bn": 128, "moe_down_bn": 128}
@@ -60,7 +76,7 @@ def unfolded(model: str):
 
     spec = load_spec(model)
     return variant(spec, spec.name, target={**spec.target.model_dump(),
-                                            "tiles": {**(spec.target.tiles or {}), **UNFOLDED}})
+                                            "tiles": {**(spec.target.tiles or {}), **O_PROJ_64, **UNFOLDED}})
 
 
 def whole_heads(model: str, **tiles):
@@ -71,7 +87,7 @@ def whole_heads(model: str, **tiles):
     from models import variant
 
     spec = load_spec(model)
-    tiles = {**(spec.target.tiles or {}), "qkv_bn": spec.head_dim, **UNFOLDED, **tiles}
+    tiles = {**(spec.target.tiles or {}), "qkv_bn": spec.head_dim, **O_PROJ_64, **UNFOLDED, **tiles}
     return variant(spec, spec.name, target={**spec.target.model_dump(), "tiles": tiles})
 
 
@@ -214,7 +230,7 @@ def test_bundled_calibration_loads_and_matches_its_own_measurement(name):
     assert cal.instrumentation_scale == pytest.approx(meta["kernel_ms"] / meta["profiled_ms"], abs=1e-4)
     assert cal.instrumentation_scale < 1.0  # the stamps cost time
     bucket = meta.get("schedule_context") or meta["context"]  # (traces before it was recorded: at 8K and 1K alike)
-    sched = compile_one(load_spec(meta["model"]), order="tuned", rows=meta["batch"], context=bucket)
+    sched = compile_one(traced(meta["model"]), order="tuned", rows=meta["batch"], context=bucket)
     pred = simulate(sched, cal.params(context=meta["context"])).step_us
     assert abs(pred / (1e3 * meta["kernel_ms"]) - 1) < 0.10, (pred, meta["kernel_ms"])
 
@@ -251,8 +267,11 @@ def test_schedule_command_predicts_with_a_calibration():
     r = CliRunner().invoke(main, ["schedule", "north-mini-code", "--calibration", "h200-north-mini-code", "--json"])
     assert r.exit_code == 0, r.output
     pred = json.loads(r.output)["predicted"]
-    # against the kernel time the H200 measured for the default schedule (batch 1, 8K)
-    assert abs(pred["step_us"] / 1e3 / _steps(NMC_STEPS_19)[(1, 8192)][0] - 1) < 0.10 and "H200" in pred["calibration"]
+    # against the kernel time the H200 measured for the default schedule (batch 1, 8K; its
+    # 128-feature O-projection tiles, twenty-first session's check tiles)
+    runs = json.loads((ROOT / "benchmarks" / "megakernel-variants-2026-12-04-h200-session21.json").read_text())["runs"]
+    measured_ms = runs["tiles_o128"]["o128"]["bs1_ctx8192"]
+    assert abs(pred["step_us"] / 1e3 / measured_ms - 1) < 0.10 and "H200" in pred["calibration"]
     r = CliRunner().invoke(main, ["schedule", "tiny-moe", "--calibration", "h999-none"])
     assert r.exit_code == 2 and "no bundled calibration" in r.output
 
@@ -298,7 +317,7 @@ def test_bundled_calibration_predicts_every_measured_step(model, batch, context)
     tokens decodes at 1029-1058 and runs the 2048 bucket's."""
     files = NMC_STEPS_19 if model == "north-mini-code" else SMOL_STEPS_19
     ms, timed = _steps(files)[(batch, context)]
-    sched = compile_one(load_spec(model), order="tuned", rows=batch, context=timed)
+    sched = compile_one(traced(model), order="tuned", rows=batch, context=timed)
     cal = Calibration.load(resolve(f"h200-{model}"))
     pred_ms = simulate(sched, cal.params(context=context)).step_us / 1e3
     assert abs(pred_ms / ms - 1) < 0.10, (pred_ms, ms)
@@ -404,7 +423,7 @@ NMC_STEPS_19 = [ROOT / "benchmarks" / "bench-nmc-cuda-fold-2026-12-03-h200-sessi
 @pytest.fixture(scope="module")
 def fold19():
     recs = records_from_trace(json.load(gzip.open(NMC_TRACE_19)))
-    return recs, compile_one(load_spec("north-mini-code"), order="tuned", rows=1, context=8192)
+    return recs, compile_one(traced("north-mini-code"), order="tuned", rows=1, context=8192)
 
 
 def test_the_task_loops_own_costs_come_from_the_trace(fold19):
@@ -471,7 +490,7 @@ def test_calibrate_command_fits_a_trace_and_writes_a_calibration(tmp_path, fold1
     recs, sched = fold19
     # the nineteenth session's run: the stamps' step and the plain one's (bench, same code)
     meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "kernel_ms": 3.041,
-            "profiled_ms": 3.081}
+            "profiled_ms": 3.081, "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64}}
     trace = tmp_path / "step.json.gz"
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     out = tmp_path / "cal.json"
@@ -498,18 +517,17 @@ def test_calibrate_command_fits_a_trace_and_writes_a_calibration(tmp_path, fold1
     assert r.exit_code == 2 and "--shared-bandwidth" in r.output
 
 
-def test_calibrate_command_rebuilds_the_traced_tiles(tmp_path, fold19, monkeypatch):
+def test_calibrate_command_rebuilds_the_traced_tiles(tmp_path, fold19):
     """A trace records the tile settings it ran (``otherData`` ``tiles``):
-    after a default tile changed, ``megac calibrate`` still rebuilds the
-    traced schedule from them; a trace without them is refused as another
-    schedule's, one whose tiles are not tile settings in one line."""
-    from megac import geometry
+    after a default tile changed (North Mini Code's O-projection: 64
+    features when this step was traced, 128 now), ``megac calibrate`` still
+    rebuilds the traced schedule from them; a trace without them is refused
+    as another schedule's, one whose tiles are not tile settings in one line."""
     from megac.gpu.profile import chrome_trace
 
     recs, sched = fold19
     meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "schedule_context": 8192,
-            "tiles": dict(geometry.DEFAULT_TILES)}
-    monkeypatch.setitem(geometry.DEFAULT_TILES, "o_proj_bn", 128)  # the default moved on since the trace
+            "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64}}
     trace = tmp_path / "step.json.gz"
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     r = _cli(trace)

@@ -743,6 +743,15 @@ VARIANTS = {
     "st4": {"MEGAC_TC_STAGE_BLOCKS": 4},
     "st6": {"MEGAC_TC_STAGE_BLOCKS": 6},
     "st4x3": {"MEGAC_TC_STAGE_BLOCKS": 4, "MEGAC_TC_STAGES": 3},
+    # deeper rings, in the shared memory the default leaves (~53 KB of 227): if an SM streams at
+    # what its ring holds over the loaded latency, more in flight streams faster
+    # a routed up claim's rows staged through L2 as each claim starts (the default pulls them into
+    # the claimer's L1 while it ranks: gemm_tc.cuh MEGAC_UP_X_L1)
+    "up_x_cg": {"MEGAC_UP_X_L1": 0},
+    # (stages of an even number of blocks: gemm_tc.cuh mma_block)
+    "st10": {"MEGAC_TC_STAGE_BLOCKS": 10},
+    "st6x3": {"MEGAC_TC_STAGE_BLOCKS": 6, "MEGAC_TC_STAGES": 3},
+    "st4x5": {"MEGAC_TC_STAGE_BLOCKS": 4, "MEGAC_TC_STAGES": 5},
     # a static split's keys toward L2 before its waits (ops_attention.cuh); 2: evict_last
     "attn_warm": {"MEGAC_ATTN_WARM": 1},
     "attn_warm_last": {"MEGAC_ATTN_WARM": 2},
@@ -774,7 +783,7 @@ VARIANTS = {
     "norm_scalar": {"MEGAC_NORM_VEC": 0},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
+MOE_ONLY_VARIANTS = {"up_x_cg", "rank_halves", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
