@@ -63,20 +63,28 @@ __host__ __device__ constexpr int part_bytes(int nwarps) { return nwarps * 16 * 
 #define MEGAC_UP_X_L1 1
 #endif
 
-// xs[m * x_pitch(klen) + k] = x[m * ldx + k] for m < rows, k < klen (read
-// through L2 only: other CTAs wrote x). Whole CTA, then a barrier.
+// Item i of an X staging (row i / per_row, 16 bytes i % per_row), read
+// through L2 only (other CTAs wrote x), but a routed claim's rows: those
+// (x_norm) were pulled into this SM's L1 after its acquire (ops_moe.cuh
+// MEGAC_UP_X_L1), so they are this layer's.
+__device__ __forceinline__ uint4 load_x(const bf16* x, int64_t ldx, int per_row, const int32_t* rowof, int i) {
+  const int m = i / per_row, c = i % per_row;
+  const int64_t r = rowof != nullptr ? rowof[m] : m;  // rowof: the tile's rows gathered (routed claims)
+  const uint4* src = reinterpret_cast<const uint4*>(x + r * ldx) + c;
+  return MEGAC_UP_X_L1 && rowof != nullptr ? __ldca(src) : __ldcg(src);
+}
+
+__device__ __forceinline__ void store_x(bf16* xs, int per_row, int pitch, int i, const uint4& v) {
+  *reinterpret_cast<uint4*>(xs + (i / per_row) * pitch + (i % per_row) * 8) = v;
+}
+
+// xs[m * x_pitch(klen) + k] = x[m * ldx + k] for m < rows, k < klen.
+// Whole CTA, then a barrier.
 __device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs,
                                         const int32_t* rowof = nullptr) {
   const int per_row = klen / 8, pitch = x_pitch(klen);
-  for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
-    const int m = i / per_row, c = i % per_row;
-    const int64_t r = rowof != nullptr ? rowof[m] : m;  // rowof: the tile's rows gathered (routed claims)
-    // a routed claim's rows (x_norm) were pulled into this SM's L1 after its
-    // acquire (ops_moe.cuh MEGAC_UP_X_L1), so they are this layer's
-    const uint4* src = reinterpret_cast<const uint4*>(x + r * ldx) + c;
-    const uint4 v = MEGAC_UP_X_L1 && rowof != nullptr ? __ldca(src) : __ldcg(src);
-    *reinterpret_cast<uint4*>(xs + m * pitch + c * 8) = v;
-  }
+  for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x)
+    store_x(xs, per_row, pitch, i, load_x(x, ldx, per_row, rowof, i));
   __syncthreads();
 }
 
@@ -357,6 +365,29 @@ __device__ __forceinline__ void drain(BulkState* st) {
       st->primed[warp] = 0;
     }
   }
+}
+
+// 1: a tile whose stages were not primed before its waits (an expert
+// claim's) issues its X loads, then its warps' first ring stages, then
+// stores X: the latency-bound loads go ahead of the bulk copies in the SM's
+// queue (a small load issued after 128 KB of copies waits ~2 us behind them),
+// and the copies start a round trip sooner than after the staged X. 0: X
+// staged, then the stages issued (tile_bulk).
+#ifndef MEGAC_X_THEN_PRIME
+#define MEGAC_X_THEN_PRIME 1
+#endif
+
+// stage_x, and prime() as soon as this thread's first X load is out.
+__device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs,
+                                              const int32_t* rowof, const rows::WeightSpan& s, uint8_t* ring,
+                                              BulkState* st) {
+  const int per_row = klen / 8, pitch = x_pitch(klen), n = rows * per_row, i0 = threadIdx.x;
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (i0 < n) v = load_x(x, ldx, per_row, rowof, i0);
+  prime(s, ring, st);  // lane 0 of each warp; after its own warp's loads in program order
+  if (i0 < n) store_x(xs, per_row, pitch, i0, v);
+  for (int i = i0 + blockDim.x; i < n; i += blockDim.x) store_x(xs, per_row, pitch, i, load_x(x, ldx, per_row, rowof, i));
+  __syncthreads();
 }
 
 // 1: tile_bulk is one function every GEMM opcode calls (one copy of its

@@ -189,13 +189,18 @@ __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const 
   if constexpr (GemmScratch<M>::kTc) {
     bf16* xs = GemmScratch<M>::xs(c);
     float* ys = GemmScratch<M>::ys(c);
-    if (folded)
+    bool primed = c.primed;
+    if (folded) {
       stage_norm_in<M>(c, fold, rows, s.cols, xs, tc::x_pitch(s.cols), ys);
-    else
+    } else if (tc::kBulk && MEGAC_X_THEN_PRIME && !primed) {
+      tc::stage_x_prime(x, ldx, rows, s.cols, xs, rowof, s, GemmScratch<M>::tc_ring(c), &c.ts->tc);
+      primed = true;
+    } else {
       tc::stage_x(x, ldx, rows, s.cols, xs, rowof);
+    }
     MEGAC_MARK(2);  // the activations staged in shared memory
     if constexpr (tc::kBulk)
-      tc::tile_bulk(s, xs, rows, ys, GemmScratch<M>::part(c), GemmScratch<M>::tc_ring(c), &c.ts->tc, c.primed);
+      tc::tile_bulk(s, xs, rows, ys, GemmScratch<M>::part(c), GemmScratch<M>::tc_ring(c), &c.ts->tc, primed);
     else
       tc::tile(s.p, int(s.ld / 32), xs, rows, s.rows, s.cols, ys, GemmScratch<M>::part(c));
     return ys;

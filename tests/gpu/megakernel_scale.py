@@ -748,6 +748,9 @@ VARIANTS = {
     # a routed up claim's rows staged through L2 as each claim starts (the default pulls them into
     # the claimer's L1 while it ranks: gemm_tc.cuh MEGAC_UP_X_L1)
     "up_x_cg": {"MEGAC_UP_X_L1": 0},
+    # an unprimed tile (an expert claim) stages its X, then issues its first ring stages (the default
+    # issues them between its X loads and stores: gemm_tc.cuh MEGAC_X_THEN_PRIME)
+    "x_then_ring": {"MEGAC_X_THEN_PRIME": 0},
     # (stages of an even number of blocks: gemm_tc.cuh mma_block)
     "st10": {"MEGAC_TC_STAGE_BLOCKS": 10},
     "st6x3": {"MEGAC_TC_STAGE_BLOCKS": 6, "MEGAC_TC_STAGES": 3},
