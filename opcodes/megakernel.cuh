@@ -75,9 +75,46 @@ extern "C" __device__ unsigned long long* megakernel_profile = nullptr;
 // uint64 words per task record: start, waits done, end, the opcode word, the marks
 constexpr int kProfileWords = 4 + kProfileMarks;
 
+// 1: the launch descriptor is copied into shared memory as the CTA starts and
+// every opcode reads its pointers there; 0: from global memory. Why: a wait's
+// acquire invalidates the SM's L1 (CCTL.IVALL), so the first descriptor field
+// a task reads after its waits (the pointer to its inputs) was an L2 round
+// trip on the critical path of every hop.
+#ifndef MEGAC_DESC_SMEM
+#define MEGAC_DESC_SMEM 1
+#endif
+// 1 (with MEGAC_DESC_SMEM): the layer-slot and RoPE tables copied as well
+#ifndef MEGAC_DESC_TABLES
+#define MEGAC_DESC_TABLES 1
+#endif
+
 template <class M, class Dispatch>
-__device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ desc) {
+__device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ gdesc) {
   extern __shared__ __align__(1024) uint8_t smem[];  // the scratch's alignment (kScratchOffset) from here
+#if MEGAC_DESC_SMEM
+  // with the two small read-only tables a task reads after its waits: the
+  // layer's slot in its weight stack (an expert claim's weight pointer) and
+  // the RoPE frequencies (the QKV epilogue); the copy's fields point at them
+  __shared__ __align__(16) LaunchDesc sdesc;
+  __shared__ int32_t layer_slot[M::NUM_LAYERS];
+  __shared__ float inv_freq[M::HEAD_DIM / 2];
+  static_assert(sizeof(LaunchDesc) % 4 == 0, "copied as words");
+  for (int i = threadIdx.x; i < int(sizeof(LaunchDesc) / 4); i += blockDim.x)
+    reinterpret_cast<int32_t*>(&sdesc)[i] = reinterpret_cast<const int32_t*>(gdesc)[i];
+  const int32_t* g_slot = ptr<const int32_t>(gdesc->layer_slot);
+  const float* g_freq = ptr<const float>(gdesc->rope_inv_freq);
+  for (int i = threadIdx.x; g_slot != nullptr && i < M::NUM_LAYERS; i += blockDim.x) layer_slot[i] = g_slot[i];
+  for (int i = threadIdx.x; g_freq != nullptr && i < M::HEAD_DIM / 2; i += blockDim.x) inv_freq[i] = g_freq[i];
+  __syncthreads();
+  if (MEGAC_DESC_TABLES && threadIdx.x == 0) {
+    if (g_slot != nullptr) sdesc.layer_slot = reinterpret_cast<uint64_t>(layer_slot);
+    if (g_freq != nullptr) sdesc.rope_inv_freq = reinterpret_cast<uint64_t>(inv_freq);
+  }
+  __syncthreads();
+  const LaunchDesc* desc = &sdesc;
+#else
+  const LaunchDesc* desc = gdesc;
+#endif
   TaskShared* ts = reinterpret_cast<TaskShared*>(smem);
   Ctx c{desc, ts, smem + kScratchOffset, M::SCRATCH_BYTES,
         WaitSite{ptr<int32_t>(desc->status), desc->watchdog_ns, 0, 0, 0}, false};

@@ -748,6 +748,11 @@ VARIANTS = {
     # a routed up claim's rows staged through L2 as each claim starts (the default pulls them into
     # the claimer's L1 while it ranks: gemm_tc.cuh MEGAC_UP_X_L1)
     "up_x_cg": {"MEGAC_UP_X_L1": 0},
+    # the launch descriptor read from global memory (the default copies it into shared memory at the
+    # CTA's start: megakernel.cuh MEGAC_DESC_SMEM)
+    "desc_global": {"MEGAC_DESC_SMEM": 0},
+    # the descriptor in shared memory, its layer-slot and RoPE tables read from global memory
+    "desc_only": {"MEGAC_DESC_TABLES": 0},
     # an unprimed tile (an expert claim) stages its X, then issues its first ring stages (the default
     # issues them between its X loads and stores: gemm_tc.cuh MEGAC_X_THEN_PRIME)
     "x_then_ring": {"MEGAC_X_THEN_PRIME": 0},
