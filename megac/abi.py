@@ -34,7 +34,9 @@ import numpy as np
 # 9: x_resid has a slot per norm ([2L+1, rows, hidden], slot = GAMMA; ADD_RMSNORM.RESID_IN the slot
 #    it reads), and NORM_IN with QKV_PROJ / ROUTER_GEMM.NORM_LAYER / NORM_ATTN_SPLITS /
 #    NORM_FFN_SPLITS / NORM_RESID_IN (the tile folds the norm that writes its x_norm slot)
-ABI_VERSION = 9
+# 10: SPLIT_DOWN (an expert up claim also runs its features' down rows, a split-K partial per up
+#    tile: moe_out is [L, rows*top_k, moe_out_tiles * hidden]; MOE_COMBINE sums the tiles)
+ABI_VERSION = 10
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -132,6 +134,10 @@ class Flag(enum.IntFlag):
     LAST_LAYER = 1 << 7  # ADD_RMSNORM: the final norm of the model
     ADD_MOE = 1 << 8  # ADD_RMSNORM: add the row's expert outputs, score-weighted in k order (MOE_COMBINE's sum)
     NORM_IN = 1 << 9  # QKV_PROJ / ROUTER_GEMM: the input is the norm of the NORM_* fields, computed here (_NORM_IN)
+    # MOE_UPGATE_DRAIN: each claimed up tile also multiplies its SiLU*up features by their columns of
+    # the expert's down matrix (a split-K down) into moe_out tile N_TILE; MOE_COMBINE: sum a slot's
+    # moe_out tiles (in tile order) before weighting it; no MOE_DOWN_DRAIN
+    SPLIT_DOWN = 1 << 10
 
 
 class QkvPart(enum.IntEnum):

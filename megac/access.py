@@ -71,7 +71,8 @@ Logical buffers (``logical_shapes``) are the launch-descriptor names plus:
   device-chosen permutation, so regions name the logical (expert, row, k)
   triple. MOE_GATHER of row r writes ``moe_x[l, :, r, :, :]``; an expert's
   tasks touch ``[l, e, :, :, cols]``; MOE_COMBINE of row r reads
-  ``moe_out[l, :, r, :, :]``;
+  ``moe_out[l, :, r, :, :]``; moe_out's features are ``moe_out_tiles``
+  runs of ``hidden`` (tile t of a split-K down partial at ``t * hidden``);
 * ``moe_up_queue``/``moe_down_queue [L]``, ``attn_queue [1]``;
 * ``target_word [TargetWords.total]``.
 
@@ -156,7 +157,7 @@ def logical_shapes(geo: Geometry) -> dict[str, tuple[int, ...]]:
         "kv_new": (L, R, 2 * geo.kv_width),
         "moe_x": (L, E, R, K, geo.hidden),
         "moe_act": (L, E, R, K, max(geo.expert_width, 1)),
-        "moe_out": (L, E, R, K, geo.hidden),
+        "moe_out": (L, E, R, K, geo.moe_out_tiles * geo.hidden),
         "moe_up_queue": (L,),
         "moe_down_queue": (L,),
         "attn_queue": (1,),

@@ -35,7 +35,8 @@ def step_buffers(geo) -> dict[str, tuple[str, tuple[int, ...], str, str]]:
         "route_slot": ("int32", (L, R, geo.top_k), "scratch", ""),
         "moe_x": ("bf16", (L, RK, D), "scratch", "slot of (row, k) chosen by ROUTE_FINALIZE"),
         "moe_act": ("bf16", (L, RK, geo.expert_width), "scratch", ""),
-        "moe_out": ("fp32", (L, RK, D), "scratch", ""),
+        # a tile axis folded into the features where the down projection runs split-K
+        "moe_out": ("fp32", (L, RK, geo.moe_out_tiles * D), "scratch", ""),
         "logits": ("fp32", (R, geo.vocab), "scratch", "read by the sampler"),
         "argmax_part": ("argmax", (R, geo.lm_tiles), "scratch", "abi.ARGMAX_RECORD per LM tile"),
     }

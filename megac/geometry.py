@@ -33,6 +33,8 @@ Tiles (one task = one tile)
     fused_combine  the MoE combine inside the layer's ADD_RMSNORM (one row)
     routed_claims  the up claimers rank the rows themselves (the target's
                    ``routed_claims`` row bound >= rows): ``routed_claims_at``
+    split_down     the up claims run the expert down projection split-K
+                   (``split_down_at``); moe_out_tiles: moe_out's tiles per slot
     lm_bn, lm_tiles            LM head vocab tile
 
 Attention splits
@@ -132,6 +134,16 @@ DEFAULT_TILES = {
     # H200, North Mini Code batch 1, kernel ms against no fold (same bits):
     # 8K -1.8 %, 32K -2.0 % (nineteenth session, check tiles)
     "norm_fold": 1,
+    # split-K expert down projections in schedules of at most this many rows
+    # (0: none): each claimed up tile (moe_up_bn interleaved gate/up rows)
+    # also streams its features' columns of the expert's down matrix and
+    # writes that partial of the expert's output (moe_out gains a tile axis,
+    # MOE_COMBINE sums the tiles), so no MOE_DOWN_DRAIN: the down stream
+    # starts as soon as its own up tile ends instead of after the expert's
+    # slowest up tile, a claim's dispatch and wait less. Another summation
+    # order than the down claims' (a split-K sum: other bits). Not with
+    # fused_combine (the norm would sum every tile)
+    "split_down": 0,
 }
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
@@ -195,6 +207,16 @@ def norm_fold_at(spec, rows: int, tiles: dict | None = None) -> bool:
     # the next norm would need a third wait
     return (0 < rows <= t["norm_fold"] and not fused_combine_at(spec, rows, t)
             and routed_claims_at(spec, rows, t))
+
+
+def split_down_at(spec, rows: int, tiles: dict | None = None) -> bool:
+    """Whether schedules of ``rows`` rows of ``spec`` run the expert down
+    projection split-K inside the up claims (the target's ``split_down``
+    tile: a row bound, 0 none)."""
+    if not spec.moe:
+        return False
+    t = tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+    return 0 < rows <= t["split_down"]
 
 
 def routed_claims_at(spec, rows: int, tiles: dict | None = None) -> bool:
@@ -266,6 +288,11 @@ class Geometry:
     #: layers fold the norm into their QKV and router tiles where ``folded``
     #: says (DEFAULT_TILES' norm_fold >= rows)
     norm_fold: bool = False
+    #: the up claims run the down projection split-K (DEFAULT_TILES' split_down >= rows)
+    split_down: bool = False
+    #: moe_out's tiles per slot: up_tiles wherever the model splits the down
+    #: projection at some batch size (one kernel serves every schedule), else 1
+    moe_out_tiles: int = 1
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -328,6 +355,19 @@ class Geometry:
 
         target = spec.target
         routed = routed_claims_at(spec, rows, t)
+        if experts and t["split_down"] and t["fused_combine"]:
+            raise ValueError("target.tiles: split_down and fused_combine exclude each other (the norm "
+                             "would have to sum every expert tile's partial)")
+        up_tiles = _ceil_div(2 * expert_width, moe_up_bn) if experts else 0
+        if experts and t["split_down"] and moe_up_bn > 256:
+            raise ValueError(f"target.tiles.split_down: up tiles of at most 256 rows (128 features: the "
+                             f"down slice's rows live in shared memory), got moe_up_bn {moe_up_bn}")
+        if experts and t["split_down"] and (2 * expert_width) % moe_up_bn:
+            raise ValueError(f"target.tiles.split_down: the up tiles ({moe_up_bn} rows) must divide the expert's "
+                             f"{2 * expert_width} gate/up rows (each tile's features are a down K slice)")
+        if experts and t["split_down"] and (moe_up_bn // 2) % 32:
+            raise ValueError(f"target.tiles.split_down: an up tile's {moe_up_bn // 2} features are the down "
+                             f"projection's K slice, which must be a multiple of 32 (moe_up_bn a multiple of 64)")
         return cls(
             spec_name=spec.name,
             block=spec.block,
@@ -375,6 +415,8 @@ class Geometry:
             routed_claims=routed,
             fused_combine=fused_combine_at(spec, rows, t),
             norm_fold=norm_fold_at(spec, rows, t),
+            split_down=split_down_at(spec, rows, t),
+            moe_out_tiles=up_tiles if experts and t["split_down"] else 1,
         )
 
     def with_context(self, context: int) -> "Geometry":

@@ -15,7 +15,8 @@ Nodes, in program order (``g.graph["order"]``, a topological order):
   (``build_graph(spec, routed=True)``) neither, and ``.moe_upgate`` reads the
   router partials and the normed rows itself; no ``.moe_combine`` with
   ``build_graph(spec, fused_combine=True)``: the norm reads the experts'
-  outputs); sequential blocks
+  outputs; no ``.moe_down`` with ``split_down=True``: the up claims write
+  the down projection's split-K partials into ``moe_out``); sequential blocks
   (Llama) also ``L{l}.norm_attn`` (post-attention residual add + norm);
   every layer ``L{l}.norm`` (residual add + the next norm);
 * then ``lm_head``.
@@ -26,7 +27,7 @@ names), ``weights`` (weight tensor names read).
 
 Graph attributes: ``tensors`` = ``{name: Tensor}``, ``order`` (node names),
 ``spec_name``, ``num_layers``, ``block``, ``fused_topk``, ``fused_gather``,
-``routed_claims``, ``fused_combine``.
+``routed_claims``, ``fused_combine``, ``split_down``.
 
 Edges ``producer -> consumer`` carry ``tensor`` (the name that flows). The
 residual stream is one tensor per norm, ``x_resid[g]`` next to ``x_norm[g]``
@@ -100,13 +101,16 @@ def fused_routing_of(spec, routed: bool = False) -> tuple[bool, bool]:
     return (topk or (routed and bool(spec.moe)), gather and not routed)
 
 
-def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=()) -> nx.DiGraph:
+def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=(),
+                split_down: bool = False) -> nx.DiGraph:
     """The decode graph; ``routed``: with routed claims (the up claims read
     the router partials and x_norm; no top-k, no gather); ``fused_combine``:
     the norm does the MoE combine (schedules of one row:
     :func:`megac.geometry.fused_combine_at`); ``folded``: layers whose QKV
     and router nodes fold the norm that writes their x_norm slot (they read
-    that norm's inputs instead: :meth:`megac.geometry.Geometry.folded`)."""
+    that norm's inputs instead: :meth:`megac.geometry.Geometry.folded`);
+    ``split_down``: the up node also runs the down projection split-K
+    (writes ``moe_out``, reads both expert matrices; no ``.moe_down``)."""
     folded = frozenset(folded)
     L = spec.num_layers
     D = spec.hidden_size
@@ -115,8 +119,10 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
     routed = bool(routed and moe)
     fused_topk, fused_gather = fused_routing_of(spec, routed)
     fused_combine = bool(fused_combine and moe)
+    split_down = bool(split_down and moe)
     g = nx.DiGraph(spec_name=spec.name, num_layers=L, block=spec.block, fused_topk=fused_topk,
-                   fused_gather=fused_gather, routed_claims=routed, fused_combine=fused_combine)
+                   fused_gather=fused_gather, routed_claims=routed, fused_combine=fused_combine,
+                   split_down=split_down)
     tensors: dict[str, Tensor] = {}
     order: list[str] = []
     last_writer: dict[str, str] = {}
@@ -192,11 +198,14 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
             add(p + "route_finalize", "route_finalize", l, fin_reads, fin_writes)
             if not fused_gather and not routed:
                 add(p + "moe_gather", "moe_gather", l, [ffn_in, route], [mx])
+            # split_down: the up claims write their down partials themselves
+            up_out, up_w = ([mo], [w("w_moe_upgate"), w("w_moe_down")]) if split_down else ([ma], [w("w_moe_upgate")])
             if routed:  # each up claimer routes the rows itself
-                add(p + "moe_upgate", "moe_upgate", l, [rpart, ffn_in], [ma], [w("w_moe_upgate")])
+                add(p + "moe_upgate", "moe_upgate", l, [rpart, ffn_in], up_out, up_w)
             else:
-                add(p + "moe_upgate", "moe_upgate", l, [mx, route], [ma], [w("w_moe_upgate")])
-            add(p + "moe_down", "moe_down", l, [ma, route], [mo], [w("w_moe_down")])
+                add(p + "moe_upgate", "moe_upgate", l, [mx, route], up_out, up_w)
+            if not split_down:
+                add(p + "moe_down", "moe_down", l, [ma, route], [mo], [w("w_moe_down")])
             if fused_combine:  # the norm sums the experts' outputs itself
                 fpart = [mo, topk, route]
             else:

@@ -463,5 +463,108 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
   MEGAC_MARK(5);  // the warps' partials reduced: the tile's sums ready
 }
 
+// ---------------------------------------------------------------------------
+// Short rows packed into whole stages (a split-K expert down slice)
+// ---------------------------------------------------------------------------
+//
+// A split_down claim's down slice is every feature of the hidden size over
+// the up tile's 64 or 128 intermediate features: 16-row groups of only 2 or
+// 4 blocks. tile_bulk's stages never cross a row group, so its ring would
+// hold 2-4 KB per slot (an SM's bytes in flight, what it streams at,
+// halved or quartered: sm_stream block). Here a stage packs
+// kStageBlocks / nb of the warp's row groups, one bulk copy each onto the
+// slot's one barrier, so a slot holds kStageBlocks blocks again. Row groups
+// are dealt round-robin to the warps (no K slicing: at least as many
+// groups as warps is where it pays; fewer leave warps idle), each group's
+// blocks accumulated as tile_bulk accumulates a one-slice item.
+struct Packed {
+  int groups, nb, pack, mine, total;
+  __device__ Packed(int nlen, int klen, int warp, int nwarps)
+      : groups(nlen / 16), nb(klen / 32), pack(kStageBlocks / (klen / 32 > 0 ? klen / 32 : 1)) {
+    if (pack < 1) pack = 1;
+    mine = warp < groups ? (groups - warp + nwarps - 1) / nwarps : 0;
+    total = (mine + pack - 1) / pack;
+  }
+  // stage i's row groups: the warp's local groups [i * pack, i * pack + count(i))
+  __device__ int count(int i) const { return min(pack, mine - i * pack); }
+};
+
+// Lane 0: stage i of this warp's packed walk into its slot.
+__device__ __forceinline__ void issue_packed(const rows::WeightSpan& s, const Packed& pk, int i, uint32_t base,
+                                             uint8_t* ring, BulkState* st, int warp, int nwarps, uint64_t policy) {
+  const uint32_t n = base + i, slot = n % kStages;
+  uint64_t* bar = &st->bar[warp][slot];
+  const int cnt = pk.count(i);
+  const uint32_t bytes = uint32_t(pk.nb) * 1024u;
+  mbar_arrive_expect_tx(bar, uint32_t(cnt) * bytes);
+  uint8_t* dst = ring + (warp * kStages + slot) * kStageBytes;
+  for (int j = 0; j < cnt; ++j) {
+    const int group = warp + (i * pk.pack + j) * nwarps;
+    bulk_load_hint(dst + j * bytes, s.p + int64_t(group) * (s.ld / 32) * kBlockElems, bytes, bar, policy);
+  }
+}
+
+// prime() for a packed tile: each warp's lane 0 issues its first stages.
+__device__ __noinline__ void prime_packed(const rows::WeightSpan s, uint8_t* ring, BulkState* st) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (lane != 0) return;
+  const Packed pk(s.rows, s.cols, warp, nwarps);
+  const uint64_t policy = l2_evict_first_policy();
+  const uint32_t base = st->seq[warp];
+  const int n = min(kStages, pk.total);
+  for (int i = 0; i < n; ++i) issue_packed(s, pk, i, base, ring, st, warp, nwarps, policy);
+  st->primed[warp] = n;
+}
+
+// tile_bulk over packed stages: ys[c * 8 + m] for c < s.rows; `primed`:
+// prime_packed issued the first stages. Whole CTA; ends with a barrier.
+__device__ __noinline__ void tile_packed(const rows::WeightSpan s, const bf16* xs, int rows, float* ys, uint8_t* ring,
+                                         BulkState* st, bool primed) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const Packed pk(s.rows, s.cols, warp, nwarps);
+  const int g = lane >> 2, t = lane & 3;
+  const bool token = g < rows;
+  const uint32_t xa = smem_addr(xs + g * x_pitch(s.cols) + t * 8);
+  const uint32_t ring_w = smem_addr(ring + warp * kStages * kStageBytes);
+  const uint32_t base = st->seq[warp];
+  const int issued = primed ? int(st->primed[warp]) : 0;
+  __syncwarp();
+  const uint64_t policy = lane == 0 ? l2_evict_first_policy() : 0;
+  if (lane == 0)
+    for (int i = issued; i < min(kStages, pk.total); ++i) issue_packed(s, pk, i, base, ring, st, warp, nwarps, policy);
+  for (int i = 0; i < pk.total; ++i) {
+    const uint32_t n = base + i;
+    wait_landed(st, warp, n);
+    const uint32_t src = ring_w + (n % kStages) * kStageBytes + lane * 16;
+    const int cnt = pk.count(i);
+    for (int j = 0; j < cnt; ++j) {
+      float acc[kAcc][4];
+      zero_acc(acc);
+      const uint32_t sj = src + j * pk.nb * 1024;
+#pragma unroll
+      for (int b = 0; b < kStageBlocks; ++b) {
+        if (b >= pk.nb) break;
+        uint4 xv = make_uint4(0, 0, 0, 0);
+        if (token) xv = gemm::lds128(xa + b * 64);
+        mma_block(acc, b, gemm::lds128(sj + b * 1024), gemm::lds128(sj + b * 1024 + 512), xv);
+      }
+      const int row = (warp + (i * pk.pack + j) * nwarps) * 16 + g;
+      float d[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) d[q] = ((acc[0][q] + acc[1][q]) + acc[2][q]) + acc[3][q];
+      *reinterpret_cast<float2*>(ys + row * 8 + 2 * t) = make_float2(d[0], d[1]);
+      *reinterpret_cast<float2*>(ys + (row + 8) * 8 + 2 * t) = make_float2(d[2], d[3]);
+    }
+    __syncwarp();
+    if (lane == 0 && i + kStages < pk.total) issue_packed(s, pk, i + kStages, base, ring, st, warp, nwarps, policy);
+  }
+  __syncwarp();
+  if (lane == 0) {
+    st->seq[warp] = base + pk.total;
+    st->primed[warp] = 0;
+  }
+  __syncthreads();
+}
+
 }  // namespace tc
 }  // namespace megac

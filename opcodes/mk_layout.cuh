@@ -48,6 +48,10 @@ struct Layout {
   // [L, R * top_k, D], [L, R * top_k, expert_width]
   MEGAC_HD static constexpr int64_t moe_x(int l, int slot) { return (l * R * M::TOP_K + slot) * D; }
   MEGAC_HD static constexpr int64_t moe_act(int l, int slot) { return (l * R * M::TOP_K + slot) * M::EXPERT_WIDTH; }
+  // [L, R * top_k, MOE_OUT_TILES * D]: a split-K down's partials side by side (tile t at t * D)
+  MEGAC_HD static constexpr int64_t moe_out(int l, int slot) {
+    return (l * R * M::TOP_K + slot) * M::MOE_OUT_TILES * D;
+  }
   // [R, vocab], [R, lm_tiles]
   MEGAC_HD static constexpr int64_t logits(int r) { return r * M::VOCAB; }
   MEGAC_HD static constexpr int64_t argmax(int r) { return r * M::LM_TILES; }

@@ -199,7 +199,7 @@ struct FinalizeArgs {
   int32_t queue_cap;             // records each queue holds
   int32_t* route_slot;           // [rows * k]
   int4* up_queue;                // [queue_cap]
-  int4* down_queue;              // [queue_cap]
+  int4* down_queue;              // [queue_cap]; null: none (split_down: the count alone)
   int32_t* up_len;               // target word: up-queue length; null: no up queue (routed claims)
   int32_t* down_len;             // target word: down-queue length
   // the top-k inside (topk_splits > 0): row r's split s logits at
@@ -352,7 +352,7 @@ __device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* sme
   }
   MEGAC_MARK(3);  // ranked and counted, slots written (and rows gathered)
   if (a.up_len != nullptr) write_queue(a.up_queue, a.up_tiles, na, act, off, cnt);
-  write_queue(a.down_queue, a.down_tiles, na, act, off, cnt);
+  if (a.down_queue != nullptr) write_queue(a.down_queue, a.down_tiles, na, act, off, cnt);
   if (threadIdx.x == 0) {
     if (a.up_len != nullptr) *a.up_len = na * a.up_tiles;
     *a.down_len = na * a.down_tiles;
@@ -386,11 +386,15 @@ __device__ __forceinline__ float4 weighted_add(float4 acc, float w, float4 y, bo
                      __fadd_rn(acc.w, p.w));
 }
 
-// MOE_COMBINE for one row, whole CTA: y = moe_out (fp32 [rows * k, D],
+// MOE_COMBINE for one row, whole CTA: y = moe_out (fp32 [rows * k, ld],
 // D % 4 == 0), out fp32 [rows, D], k <= 32. Slots and weights are staged in
 // shared memory; up to 8 expert outputs are loaded before the first add.
+// tiles > 1 (split_down): a slot's output is the sum of its `tiles` split-K
+// partials y[slot * ld + t * D ..], added in tile order (as the VM).
 __device__ __forceinline__ void combine_row(const float* y, const int32_t* slot, const float* w,
-                                            float* out, int row, int k, int D, int32_t* smem) {
+                                            float* out, int row, int k, int D, int32_t* smem, int tiles = 1,
+                                            int64_t ld = 0) {
+  if (ld == 0) ld = D;
   float* ws = reinterpret_cast<float*>(smem + 32);
   if (threadIdx.x < k) {
     smem[threadIdx.x] = __ldcg(slot + row * k + threadIdx.x);
@@ -404,7 +408,18 @@ __device__ __forceinline__ void combine_row(const float* y, const int32_t* slot,
       float4 u[8];
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
-        if (j0 + jj < k) u[jj] = __ldcg(reinterpret_cast<const float4*>(y + (size_t)smem[j0 + jj] * D) + c);
+        if (j0 + jj < k) u[jj] = __ldcg(reinterpret_cast<const float4*>(y + smem[j0 + jj] * ld) + c);
+      for (int t = 1; t < tiles; ++t) {
+        float4 v[8];
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+          if (j0 + jj < k) v[jj] = __ldcg(reinterpret_cast<const float4*>(y + smem[j0 + jj] * ld + int64_t(t) * D) + c);
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+          if (j0 + jj < k)
+            u[jj] = make_float4(__fadd_rn(u[jj].x, v[jj].x), __fadd_rn(u[jj].y, v[jj].y), __fadd_rn(u[jj].z, v[jj].z),
+                                __fadd_rn(u[jj].w, v[jj].w));
+      }
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
         if (j0 + jj < k) acc = weighted_add(acc, ws[j0 + jj], u[jj], j0 + jj == 0);

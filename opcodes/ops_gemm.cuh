@@ -54,15 +54,22 @@ constexpr bool kTiled = MEGAC_TC_GEMM && M::GEMM_TILED;
 // Scratch of a GEMM tile: X staging [8][MAX_KLEN (+ padding)] bf16, ys
 // [MAX_NLEN][8] fp32, then the tensor-core tile's K-slice partials, the
 // warps' cp.async rings (rows::kStages > 0) or the bulk-copy ring's stages
-// when the model uses one.
+// when the model uses one. A model whose up claims may run the down
+// projection split-K (M::MOE_OUT_TILES > 1) also has the slice's SiLU*up
+// rows after the partials, and its X staging holds at least the down
+// slice's ys [HIDDEN][8] (the staged X is spent by then).
 template <class M>
 struct GemmScratch {
   static constexpr bool kTc = kTiled<M>;
+  static constexpr bool kSplitDown = kTc && tc::kBulk && M::MOE_OUT_TILES > 1;
   static constexpr bool kRing = !kTc && MEGAC_GEMM_RING && M::MAX_KLEN * 2 <= rows::kRingStageBytes;
-  static constexpr int kXBytes = (8 * tc::x_pitch(M::MAX_KLEN) * 2 + 127) / 128 * 128;
+  static constexpr int kXBytes =
+      (cmax(8 * tc::x_pitch(M::MAX_KLEN) * 2, kSplitDown ? M::HIDDEN * 8 * 4 : 0) + 127) / 128 * 128;
   static constexpr int kYBytes = (M::MAX_NLEN * 8 * 4 + 127) / 128 * 128;
   static constexpr bool kPiped = !kTc && !kRing && rows::kStages > 0;
-  static constexpr int kPartBytes = kTc ? tc::part_bytes(M::THREADS / 32) : 0;
+  // the split-K slice's rows: at most 128 features (geometry: moe_up_bn <= 256)
+  static constexpr int kHBytes = kSplitDown ? 8 * tc::x_pitch(128) * 2 : 0;
+  static constexpr int kPartBytes = (kTc ? tc::part_bytes(M::THREADS / 32) : 0) + kHBytes;
   static constexpr int kRingOffset =
       (kXBytes + kYBytes + kPartBytes + MEGAC_TC_RING_ALIGN - 1) / MEGAC_TC_RING_ALIGN * MEGAC_TC_RING_ALIGN;
   static constexpr int kBytes = kRingOffset + (kTc ? tc::ring_bytes(M::THREADS / 32) : 0) +
@@ -72,6 +79,9 @@ struct GemmScratch {
   __device__ static uint8_t* ring(const Ctx& c) { return c.scratch + kXBytes + kYBytes; }
   __device__ static uint8_t* pipes(const Ctx& c) { return c.scratch + kXBytes + kYBytes; }
   __device__ static float* part(const Ctx& c) { return reinterpret_cast<float*>(c.scratch + kXBytes + kYBytes); }
+  __device__ static bf16* hs(const Ctx& c) {
+    return reinterpret_cast<bf16*>(c.scratch + kXBytes + kYBytes + (kTc ? tc::part_bytes(M::THREADS / 32) : 0));
+  }
   __device__ static uint8_t* tc_ring(const Ctx& c) { return c.scratch + kRingOffset; }
 };
 
@@ -334,6 +344,31 @@ __device__ __forceinline__ void lm_head(const Ctx& c) {
                 ptr<ArgmaxRecord>(d->argmax_part), M::LM_TILES);
 }
 
+// SPLIT_DOWN: the up tile's SiLU*up features (nlen / 2 from feature n0 / 2,
+// rounded to bf16 as moe_act holds them) times their columns of the expert's
+// down matrix, every hidden feature: the tile's split-K partial of the
+// expert's output, into moe_out tile N_TILE. The down slice's first stages
+// go out before the SiLU (the ring is free once the up tile's stages are
+// consumed), so its stream follows the up stream without a round trip.
+template <class M>
+__device__ __forceinline__ void moe_split_down(const Ctx& c, const float* ys, int nlen, int n0, int s0, int nr) {
+  using Lay = Layout<M>;
+  const LaunchDesc* d = c.d;
+  const int layer = c.ts->w[H_LAYER], tile = c.ts->rec[rec_moe_up::N_TILE];
+  const int slot = ptr<const int32_t>(d->layer_slot)[layer];
+  const WeightSpan ds = span<M>(ptr<const bf16>(d->w_moe_down) + Lay::w_moe_down(slot, c.ts->rec[rec_moe_up::EXPERT]),
+                                0, n0 / 2, M::HIDDEN, nlen / 2, M::EXPERT_WIDTH);
+  uint8_t* ring = GemmScratch<M>::tc_ring(c);
+  tc::prime_packed(ds, ring, &c.ts->tc);
+  bf16* hs = GemmScratch<M>::hs(c);
+  rows::silu_mul(ys, hs, tc::x_pitch(nlen / 2), nr, nlen);
+  __syncthreads();
+  float* yd = reinterpret_cast<float*>(GemmScratch<M>::xs(c));  // the up tile's staged X is spent
+  tc::tile_packed(ds, hs, nr, yd, ring, &c.ts->tc, true);
+  rows::store<float>(yd, ptr<float>(d->moe_out) + Lay::moe_out(layer, s0) + int64_t(tile) * M::HIDDEN,
+                     int64_t(M::MOE_OUT_TILES) * M::HIDDEN, nr, M::HIDDEN);
+}
+
 // A claimed expert tile: record {expert, n_tile, slot0, rows}; the routed
 // rows are slots slot0 .. slot0 + rows - 1 of moe_x / moe_act / moe_out.
 // A routed claim (MOE_UPGATE_DRAIN with ROUTE_SPLITS > 0, ops_moe.cuh) reads
@@ -351,6 +386,12 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c, const int32_t* rowof =
   const bf16* x = rowof != nullptr ? ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0)
                                    : ptr<const bf16>(d->moe_x) + Lay::moe_x(layer, s0);
   const float* ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr);
+  if constexpr (GemmScratch<M>::kSplitDown) {
+    if (c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) {
+      moe_split_down<M>(c, ys, ws.rows, n0, s0, nr);
+      return;
+    }
+  }
   rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, ws.rows);
 }
 
@@ -364,7 +405,8 @@ __device__ __forceinline__ void moe_down_tile(const Ctx& c) {
   const WeightSpan ws = moe_down_weights<M>(c, c.ts->rec);
   const bf16* x = ptr<const bf16>(d->moe_act) + Lay::moe_act(layer, s0);
   const float* ys = gemm<M>(c, ws, x, M::EXPERT_WIDTH, nr);
-  rows::store<float>(ys, ptr<float>(d->moe_out) + Lay::moe_x(layer, s0) + n0, M::HIDDEN, nr, ws.rows);
+  rows::store<float>(ys, ptr<float>(d->moe_out) + Lay::moe_out(layer, s0) + n0, M::MOE_OUT_TILES * M::HIDDEN, nr,
+                     ws.rows);
 }
 
 }  // namespace mk

@@ -124,7 +124,10 @@ __device__ __forceinline__ bool route_finalize(const Ctx& c) {
   a.queue_cap = d->moe_queue_cap;
   a.route_slot = ptr<int32_t>(d->route_slot) + Lay::topk(layer, 0);
   a.up_queue = ptr<int4>(d->moe_up_queue) + int64_t(layer) * d->moe_queue_cap;
-  a.down_queue = ptr<int4>(d->moe_down_queue) + int64_t(layer) * d->moe_queue_cap;
+  // DOWN_QUEUE -1 (split_down): the count alone, no down claims read a queue
+  a.down_queue = c.ts->w[f_route_finalize::DOWN_QUEUE] >= 0
+                     ? ptr<int4>(d->moe_down_queue) + int64_t(layer) * d->moe_queue_cap
+                     : nullptr;
   // -1: no up queue (routed claims derive it themselves)
   const int up_word = c.ts->w[f_route_finalize::UP_COUNT_WORD];
   a.up_len = up_word >= 0 ? ptr<int32_t>(d->targets) + up_word : nullptr;
@@ -162,20 +165,24 @@ __device__ __forceinline__ void moe_combine(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_moe_combine::ROW];
-  moe::combine_row(ptr<const float>(d->moe_out) + Lay::moe_x(layer, 0),
+  // SPLIT_DOWN: every slot's split-K partials summed first
+  const int tiles = (c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) ? M::MOE_OUT_TILES : 1;
+  moe::combine_row(ptr<const float>(d->moe_out) + Lay::moe_out(layer, 0),
                    ptr<const int32_t>(d->route_slot) + Lay::topk(layer, 0),
                    ptr<const float>(d->topk_w) + Lay::topk(layer, 0),
                    ptr<float>(d->ffn_part) + Lay::ffn_part(layer, 0, 0), row, M::TOP_K, M::HIDDEN,
-                   reinterpret_cast<int32_t*>(c.scratch));
+                   reinterpret_cast<int32_t*>(c.scratch), tiles, int64_t(M::MOE_OUT_TILES) * M::HIDDEN);
 }
 
 // Expert records {expert, n_tile, slot0, rows}. Up: waits TASK_WAIT_BASE,
-// signals TASK_SIGNAL_BASE + expert. Down: waits TASK_WAIT_BASE + expert,
-// signals TASK_SIGNAL_BASE.
+// signals TASK_SIGNAL_BASE + expert (SPLIT_DOWN: TASK_SIGNAL_BASE, the
+// combine's one counter). Down: waits TASK_WAIT_BASE + expert, signals
+// TASK_SIGNAL_BASE.
 struct MoeUpOffsets {
+  bool split;
   __device__ void operator()(const int32_t* rec, int32_t& wo, int32_t& so) const {
     wo = 0;
-    so = rec[rec_moe_up::EXPERT];
+    so = split ? 0 : rec[rec_moe_up::EXPERT];
   }
 };
 struct MoeDownOffsets {
@@ -261,7 +268,7 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
     return true;
   };
   return claim_loop(c, source, f_moe_upgate_drain::TASK_WAIT_BASE, f_moe_upgate_drain::TASK_WAIT_TARGET,
-                    f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{}, [](const int32_t*) {},
+                    f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{(c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0}, [](const int32_t*) {},
                     [&]() { moe_up_tile<M>(c, rowof, xslot); });
 }
 
@@ -273,7 +280,7 @@ __device__ __forceinline__ bool moe_upgate_drain(const Ctx& c) {
 #endif
   // (a build without routed claims ignores ROUTE_SPLITS: the verifier holds it at 0)
   return claim_loop(c, f_moe_upgate_drain::QUEUE, f_moe_upgate_drain::QUEUE_LEN, f_moe_upgate_drain::TASK_WAIT_BASE,
-                    f_moe_upgate_drain::TASK_WAIT_TARGET, f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{},
+                    f_moe_upgate_drain::TASK_WAIT_TARGET, f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{(c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0},
                     [&](const int32_t* rec) { rows::prefetch_head(moe_up_weights<M>(c, rec), 0, 1); },
                     [&]() { moe_up_tile<M>(c); }, M::NUM_LAYERS);
 }

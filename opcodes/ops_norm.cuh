@@ -102,7 +102,7 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
       static_assert(M::TOP_K <= norm::kMoeMaxK, "the norm sums at most kMoeMaxK experts");
       norm::MoeRow* m = reinterpret_cast<norm::MoeRow*>(red + 64 + 2 * norm::kMoeMaxK);
       if (threadIdx.x == 0) {
-        m->y = ptr<const float>(d->moe_out) + Lay::moe_x(layer, 0);
+        m->y = ptr<const float>(d->moe_out) + Lay::moe_out(layer, 0);  // tile 0 (fused_combine: no split_down)
         m->slot = ptr<const int32_t>(d->route_slot) + Lay::topk(layer, row);
         m->w = ptr<const float>(d->topk_w) + Lay::topk(layer, row);
         m->k = M::TOP_K;

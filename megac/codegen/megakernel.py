@@ -114,13 +114,17 @@ def model_constants(spec, schedules) -> list[tuple[str, int]]:
         # a folded norm keeps its row in registers (ops_norm.cuh's stage_norm_in)
         raise MegacError(f"megakernel: {spec.name}: target.tiles.norm_fold needs hidden_size <= "
                          f"{_NORM_BATCH * THREADS} (got {geo.hidden}); set norm_fold: 0")
+    if geo.moe_out_tiles > 1 and not gemm_tiled(schedules):
+        # the split-K down slice runs on the tensor cores only (gemm_tc.cuh tile_packed)
+        raise MegacError(f"megakernel: {spec.name}: target.tiles.split_down needs every GEMM on the tensor "
+                         f"cores (rows in 16s, K in 32s); set split_down: 0")
     kmax, nmax = _gemm_extents(schedules)
     return [
         ("NUM_LAYERS", geo.num_layers), ("HIDDEN", geo.hidden), ("NUM_HEADS", geo.num_heads),
         ("KV_HEADS", geo.kv_heads), ("HEAD_DIM", geo.head_dim), ("GQA", geo.heads_per_kv),
         ("Q_WIDTH", geo.q_width), ("KV_WIDTH", geo.kv_width), ("QKV_WIDTH", geo.qkv_width), ("VOCAB", geo.vocab),
         ("DENSE_WIDTH", geo.dense_width), ("NUM_EXPERTS", geo.num_experts), ("TOP_K", geo.top_k),
-        ("EXPERT_WIDTH", geo.expert_width), ("MAX_ROWS", geo.rows), ("MAX_SPLITS", geo.max_splits),
+        ("EXPERT_WIDTH", geo.expert_width), ("MOE_OUT_TILES", geo.moe_out_tiles), ("MAX_ROWS", geo.rows), ("MAX_SPLITS", geo.max_splits),
         ("NORM_SLOTS", geo.norm_slots), ("FFN_SPLITS", geo.ffn_splits), ("ROUTER_SPLITS", geo.router_splits),
         ("LM_BN", geo.lm_bn), ("LM_TILES", geo.lm_tiles), ("MAX_KLEN", kmax), ("MAX_NLEN", nmax),
         ("THREADS", THREADS), ("GEMM_TILED", int(gemm_tiled(schedules))),
@@ -144,7 +148,7 @@ _LAYOUT_CHECKS = (
     ("route_slot", ("topk(1, 0)", "topk(0, 1)"), "num_experts"),
     ("moe_x", ("moe_x(1, 0)", "moe_x(0, 1)"), "num_experts"),
     ("moe_act", ("moe_act(1, 0)", "moe_act(0, 1)"), "num_experts"),
-    ("moe_out", ("moe_x(1, 0)", "moe_x(0, 1)"), "num_experts"),
+    ("moe_out", ("moe_out(1, 0)", "moe_out(0, 1)"), "num_experts"),
     ("logits", ("logits(1)",), None),
     ("argmax_part", ("argmax(1)",), None),
 )

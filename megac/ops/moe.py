@@ -171,11 +171,13 @@ class RouteFinalize(OpDef):
             # the device emits UP_TILES records per active expert: the count
             # the claimed tasks' waiters expect (geometry.up_tiles)
             ("UP_TILES", g.up_tiles, g.up_tiles + 1, False),
-            ("DOWN_TILES", g.down_tiles, g.down_tiles + 1, False),
+            # split_down: the count is of the up claims (they write moe_out), no down queue
+            ("DOWN_TILES", *((g.up_tiles, g.up_tiles + 1) if g.split_down else (g.down_tiles, g.down_tiles + 1)),
+             False),
             ("UP_COUNT_WORD", up_w, lambda sub: up_w(sub) + 1, False),
             ("DOWN_COUNT_WORD", down_w, lambda sub: down_w(sub) + 1, False),
             ("UP_QUEUE", int(Queue.MOE_UP), int(Queue.MOE_UP) + 1, False),
-            ("DOWN_QUEUE", int(Queue.MOE_DOWN), int(Queue.MOE_DOWN) + 1, False),
+            ("DOWN_QUEUE", *((-1, 0) if g.split_down else (int(Queue.MOE_DOWN), int(Queue.MOE_DOWN) + 1)), False),
             ("NUM_ROWS", 1, g.rows + 1, False),
             ("TOPK_SPLITS", g.finalize_topk_splits, g.finalize_topk_splits + 1, False),
         ]
@@ -194,7 +196,8 @@ class RouteFinalize(OpDef):
         acc.add("route_slot", True, ix, at(layer), (0, n), span(K))
         up = field(w, self.op, "UP_COUNT_WORD") >= 0  # else routed claims: no up queue
         acc.add("moe_up_queue", True, ix[up], at(layer[up]))
-        acc.add("moe_down_queue", True, ix, at(layer))
+        down = field(w, self.op, "DOWN_QUEUE") >= 0  # else split_down: the count alone
+        acc.add("moe_down_queue", True, ix[down], at(layer[down]))
         acc.add("target_word", True, ix[up], at(field(w, self.op, "UP_COUNT_WORD")[up]))
         acc.add("target_word", True, ix, at(field(w, self.op, "DOWN_COUNT_WORD")))
 
@@ -215,7 +218,8 @@ class RouteFinalize(OpDef):
             layer = int(w[0, H.LAYER])
             n = int(field(w, op, "NUM_ROWS")[0])
             up_t, down_t = int(field(w, op, "UP_TILES")[0]), int(field(w, op, "DOWN_TILES")[0])
-            uq, dq = _queue_buffer(field(w, op, "UP_QUEUE")[0]), _queue_buffer(field(w, op, "DOWN_QUEUE")[0])
+            dq_id = int(field(w, op, "DOWN_QUEUE")[0])
+            uq, dq = _queue_buffer(field(w, op, "UP_QUEUE")[0]), (_queue_buffer(dq_id) if dq_id >= 0 else None)
             uw, dw = int(field(w, op, "UP_COUNT_WORD")[0]), int(field(w, op, "DOWN_COUNT_WORD")[0])
             if not 0 <= n <= vm.R:
                 raise BadTaskError("ROUTE_FINALIZE: NUM_ROWS outside the batch", layer=layer)
@@ -243,13 +247,14 @@ class RouteFinalize(OpDef):
                 _gather_rows(vm, self, layer, vm.x_slot(op, xs, layer), np.arange(n), read_slots=False)
             for qname, tiles, word in ((uq, up_t, uw), (dq, down_t, dw))[0 if uw >= 0 else 1:]:
                 recs = routing.queue_records(route, tiles)
-                qb = st.np[qname]
-                if len(recs) > qb.shape[1]:
-                    raise QueueOverflowError(f"ROUTE_FINALIZE layer {layer}: {len(recs)} records for "
-                                             f"{qname} (capacity {qb.shape[1]})", layer=layer, buffer=qname)
-                vm.tr.write(qname, (layer, slice(0, len(recs))))
+                if qname is not None:  # None: split_down's count alone
+                    qb = st.np[qname]
+                    if len(recs) > qb.shape[1]:
+                        raise QueueOverflowError(f"ROUTE_FINALIZE layer {layer}: {len(recs)} records for "
+                                                 f"{qname} (capacity {qb.shape[1]})", layer=layer, buffer=qname)
+                    vm.tr.write(qname, (layer, slice(0, len(recs))))
+                    qb[layer, : len(recs)] = recs
                 vm.tr.write("targets", (word,))
-                qb[layer, : len(recs)] = recs
                 vm.targets[word] = len(recs)
 
 
@@ -300,7 +305,9 @@ def _gather_rows(vm, d: OpDef, layer: int, xs: int, rows: np.ndarray, read_slots
 
 class MoeCombine(OpDef):
     """Per row: the score-weighted sum of its experts' outputs in k order
-    (fp32) into ``ffn_part[layer, 0]``."""
+    (fp32) into ``ffn_part[layer, 0]``. Flagged SPLIT_DOWN (geometry
+    ``split_down``): each expert output is first the sum of its
+    ``moe_out_tiles`` split-K partials, in tile order."""
 
     op = Op.MOE_COMBINE
     node_kinds = ("moe_combine",)
@@ -311,35 +318,60 @@ class MoeCombine(OpDef):
     def field_rules(self, lim):
         return [("ROW", 0, lim.geo.rows, False)]
 
+    def flags(self, nt, geo):
+        return int(Flag.SPLIT_DOWN) if geo.split_down else 0
+
     def access(self, acc, w, ix, layer, geo):
         row = field(w, self.op, "ROW")
         E, K = _ek(geo)
         D = geo.hidden
-        acc.add("moe_out", False, ix, at(layer), span(E), at(row), span(K), span(D))
+        acc.add("moe_out", False, ix, at(layer), span(E), at(row), span(K), span(_combined_features(geo)))
         acc.add("topk_w", False, ix, at(layer), at(row), span(K))
         acc.add("route_slot", False, ix, at(layer), at(row), span(K))
         acc.add("ffn_part", True, ix, at(layer), at(0), at(row), span(D))
 
     def task_bytes(self, w, geo, params):
-        return np.full(len(w), max(geo.top_k, 1) * geo.hidden * FP32 + geo.hidden * FP32, dtype=np.float64)
+        return np.full(len(w), max(geo.top_k, 1) * _combined_features(geo) * FP32 + geo.hidden * FP32,
+                       dtype=np.float64)
 
     def run(self, vm, words):
         op, st = self.op, vm.st
         vm.require_ffn(words, self)
-        for (layer,), ti in vm.groups(words, op, ()):
+        for (layer, flags), ti in vm.groups(words, op, (), flags=True):
+            split = bool(flags & Flag.SPLIT_DOWN)
+            if split and not vm.geo.split_down:
+                raise BadTaskError("MOE_COMBINE: SPLIT_DOWN in a schedule whose up claims write no split-K "
+                                   "partials", layer=layer)
             rows = field(words[ti], op, "ROW")
             for r in rows:
                 vm.tr.read("route_slot", (layer, int(r), slice(None)))
                 vm.tr.read("topk_w", (layer, int(r), slice(None)))
             slots = routed_slots(vm, self, layer, rows, "moe_out")
+            nf = (vm.geo.moe_out_tiles if split else 1) * vm.geo.hidden
             for j in range(len(rows)):
-                vm.tr.read("moe_out", (layer, slots[j], slice(None)))
+                vm.tr.read("moe_out", (layer, slots[j], slice(0, nf)))
             wts = st["topk_w"][layer, idx(rows)]  # [m, K]
-            y = st["moe_out"][layer][idx(slots)]  # [m, K, D]
+            y = st["moe_out"][layer][idx(slots)]  # [m, K, T * D]
+            y = sum_tiles(y, vm.geo.hidden, vm.geo.moe_out_tiles if split else 1)
             acc = routing.combine(wts, y)
             for r in rows:
                 vm.tr.write("ffn_part", (layer, 0, int(r), slice(None)))
             st["ffn_part"][layer, 0, idx(rows)] = acc
+
+
+def _combined_features(geo) -> int:
+    """moe_out features a combine reads: every split-K tile where the up
+    claims write them (split_down), else the one output."""
+    return geo.moe_out_tiles * geo.hidden if geo.split_down else geo.hidden
+
+
+def sum_tiles(y, D: int, tiles: int):
+    """``y [..., >= tiles * D]`` -> the sum of its first ``tiles`` runs of
+    ``D`` features in tile order (fp32, one add at a time, as the device)."""
+    out = y[..., :D]
+    for t in range(1, tiles):
+        out = out + y[..., t * D:(t + 1) * D]
+    return out
 
 
 class _ExpertDrain(ClaimerOp):
@@ -357,14 +389,14 @@ class _ExpertDrain(ClaimerOp):
         e, t = np.meshgrid(np.arange(geo.num_experts), np.arange(1 if merged else tiles), indexing="ij")
         e, t = e.ravel(), t.ravel()
         fields = {"EXPERT": e, "N_TILE": t, "N_TILE_HI": np.full_like(t, tiles) if merged else t + 1}
-        woff, soff = self._offsets_of(e)
+        woff, soff = self._offsets_of(e, geo)
         return SubTasks(self.queue, layer, fields, wait_offset=woff, signal_offset=soff)
 
-    def _offsets_of(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _offsets_of(self, experts: np.ndarray, geo) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
 
     def offsets(self, records, geo):
-        return self._offsets_of(records[:, abi.record_index(self.queue, "EXPERT")].astype(np.int64))
+        return self._offsets_of(records[:, abi.record_index(self.queue, "EXPERT")].astype(np.int64), geo)
 
     def records(self, vm, records, layer):
         Q = self.queue
@@ -403,11 +435,13 @@ class MoeUpgateDrain(_ExpertDrain):
     def tiles(self, geo):
         return geo.up_tiles
 
-    def _offsets_of(self, experts):
-        return np.zeros_like(experts), experts.copy()
+    def _offsets_of(self, experts, geo):
+        # split_down: one counter for the layer's combine (every tile of every expert)
+        return np.zeros_like(experts), (np.zeros_like(experts) if geo.split_down else experts.copy())
 
     def flags(self, nt, geo):
-        return _router_flags(geo) if geo.routed_claims else 0
+        return ((_router_flags(geo) if geo.routed_claims else 0)
+                | (int(Flag.SPLIT_DOWN) if geo.split_down else 0))
 
     def field_rules(self, lim):
         g, C = lim.geo, lim.num_counters
@@ -434,7 +468,7 @@ class MoeUpgateDrain(_ExpertDrain):
               if g.fused_gather or g.routed_claims else
               [("TASK_WAIT_BASE", 0, C, False), ("TASK_WAIT_TARGET", 1, BIG, True)]),
             ("TASK_SIGNAL_BASE", 0, C, False),
-            (last_of(self.op, "TASK_SIGNAL_BASE", g.num_experts), 0, C, False),
+            (last_of(self.op, "TASK_SIGNAL_BASE", self.signal_span(g)), 0, C, False),
             ("N_LEN", 1, 2 * g.expert_width + 1, False),
         ]
 
@@ -467,7 +501,11 @@ class MoeUpgateDrain(_ExpertDrain):
             acc.add("x_norm", False, t, at(geo.norm_input_slot(sub.layer)), span(R), span(geo.hidden))
         else:
             acc.add("moe_x", False, t, at(layer), at(e), span(R), span(K), span(geo.hidden))
-        acc.add("moe_act", True, t, at(layer), at(e), span(R), span(K), (c0, c1))
+        if geo.split_down:  # tile n's split-K partial of the expert's output
+            D = geo.hidden
+            acc.add("moe_out", True, t, at(layer), at(e), span(R), span(K), (n * D, n_hi * D))
+        else:
+            acc.add("moe_act", True, t, at(layer), at(e), span(R), span(K), (c0, c1))
 
     def routed_queue(self, vm, cw):
         """Routed claims: the records claimer ``cw`` derives (int64 ``[m, 4]``),
@@ -492,15 +530,19 @@ class MoeUpgateDrain(_ExpertDrain):
         return routing.queue_records(route, tiles).astype(np.int64)
 
     def signal_span(self, geo):
-        return max(geo.num_experts, 1)
+        return 1 if geo.split_down else max(geo.num_experts, 1)
 
     def signal_count(self, layer, offset, geo):
+        if geo.split_down:  # every claimed tile; ROUTE_FINALIZE counts them (its DOWN_TILES = up_tiles)
+            return abi.dyn(geo.target_words.moe_down_count(layer))
         return geo.up_tiles  # per active expert
 
     def claimed_work(self, geo, params):
         act = expected_active_experts(geo, params)
         rows_per_expert = geo.rows * geo.top_k / max(act, 1)
         b = geo.moe_up_bn * geo.hidden * BF16 + rows_per_expert * (geo.hidden + geo.moe_up_bn // 2) * BF16
+        if geo.split_down:  # its features' down columns, the partial written in fp32
+            b += geo.moe_up_bn // 2 * geo.hidden * BF16 + rows_per_expert * geo.hidden * FP32
         return act * geo.up_tiles, float(b)
 
     def run_claimed(self, vm, cw, records):
@@ -517,6 +559,12 @@ class MoeUpgateDrain(_ExpertDrain):
             raise BadTaskError(f"MOE_UPGATE_DRAIN: N_LEN {nlen} does not match the expert gate/up interleave "
                                f"(chunk {st.weights.moe_chunk})", layer=layer)
         W = st.w("w_moe_upgate")[vm.slot(layer)]  # [E, 2ew, D]
+        split = bool(int(cw[H.FLAGS]) & Flag.SPLIT_DOWN)
+        if split and not geo.split_down:
+            raise BadTaskError("MOE_UPGATE_DRAIN: SPLIT_DOWN in a schedule without split-K down partials",
+                               layer=layer)
+        Wd = st.w("w_moe_down")[vm.slot(layer)] if split else None  # [E, D, ew]
+        D, out = geo.hidden, st["moe_out"]
         e, t, s0, nr = self.records(vm, records, layer)
         act = st["moe_act"]
         for i in range(len(records)):
@@ -540,8 +588,19 @@ class MoeUpgateDrain(_ExpertDrain):
                                         W[int(e[i])])
                 else:
                     y = vm.slot_product(("moe_up", layer, int(e[i]), s), "moe_x", layer, s, W[int(e[i])])
-                act[layer, s, c0:c0 + h] = (F.silu(y[n0:n0 + h]) * y[n0 + h:n1]).to(act.dtype)
-            vm.tr.write("moe_act", (layer, slice(int(s0[i]), int(s0[i] + nr[i])), slice(c0, c0 + h)))
+                a = (F.silu(y[n0:n0 + h]) * y[n0 + h:n1]).to(act.dtype)
+                if split:  # the tile's features times their down columns: its partial of the output
+                    ti = int(t[i])
+                    if (ti + 1) * D > out.shape[2]:
+                        raise BadTaskError(f"MOE_UPGATE_DRAIN: N_TILE {ti} past moe_out's tiles", layer=layer)
+                    out[layer, s, ti * D:(ti + 1) * D] = F.linear(a.float()[None], Wd[int(e[i])][:, c0:c0 + h])[0]
+                else:
+                    act[layer, s, c0:c0 + h] = a
+            rs = slice(int(s0[i]), int(s0[i] + nr[i]))
+            if split:
+                vm.tr.write("moe_out", (layer, rs, slice(int(t[i]) * D, (int(t[i]) + 1) * D)))
+            else:
+                vm.tr.write("moe_act", (layer, rs, slice(c0, c0 + h)))
 
 
 class MoeDownDrain(_ExpertDrain):
@@ -556,7 +615,7 @@ class MoeDownDrain(_ExpertDrain):
     def tiles(self, geo):
         return geo.down_tiles
 
-    def _offsets_of(self, experts):
+    def _offsets_of(self, experts, geo):
         return experts.copy(), np.zeros_like(experts)
 
     def field_rules(self, lim):

@@ -69,7 +69,7 @@ def track(vm, layer: int, gamma: int, resid_in: int, rows: list[int], parts: lis
         for j, r in enumerate(rows):
             vm.tr.read("route_slot", (layer, r, slice(None)))
             vm.tr.read("topk_w", (layer, r, slice(None)))
-            vm.tr.read("moe_out", (layer, slots[j], slice(None)))
+            vm.tr.read("moe_out", (layer, slots[j], slice(0, vm.geo.hidden)))
     for r in rows:
         vm.tr.write("x_resid", (gamma, r, slice(None)))
         vm.tr.write("x_norm", (gamma, r, slice(None)))
@@ -174,7 +174,7 @@ class AddRmsnorm(OpDef):
             for plane in io.parts:
                 x = x + io.read(plane)
             if moe:  # MOE_COMBINE's sum, then added as its ffn_part plane would be
-                x = x + routing.combine(st["topk_w"][layer, idx(rows)], st["moe_out"][layer][idx(slots)])
+                x = x + routing.combine(st["topk_w"][layer, idx(rows)], st["moe_out"][layer][idx(slots)][..., :vm.geo.hidden])
             io.write(io.resid_out, x)
             io.write(io.norm, rms_norm(x, gam, vm.eps, st.act))
 

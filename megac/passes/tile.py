@@ -178,11 +178,13 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         shape, box = (R,), _boxes((row, row + 1))
     elif k == "route_finalize":
         one = np.ones(1, dtype=np.int64)
-        F = dict(UP_TILES=one * geo.up_tiles, DOWN_TILES=one * geo.down_tiles,
+        # split_down: the "down" count is the up claims' (they write moe_out)
+        F = dict(UP_TILES=one * geo.up_tiles, DOWN_TILES=one * (geo.up_tiles if geo.split_down else geo.down_tiles),
                  # routed claims derive the up queue themselves: finalize writes none (-1)
                  UP_COUNT_WORD=one * (-1 if geo.routed_claims else tw.moe_up_count(l)),
                  DOWN_COUNT_WORD=one * tw.moe_down_count(l),
-                 UP_QUEUE=one * int(Queue.MOE_UP), DOWN_QUEUE=one * int(Queue.MOE_DOWN), NUM_ROWS=one * R,
+                 UP_QUEUE=one * int(Queue.MOE_UP),
+                 DOWN_QUEUE=one * (-1 if geo.split_down else int(Queue.MOE_DOWN)), NUM_ROWS=one * R,
                  TOPK_SPLITS=one * geo.finalize_topk_splits, X_SLOT=one * geo.finalize_x_slot(l))
         shape, box = (1,), _boxes((0, 1))
     elif k in ("moe_gather", "moe_combine"):
@@ -212,7 +214,7 @@ def requires(lw: Lowering) -> None:
         raise PassError(NAME, "needs a decode graph (megac.ir.build_graph)")
     if g.graph.get("num_layers") != lw.geo.num_layers:
         raise PassError(NAME, "graph and geometry disagree on num_layers")
-    for k in ("fused_topk", "fused_gather", "routed_claims", "fused_combine"):
+    for k in ("fused_topk", "fused_gather", "routed_claims", "fused_combine", "split_down"):
         if bool(g.graph.get(k)) != getattr(lw.geo, k):
             raise PassError(NAME, f"graph and geometry disagree on {k} (routing work inside ROUTE_FINALIZE)")
 

@@ -173,7 +173,7 @@ class TargetSpec(BaseModel):
             if k in ("fused_topk", "fused_gather", "fused_combine"):
                 if x not in (0, 1):
                     raise ValueError(f"{k} is 0 or 1 (got {x})")
-            elif k in ("routed_claims", "norm_fold"):
+            elif k in ("routed_claims", "norm_fold", "split_down"):
                 if not 0 <= x <= 65536:
                     raise ValueError(f"{k} is a row bound in 0..65536, 0: none (got {x})")
             elif not 1 <= x <= 65536:

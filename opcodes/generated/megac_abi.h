@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 9
+#define MEGAC_ABI_VERSION 10
 
 namespace megac {
 
@@ -60,6 +60,7 @@ enum Flag : int32_t {
   FLAG_LAST_LAYER = 128,
   FLAG_ADD_MOE = 256,
   FLAG_NORM_IN = 512,
+  FLAG_SPLIT_DOWN = 1024,
 };
 
 // Opcode-specific fields: word index, one namespace per opcode.

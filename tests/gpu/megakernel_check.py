@@ -447,19 +447,30 @@ def check_rng() -> dict:
     return out
 
 
+def slice_spec(tiles: str | None = None):
+    """North Mini Code layers [0, 1, 4]; ``tiles``: a scale.TILES name, that tile set."""
+    from megac.spec import load_spec
+    from models import variant
+
+    full = load_spec("north-mini-code")
+    extra = {}
+    if tiles:
+        extra = {"target": {**full.target.model_dump(), "tiles": {**(full.target.tiles or {}), **scale.TILES[tiles]}}}
+    return variant(full, "nmc-slice" + (f"-{tiles}" if tiles else ""),
+                   layers=[full.layers[i].model_dump() for i in (0, 1, 4)], **extra)
+
+
 def check_nmc_slice() -> dict:
     """North Mini Code layers [0, 1, 4] at real widths (1.82B parameters),
     random weights drawn on the GPU (bf16): the megakernel's logits against
     the fp32 reference (megac.reference, plain PyTorch) on the same weights,
-    teacher-forced, expert choices compared (gpu.megakernel_scale)."""
+    teacher-forced, expert choices compared (gpu.megakernel_scale).
+    MEGAC_CHECK_TILES (a scale.TILES name): that tile set of the slice."""
     import torch
 
-    from megac.spec import load_spec
     from megac.weights import random_weights
-    from models import variant
 
-    full = load_spec("north-mini-code")
-    spec = variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)])
+    spec = slice_spec(os.environ.get("MEGAC_CHECK_TILES"))
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device="cuda")
     return scale.routed_comparison(spec, w, [[5, 17, 1234, 99, 255000], [7, 8000, 42]], 8)
 
@@ -544,7 +555,7 @@ def prebuild(only: list[str] | None = None) -> None:
 
     full = load_spec("north-mini-code")
     specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
-        full, variant(full, "nmc-slice", layers=[full.layers[i].model_dump() for i in (0, 1, 4)]),
+        full, slice_spec(), *[slice_spec(n) for n in ("sd8", "sd8_up128")],
         *scale.config_specs(), *[scale.context_spec(hd) for hd in scale.CONTEXT_HEAD_DIMS], *[scale.split_spec(t, m) for t, m in scale.SPLITS],
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
         *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)],
@@ -563,6 +574,9 @@ def prebuild(only: list[str] | None = None) -> None:
             for v, defines in builds.items():
                 if defines:
                     print(f"{spec.name} [{v}]: {scale.variant_cubin(spec, defines)}", flush=True)
+        # check profile's MEGAC_PROFILE_TILES (their profiled builds)
+        if spec.name in [f"nmc-{n}" for n in os.environ.get("MEGAC_PROFILE_TILES", "").split(",") if n]:
+            print(f"{spec.name} [profile]: {scale.variant_cubin(spec, scale.PROFILE)}", flush=True)
         # check order_variants (on MEGAC_ORDER_TILES' tile set where named)
         order_tiles = os.environ.get("MEGAC_ORDER_TILES", "default")
         if spec.name == ("north-mini-code" if order_tiles == "default" else f"nmc-{order_tiles}"):

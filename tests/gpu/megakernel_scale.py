@@ -383,6 +383,9 @@ def check_nmc_full() -> dict:
     from megac.weights import random_weights
 
     spec = load_spec("north-mini-code")
+    tiles = os.environ.get("MEGAC_CHECK_TILES")  # a TILES name: that tile set instead
+    if tiles:
+        spec = tile_spec(tiles, TILES[tiles])
     t0 = time.perf_counter()
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
     drawn = time.perf_counter() - t0
@@ -1316,6 +1319,11 @@ TILES = {
     "fold": {"norm_fold": 1},
     # the norms as tasks at batch 1 too (the default before the nineteenth session)
     "nofold": {"norm_fold": 0},
+    # the expert down projection split-K inside the up claims (geometry.split_down_at): at
+    # batch 1 / up to 8; with 128-feature up tiles (96 claims at batch 1)
+    "sd1": {"split_down": 1},
+    "sd8": {"split_down": 8},
+    "sd8_up128": {"split_down": 8, "moe_up_bn": 128},
 }
 
 

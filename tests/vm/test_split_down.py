@@ -1,0 +1,93 @@
+"""The expert down projection split-K inside the up claims (target tile
+``split_down``: a row bound). Each claimed up tile multiplies its SiLU*up
+features by their columns of the expert's down matrix and writes that
+partial of the expert's output (``moe_out`` gains a tile axis); MOE_COMBINE
+sums a slot's tiles in tile order before weighting it; no MOE_DOWN_DRAIN,
+and the combine waits on the up claims' one counter. The sums run in
+another order than the down claims' (split-K), so the check is against
+transformers' fp32 model and the default schedule's tokens, in the VM's
+fast mode and in its checked mode (every read of moe_out against the
+counters' happens-before order: the combine must wait for every tile)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines import run
+from megac.abi import TASK_WORDS, Flag, H, Op
+from megac.passes.pipeline import compile_one, compile_schedules
+from megac.spec import load_spec
+from megac.weights import random_weights
+from models import hf_last_logits, hf_model, variant
+
+
+def _spec(bound: int, **tiles):
+    """tiny-moe with experts of 64 features in up tiles of 32 (two split-K
+    partials per expert; a slice's K a multiple of 32 as the tensor cores
+    need)."""
+    moe = load_spec("tiny-moe")
+    return variant(moe, f"sd-{bound}-{'-'.join(f'{k}{v}' for k, v in tiles.items())}", tie_embeddings=False,
+                   moe={"expert_intermediate_size": 64},
+                   target={**moe.target.model_dump(), "tiles": {"split_down": bound, "moe_up_bn": 64, **tiles}})
+
+
+def _of(sched, op):
+    t = sched.tasks.reshape(-1, TASK_WORDS)
+    return t[t[:, H.OPCODE] == int(op)]
+
+
+def test_split_schedules_have_no_down_claims_up_to_the_bound():
+    spec = _spec(2)
+    base = compile_one(_spec(0), "tuned", 2, 1024)
+    for rows in (1, 2):
+        s = compile_one(spec, "tuned", rows, 1024)
+        assert "MOE_DOWN_DRAIN" not in s.tasks_per_opcode
+        assert s.geometry.split_down and s.geometry.moe_out_tiles == s.geometry.up_tiles > 1
+        up, comb = _of(s, Op.MOE_UPGATE_DRAIN), _of(s, Op.MOE_COMBINE)
+        assert len(up) and (up[:, H.FLAGS] & int(Flag.SPLIT_DOWN)).all()
+        assert len(comb) and (comb[:, H.FLAGS] & int(Flag.SPLIT_DOWN)).all()
+    assert compile_one(spec, "tuned", 2, 1024).num_counters < base.num_counters
+    # past the bound the down claims are back, unflagged, on the same moe_out (tile 0)
+    three = compile_one(spec, "tuned", 3, 1024)
+    assert three.tasks_per_opcode["MOE_DOWN_DRAIN"] > 0 and not three.geometry.split_down
+    assert three.geometry.moe_out_tiles == three.geometry.up_tiles
+    assert not (_of(three, Op.MOE_COMBINE)[:, H.FLAGS] & int(Flag.SPLIT_DOWN)).any()
+
+
+@pytest.mark.parametrize("routed", [None, 0])
+def test_split_down_matches_transformers_and_the_default_tokens(routed):
+    """Batches of 1..3 rows through one engine (split at 1-2 rows, down
+    claims at 3): every step's logits within 1e-4 of their scale of
+    transformers' fp32 model, and the default schedule's tokens."""
+    extra = {} if routed is None else {"routed_claims": routed}
+    spec, base = _spec(2, **extra), _spec(0, **extra)
+    w = random_weights(spec, seed=13)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in (7, 12, 4)]
+    model = hf_model(spec, w)
+    ref_tokens = [o.tokens for o in run(base, w, compile_schedules(base, batch_sizes=[1, 2, 4], buckets=[1024]),
+                                        prompts, max_tokens=4, eos_token_ids=[])]
+    scheds = compile_schedules(spec, batch_sizes=[1, 2, 4], buckets=[1024])
+    for mode in ("fast", "checked"):
+        for n in (1, 2, 3):
+            out = run(spec, w, scheds, prompts[:n], max_tokens=4, eos_token_ids=[], return_logits=True, mode=mode)
+            for p, o, want in zip(prompts, out, ref_tokens):
+                assert o.tokens == want, (mode, n)
+                seq = list(p)
+                for tok, logits in zip(o.tokens, o.logits):
+                    with torch.no_grad():
+                        ref = hf_last_logits(model, seq)
+                    assert float((logits - ref).abs().max()) <= 1e-4 * float(ref.abs().max()), (mode, n)
+                    seq.append(tok)
+
+
+def test_split_down_excludes_the_combine_in_the_norm():
+    with pytest.raises(ValueError, match="split_down and fused_combine"):
+        compile_one(_spec(1, fused_combine=1), "tuned", 1, 1024)
+
+
+def test_split_down_is_a_row_bound():
+    moe = load_spec("tiny-moe")
+    with pytest.raises(ValueError, match="split_down"):
+        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"split_down": -1}})
