@@ -35,7 +35,9 @@ import numpy as np
 #    it reads), and NORM_IN with QKV_PROJ / ROUTER_GEMM.NORM_LAYER / NORM_ATTN_SPLITS /
 #    NORM_FFN_SPLITS / NORM_RESID_IN (the tile folds the norm that writes its x_norm slot)
 # 10: SPLIT_DOWN (an expert up claim also runs its features' down rows, a split-K partial per up
-#    tile: moe_out is [L, rows*top_k, moe_out_tiles * hidden]; MOE_COMBINE sums the tiles)
+#    tile: moe_out is [L, rows*top_k, moe_out_tiles * hidden]; MOE_COMBINE sums the tiles) and
+#    MOE_COMBINE.COL0 / COLS (a combine task sums a range of the row's features: split_down
+#    schedules spread a row's combine over combine_splits tasks)
 ABI_VERSION = 10
 
 TASK_WORDS = 32
@@ -251,7 +253,9 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
         ("TASK_SIGNAL_BASE", "claimed task signals this counter"),
         ("N_LEN", "output features per tile"),
     ),
-    Op.MOE_COMBINE: (("ROW", "batch row"),),
+    Op.MOE_COMBINE: (("ROW", "batch row"),
+                     ("COL0", "first feature combined"),
+                     ("COLS", "features combined from COL0 (a multiple of 4); the row's others are other tasks'")),
     Op.ADD_RMSNORM: (
         ("ROW", "batch row"),
         ("ATTN_SPLITS", "O-proj split-K partials to add, in index order"),

@@ -144,6 +144,10 @@ DEFAULT_TILES = {
     # order than the down claims' (a split-K sum: other bits). Not with
     # fused_combine (the norm would sum every tile)
     "split_down": 0,
+    # MOE_COMBINE tasks per row in split_down schedules (each sums a range of
+    # the row's features over every slot's tiles: one CTA reading every
+    # tile's partial of a whole row took up to ~9 us at batch 1)
+    "combine_splits": 16,
 }
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
@@ -290,6 +294,8 @@ class Geometry:
     norm_fold: bool = False
     #: the up claims run the down projection split-K (DEFAULT_TILES' split_down >= rows)
     split_down: bool = False
+    #: MOE_COMBINE tasks per row (a feature range each): combine_splits with split_down, else 1
+    combine_splits: int = 1
     #: moe_out's tiles per slot: up_tiles wherever the model splits the down
     #: projection at some batch size (one kernel serves every schedule), else 1
     moe_out_tiles: int = 1
@@ -416,6 +422,7 @@ class Geometry:
             fused_combine=fused_combine_at(spec, rows, t),
             norm_fold=norm_fold_at(spec, rows, t),
             split_down=split_down_at(spec, rows, t),
+            combine_splits=(max(1, min(t["combine_splits"], hidden // 4)) if split_down_at(spec, rows, t) else 1),
             moe_out_tiles=up_tiles if experts and t["split_down"] else 1,
         )
 

@@ -49,7 +49,7 @@ struct MoeScratch {
   static constexpr int kBytes =
       cmax((3 * M::NUM_EXPERTS + 1 + M::MAX_ROWS * M::TOP_K +
             moe::topk_smem_words(M::MAX_ROWS, M::NUM_EXPERTS, M::TOP_K) + 64) * 4,
-           RoutedScratch<M>::kBytes);
+           RoutedScratch<M>::kBytes, M::MOE_OUT_TILES > 1 ? 256 + moe::kCombineStageBytes : 0);
 };
 
 // Expert weights toward L2 from ROUTER_TOPK, as soon as a row's experts are
@@ -165,13 +165,21 @@ __device__ __forceinline__ void moe_combine(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_moe_combine::ROW];
-  // SPLIT_DOWN: every slot's split-K partials summed first
-  const int tiles = (c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) ? M::MOE_OUT_TILES : 1;
-  moe::combine_row(ptr<const float>(d->moe_out) + Lay::moe_out(layer, 0),
-                   ptr<const int32_t>(d->route_slot) + Lay::topk(layer, 0),
-                   ptr<const float>(d->topk_w) + Lay::topk(layer, 0),
-                   ptr<float>(d->ffn_part) + Lay::ffn_part(layer, 0, 0), row, M::TOP_K, M::HIDDEN,
-                   reinterpret_cast<int32_t*>(c.scratch), tiles, int64_t(M::MOE_OUT_TILES) * M::HIDDEN);
+  const float* y = ptr<const float>(d->moe_out) + Lay::moe_out(layer, 0);
+  const int32_t* slot = ptr<const int32_t>(d->route_slot) + Lay::topk(layer, 0);
+  const float* w = ptr<const float>(d->topk_w) + Lay::topk(layer, 0);
+  float* out = ptr<float>(d->ffn_part) + Lay::ffn_part(layer, 0, 0);
+  int32_t* smem = reinterpret_cast<int32_t*>(c.scratch);
+  constexpr int64_t ld = int64_t(M::MOE_OUT_TILES) * M::HIDDEN;
+  const int c0 = c.ts->w[f_moe_combine::COL0], cols = c.ts->w[f_moe_combine::COLS];
+  if constexpr (M::MOE_OUT_TILES > 1) {
+    if (c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) {  // every slot's split-K partials summed first
+      moe::combine_tiles(y, slot, w, out, row, M::TOP_K, M::HIDDEN, smem, reinterpret_cast<float4*>(c.scratch + 256),
+                         M::MOE_OUT_TILES, ld, c0, cols);
+      return;
+    }
+  }
+  moe::combine_row(y, slot, w, out, row, M::TOP_K, M::HIDDEN, smem, ld, c0, cols);
 }
 
 // Expert records {expert, n_tile, slot0, rows}. Up: waits TASK_WAIT_BASE,

@@ -304,10 +304,11 @@ def _gather_rows(vm, d: OpDef, layer: int, xs: int, rows: np.ndarray, read_slots
 
 
 class MoeCombine(OpDef):
-    """Per row: the score-weighted sum of its experts' outputs in k order
-    (fp32) into ``ffn_part[layer, 0]``. Flagged SPLIT_DOWN (geometry
-    ``split_down``): each expert output is first the sum of its
-    ``moe_out_tiles`` split-K partials, in tile order."""
+    """Per row, features ``[COL0, COL0 + COLS)``: the score-weighted sum of
+    its experts' outputs in k order (fp32) into ``ffn_part[layer, 0]``.
+    Flagged SPLIT_DOWN (geometry ``split_down``): each expert output is first
+    the sum of its ``moe_out_tiles`` split-K partials, in tile order, and a
+    row's features are spread over ``combine_splits`` tasks."""
 
     op = Op.MOE_COMBINE
     node_kinds = ("moe_combine",)
@@ -316,7 +317,9 @@ class MoeCombine(OpDef):
     device_fn = "moe_combine"
 
     def field_rules(self, lim):
-        return [("ROW", 0, lim.geo.rows, False)]
+        D = lim.geo.hidden
+        return [("ROW", 0, lim.geo.rows, False), ("COL0", 0, D, False),
+                ("COLS", 1, lambda sub: D - field(sub, self.op, "COL0") + 1, False)]
 
     def flags(self, nt, geo):
         return int(Flag.SPLIT_DOWN) if geo.split_down else 0
@@ -325,38 +328,48 @@ class MoeCombine(OpDef):
         row = field(w, self.op, "ROW")
         E, K = _ek(geo)
         D = geo.hidden
-        acc.add("moe_out", False, ix, at(layer), span(E), at(row), span(K), span(_combined_features(geo)))
+        c0 = field(w, self.op, "COL0")
+        c1 = c0 + field(w, self.op, "COLS")
+        # every tile's run of the columns: one box over the tiles (each claim writes whole rows)
+        T = geo.moe_out_tiles if geo.split_down else 1
+        acc.add("moe_out", False, ix, at(layer), span(E), at(row), span(K), (c0, (T - 1) * D + c1))
         acc.add("topk_w", False, ix, at(layer), at(row), span(K))
         acc.add("route_slot", False, ix, at(layer), at(row), span(K))
-        acc.add("ffn_part", True, ix, at(layer), at(0), at(row), span(D))
+        acc.add("ffn_part", True, ix, at(layer), at(0), at(row), (c0, c1))
 
     def task_bytes(self, w, geo, params):
-        return np.full(len(w), max(geo.top_k, 1) * _combined_features(geo) * FP32 + geo.hidden * FP32,
-                       dtype=np.float64)
+        T = geo.moe_out_tiles if geo.split_down else 1
+        cols = field(w, self.op, "COLS").astype(np.float64)
+        return max(geo.top_k, 1) * T * cols * FP32 + cols * FP32
 
     def run(self, vm, words):
         op, st = self.op, vm.st
         vm.require_ffn(words, self)
-        for (layer, flags), ti in vm.groups(words, op, (), flags=True):
+        D = vm.geo.hidden
+        for (layer, c0, cols, flags), ti in vm.groups(words, op, ("COL0", "COLS"), flags=True):
             split = bool(flags & Flag.SPLIT_DOWN)
             if split and not vm.geo.split_down:
                 raise BadTaskError("MOE_COMBINE: SPLIT_DOWN in a schedule whose up claims write no split-K "
                                    "partials", layer=layer)
+            if c0 < 0 or cols < 1 or c0 + cols > D or c0 % 4 or cols % 4:
+                raise BadTaskError(f"MOE_COMBINE: columns [{c0}, {c0 + cols}) outside the hidden size {D} "
+                                   f"or not in 4s", layer=layer)
+            T = vm.geo.moe_out_tiles if split else 1
             rows = field(words[ti], op, "ROW")
             for r in rows:
                 vm.tr.read("route_slot", (layer, int(r), slice(None)))
                 vm.tr.read("topk_w", (layer, int(r), slice(None)))
             slots = routed_slots(vm, self, layer, rows, "moe_out")
-            nf = (vm.geo.moe_out_tiles if split else 1) * vm.geo.hidden
             for j in range(len(rows)):
-                vm.tr.read("moe_out", (layer, slots[j], slice(0, nf)))
+                for t in range(T):
+                    vm.tr.read("moe_out", (layer, slots[j], slice(t * D + c0, t * D + c0 + cols)))
             wts = st["topk_w"][layer, idx(rows)]  # [m, K]
             y = st["moe_out"][layer][idx(slots)]  # [m, K, T * D]
-            y = sum_tiles(y, vm.geo.hidden, vm.geo.moe_out_tiles if split else 1)
+            y = sum_tiles(torch.cat([y[..., t * D + c0:t * D + c0 + cols] for t in range(T)], dim=-1), cols, T)
             acc = routing.combine(wts, y)
             for r in rows:
-                vm.tr.write("ffn_part", (layer, 0, int(r), slice(None)))
-            st["ffn_part"][layer, 0, idx(rows)] = acc
+                vm.tr.write("ffn_part", (layer, 0, int(r), slice(c0, c0 + cols)))
+            st["ffn_part"][layer, 0, idx(rows), c0:c0 + cols] = acc
 
 
 def _combined_features(geo) -> int:

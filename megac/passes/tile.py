@@ -41,7 +41,7 @@ import numpy as np
 from megac import abi
 from megac.abi import Queue
 from megac.access import queue_subtasks, subtask_boxes
-from megac.geometry import Geometry
+from megac.geometry import Geometry, _even_bounds
 from megac.ops.norm import NORM_IN_FIELDS
 from megac.passes import Lowering, NodeTasks, PassError
 
@@ -187,9 +187,14 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
                  DOWN_QUEUE=one * (-1 if geo.split_down else int(Queue.MOE_DOWN)), NUM_ROWS=one * R,
                  TOPK_SPLITS=one * geo.finalize_topk_splits, X_SLOT=one * geo.finalize_x_slot(l))
         shape, box = (1,), _boxes((0, 1))
-    elif k in ("moe_gather", "moe_combine"):
+    elif k == "moe_combine":  # combine_splits feature ranges per row (split_down), else the whole row
+        b = np.asarray(_even_bounds(D, geo.combine_splits, 4), dtype=np.int64)
+        row, s = _grid(range(R), range(len(b) - 1))
+        F = dict(ROW=row, COL0=b[s], COLS=b[s + 1] - b[s])
+        shape, box = (R, len(b) - 1), _boxes((row, row + 1), (s, s + 1))
+    elif k == "moe_gather":
         row = np.arange(R, dtype=np.int64)
-        F = dict(ROW=row) if k == "moe_combine" else dict(ROW=row, X_SLOT=np.full_like(row, geo.norm_input_slot(l)))
+        F = dict(ROW=row, X_SLOT=np.full_like(row, geo.norm_input_slot(l)))
         shape, box = (R,), _boxes((row, row + 1))
     elif k in ("norm", "norm_attn"):
         row = np.arange(R, dtype=np.int64)

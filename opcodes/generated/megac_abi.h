@@ -173,6 +173,8 @@ constexpr int N_LEN = 13;
 }  // namespace f_moe_down_drain
 namespace f_moe_combine {
 constexpr int ROW = 8;
+constexpr int COL0 = 9;
+constexpr int COLS = 10;
 }  // namespace f_moe_combine
 namespace f_add_rmsnorm {
 constexpr int ROW = 8;

@@ -1324,6 +1324,7 @@ TILES = {
     "sd1": {"split_down": 1},
     "sd8": {"split_down": 8},
     "sd8_up128": {"split_down": 8, "moe_up_bn": 128},
+    "sd8_up64": {"split_down": 8, "moe_up_bn": 64},
 }
 
 

@@ -11,11 +11,12 @@ counters' happens-before order: the combine must wait for every tile)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from engines import run
-from megac.abi import TASK_WORDS, Flag, H, Op
+from megac.abi import TASK_WORDS, Flag, H, Op, field_index
 from megac.passes.pipeline import compile_one, compile_schedules
 from megac.spec import load_spec
 from megac.weights import random_weights
@@ -48,6 +49,16 @@ def test_split_schedules_have_no_down_claims_up_to_the_bound():
         assert len(up) and (up[:, H.FLAGS] & int(Flag.SPLIT_DOWN)).all()
         assert len(comb) and (comb[:, H.FLAGS] & int(Flag.SPLIT_DOWN)).all()
     assert compile_one(spec, "tuned", 2, 1024).num_counters < base.num_counters
+    # the combine of a row spread over combine_splits feature ranges that tile the row
+    two = compile_one(spec, "tuned", 2, 1024)
+    comb, D, S = _of(two, Op.MOE_COMBINE), two.geometry.hidden, two.geometry.combine_splits
+    assert S > 1 and len(comb) == 2 * S * len(two.geometry.moe_layers)
+    for (layer, row) in {(int(w[H.LAYER]), int(w[field_index(Op.MOE_COMBINE, "ROW")])) for w in comb}:
+        mine = comb[(comb[:, H.LAYER] == layer) & (comb[:, field_index(Op.MOE_COMBINE, "ROW")] == row)]
+        c0 = np.sort(mine[:, field_index(Op.MOE_COMBINE, "COL0")])
+        cols = mine[np.argsort(mine[:, field_index(Op.MOE_COMBINE, "COL0")]), field_index(Op.MOE_COMBINE, "COLS")]
+        assert c0[0] == 0 and (c0[1:] == (c0 + cols)[:-1]).all() and c0[-1] + cols[-1] == D
+        assert (c0 % 4 == 0).all() and (cols % 4 == 0).all()
     # past the bound the down claims are back, unflagged, on the same moe_out (tile 0)
     three = compile_one(spec, "tuned", 3, 1024)
     assert three.tasks_per_opcode["MOE_DOWN_DRAIN"] > 0 and not three.geometry.split_down
