@@ -1325,6 +1325,10 @@ TILES = {
     "sd8": {"split_down": 8},
     "sd8_up128": {"split_down": 8, "moe_up_bn": 128},
     "sd8_up64": {"split_down": 8, "moe_up_bn": 64},
+    # and attention splits of 256 tokens (twice the splits, each half as long: the attention
+    # chain ended the split layers)
+    "sd8_up128_a256": {"split_down": 8, "moe_up_bn": 128, "attn_split_tokens": 256},
+    "a256": {"attn_split_tokens": 256},
 }
 
 
@@ -1335,7 +1339,10 @@ def tile_spec(name: str, tiles: dict):
     spec = load_spec("north-mini-code")
     if not tiles:
         return spec
-    return variant(spec, f"nmc-{name}", target={**spec.target.model_dump(),
+    # target fields beside the tiles (attention splits)
+    target = {k: tiles[k] for k in ("attn_split_tokens", "attn_max_splits") if k in tiles}
+    tiles = {k: v for k, v in tiles.items() if k not in target}
+    return variant(spec, f"nmc-{name}", target={**spec.target.model_dump(), **target,
                                                 "tiles": {**(spec.target.tiles or {}), **tiles}})
 
 
