@@ -146,8 +146,10 @@ DEFAULT_TILES = {
     "split_down": 0,
     # MOE_COMBINE tasks per row in split_down schedules (each sums a range of
     # the row's features over every slot's tiles: one CTA reading every
-    # tile's partial of a whole row took up to ~9 us at batch 1)
-    "combine_splits": 16,
+    # tile's partial of a whole row took up to ~9 us at batch 1; 32 ranges of
+    # North Mini Code's 2048 features at 12 tiles x 8 slots are 24 KB each,
+    # one round trip of 8 loads a thread)
+    "combine_splits": 32,
 }
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).

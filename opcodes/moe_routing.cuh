@@ -442,10 +442,12 @@ __device__ __forceinline__ void combine_tiles(const float* y, const int32_t* slo
   for (int q0 = c0 / 4; q0 < (c0 + cols) / 4; q0 += chunk) {
     const int nc = min(chunk, (c0 + cols) / 4 - q0);
     const int n = per * nc;
-    for (int i0 = threadIdx.x; i0 < n; i0 += 4 * blockDim.x) {
-      float4 v[4];
+    // kUnroll loads a thread in flight: a chunk of kCombineStageBytes is one round trip
+    constexpr int kUnroll = kCombineStageBytes / 16 / 256;
+    for (int i0 = threadIdx.x; i0 < n; i0 += kUnroll * blockDim.x) {
+      float4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * blockDim.x;
         if (i < n) {
           const int c = i % nc, tj = i / nc, j = tj % k, t = tj / k;
@@ -453,7 +455,7 @@ __device__ __forceinline__ void combine_tiles(const float* y, const int32_t* slo
         }
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
+      for (int u = 0; u < kUnroll; ++u)
         if (i0 + u * blockDim.x < n) stage[i0 + u * blockDim.x] = v[u];
     }
     __syncthreads();

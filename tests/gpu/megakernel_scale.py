@@ -1325,6 +1325,8 @@ TILES = {
     "sd8": {"split_down": 8},
     "sd8_up128": {"split_down": 8, "moe_up_bn": 128},
     "sd8_up64": {"split_down": 8, "moe_up_bn": 64},
+    "sd1_up128": {"split_down": 1, "moe_up_bn": 128},
+    "sd4_up128": {"split_down": 4, "moe_up_bn": 128},
     # and attention splits of 256 tokens (twice the splits, each half as long: the attention
     # chain ended the split layers)
     "sd8_up128_a256": {"split_down": 8, "moe_up_bn": 128, "attn_split_tokens": 256},
