@@ -424,7 +424,7 @@ constexpr int kCombineStageBytes = 32 * 1024;
 // combine_row over split-K partials (split_down): a slot's output is the sum
 // of its `tiles` partials y[slot * ld + t * D + f], added in tile order (as
 // the VM). A chunk of columns at a time, every (tile, slot, 16 bytes) of it
-// loaded at once across the CTA into shared memory `stage` (one round trip
+// copied at once across the CTA into shared memory `stage` (cp.async: one round trip
 // instead of one per tile: a thread summing its tiles from L2 in order took
 // ~9 us for 96 partials of a row at batch 1), then each (slot, column) summed
 // over the tiles, then the slots weighted in k order.
@@ -442,22 +442,15 @@ __device__ __forceinline__ void combine_tiles(const float* y, const int32_t* slo
   for (int q0 = c0 / 4; q0 < (c0 + cols) / 4; q0 += chunk) {
     const int nc = min(chunk, (c0 + cols) / 4 - q0);
     const int n = per * nc;
-    // kUnroll loads a thread in flight: a chunk of kCombineStageBytes is one round trip
-    constexpr int kUnroll = kCombineStageBytes / 16 / 256;
-    for (int i0 = threadIdx.x; i0 < n; i0 += kUnroll * blockDim.x) {
-      float4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = i0 + u * blockDim.x;
-        if (i < n) {
-          const int c = i % nc, tj = i / nc, j = tj % k, t = tj / k;
-          v[u] = __ldcg(reinterpret_cast<const float4*>(y + smem[j] * ld + int64_t(t) * D) + q0 + c);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (i0 + u * blockDim.x < n) stage[i0 + u * blockDim.x] = v[u];
+    // cp.async: every 16 bytes of the chunk in flight at once without a
+    // register each (loads into registers spilled the megakernel's dispatch)
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int c = i % nc, tj = i / nc, j = tj % k, t = tj / k;
+      const float* src = y + smem[j] * ld + int64_t(t) * D + (q0 + c) * 4;
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage + i));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
     for (int i = threadIdx.x; i < k * nc; i += blockDim.x) {  // (slot j, column c): its tiles in order
       float4 s = stage[i];

@@ -43,6 +43,23 @@ def test_megakernel_compiles_without_spills(name, tmp_path):
 
 
 @needs_nvcc
+def test_split_down_build_has_no_spills(tmp_path):
+    """North Mini Code with the down projection split-K in the up claims
+    (target tile split_down): the packed ring stages and the staged combine
+    compile without spills or a local array, in shared memory that fits."""
+    from models import variant
+
+    nmc = load_spec("north-mini-code")
+    spec = variant(nmc, "nmc-split", target={**nmc.target.model_dump(),
+                                             "tiles": {"split_down": 8, "moe_up_bn": 128}})
+    res = compile_schedules(spec, batch_sizes=[1, 8])
+    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    k = report(build_megakernel(tmp_path))["kernels"]["megakernel"]
+    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
+    assert "MOE_OUT_TILES = 12;" in (tmp_path / SOURCE).read_text()
+
+
+@needs_nvcc
 def test_ring_stages_of_ten_blocks_keep_the_accumulators_in_registers(tmp_path):
     # A GEMM ring of 10-block stages (gemm_tc.cuh MEGAC_TC_STAGE_BLOCKS) once
     # indexed the MMA accumulators at run time, so they lived in local memory
