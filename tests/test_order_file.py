@@ -342,3 +342,32 @@ def test_the_rest_of_a_split_claimer_wave_after_a_wave_the_graph_leaves_out(tmp_
         assert ops.count("ATTN_DRAIN") == 1 and "MOE_COMBINE" not in ops
         late += ops.index("ATTN_DRAIN") > ops.index("MOE_DOWN_DRAIN")
     assert late == sched.num_sms - round(0.5 * sched.num_sms)
+
+
+def test_full_attention_layers_take_their_own_waves(tmp_path):
+    """``moe_full`` (any kind + ``_full``): the waves of that kind's
+    full-attention layers; its sliding layers keep the kind's own. Here the
+    O-projection before the expert claimer in North Mini Code's full layers
+    only (schedules/experiments/split-full-oproj-first.yaml's form)."""
+    doc = yaml.safe_load((schedules_dir() / "tuned.yaml").read_text())
+    moe = list(doc["layers"]["moe"])
+    full = [w for w in moe if not (isinstance(w, dict) and w.get("wave") == "o_proj")]
+    full.insert(full.index("moe_upgate"), {"wave": "o_proj", "share": 0.25})
+    doc["layers"]["moe_full"] = full
+    mine = tmp_path / "full-own.yaml"
+    mine.write_text(yaml.safe_dump(doc))
+    sched = _nmc_8k(str(mine), 1)
+    tuned = _nmc_8k("tuned", 1)
+    geo = sched.geometry
+    full_l = next(l for l in geo.moe_layers if not geo.sliding[l])
+    slide_l = next(l for l in geo.moe_layers if geo.sliding[l])
+    ops = _op_names(sched, full_l)
+    before = [s for s, names in ops.items() if "O_PROJ" in names
+              and names.index("O_PROJ") < names.index("MOE_UPGATE_DRAIN")]
+    assert len(before) == round(0.25 * geo.num_sms)
+    assert _op_names(sched, slide_l) == _op_names(tuned, slide_l)
+    assert not any("O_PROJ" in n and n.index("O_PROJ") < n.index("MOE_UPGATE_DRAIN")
+                   for n in _op_names(tuned, full_l).values())
+    bad = tmp_path / "bad-full.yaml"
+    bad.write_text("name: bad\nlayers:\n  moe_sliding: [qkv]\n")
+    assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "moe_sliding", "unknown layer kind")

@@ -61,6 +61,8 @@ NAME = "order"
 #: schedules/ at the repository top level.
 ORDERS = ("tuned", "interleaved", "attention-first")
 LAYER_KINDS = ("dense", "moe", "sequential_dense", "sequential_moe")
+#: an order file's ``KIND_full`` entry: the waves of that kind's full-attention layers
+FULL_SUFFIX = "_full"
 #: where ``assign``'s SM cursor starts a layer: "layer" (the default)
 #: restarts it at SM 0 every layer (and before the final waves), so every
 #: layer's task j runs on the same SM: an SM runs the same opcodes layer
@@ -203,9 +205,12 @@ def load_order(order: str) -> dict:
         raise OrderError(f"{where}: sm_cursor must be one of {', '.join(SM_CURSORS)} (got {cursor!r})")
     layers = {}
     for kind, raw in doc["layers"].items():
-        if kind not in LAYER_KINDS:
-            raise OrderError(f"{where}: layers.{kind}: unknown layer kind (known: {', '.join(LAYER_KINDS)})")
-        block, ffn = ("sequential", kind.split("_", 1)[1]) if kind.startswith("sequential_") else ("parallel", kind)
+        # KIND_full: that kind's full-attention layers (else they take KIND's waves)
+        base = kind[: -len(FULL_SUFFIX)] if kind.endswith(FULL_SUFFIX) else kind
+        if base not in LAYER_KINDS:
+            raise OrderError(f"{where}: layers.{kind}: unknown layer kind (known: {', '.join(LAYER_KINDS)}, "
+                             f"each also as KIND{FULL_SUFFIX} for its full-attention layers)")
+        block, ffn = ("sequential", base.split("_", 1)[1]) if base.startswith("sequential_") else ("parallel", base)
         layers[kind] = parse_waves(raw, f"{where}: layers.{kind}", layer_node_kinds(block, ffn))
     final = parse_waves(doc.get("final", ["lm_head"]), f"{where}: final", ("lm_head",))
     return {"name": doc.get("name", path.stem), "layers": layers, "final": final, "path": str(path),
@@ -349,7 +354,8 @@ def run(lw: Lowering) -> str:
                                   f"'{kind}' (layer {l})")
         key = f"{kind}:{'sliding' if geo.sliding[l] else 'full'}"
         lw.layer_kinds.append(key)
-        emit(spec_order["layers"][kind], f"L{l}.", key)
+        waves_of = kind + FULL_SUFFIX if not geo.sliding[l] and kind + FULL_SUFFIX in spec_order["layers"] else kind
+        emit(spec_order["layers"][waves_of], f"L{l}.", key)
     emit(spec_order["final"], "", "final")
     lw.g_node = np.concatenate(g_node)
     n = len(lw.g_node)

@@ -102,3 +102,18 @@ def test_split_down_is_a_row_bound():
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="split_down"):
         variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"split_down": -1}})
+
+
+@pytest.mark.parametrize("up_bn, width, why", [(512, None, "at most 256 rows"), (96, None, "multiple of 32"),
+                                                (128, 800, "must divide")])
+def test_split_down_needs_up_tiles_that_slice_the_down_matrix(up_bn, width, why):
+    """An up tile's features are the down projection's K slice: at most 128
+    (their rows live in shared memory), a multiple of 32 (the tensor cores'
+    blocks), and the tiles must cover the expert evenly."""
+    from megac.geometry import Geometry
+
+    nmc = load_spec("north-mini-code")
+    spec = variant(nmc, f"sd-bad-{up_bn}", moe={"expert_intermediate_size": width} if width else None,
+                   target={**nmc.target.model_dump(), "tiles": {"split_down": 1, "moe_up_bn": up_bn}})
+    with pytest.raises(ValueError, match=why):
+        Geometry.from_spec(spec, 1, 1024)
