@@ -174,7 +174,8 @@ class AddRmsnorm(OpDef):
             for plane in io.parts:
                 x = x + io.read(plane)
             if moe:  # MOE_COMBINE's sum, then added as its ffn_part plane would be
-                x = x + routing.combine(st["topk_w"][layer, idx(rows)], st["moe_out"][layer][idx(slots)][..., :vm.geo.hidden])
+                y = st["moe_out"][layer][idx(slots)][..., :vm.geo.hidden]  # tile 0: no split_down with the fold
+                x = x + routing.combine(st["topk_w"][layer, idx(rows)], y)
             io.write(io.resid_out, x)
             io.write(io.norm, rms_norm(x, gam, vm.eps, st.act))
 
