@@ -161,9 +161,13 @@ def test_access_moe_logical_indexing(nmc_geo):
     g = nmc_geo
     gather = task_access(_word(Op.MOE_GATHER, 5, ROW=1), g)
     assert gather.writes == [Region("moe_x", ((5, 6), (0, 128), (1, 2), (0, 8), (0, 2048)))]
-    comb = task_access(_word(Op.MOE_COMBINE, 5, ROW=3, WAIT0=0, TARGET0=1, WAIT1=1,
+    comb = task_access(_word(Op.MOE_COMBINE, 5, ROW=3, COL0=0, COLS=2048, WAIT0=0, TARGET0=1, WAIT1=1,
                              TARGET1=abi.dyn(g.target_words.moe_down_count(5))), g)
     assert Region("moe_out", ((5, 6), (0, 128), (3, 4), (0, 8), (0, 2048))) in comb.reads
+    # a combine task of a feature range reads and writes that range (ABI 10)
+    part = task_access(_word(Op.MOE_COMBINE, 5, ROW=3, COL0=512, COLS=256), g)
+    assert Region("moe_out", ((5, 6), (0, 128), (3, 4), (0, 8), (512, 768))) in part.reads
+    assert part.writes == [Region("ffn_part", ((5, 6), (0, 1), (3, 4), (512, 768)))]
     assert dyn_words(_word(Op.MOE_COMBINE, 5, ROW=3, WAIT0=0, TARGET0=1, WAIT1=1,
                            TARGET1=abi.dyn(g.target_words.moe_down_count(5)))) == \
         [g.target_words.moe_down_count(5)]
