@@ -125,19 +125,24 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc][4], int rel, const 
   gemm::mma_16816(acc[p + 1], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
 }
 
-// An item's sums, accumulators added in a fixed order: into ys (one slice)
-// or its slice's partial. d[0], d[1]: feature rg * 16 + g, tokens 2t, 2t+1;
-// d[2], d[3]: feature + 8.
-__device__ __forceinline__ void store_item(const float (&acc)[kAcc][4], const Deal& dl, int item, float* ys,
-                                           float* part) {
+// Row group `rg`'s sums, accumulators added in a fixed order, into dst
+// [features][8]. d[0], d[1]: feature rg * 16 + g, tokens 2t, 2t+1; d[2],
+// d[3]: feature + 8.
+__device__ __forceinline__ void store_group(const float (&acc)[kAcc][4], float* dst, int rg) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   float d[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) d[i] = ((acc[0][i] + acc[1][i]) + acc[2][i]) + acc[3][i];
-  float* dst = dl.parts == 1 ? ys : part + (item / dl.groups) * (dl.groups * 16 * 8);
-  const int row = (item % dl.groups) * 16 + g;
+  const int row = rg * 16 + g;
   *reinterpret_cast<float2*>(dst + row * 8 + 2 * t) = make_float2(d[0], d[1]);
   *reinterpret_cast<float2*>(dst + (row + 8) * 8 + 2 * t) = make_float2(d[2], d[3]);
+}
+
+// An item's sums: into ys (one slice) or its slice's partial.
+__device__ __forceinline__ void store_item(const float (&acc)[kAcc][4], const Deal& dl, int item, float* ys,
+                                           float* part) {
+  float* dst = dl.parts == 1 ? ys : part + (item / dl.groups) * (dl.groups * 16 * 8);
+  store_group(acc, dst, item % dl.groups);
 }
 
 // Whole CTA, after every item is stored: a barrier, then (sliced tiles) the
@@ -338,19 +343,25 @@ __device__ __forceinline__ void issue(const rows::WeightSpan& s, const Walk& wk,
 #define MEGAC_TC_PRIME_FN __forceinline__
 #endif
 
-// Every thread, before a static task's waits: each warp's lane 0 issues the
-// warp's first kStages stages of the tile `s`. The scratch's earlier generic
-// writes were fenced for the async proxy at the end of the task before
-// (megakernel.cuh).
-__device__ MEGAC_TC_PRIME_FN void prime(const rows::WeightSpan s, uint8_t* ring, BulkState* st) {
+// Every thread: each warp's lane 0 issues the warp's first kStages stages of
+// the tile `s` as walk W (Walk, or Packed's packed stages) deals them.
+template <class W>
+__device__ __forceinline__ void prime_first(const rows::WeightSpan& s, uint8_t* ring, BulkState* st) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   if (lane != 0) return;
-  const Walk wk(s.rows, s.cols, warp, nwarps);
+  const W wk(s.rows, s.cols, warp, nwarps);
   const uint64_t policy = l2_evict_first_policy();
   const uint32_t base = st->seq[warp];
   const int n = min(kStages, wk.total);
   for (int i = 0; i < n; ++i) issue(s, wk, i, base, ring, st, warp, nwarps, policy);
   st->primed[warp] = n;
+}
+
+// Before a static task's waits: its tile's first stages. The scratch's
+// earlier generic writes were fenced for the async proxy at the end of the
+// task before (megakernel.cuh).
+__device__ MEGAC_TC_PRIME_FN void prime(const rows::WeightSpan s, uint8_t* ring, BulkState* st) {
+  prime_first<Walk>(s, ring, st);
 }
 
 // After a primed task's waits gave up: wait for its copies, so none lands in
@@ -490,8 +501,8 @@ struct Packed {
 };
 
 // Lane 0: stage i of this warp's packed walk into its slot.
-__device__ __forceinline__ void issue_packed(const rows::WeightSpan& s, const Packed& pk, int i, uint32_t base,
-                                             uint8_t* ring, BulkState* st, int warp, int nwarps, uint64_t policy) {
+__device__ __forceinline__ void issue(const rows::WeightSpan& s, const Packed& pk, int i, uint32_t base,
+                                      uint8_t* ring, BulkState* st, int warp, int nwarps, uint64_t policy) {
   const uint32_t n = base + i, slot = n % kStages;
   uint64_t* bar = &st->bar[warp][slot];
   const int cnt = pk.count(i);
@@ -504,16 +515,9 @@ __device__ __forceinline__ void issue_packed(const rows::WeightSpan& s, const Pa
   }
 }
 
-// prime() for a packed tile: each warp's lane 0 issues its first stages.
+// prime() for a packed tile.
 __device__ __noinline__ void prime_packed(const rows::WeightSpan s, uint8_t* ring, BulkState* st) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  if (lane != 0) return;
-  const Packed pk(s.rows, s.cols, warp, nwarps);
-  const uint64_t policy = l2_evict_first_policy();
-  const uint32_t base = st->seq[warp];
-  const int n = min(kStages, pk.total);
-  for (int i = 0; i < n; ++i) issue_packed(s, pk, i, base, ring, st, warp, nwarps, policy);
-  st->primed[warp] = n;
+  prime_first<Packed>(s, ring, st);
 }
 
 // tile_bulk over packed stages: ys[c * 8 + m] for c < s.rows; `primed`:
@@ -531,7 +535,7 @@ __device__ __noinline__ void tile_packed(const rows::WeightSpan s, const bf16* x
   __syncwarp();
   const uint64_t policy = lane == 0 ? l2_evict_first_policy() : 0;
   if (lane == 0)
-    for (int i = issued; i < min(kStages, pk.total); ++i) issue_packed(s, pk, i, base, ring, st, warp, nwarps, policy);
+    for (int i = issued; i < min(kStages, pk.total); ++i) issue(s, pk, i, base, ring, st, warp, nwarps, policy);
   for (int i = 0; i < pk.total; ++i) {
     const uint32_t n = base + i;
     wait_landed(st, warp, n);
@@ -548,15 +552,10 @@ __device__ __noinline__ void tile_packed(const rows::WeightSpan s, const bf16* x
         if (token) xv = gemm::lds128(xa + b * 64);
         mma_block(acc, b, gemm::lds128(sj + b * 1024), gemm::lds128(sj + b * 1024 + 512), xv);
       }
-      const int row = (warp + (i * pk.pack + j) * nwarps) * 16 + g;
-      float d[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) d[q] = ((acc[0][q] + acc[1][q]) + acc[2][q]) + acc[3][q];
-      *reinterpret_cast<float2*>(ys + row * 8 + 2 * t) = make_float2(d[0], d[1]);
-      *reinterpret_cast<float2*>(ys + (row + 8) * 8 + 2 * t) = make_float2(d[2], d[3]);
+      store_group(acc, ys, warp + (i * pk.pack + j) * nwarps);
     }
     __syncwarp();
-    if (lane == 0 && i + kStages < pk.total) issue_packed(s, pk, i + kStages, base, ring, st, warp, nwarps, policy);
+    if (lane == 0 && i + kStages < pk.total) issue(s, pk, i + kStages, base, ring, st, warp, nwarps, policy);
   }
   __syncwarp();
   if (lane == 0) {

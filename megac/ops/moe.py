@@ -331,14 +331,14 @@ class MoeCombine(OpDef):
         c0 = field(w, self.op, "COL0")
         c1 = c0 + field(w, self.op, "COLS")
         # every tile's run of the columns: one box over the tiles (each claim writes whole rows)
-        T = geo.moe_out_tiles if geo.split_down else 1
+        T = _combined_tiles(geo)
         acc.add("moe_out", False, ix, at(layer), span(E), at(row), span(K), (c0, (T - 1) * D + c1))
         acc.add("topk_w", False, ix, at(layer), at(row), span(K))
         acc.add("route_slot", False, ix, at(layer), at(row), span(K))
         acc.add("ffn_part", True, ix, at(layer), at(0), at(row), (c0, c1))
 
     def task_bytes(self, w, geo, params):
-        T = geo.moe_out_tiles if geo.split_down else 1
+        T = _combined_tiles(geo)
         cols = field(w, self.op, "COLS").astype(np.float64)
         return max(geo.top_k, 1) * T * cols * FP32 + cols * FP32
 
@@ -364,26 +364,27 @@ class MoeCombine(OpDef):
                 for t in range(T):
                     vm.tr.read("moe_out", (layer, slots[j], slice(t * D + c0, t * D + c0 + cols)))
             wts = st["topk_w"][layer, idx(rows)]  # [m, K]
-            y = st["moe_out"][layer][idx(slots)]  # [m, K, T * D]
-            y = sum_tiles(torch.cat([y[..., t * D + c0:t * D + c0 + cols] for t in range(T)], dim=-1), cols, T)
+            y = sum_tiles(st["moe_out"][layer][idx(slots)], D, T, c0, cols)  # [m, K, cols]
             acc = routing.combine(wts, y)
             for r in rows:
                 vm.tr.write("ffn_part", (layer, 0, int(r), slice(c0, c0 + cols)))
             st["ffn_part"][layer, 0, idx(rows), c0:c0 + cols] = acc
 
 
-def _combined_features(geo) -> int:
-    """moe_out features a combine reads: every split-K tile where the up
-    claims write them (split_down), else the one output."""
-    return geo.moe_out_tiles * geo.hidden if geo.split_down else geo.hidden
+def _combined_tiles(geo) -> int:
+    """moe_out tiles a combine sums: every split-K tile where the up claims
+    write them (split_down), else the one output."""
+    return geo.moe_out_tiles if geo.split_down else 1
 
 
-def sum_tiles(y, D: int, tiles: int):
-    """``y [..., >= tiles * D]`` -> the sum of its first ``tiles`` runs of
-    ``D`` features in tile order (fp32, one add at a time, as the device)."""
-    out = y[..., :D]
+def sum_tiles(y, D: int, tiles: int, c0: int = 0, cols: int | None = None):
+    """``y [..., >= tiles * D]`` -> the sum over its first ``tiles`` runs of
+    ``D`` features of features ``[c0, c0 + cols)`` of each run (all ``D``
+    by default), in tile order (fp32, one add at a time, as the device)."""
+    cols = D - c0 if cols is None else cols
+    out = y[..., c0:c0 + cols]
     for t in range(1, tiles):
-        out = out + y[..., t * D:(t + 1) * D]
+        out = out + y[..., t * D + c0:t * D + c0 + cols]
     return out
 
 
