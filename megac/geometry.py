@@ -142,7 +142,14 @@ DEFAULT_TILES = {
     # starts as soon as its own up tile ends instead of after the expert's
     # slowest up tile, a claim's dispatch and wait less. Another summation
     # order than the down claims' (a split-K sum: other bits). Not with
-    # fused_combine (the norm would sum every tile)
+    # fused_combine (the norm would sum every tile). -1: automatic, batch 1
+    # for large MoE models that allow it (split_down_bound). With their own
+    # up and O-projection tiles (split_up_bn 128, split_o_proj_bn 256) and
+    # the wave order's KIND_split waves, H200, North Mini Code 8K batch 1,
+    # kernel ms, engines alternating against the plain schedule
+    # (twenty-fourth session): 2.62 / 2.67 / 2.67 / 2.76 against 2.74-2.82
+    # (median -3 %), but bimodal across engines (2.80-2.84 without the
+    # attention prime) where the plain schedule is not: not yet the default
     "split_down": 0,
     # MOE_COMBINE tasks per row in split_down schedules (each sums a range of
     # the row's features over every slot's tiles: one CTA reading every
@@ -150,6 +157,18 @@ DEFAULT_TILES = {
     # North Mini Code's 2048 features at 12 tiles x 8 slots are 24 KB each,
     # one round trip of 8 loads a thread)
     "combine_splits": 32,
+    # expert up tiles (gate/up rows) of the schedules that split the down
+    # projection (0: moe_up_bn). Each split claim streams its up rows and
+    # their down columns, so smaller tiles keep a claim's bytes near a plain
+    # up claim's: 128 rows (0.75 MB of North Mini Code) where the plain up
+    # tiles are 256 (the twenty-third session: 256-row split claims 3.11 ms
+    # at batch 1 against 2.83 with 128)
+    "split_up_bn": 0,
+    # O-projection features per tile in the schedules that split the down
+    # projection (0: o_proj_bn): there the order puts a sliding layer's
+    # O-projection on its attention SMs (the wave order's KIND_split waves),
+    # one tile each at 256 features (North Mini Code: 32 splits, 32 tiles)
+    "split_o_proj_bn": 0,
 }
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
@@ -215,14 +234,39 @@ def norm_fold_at(spec, rows: int, tiles: dict | None = None) -> bool:
             and routed_claims_at(spec, rows, t))
 
 
+#: the automatic split_down (-1) applies to MoE models at least this wide
+#: (their split claims stream >= 128 KB of down columns each); narrower
+#: models' claims are latency, not bytes
+SPLIT_AUTO_MIN_HIDDEN = 1024
+
+
+def split_down_bound(spec, tiles: dict | None = None) -> int:
+    """The row bound of the split-K expert down projection (the target's
+    ``split_down`` tile; 0 none). -1 (the default) is automatic: 1 (batch 1)
+    for a MoE model of hidden size >= SPLIT_AUTO_MIN_HIDDEN whose split
+    tiles fit the split's rules (tensor-core GEMM shapes, split_up_bn <= 256
+    dividing the expert's gate/up rows in multiples of 64, no
+    fused_combine), else 0."""
+    if not spec.moe:
+        return 0
+    t = tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+    if t["split_down"] >= 0:
+        return t["split_down"]
+    rows2 = 2 * spec.moe.expert_intermediate_size
+    bn = min(t["split_up_bn"] or t["moe_up_bn"], rows2)
+    bn -= bn % 2
+    tiled = (spec.hidden_size % 32 == 0 and spec.q_width % 32 == 0 and spec.moe.expert_intermediate_size % 32 == 0
+             and (spec.dense_intermediate_size or 0) % 32 == 0 and spec.qkv_width % 16 == 0
+             and spec.vocab_size % 16 == 0 and spec.moe.num_experts % 16 == 0)
+    ok = (spec.hidden_size >= SPLIT_AUTO_MIN_HIDDEN and tiled and 0 < bn <= 256 and rows2 % bn == 0
+          and (bn // 2) % 32 == 0 and not t["fused_combine"])
+    return 1 if ok else 0
+
+
 def split_down_at(spec, rows: int, tiles: dict | None = None) -> bool:
     """Whether schedules of ``rows`` rows of ``spec`` run the expert down
-    projection split-K inside the up claims (the target's ``split_down``
-    tile: a row bound, 0 none)."""
-    if not spec.moe:
-        return False
-    t = tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
-    return 0 < rows <= t["split_down"]
+    projection split-K inside the up claims (``split_down_bound``)."""
+    return 0 < rows <= split_down_bound(spec, tiles)
 
 
 def routed_claims_at(spec, rows: int, tiles: dict | None = None) -> bool:
@@ -309,6 +353,12 @@ class Geometry:
         if unknown:
             raise ValueError(f"unknown tile override(s): {sorted(unknown)}")
         t = {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {}), **tile_overrides}
+        t["split_down"] = split_down_bound(spec, t)  # -1 (automatic) resolved for this model
+        # the split configuration's own tiles (split_up_bn, split_o_proj_bn) where it applies
+        split = split_down_at(spec, rows, t)
+        split_up_bn = t["split_up_bn"] or t["moe_up_bn"]
+        if split:
+            t = {**t, "moe_up_bn": split_up_bn, "o_proj_bn": t["split_o_proj_bn"] or t["o_proj_bn"]}
         if rows < 1:
             raise ValueError(f"rows must be >= 1 (got {rows})")
         if context < 1:
@@ -329,7 +379,8 @@ class Geometry:
                 raise ValueError(problem)
             qkv_bn = spec.head_dim  # the default does not fit this model: whole heads
         o_proj_bn = min(t["o_proj_bn"], hidden)
-        asked = "o_proj_bn" in tile_overrides or "o_proj_bn" in (getattr(spec.target, "tiles", None) or {})
+        named = {**(getattr(spec.target, "tiles", None) or {}), **tile_overrides}
+        asked = "o_proj_bn" in named or (split and bool(named.get("split_o_proj_bn")))
         if not asked and hidden % o_proj_bn:
             o_proj_bn = min(64, hidden)  # the default does not divide this model's hidden size: as before
         upgate_bn = min(t["upgate_bn"], 2 * dense_width) if dense_width else t["upgate_bn"]
@@ -367,15 +418,20 @@ class Geometry:
             raise ValueError("target.tiles: split_down and fused_combine exclude each other (the norm "
                              "would have to sum every expert tile's partial)")
         up_tiles = _ceil_div(2 * expert_width, moe_up_bn) if experts else 0
-        if experts and t["split_down"] and moe_up_bn > 256:
+        # the split schedules' up tiles (whichever schedule this is: moe_out's tile axis is one
+        # kernel's, for every batch size)
+        split_bn = min(split_up_bn, 2 * expert_width) if experts else split_up_bn
+        split_bn -= split_bn % 2
+        what = "split_up_bn" if t["split_up_bn"] else "moe_up_bn"
+        if experts and t["split_down"] and split_bn > 256:
             raise ValueError(f"target.tiles.split_down: up tiles of at most 256 rows (128 features: the "
-                             f"down slice's rows live in shared memory), got moe_up_bn {moe_up_bn}")
-        if experts and t["split_down"] and (2 * expert_width) % moe_up_bn:
-            raise ValueError(f"target.tiles.split_down: the up tiles ({moe_up_bn} rows) must divide the expert's "
+                             f"down slice's rows live in shared memory), got {what} {split_bn}")
+        if experts and t["split_down"] and (2 * expert_width) % split_bn:
+            raise ValueError(f"target.tiles.split_down: the up tiles ({what} {split_bn}) must divide the expert's "
                              f"{2 * expert_width} gate/up rows (each tile's features are a down K slice)")
-        if experts and t["split_down"] and (moe_up_bn // 2) % 32:
-            raise ValueError(f"target.tiles.split_down: an up tile's {moe_up_bn // 2} features are the down "
-                             f"projection's K slice, which must be a multiple of 32 (moe_up_bn a multiple of 64)")
+        if experts and t["split_down"] and (split_bn // 2) % 32:
+            raise ValueError(f"target.tiles.split_down: an up tile's {split_bn // 2} features are the down "
+                             f"projection's K slice, which must be a multiple of 32 ({what} a multiple of 64)")
         return cls(
             spec_name=spec.name,
             block=spec.block,
@@ -425,7 +481,7 @@ class Geometry:
             norm_fold=norm_fold_at(spec, rows, t),
             split_down=split_down_at(spec, rows, t),
             combine_splits=(max(1, min(t["combine_splits"], hidden // 4)) if split_down_at(spec, rows, t) else 1),
-            moe_out_tiles=up_tiles if experts and t["split_down"] else 1,
+            moe_out_tiles=_ceil_div(2 * expert_width, split_bn) if experts and t["split_down"] else 1,
         )
 
     def with_context(self, context: int) -> "Geometry":

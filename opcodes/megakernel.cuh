@@ -67,10 +67,20 @@ extern "C" __device__ unsigned long long* megakernel_profile = nullptr;
 #endif
 // 1: a static attention split (ATTN_DECODE) issues its first tensor-copy
 // chunks before its waits, through the warm hook (ops_attention.cuh
-// attn_prime, attn_mma.cuh prime_warp); 0: when it runs. Defined here: the
-// hook's guard below needs it.
+// attn_prime, attn_mma.cuh prime_warp), in schedules of at most
+// MEGAC_ATTN_PRIME_ROWS rows; 0: when it runs. Defined here: the hook's
+// guard below needs it. Why batch 1: there the splits wait ~7 us for Q on
+// otherwise idle SMs and their first chunk then landed 4-10 us after the
+// wait (the split schedules' attention chain ends the layer); H200, North
+// Mini Code 8K batch 1, kernel ms (twenty-fourth session, same engine):
+// split schedules -0.9 / -1.3 / -2.5 %, the plain schedule -0.5 %; the
+// fifteenth session's +1.6 % at batch 1 and even at batch 8 were of the
+// plain schedule, whose attention chain ends early.
 #ifndef MEGAC_ATTN_PRIME
-#define MEGAC_ATTN_PRIME 0
+#define MEGAC_ATTN_PRIME 1
+#endif
+#ifndef MEGAC_ATTN_PRIME_ROWS
+#define MEGAC_ATTN_PRIME_ROWS 1
 #endif
 // uint64 words per task record: start, waits done, end, the opcode word, the marks
 constexpr int kProfileWords = 4 + kProfileMarks;

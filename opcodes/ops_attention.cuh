@@ -166,8 +166,8 @@ __device__ __forceinline__ void warm_split(const Ctx& c, int layer, int row, int
 template <class M>
 __device__ __forceinline__ void attn_prime(const Ctx& c, const int32_t* w, int lane) {
   if constexpr (AttnScratch<M>::kMma && attn_mma::tma_shape<M::HEAD_DIM>()) {
-    if (lane >= M::THREADS / 32) return;
     const LaunchDesc* d = c.d;
+    if (lane >= M::THREADS / 32 || d->rows > MEGAC_ATTN_PRIME_ROWS) return;
     const int layer = w[H_LAYER], row = w[f_attn_decode::ROW], kvh = w[f_attn_decode::KV_HEAD];
     int begin, end;
     split_keys(d, row, w[f_attn_decode::SPLIT], resolve(d, w[f_attn_decode::NUM_SPLITS]),

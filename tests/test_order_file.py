@@ -371,3 +371,41 @@ def test_full_attention_layers_take_their_own_waves(tmp_path):
     bad = tmp_path / "bad-full.yaml"
     bad.write_text("name: bad\nlayers:\n  moe_sliding: [qkv]\n")
     assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "moe_sliding", "unknown layer kind")
+
+
+def test_split_schedules_take_the_kinds_split_waves():
+    """``moe_split`` (any kind + ``_split``): the waves of that kind's layers
+    in schedules that split the expert down projection; the plain schedules
+    of the same order keep ``moe``'s. The tuned order's: a sliding layer's
+    O-projection on its attention SMs, each SM's O-projection before its up
+    claimer, the norm on the finalize SM; a full layer (claimed attention,
+    no host SMs) deals it by the cursor before the up claims."""
+    from megac.passes.order import waves_for
+    from models import variant
+
+    spec = load_spec("north-mini-code")
+    split = variant(spec, "nmc-split1", target={**spec.target.model_dump(), "tiles": {
+        "split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256}})
+    from megac.passes.pipeline import compile_one
+
+    one = compile_one(split, order="tuned", rows=1, context=8192)
+    two = compile_one(split, order="tuned", rows=2, context=8192)
+    assert one.geometry.split_down and not two.geometry.split_down
+    geo = one.geometry
+    slide_l = next(l for l in geo.moe_layers if geo.sliding[l])
+    full_l = next(l for l in geo.moe_layers if not geo.sliding[l])
+    sms = _layer_sms(one, slide_l)
+    assert set(sms["O_PROJ"]) == set(sms["ATTN_DECODE"]) and len(sms["O_PROJ"]) == 2048 // 256 * 4
+    assert sms["ADD_RMSNORM"] == sms["ROUTE_FINALIZE"]
+    ops = _op_names(one, slide_l)
+    assert all(n.index("O_PROJ") < n.index("MOE_UPGATE_DRAIN") for n in ops.values() if "O_PROJ" in n)
+    full_ops = _op_names(one, full_l)
+    assert all(n.index("O_PROJ") < n.index("MOE_UPGATE_DRAIN") for n in full_ops.values() if "O_PROJ" in n)
+    # the plain schedule of the same spec and order: moe's waves (the O-projection after the claimers)
+    plain = _op_names(two, slide_l)
+    assert not any(n.index("O_PROJ") < n.index("MOE_UPGATE_DRAIN") for n in plain.values() if "O_PROJ" in n)
+    layers = {"moe": 1, "moe_full": 2, "moe_split": 3}
+    assert waves_for(layers, "moe", full=True, split=True) == "moe_split"
+    assert waves_for(layers, "moe", full=True, split=False) == "moe_full"
+    assert waves_for({**layers, "moe_split_full": 4}, "moe", full=True, split=True) == "moe_split_full"
+    assert waves_for({"moe": 1}, "moe", full=False, split=True) == "moe"

@@ -63,6 +63,9 @@ ORDERS = ("tuned", "interleaved", "attention-first")
 LAYER_KINDS = ("dense", "moe", "sequential_dense", "sequential_moe")
 #: an order file's ``KIND_full`` entry: the waves of that kind's full-attention layers
 FULL_SUFFIX = "_full"
+#: an order file's ``KIND_split`` (and ``KIND_split_full``) entry: the waves of that kind's
+#: layers in schedules that split the expert down projection (geometry ``split_down``)
+SPLIT_SUFFIX = "_split"
 #: where ``assign``'s SM cursor starts a layer: "layer" (the default)
 #: restarts it at SM 0 every layer (and before the final waves), so every
 #: layer's task j runs on the same SM: an SM runs the same opcodes layer
@@ -205,16 +208,28 @@ def load_order(order: str) -> dict:
         raise OrderError(f"{where}: sm_cursor must be one of {', '.join(SM_CURSORS)} (got {cursor!r})")
     layers = {}
     for kind, raw in doc["layers"].items():
-        # KIND_full: that kind's full-attention layers (else they take KIND's waves)
+        # KIND_full: that kind's full-attention layers (else they take KIND's waves); KIND_split
+        # (_split_full): its layers in split_down schedules (else they take KIND's, KIND_full's)
         base = kind[: -len(FULL_SUFFIX)] if kind.endswith(FULL_SUFFIX) else kind
+        base = base[: -len(SPLIT_SUFFIX)] if base.endswith(SPLIT_SUFFIX) else base
         if base not in LAYER_KINDS:
             raise OrderError(f"{where}: layers.{kind}: unknown layer kind (known: {', '.join(LAYER_KINDS)}, "
-                             f"each also as KIND{FULL_SUFFIX} for its full-attention layers)")
+                             f"each also as KIND{FULL_SUFFIX} for its full-attention layers, KIND{SPLIT_SUFFIX} "
+                             f"and KIND{SPLIT_SUFFIX}{FULL_SUFFIX} in schedules that split the down projection)")
         block, ffn = ("sequential", base.split("_", 1)[1]) if base.startswith("sequential_") else ("parallel", base)
         layers[kind] = parse_waves(raw, f"{where}: layers.{kind}", layer_node_kinds(block, ffn))
     final = parse_waves(doc.get("final", ["lm_head"]), f"{where}: final", ("lm_head",))
     return {"name": doc.get("name", path.stem), "layers": layers, "final": final, "path": str(path),
             "sm_cursor": cursor}
+
+
+def waves_for(layers: dict, kind: str, full: bool, split: bool) -> str:
+    """The entry of an order's ``layers`` a layer of ``kind`` takes: in a
+    split_down schedule KIND_split_full / KIND_split first, then (full
+    attention) KIND_full, then KIND."""
+    names = ([kind + SPLIT_SUFFIX + FULL_SUFFIX] if split and full else []) + (
+        [kind + SPLIT_SUFFIX] if split else []) + ([kind + FULL_SUFFIX] if full else []) + [kind]
+    return next(n for n in names if n in layers)
 
 
 def requires(lw: Lowering) -> None:
@@ -354,8 +369,8 @@ def run(lw: Lowering) -> str:
                                   f"'{kind}' (layer {l})")
         key = f"{kind}:{'sliding' if geo.sliding[l] else 'full'}"
         lw.layer_kinds.append(key)
-        waves_of = kind + FULL_SUFFIX if not geo.sliding[l] and kind + FULL_SUFFIX in spec_order["layers"] else kind
-        emit(spec_order["layers"][waves_of], f"L{l}.", key)
+        emit(spec_order["layers"][waves_for(spec_order["layers"], kind, not geo.sliding[l], geo.split_down)],
+             f"L{l}.", key)
     emit(spec_order["final"], "", "final")
     lw.g_node = np.concatenate(g_node)
     n = len(lw.g_node)

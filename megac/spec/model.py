@@ -173,12 +173,18 @@ class TargetSpec(BaseModel):
             if k in ("fused_topk", "fused_gather", "fused_combine"):
                 if x not in (0, 1):
                     raise ValueError(f"{k} is 0 or 1 (got {x})")
-            elif k in ("routed_claims", "norm_fold", "split_down"):
+            elif k == "split_down":
+                if not -1 <= x <= 65536:
+                    raise ValueError(f"{k} is a row bound in 0..65536, 0: none, -1: automatic (got {x})")
+            elif k in ("routed_claims", "norm_fold"):
                 if not 0 <= x <= 65536:
                     raise ValueError(f"{k} is a row bound in 0..65536, 0: none (got {x})")
+            elif k in ("split_up_bn", "split_o_proj_bn"):
+                if not 0 <= x <= 65536:
+                    raise ValueError(f"{k} must be in 0..65536, 0: as the plain schedules' tile (got {x})")
             elif not 1 <= x <= 65536:
                 raise ValueError(f"{k} must be in 1..65536 (got {x})")
-            if k in ("upgate_bn", "moe_up_bn") and x % 2:
+            if k in ("upgate_bn", "moe_up_bn", "split_up_bn") and x % 2:
                 raise ValueError(f"{k} must be even: a tile holds gate and up rows in pairs (got {x})")
         return dict(sorted(v.items()))
 

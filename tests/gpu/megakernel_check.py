@@ -555,7 +555,7 @@ def prebuild(only: list[str] | None = None) -> None:
 
     full = load_spec("north-mini-code")
     specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
-        full, slice_spec(), *[slice_spec(n) for n in ("sd8", "sd8_up128")],
+        full, slice_spec(), *[slice_spec(n) for n in ("sd8", "sd8_up128", "split8")],
         *scale.config_specs(), *[scale.context_spec(hd) for hd in scale.CONTEXT_HEAD_DIMS], *[scale.split_spec(t, m) for t, m in scale.SPLITS],
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
         *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)],
@@ -576,15 +576,24 @@ def prebuild(only: list[str] | None = None) -> None:
                     print(f"{spec.name} [{v}]: {scale.variant_cubin(spec, defines)}", flush=True)
         # check profile's MEGAC_PROFILE_TILES (their profiled builds)
         if spec.name in [f"nmc-{n}" for n in os.environ.get("MEGAC_PROFILE_TILES", "").split(",") if n]:
-            print(f"{spec.name} [profile]: {scale.variant_cubin(spec, scale.PROFILE)}", flush=True)
+            order = os.environ.get("MEGAC_PROFILE_ORDER", "tuned")  # check profile's order for tile specs
+            print(f"{spec.name} [profile]: {scale.variant_cubin(spec, scale.PROFILE, order)}", flush=True)
+            if order != "tuned":  # the timed plain build of that order too
+                print(f"{spec.name} ({order}): {scale.variant_cubin(spec, {}, order)}", flush=True)
         # check order_variants (on MEGAC_ORDER_TILES' tile set where named)
         order_tiles = os.environ.get("MEGAC_ORDER_TILES", "default")
         if spec.name == ("north-mini-code" if order_tiles == "default" else f"nmc-{order_tiles}"):
             for order in scale.variant_orders():
                 for v, defines in scale.variants_for(spec).items():
                     print(f"{spec.name} ({order}) [{v}]: {scale.variant_cubin(spec, defines, order)}", flush=True)
-        # the orders and waves checks (tiny-moe) and megac bench --order all (NMC) run every order
-        for order in ORDERS if spec.name in ("tiny-moe", "north-mini-code") else ("tuned",):
+        # the orders and waves checks (tiny-moe) and megac bench --order all (NMC) run every order;
+        # a TILES entry with an "order" runs that one in check tiles
+        tile_set = scale.TILES.get(spec.name[4:], {}) if spec.name.startswith("nmc-") else {}
+        tile_order = tile_set.get("order")
+        if "variant" in tile_set:  # check tiles runs that build
+            print(f"{spec.name} [{tile_set['variant']}]: "
+                  f"{scale.variant_cubin(spec, scale.VARIANTS[tile_set['variant']], tile_order or 'tuned')}", flush=True)
+        for order in ORDERS if spec.name in ("tiny-moe", "north-mini-code") else (tile_order or "tuned",):
             t0 = time.perf_counter()
             got = load_or_compile(spec, order)
             # into the build/cubin cache (what travels), even where the artifact has its own

@@ -731,8 +731,10 @@ VARIANTS = {
     # launch has the pools' tensor maps; MEGAC_KV_TMAPS=0 takes the same path in the default build)
     "attn_cpasync": {"MEGAC_ATTN_TMA": 0},
     "attn_tma3": {"MEGAC_ATTN_TMA_STAGES": 3},  # tensor-copy rings of 3 chunks per warp
-    # a static split's first tensor-copy chunks issued before its waits (older keys only)
-    "attn_prime": {"MEGAC_ATTN_PRIME": 1},
+    # a static split's first tensor-copy chunks issued when it runs (the default issues them before its
+    # waits at batch 1, older keys only: ops_attention.cuh attn_prime); at every batch size
+    "attn_noprime": {"MEGAC_ATTN_PRIME": 0},
+    "attn_prime_all": {"MEGAC_ATTN_PRIME_ROWS": 65536},
     # a split's page-table entries one chunk ahead (the default loads them at once up front)
     "attn_behind": {"MEGAC_ATTN_AHEAD": 0},
     # the GEMM tile inlined into each opcode (the default shares one copy: less cold code); the
@@ -1102,12 +1104,14 @@ def split_spec(tokens: int, max_splits: int):
     return variant(spec, f"nmc-split{tokens}", target=target)
 
 
-def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = False, contexts=(8192,)) -> dict:
+def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = False, contexts=(8192,),
+                  orders: dict | None = None, defines: dict | None = None) -> dict:
     """Median kernel ms at ``batches`` (1 and 8) and ``contexts`` (8K), of each North Mini Code spec
     variant in ``specs`` (name -> spec), one engine after the other on the
     same random weights (the variants share every weight shape). ``bits``:
     also whether each one's greedy tokens and logits over 8 rows equal the
-    first one's bit for bit."""
+    first one's bit for bit. ``orders``: name -> wave order (default tuned);
+    ``defines``: name -> a VARIANTS build's switches (default: the plain build)."""
     import gc
 
     import torch
@@ -1120,13 +1124,16 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
     for name, spec in specs.items():
         if w is None:
             w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+        order = (orders or {}).get(name, "tuned")
         eng = engine(spec, w, max_batch_size=8, max_model_len=max(contexts) + 64,
-                     num_kv_blocks=max(40000, pool_blocks(spec, max(batches), max(contexts) + 64)))
+                     num_kv_blocks=max(40000, pool_blocks(spec, max(batches), max(contexts) + 64)), order=order)
         _noise_kv(eng)
+        if (defines or {}).get(name):  # another build of the same source (VARIANTS switches)
+            use_cubin(eng.backend, variant_cubin(spec, defines[name], order))
         out[name] = {f"bs{b}" + ("" if contexts == (8192,) else f"_ctx{c}"): _step_times(eng, b, c, steps=steps)[
             "kernel_ms"] for c in contexts for b in batches}
         if bits:
-            got = greedy_bits(eng, variant_cubin(spec, {}))
+            got = greedy_bits(eng, variant_cubin(spec, (defines or {}).get(name) or {}, order))
             ref = ref or got
             out[name]["bits_equal_first"] = same_bits(ref, got)
         print(json.dumps({name: out[name]}), flush=True)
@@ -1331,6 +1338,21 @@ TILES = {
     # chain ended the split layers)
     "sd8_up128_a256": {"split_down": 8, "moe_up_bn": 128, "attn_split_tokens": 256},
     "a256": {"attn_split_tokens": 256},
+    # O-projection tiles of 256 features (32 of 512 KB: one per attention SM of a sliding layer at
+    # batch 1, for orders that put the O-projection there)
+    "sd8_up128_o256": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256},
+    "sd1_up128_o256": {"split_down": 1, "moe_up_bn": 128, "o_proj_bn": 256},
+    "o256": {"o_proj_bn": 256},
+    # with the order that puts a sliding layer's O-projection on its attention SMs
+    "sd8_up128_o256_oa": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256,
+                          "order": "schedules/experiments/split-oproj-on-attn.yaml"},
+    # the split configuration of the twenty-fourth session (its own up and O-projection tiles, the
+    # tuned order's moe_split waves): at batch 1 (the automatic bound, -1), and up to 8 rows (the
+    # fp32 slice check runs 2 rows)
+    "split1": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256},
+    "split8": {"split_down": 8, "split_up_bn": 128, "split_o_proj_bn": 256},
+    # the same with a static split's first chunks issued when it runs
+    "split1_noprime": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "variant": "attn_noprime"},
 }
 
 
@@ -1341,9 +1363,10 @@ def tile_spec(name: str, tiles: dict):
     spec = load_spec("north-mini-code")
     if not tiles:
         return spec
-    # target fields beside the tiles (attention splits)
+    # target fields beside the tiles (attention splits); "order" / "variant": the wave order and the
+    # VARIANTS build check tiles runs
     target = {k: tiles[k] for k in ("attn_split_tokens", "attn_max_splits") if k in tiles}
-    tiles = {k: v for k, v in tiles.items() if k not in target}
+    tiles = {k: v for k, v in tiles.items() if k not in target and k not in ("order", "variant")}
     return variant(spec, f"nmc-{name}", target={**spec.target.model_dump(), **target,
                                                 "tiles": {**(spec.target.tiles or {}), **tiles}})
 
@@ -1360,10 +1383,14 @@ def check_tiles() -> dict:
 
     pick = os.environ.get("MEGAC_TILES")
     names = [n for n in (pick.split(",") if pick else TILES) if n != "default"]
-    specs = {"default": tile_spec("default", {}), **{n: tile_spec(n, TILES[n]) for n in names},
-             "default_2": tile_spec("default", {})}
+    # NAME#i: NAME again in an engine of its own (engines of one spec differ by a few %: A/B/A/B runs)
+    base = {n: n.split("#")[0] for n in ["default", *names, "default_2"]}
+    base["default_2"] = "default"
+    specs = {n: tile_spec(b, TILES[b]) for n, b in base.items()}
+    orders = {n: TILES[b].get("order", "tuned") for n, b in base.items()}
+    defines = {n: VARIANTS[TILES[b]["variant"]] for n, b in base.items() if "variant" in TILES[b]}
     batches, contexts = _tile_grid()
-    return _kernel_ms_of(specs, bits=True, batches=batches, contexts=contexts)
+    return _kernel_ms_of(specs, bits=True, batches=batches, contexts=contexts, orders=orders, defines=defines)
 
 
 def check_gemm_env() -> dict:
@@ -1415,7 +1442,11 @@ def check_profile() -> dict:
     models += [(f"nmc-{n}", b, ctx) for n in tiles for m, b, ctx in list(models) if m == "north-mini-code"]
     from megac.decode_bench import pool_blocks
 
+    seen: dict[str, int] = {}
     for model, b, ctx in models:
+        # a tile set named twice profiles a second engine (engines of one spec differ by a few %)
+        seen[model] = seen.get(model, 0) + 1
+        again = "" if seen[model] == 1 else f"#{seen[model] - 1}"
         if model == "north-mini-code-routed8":
             spec = routed_spec("north-mini-code")
         elif model.startswith("nmc-"):
@@ -1423,21 +1454,23 @@ def check_profile() -> dict:
         else:
             spec = load_spec(model)
         w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+        # MEGAC_PROFILE_ORDER: a wave order (name or YAML path) for the tile specs' steps
+        order = os.environ.get("MEGAC_PROFILE_ORDER", "tuned") if model.startswith("nmc-") else "tuned"
         eng = engine(spec, w, max_batch_size=8, max_model_len=min(max(ctx, 8192) + 64, spec.max_context),
-                     num_kv_blocks=max(40000, pool_blocks(spec, 8, max(ctx, 8192) + 64)))
+                     num_kv_blocks=max(40000, pool_blocks(spec, 8, max(ctx, 8192) + 64)), order=order)
         _noise_kv(eng)
         be = eng.backend
         for v in ["default", *(extra if spec.moe else [])]:
-            key = model if v == "default" else f"{model}:{v}"
+            key = (model if v == "default" else f"{model}:{v}") + again
             # the path `megac bench --profile` takes (its build is PROFILE's, prebuilt), from the
             # variant's own plain build (its kernel_ms; a routed build's words)
-            use_cubin(be, variant_cubin(spec, VARIANTS[v]))
+            use_cubin(be, variant_cubin(spec, VARIANTS[v], order))
             got = profile.profile_step(be, eng.kv, b, ctx, warmup=10, defines=VARIANTS[v])
             recs, plain, timed = got["records"], got["kernel_ms"], got["profiled_ms"]
             out[key] = {"kernel_ms": plain, "kernel_ms_profiled": timed, **profile.summary(recs),
                         "inside_tasks": profile.marks_summary(recs), "layers": profile.layer_table(recs, spec)}
             if os.environ.get("OUT"):
-                name = f"profile-{model}-bs{b}-ctx{ctx}" + ("" if v == "default" else f"-{v}")
+                name = f"profile-{model}-bs{b}-ctx{ctx}" + ("" if v == "default" else f"-{v}") + again.replace("#", "-")
                 (Path(os.environ["OUT"]) / f"{name}.json").write_text(json.dumps(recs))
                 (Path(os.environ["OUT"]) / f"{name}.trace.json").write_text(json.dumps(profile.chrome_trace(recs)))
             print(json.dumps({key: out[key]})[:3000], flush=True)

@@ -101,7 +101,29 @@ def test_split_down_excludes_the_combine_in_the_norm():
 def test_split_down_is_a_row_bound():
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="split_down"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"split_down": -1}})
+        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"split_down": -2}})
+
+
+def test_automatic_split_is_batch_one_of_large_moe_models_with_their_own_tiles():
+    """split_down -1: batch 1 where the model is wide (North Mini Code), off
+    for a narrow one (tiny-moe); the split schedules take split_up_bn and
+    split_o_proj_bn, the others keep theirs, and moe_out's tile axis follows
+    the split's up tiles in every schedule (one kernel)."""
+    from megac.geometry import Geometry, split_down_bound
+
+    tiles = {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256}
+    tiny = load_spec("tiny-moe")
+    tiny_auto = variant(tiny, "tiny-auto", target={**tiny.target.model_dump(), "tiles": tiles})
+    assert split_down_bound(tiny_auto) == 0
+    nmc = load_spec("north-mini-code")
+    auto = variant(nmc, "nmc-auto", target={**nmc.target.model_dump(), "tiles": tiles})
+    assert split_down_bound(auto) == 1 and split_down_bound(nmc) == 0
+    one, two = Geometry.from_spec(auto, 1, 8192), Geometry.from_spec(auto, 2, 8192)
+    assert (one.split_down, one.moe_up_bn, one.o_proj_bn) == (True, 128, 256)
+    plain = Geometry.from_spec(nmc, 2, 8192)
+    assert (two.split_down, two.moe_up_bn, two.o_proj_bn) == (False, plain.moe_up_bn, plain.o_proj_bn)
+    assert one.moe_out_tiles == two.moe_out_tiles == 2 * 768 // 128
+    assert plain.moe_out_tiles == 1
 
 
 @pytest.mark.parametrize("up_bn, width, why", [(512, None, "at most 256 rows"), (96, None, "multiple of 32"),

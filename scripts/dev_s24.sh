@@ -1,0 +1,34 @@
+# Twenty-fourth session's GPU runs (from the repo root on the device machine).
+mkdir -p build/cubin && cp build/cubin-sel/* build/cubin/ && source scripts/gpu_env.sh
+E=schedules/experiments
+run_orders() {  # tiles orders batches vars
+  MEGAC_VARIANTS=${4:-default} MEGAC_ORDER_TILES=$1 MEGAC_TILE_BATCHES=$3 MEGAC_TILE_CONTEXTS=8192 MEGAC_VARIANT_ORDERS=$2 \
+    timeout ${T:-300} python3 -m gpu.megakernel_check --run order_variants --out $OUT/o_$1.json 2>&1 | grep -v Warning | grep '^{"' 
+}
+case "${1:-tails}" in
+  tails)
+    run_orders default tuned,$E/tail-on-oproj.yaml,$E/tail-on-finalize.yaml,tuned 1,8
+    run_orders sd8_up128 $E/split-norm-on-finalize.yaml,$E/split-norm-on-oproj.yaml,$E/split-norm-on-finalize.yaml 1 ;;
+  oproj)
+    run_orders sd8_up128 $E/split-norm-on-finalize.yaml,$E/split-oproj-on-attn.yaml,$E/split-oproj-on-attn-sliding.yaml,$E/split-norm-on-finalize.yaml 1
+    run_orders sd8_up128_o256 $E/split-norm-on-finalize.yaml,$E/split-oproj-on-attn.yaml,$E/split-oproj-on-attn-sliding.yaml 1 ;;
+  best)
+    run_orders sd8_up128_o256 $E/split-oproj-on-attn.yaml 1,2,4,8 attn_prime
+    run_orders o256 tuned,$E/tuned-oproj-on-attn.yaml,tuned 1,8
+    run_orders sd1_up128_o256 $E/split-oproj-on-attn.yaml 1,2,4,8 ;;
+  profile)
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=${PT:-sd8_up128_o256} MEGAC_PROFILE_ORDER=$E/split-oproj-on-attn.yaml \
+      timeout 400 python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-160
+    gzip -q $OUT/*.json 2>/dev/null; ls -la $OUT ;;
+  ab)  # engines alternating: the default and TILES=$AB, bs1 (TB) 8K
+    MEGAC_VARIANTS=default MEGAC_TILES=${TLIST:-$AB,default#1,$AB#1,default#2,$AB#2} MEGAC_TILE_BATCHES=${TB:-1} \
+      MEGAC_TILE_CONTEXTS=8192 timeout 560 python3 -m gpu.megakernel_check --run tiles --out $OUT/ab.json 2>&1 \
+      | grep -v Warning | grep '^{"' ;;
+  verify)  # the session's device changes: tiny and hang, the split configuration's fp32 slice
+    timeout 300 python3 -m gpu.megakernel_check --run tiny hang --out $OUT/battery.json 2>&1 | grep -v Warning | tail -6
+    MEGAC_CHECK_TILES=split8 timeout 300 python3 -m gpu.megakernel_check --run nmc_slice --out $OUT/slice.json 2>&1 \
+      | grep -v Warning | tail -6 ;;
+  bench)
+    timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
+      --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;
+esac
