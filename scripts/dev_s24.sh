@@ -17,7 +17,7 @@ case "${1:-tails}" in
     run_orders o256 tuned,$E/tuned-oproj-on-attn.yaml,tuned 1,8
     run_orders sd1_up128_o256 $E/split-oproj-on-attn.yaml 1,2,4,8 ;;
   profile)
-    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=${PT:-sd8_up128_o256} MEGAC_PROFILE_ORDER=$E/split-oproj-on-attn.yaml \
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=${PT:-sd8_up128_o256} MEGAC_PROFILE_ORDER=${PO:-$E/split-oproj-on-attn.yaml} \
       timeout 400 python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-160
     gzip -q $OUT/*.json 2>/dev/null; ls -la $OUT ;;
   ab)  # engines alternating: the default and TILES=$AB, bs1 (TB) 8K

@@ -1351,6 +1351,12 @@ TILES = {
     # fp32 slice check runs 2 rows)
     "split1": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256},
     "split8": {"split_down": 8, "split_up_bn": 128, "split_o_proj_bn": 256},
+    # the O-projection after the MoE combine on the SMs leaving the claims, 128 tiles of 64 features
+    # (each a whole ring primed before its wait)
+    "split1_o64_last": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 64,
+                        "order": "schedules/experiments/split-oproj-last.yaml"},
+    "split1_o128_last": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 128,
+                         "order": "schedules/experiments/split-oproj-last.yaml"},
     # the same with a static split's first chunks issued when it runs
     "split1_noprime": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "variant": "attn_noprime"},
 }
