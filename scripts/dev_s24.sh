@@ -22,7 +22,7 @@ case "${1:-tails}" in
     gzip -q $OUT/*.json 2>/dev/null; ls -la $OUT ;;
   ab)  # engines alternating: the default and TILES=$AB, bs1 (TB) 8K
     MEGAC_VARIANTS=default MEGAC_TILES=${TLIST:-$AB,default#1,$AB#1,default#2,$AB#2} MEGAC_TILE_BATCHES=${TB:-1} \
-      MEGAC_TILE_CONTEXTS=8192 timeout 560 python3 -m gpu.megakernel_check --run tiles --out $OUT/ab.json 2>&1 \
+      MEGAC_TILE_CONTEXTS=${TC:-8192} timeout 560 python3 -m gpu.megakernel_check --run tiles --out $OUT/ab.json 2>&1 \
       | grep -v Warning | grep '^{"' ;;
   verify)  # the session's device changes: tiny and hang, the split configuration's fp32 slice
     timeout 300 python3 -m gpu.megakernel_check --run tiny hang --out $OUT/battery.json 2>&1 | grep -v Warning | tail -6
