@@ -240,26 +240,59 @@ def norm_fold_at(spec, rows: int, tiles: dict | None = None) -> bool:
 SPLIT_AUTO_MIN_HIDDEN = 1024
 
 
+def tiled_shapes(qkv_width: int, hidden: int, vocab: int, q_width: int, dense_width: int, experts: int,
+                 expert_width: int) -> bool:
+    """Whether every GEMM matrix of these widths can be read in the tiled
+    device layout (opcodes/gemm_tc.cuh): rows in 16s, K in 32s. The shape
+    half of codegen's ``gemm_tiled`` (which also checks each task's tile)."""
+    rows = [qkv_width, hidden, vocab, 2 * dense_width, experts, 2 * expert_width]
+    ks = [hidden, q_width, dense_width, expert_width]
+    return not any(n % 16 for n in rows) and not any(k % 32 for k in ks)
+
+
+def split_up_rows(t: dict, expert_width: int) -> tuple[int, str]:
+    """(gate/up rows of a split schedule's up tiles, the tile that named
+    them): split_up_bn, else moe_up_bn, clamped to the expert and even."""
+    bn = t["split_up_bn"] or t["moe_up_bn"]
+    bn = min(bn, 2 * expert_width) if expert_width else bn
+    return bn - bn % 2, "split_up_bn" if t["split_up_bn"] else "moe_up_bn"
+
+
+def split_tile_problem(t: dict, expert_width: int) -> str | None:
+    """Why tiles ``t`` cannot split the down projection of experts of
+    ``expert_width`` features (None: they can)."""
+    if t["fused_combine"]:
+        return ("target.tiles: split_down and fused_combine exclude each other (the norm "
+                "would have to sum every expert tile's partial)")
+    bn, what = split_up_rows(t, expert_width)
+    if bn > 256:
+        return (f"target.tiles.split_down: up tiles of at most 256 rows (128 features: the "
+                f"down slice's rows live in shared memory), got {what} {bn}")
+    if (2 * expert_width) % bn:
+        return (f"target.tiles.split_down: the up tiles ({what} {bn}) must divide the expert's "
+                f"{2 * expert_width} gate/up rows (each tile's features are a down K slice)")
+    if (bn // 2) % 32:
+        return (f"target.tiles.split_down: an up tile's {bn // 2} features are the down "
+                f"projection's K slice, which must be a multiple of 32 ({what} a multiple of 64)")
+    return None
+
+
 def split_down_bound(spec, tiles: dict | None = None) -> int:
     """The row bound of the split-K expert down projection (the target's
-    ``split_down`` tile; 0 none). -1 (the default) is automatic: 1 (batch 1)
-    for a MoE model of hidden size >= SPLIT_AUTO_MIN_HIDDEN whose split
-    tiles fit the split's rules (tensor-core GEMM shapes, split_up_bn <= 256
-    dividing the expert's gate/up rows in multiples of 64, no
-    fused_combine), else 0."""
+    ``split_down`` tile; 0 none). -1 is automatic: 1 (batch 1) for a MoE
+    model of hidden size >= SPLIT_AUTO_MIN_HIDDEN whose GEMMs are tiled
+    (``tiled_shapes``) and whose split tiles fit (``split_tile_problem``),
+    else 0."""
     if not spec.moe:
         return 0
     t = tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
     if t["split_down"] >= 0:
         return t["split_down"]
-    rows2 = 2 * spec.moe.expert_intermediate_size
-    bn = min(t["split_up_bn"] or t["moe_up_bn"], rows2)
-    bn -= bn % 2
-    tiled = (spec.hidden_size % 32 == 0 and spec.q_width % 32 == 0 and spec.moe.expert_intermediate_size % 32 == 0
-             and (spec.dense_intermediate_size or 0) % 32 == 0 and spec.qkv_width % 16 == 0
-             and spec.vocab_size % 16 == 0 and spec.moe.num_experts % 16 == 0)
-    ok = (spec.hidden_size >= SPLIT_AUTO_MIN_HIDDEN and tiled and 0 < bn <= 256 and rows2 % bn == 0
-          and (bn // 2) % 32 == 0 and not t["fused_combine"])
+    ew = spec.moe.expert_intermediate_size
+    ok = (spec.hidden_size >= SPLIT_AUTO_MIN_HIDDEN
+          and tiled_shapes(spec.qkv_width, spec.hidden_size, spec.vocab_size, spec.q_width,
+                           spec.dense_intermediate_size or 0, spec.moe.num_experts, ew)
+          and split_tile_problem(t, ew) is None)
     return 1 if ok else 0
 
 
@@ -353,12 +386,6 @@ class Geometry:
         if unknown:
             raise ValueError(f"unknown tile override(s): {sorted(unknown)}")
         t = {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {}), **tile_overrides}
-        t["split_down"] = split_down_bound(spec, t)  # -1 (automatic) resolved for this model
-        # the split configuration's own tiles (split_up_bn, split_o_proj_bn) where it applies
-        split = split_down_at(spec, rows, t)
-        split_up_bn = t["split_up_bn"] or t["moe_up_bn"]
-        if split:
-            t = {**t, "moe_up_bn": split_up_bn, "o_proj_bn": t["split_o_proj_bn"] or t["o_proj_bn"]}
         if rows < 1:
             raise ValueError(f"rows must be >= 1 (got {rows})")
         if context < 1:
@@ -369,6 +396,14 @@ class Geometry:
         experts = moe.num_experts if moe else 0
         expert_width = moe.expert_intermediate_size if moe else 0
         layers = spec.layers
+
+        t["split_down"] = split_down_bound(spec, t)  # -1 (automatic) resolved for this model
+        # the split configuration's own tiles (split_up_bn, split_o_proj_bn) where it applies; its
+        # up tiles size moe_out's tile axis in every schedule (one kernel serves every batch size)
+        split = split_down_at(spec, rows, t)
+        split_bn, _ = split_up_rows(t, expert_width)
+        if split:
+            t = {**t, "moe_up_bn": split_bn, "o_proj_bn": t["split_o_proj_bn"] or t["o_proj_bn"]}
 
         # Clamp tiles to the dims they tile (a tile never exceeds its dim).
         qkv_bn = min(t["qkv_bn"], spec.head_dim)
@@ -414,24 +449,9 @@ class Geometry:
 
         target = spec.target
         routed = routed_claims_at(spec, rows, t)
-        if experts and t["split_down"] and t["fused_combine"]:
-            raise ValueError("target.tiles: split_down and fused_combine exclude each other (the norm "
-                             "would have to sum every expert tile's partial)")
-        up_tiles = _ceil_div(2 * expert_width, moe_up_bn) if experts else 0
-        # the split schedules' up tiles (whichever schedule this is: moe_out's tile axis is one
-        # kernel's, for every batch size)
-        split_bn = min(split_up_bn, 2 * expert_width) if experts else split_up_bn
-        split_bn -= split_bn % 2
-        what = "split_up_bn" if t["split_up_bn"] else "moe_up_bn"
-        if experts and t["split_down"] and split_bn > 256:
-            raise ValueError(f"target.tiles.split_down: up tiles of at most 256 rows (128 features: the "
-                             f"down slice's rows live in shared memory), got {what} {split_bn}")
-        if experts and t["split_down"] and (2 * expert_width) % split_bn:
-            raise ValueError(f"target.tiles.split_down: the up tiles ({what} {split_bn}) must divide the expert's "
-                             f"{2 * expert_width} gate/up rows (each tile's features are a down K slice)")
-        if experts and t["split_down"] and (split_bn // 2) % 32:
-            raise ValueError(f"target.tiles.split_down: an up tile's {split_bn // 2} features are the down "
-                             f"projection's K slice, which must be a multiple of 32 ({what} a multiple of 64)")
+        problem = split_tile_problem(t, expert_width) if experts and t["split_down"] else None
+        if problem:
+            raise ValueError(problem)
         return cls(
             spec_name=spec.name,
             block=spec.block,
@@ -479,8 +499,8 @@ class Geometry:
             routed_claims=routed,
             fused_combine=fused_combine_at(spec, rows, t),
             norm_fold=norm_fold_at(spec, rows, t),
-            split_down=split_down_at(spec, rows, t),
-            combine_splits=(max(1, min(t["combine_splits"], hidden // 4)) if split_down_at(spec, rows, t) else 1),
+            split_down=split,
+            combine_splits=(max(1, min(t["combine_splits"], hidden // 4)) if split else 1),
             moe_out_tiles=_ceil_div(2 * expert_width, split_bn) if experts and t["split_down"] else 1,
         )
 

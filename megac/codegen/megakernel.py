@@ -23,6 +23,7 @@ import numpy as np
 from megac import abi
 from megac.abi import H, Op
 from megac.errors import MegacError
+from megac.geometry import tiled_shapes
 from megac.ops import REGISTRY
 from megac.resources import opcodes_dir, templates_dir
 from megac.schedule import schedule_key
@@ -80,9 +81,8 @@ def gemm_tiled(schedules) -> bool:
     (opcodes/gemm_tc.cuh): each matrix has rows in 16s and K in 32s, and each
     task's tile starts and ends on those boundaries."""
     geo = largest(schedules).geometry
-    rows = [geo.qkv_width, geo.hidden, geo.vocab, 2 * geo.dense_width, geo.num_experts, 2 * geo.expert_width]
-    ks = [geo.hidden, geo.q_width, geo.dense_width, geo.expert_width]
-    if any(n % 16 for n in rows) or any(k % 32 for k in ks):
+    if not tiled_shapes(geo.qkv_width, geo.hidden, geo.vocab, geo.q_width, geo.dense_width, geo.num_experts,
+                        geo.expert_width):
         return False
     for _, op, w in _gemm_tasks(schedules):
         fields = (("N0", 16), ("N_LEN", 16), ("K0", 32), ("K_LEN", 32)) if op in _GEMM_OPS else (("N_LEN", 16),)

@@ -453,9 +453,7 @@ def slice_spec(tiles: str | None = None):
     from models import variant
 
     full = load_spec("north-mini-code")
-    extra = {}
-    if tiles:
-        extra = {"target": {**full.target.model_dump(), "tiles": {**(full.target.tiles or {}), **scale.TILES[tiles]}}}
+    extra = {"target": scale.tile_target(full, scale.TILES[tiles])} if tiles else {}
     return variant(full, "nmc-slice" + (f"-{tiles}" if tiles else ""),
                    layers=[full.layers[i].model_dump() for i in (0, 1, 4)], **extra)
 

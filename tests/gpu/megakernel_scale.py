@@ -1121,19 +1121,20 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
 
     out = {}
     w = ref = None
+    orders, defines = orders or {}, defines or {}
     for name, spec in specs.items():
         if w is None:
             w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-        order = (orders or {}).get(name, "tuned")
+        order = orders.get(name, "tuned")
         eng = engine(spec, w, max_batch_size=8, max_model_len=max(contexts) + 64,
                      num_kv_blocks=max(40000, pool_blocks(spec, max(batches), max(contexts) + 64)), order=order)
         _noise_kv(eng)
-        if (defines or {}).get(name):  # another build of the same source (VARIANTS switches)
+        if defines.get(name):  # another build of the same source (VARIANTS switches)
             use_cubin(eng.backend, variant_cubin(spec, defines[name], order))
         out[name] = {f"bs{b}" + ("" if contexts == (8192,) else f"_ctx{c}"): _step_times(eng, b, c, steps=steps)[
             "kernel_ms"] for c in contexts for b in batches}
         if bits:
-            got = greedy_bits(eng, variant_cubin(spec, (defines or {}).get(name) or {}, order))
+            got = greedy_bits(eng, variant_cubin(spec, defines.get(name, {}), order))
             ref = ref or got
             out[name]["bits_equal_first"] = same_bits(ref, got)
         print(json.dumps({name: out[name]}), flush=True)
@@ -1362,6 +1363,15 @@ TILES = {
 }
 
 
+def tile_target(spec, tiles: dict) -> dict:
+    """``spec``'s target with a TILES entry applied: its tile settings, the
+    target fields beside them (attention splits); its "order" and "variant"
+    (the wave order and the VARIANTS build check tiles runs) are not target."""
+    target = {k: tiles[k] for k in ("attn_split_tokens", "attn_max_splits") if k in tiles}
+    tiles = {k: v for k, v in tiles.items() if k not in target and k not in ("order", "variant")}
+    return {**spec.target.model_dump(), **target, "tiles": {**(spec.target.tiles or {}), **tiles}}
+
+
 def tile_spec(name: str, tiles: dict):
     from megac.spec import load_spec
     from models import variant
@@ -1369,12 +1379,7 @@ def tile_spec(name: str, tiles: dict):
     spec = load_spec("north-mini-code")
     if not tiles:
         return spec
-    # target fields beside the tiles (attention splits); "order" / "variant": the wave order and the
-    # VARIANTS build check tiles runs
-    target = {k: tiles[k] for k in ("attn_split_tokens", "attn_max_splits") if k in tiles}
-    tiles = {k: v for k, v in tiles.items() if k not in target and k not in ("order", "variant")}
-    return variant(spec, f"nmc-{name}", target={**spec.target.model_dump(), **target,
-                                                "tiles": {**(spec.target.tiles or {}), **tiles}})
+    return variant(spec, f"nmc-{name}", target=tile_target(spec, tiles))
 
 
 def check_tiles() -> dict:
