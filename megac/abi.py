@@ -38,7 +38,9 @@ import numpy as np
 #    tile: moe_out is [L, rows*top_k, moe_out_tiles * hidden]; MOE_COMBINE sums the tiles) and
 #    MOE_COMBINE.COL0 / COLS (a combine task sums a range of the row's features: split_down
 #    schedules spread a row's combine over combine_splits tasks)
-ABI_VERSION = 10
+# 11: O_PROJ.MERGE_SPLITS (> 0: the O-projection tile merges its KV head's attention splits of the
+#     schedule's one row into its input itself, as ATTN_COMBINE would, and there is no ATTN_COMBINE)
+ABI_VERSION = 11
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -200,7 +202,12 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
         ("KV_HEAD", "kv head"),
         ("NUM_SPLITS", "(dyn) splits to merge, in index order"),
     ),
-    Op.O_PROJ: _GEMM,
+    Op.O_PROJ: _GEMM
+    + (
+        ("MERGE_SPLITS", "(dyn) 0: the input is attn_out; > 0: this many attention splits of KV head SPLIT "
+                         "(of row 0, the schedule's one row) merged into the input here, as ATTN_COMBINE "
+                         "merges them (the same bits); no ATTN_COMBINE task"),
+    ),
     Op.FFN_UPGATE_ACT: _GEMM
     + (
         ("OUT0", "first hidden column written (N0/2: gate/up rows interleaved in chunks of N_LEN/2)"),
@@ -283,6 +290,7 @@ DYN_CAPABLE = {
     (Op.ATTN_DECODE, "NUM_SPLITS"),
     (Op.ATTN_DRAIN, "QUEUE_LEN"),
     (Op.ATTN_COMBINE, "NUM_SPLITS"),
+    (Op.O_PROJ, "MERGE_SPLITS"),
     (Op.MOE_UPGATE_DRAIN, "QUEUE_LEN"),
     (Op.MOE_DOWN_DRAIN, "QUEUE_LEN"),
 }

@@ -35,6 +35,8 @@ Tiles (one task = one tile)
                    ``routed_claims`` row bound >= rows): ``routed_claims_at``
     split_down     the up claims run the expert down projection split-K
                    (``split_down_at``); moe_out_tiles: moe_out's tiles per slot
+    o_proj_merge   the O-projection tiles merge the attention splits (one row,
+                   ``o_proj_merge_at``): no ATTN_COMBINE
     lm_bn, lm_tiles            LM head vocab tile
 
 Attention splits
@@ -169,6 +171,13 @@ DEFAULT_TILES = {
     # O-projection on its attention SMs (the wave order's KIND_split waves),
     # one tile each at 256 features (North Mini Code: 32 splits, 32 tiles)
     "split_o_proj_bn": 0,
+    # 1: in schedules of one row each O-projection tile merges its KV head's
+    # attention splits into its input itself (O_PROJ.MERGE_SPLITS, the
+    # ATTN_COMBINE arithmetic, the same bits), no ATTN_COMBINE task: a hop
+    # and a single-CTA task less on a layer's attention chain; every tile of
+    # a head re-reads the head's partials (KV heads x features / o_proj_bn
+    # merges instead of KV heads)
+    "o_proj_merge": 0,
 }
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
@@ -302,6 +311,16 @@ def split_down_at(spec, rows: int, tiles: dict | None = None) -> bool:
     return 0 < rows <= split_down_bound(spec, tiles)
 
 
+def o_proj_merge_at(spec, rows: int, tiles: dict | None = None) -> bool:
+    """Whether schedules of ``rows`` rows of ``spec`` merge the attention
+    splits inside the O-projection tiles (the target's ``o_proj_merge``
+    tile). One row only: a tile waits on its KV head's splits, which signal
+    a counter per (row, KV head), and a task has two waits."""
+    on = (tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+          )["o_proj_merge"]
+    return bool(on) and rows == 1
+
+
 def routed_claims_at(spec, rows: int, tiles: dict | None = None) -> bool:
     """Whether schedules of ``rows`` rows of ``spec`` use routed claims (the
     target's ``routed_claims`` tile: a row bound, 0 none)."""
@@ -378,6 +397,8 @@ class Geometry:
     #: moe_out's tiles per slot: up_tiles wherever the model splits the down
     #: projection at some batch size (one kernel serves every schedule), else 1
     moe_out_tiles: int = 1
+    #: the O-projection tiles merge the attention splits, no ATTN_COMBINE (DEFAULT_TILES' o_proj_merge)
+    o_proj_merge: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -502,6 +523,7 @@ class Geometry:
             split_down=split,
             combine_splits=(max(1, min(t["combine_splits"], hidden // 4)) if split else 1),
             moe_out_tiles=_ceil_div(2 * expert_width, split_bn) if experts and t["split_down"] else 1,
+            o_proj_merge=o_proj_merge_at(spec, rows, t),
         )
 
     def with_context(self, context: int) -> "Geometry":

@@ -16,7 +16,9 @@ Nodes, in program order (``g.graph["order"]``, a topological order):
   router partials and the normed rows itself; no ``.moe_combine`` with
   ``build_graph(spec, fused_combine=True)``: the norm reads the experts'
   outputs; no ``.moe_down`` with ``split_down=True``: the up claims write
-  the down projection's split-K partials into ``moe_out``); sequential blocks
+  the down projection's split-K partials into ``moe_out``; no
+  ``.attn_combine`` with ``merged_attn=True``: the O-projection reads the
+  attention partials and merges them itself); sequential blocks
   (Llama) also ``L{l}.norm_attn`` (post-attention residual add + norm);
   every layer ``L{l}.norm`` (residual add + the next norm);
 * then ``lm_head``.
@@ -27,7 +29,7 @@ names), ``weights`` (weight tensor names read).
 
 Graph attributes: ``tensors`` = ``{name: Tensor}``, ``order`` (node names),
 ``spec_name``, ``num_layers``, ``block``, ``fused_topk``, ``fused_gather``,
-``routed_claims``, ``fused_combine``, ``split_down``.
+``routed_claims``, ``fused_combine``, ``split_down``, ``o_proj_merge``.
 
 Edges ``producer -> consumer`` carry ``tensor`` (the name that flows). The
 residual stream is one tensor per norm, ``x_resid[g]`` next to ``x_norm[g]``
@@ -102,7 +104,7 @@ def fused_routing_of(spec, routed: bool = False) -> tuple[bool, bool]:
 
 
 def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=(),
-                split_down: bool = False) -> nx.DiGraph:
+                split_down: bool = False, merged_attn: bool = False) -> nx.DiGraph:
     """The decode graph; ``routed``: with routed claims (the up claims read
     the router partials and x_norm; no top-k, no gather); ``fused_combine``:
     the norm does the MoE combine (schedules of one row:
@@ -110,7 +112,10 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
     and router nodes fold the norm that writes their x_norm slot (they read
     that norm's inputs instead: :meth:`megac.geometry.Geometry.folded`);
     ``split_down``: the up node also runs the down projection split-K
-    (writes ``moe_out``, reads both expert matrices; no ``.moe_down``)."""
+    (writes ``moe_out``, reads both expert matrices; no ``.moe_down``);
+    ``merged_attn``: the O-projection merges the attention splits itself
+    (reads the partials; no ``.attn_combine``: schedules of one row,
+    :func:`megac.geometry.o_proj_merge_at`)."""
     folded = frozenset(folded)
     L = spec.num_layers
     D = spec.hidden_size
@@ -122,7 +127,7 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
     split_down = bool(split_down and moe)
     g = nx.DiGraph(spec_name=spec.name, num_layers=L, block=spec.block, fused_topk=fused_topk,
                    fused_gather=fused_gather, routed_claims=routed, fused_combine=fused_combine,
-                   split_down=split_down)
+                   split_down=split_down, o_proj_merge=bool(merged_attn))
     tensors: dict[str, Tensor] = {}
     order: list[str] = []
     last_writer: dict[str, str] = {}
@@ -162,8 +167,11 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
         x_src = norm_reads[l] if l in folded else [x_in]
         add(p + "qkv", "qkv", l, x_src, [q, kv], [w("w_qkv")])
         add(p + "attn", "attn", l, [q, kv, "kv_cache"], [part])
-        add(p + "attn_combine", "attn_combine", l, [part], [aout])
-        add(p + "o_proj", "o_proj", l, [aout], [opart], [w("w_o")])
+        if merged_attn:  # the O-projection merges the splits itself
+            add(p + "o_proj", "o_proj", l, [part], [opart], [w("w_o")])
+        else:
+            add(p + "attn_combine", "attn_combine", l, [part], [aout])
+            add(p + "o_proj", "o_proj", l, [aout], [opart], [w("w_o")])
         ffn_in = x_in
         if seq:
             ffn_in = tensor(f"x_norm[{L + l}]", "activation", (R, D), "bf16")

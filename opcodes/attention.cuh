@@ -216,10 +216,13 @@ constexpr int combine_min_bytes(int max_splits) {
 // merge pays about one L2 round trip plus the bytes. Waits for every
 // outstanding cp.async group of the thread (also older ones) and ends with a
 // CTA barrier.
+// `orow`: where the merged GQA * HD values go (bf16, contiguous: the (row,
+// kvh) slice of attn_out, or a merging O-projection's staged input row in
+// shared memory).
 template <int HD, int GQA, int NT, int BAR>
-__device__ __forceinline__ void combine_core(const float* o_part, const float* lse_part,
-                                             __nv_bfloat16* out, int rows, int q_heads, int row,
-                                             int kvh, int n, char* work, int work_bytes, int tid) {
+__device__ __forceinline__ void merge_into(const float* o_part, const float* lse_part,
+                                           __nv_bfloat16* orow, int rows, int q_heads, int row,
+                                           int kvh, int n, char* work, int work_bytes, int tid) {
   constexpr int kSlice = GQA * HD * 4;  // one split's partial of one kv head
   constexpr int kPieces = kSlice / 16;
   constexpr int kVec = GQA * HD / 4;    // float4 outputs
@@ -296,7 +299,6 @@ __device__ __forceinline__ void combine_core(const float* o_part, const float* l
     issue(c + 2);
   }
   cp_async_wait<0>();
-  __nv_bfloat16* orow = out + (size_t)row * q_heads * HD + (size_t)kvh * GQA * HD;
 #pragma unroll
   for (int k = 0; k < kItems; ++k) {
     const int i = tid + k * NT;
@@ -311,6 +313,15 @@ __device__ __forceinline__ void combine_core(const float* o_part, const float* l
     }
   }
   sync();
+}
+
+// merge_into attn_out's (row, kvh) slice (`out`: attn_out [rows, q_heads * HD]).
+template <int HD, int GQA, int NT, int BAR>
+__device__ __forceinline__ void combine_core(const float* o_part, const float* lse_part,
+                                             __nv_bfloat16* out, int rows, int q_heads, int row,
+                                             int kvh, int n, char* work, int work_bytes, int tid) {
+  merge_into<HD, GQA, NT, BAR>(o_part, lse_part, out + (size_t)row * q_heads * HD + (size_t)kvh * GQA * HD, rows,
+                               q_heads, row, kvh, n, work, work_bytes, tid);
 }
 
 // ONE warp merges query head h of (row, kvh): splits 0..n-1 in index order,

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "attention.cuh"
 #include "gemm_ring.cuh"
 #include "gemm_rows.cuh"
 #include "gemm_tc.cuh"
@@ -188,6 +189,38 @@ __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s) {
   return false;
 }
 
+// A merging O-projection tile's input (O_PROJ.MERGE_SPLITS, schedules of one
+// row): the n attention splits of KV head kvh of `layer`, merged here (n 0:
+// the tile reads attn_out). Passed by value, like NormIn.
+struct MergeIn {
+  int n, kvh, layer;
+};
+
+// Where a merge may work in a GEMM tile's scratch: after the staged row, up
+// to what the weight pipelines use (the tensor-core ring, primed before the
+// task's waits, starts at kRingOffset; else the X staging's end).
+template <class M>
+struct MergeScratch {
+  static constexpr int kEnd =
+      GemmScratch<M>::kTc && tc::kBulk ? GemmScratch<M>::kRingOffset : GemmScratch<M>::kXBytes;
+  static constexpr int kRowBytes = (tc::x_pitch(M::GQA * M::HEAD_DIM) * 2 + 127) / 128 * 128;
+  static constexpr bool kFits = kEnd - kRowBytes >= attn::combine_min_bytes<M::HEAD_DIM, M::GQA>(M::MAX_SPLITS);
+};
+
+// Row 0 of the staged input (pitch elements a row) = the merge of `mi`'s
+// splits, the bits ATTN_COMBINE writes to attn_out (attn::merge_into); the
+// whole CTA, ending with a barrier. Its scratch: after the staged row.
+template <class M>
+__device__ __forceinline__ void stage_merge(const Ctx& c, const MergeIn& mi, int pitch, bf16* xs) {
+  using Lay = Layout<M>;
+  static_assert(MergeScratch<M>::kFits, "a merging O-projection's scratch holds the merge");
+  const int start = (pitch * 2 + 127) / 128 * 128;
+  attn::merge_into<M::HEAD_DIM, M::GQA, M::THREADS, 0>(
+      ptr<const float>(c.d->attn_o_part) + Lay::o_part_attn(mi.layer, 0, 0, 0),
+      ptr<const float>(c.d->attn_lse_part) + Lay::lse_part(mi.layer, 0, 0, 0), xs, M::MAX_ROWS, M::NUM_HEADS, 0,
+      mi.kvh, mi.n, reinterpret_cast<char*>(c.scratch) + start, MergeScratch<M>::kEnd - start, threadIdx.x);
+}
+
 // gemm() over a WeightSpan: its rows are the tile's features, its columns
 // K; on the tensor cores over tiled weights (default where the model allows),
 // else through the register-fed loop, the warps' cp.async pipelines
@@ -195,13 +228,20 @@ __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s) {
 // what the dispatcher primed (c.primed).
 template <class M>
 __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const bf16* x, int64_t ldx, int rows,
-                                       const int32_t* rowof = nullptr, bool folded = false, NormIn fold = {}) {
+                                       const int32_t* rowof = nullptr, bool folded = false, NormIn fold = {},
+                                       MergeIn merge = {}) {
   if constexpr (GemmScratch<M>::kTc) {
     bf16* xs = GemmScratch<M>::xs(c);
     float* ys = GemmScratch<M>::ys(c);
     bool primed = c.primed;
     if (folded) {
       stage_norm_in<M>(c, fold, rows, s.cols, xs, tc::x_pitch(s.cols), ys);
+    } else if (merge.n > 0) {
+      if (tc::kBulk && !primed) {  // the weights stream while the partials are merged
+        tc::prime(s, GemmScratch<M>::tc_ring(c), &c.ts->tc);
+        primed = true;
+      }
+      stage_merge<M>(c, merge, tc::x_pitch(s.cols), xs);
     } else if (tc::kBulk && MEGAC_X_THEN_PRIME && !primed) {
       tc::stage_x_prime(x, ldx, rows, s.cols, xs, rowof, s, GemmScratch<M>::tc_ring(c), &c.ts->tc);
       primed = true;
@@ -219,6 +259,8 @@ __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const 
     float* ys = GemmScratch<M>::ys(c);
     if (folded)
       stage_norm_in<M>(c, fold, rows, s.cols, xs, s.cols, ys);
+    else if (merge.n > 0)
+      stage_merge<M>(c, merge, s.cols, xs);
     else
       rows::stage_x(x, ldx, rows, s.cols, xs, rowof);
     rows::tile_piped(s, xs, rows, ys, GemmScratch<M>::pipes(c), c.primed);
@@ -231,15 +273,20 @@ __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const 
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if (folded)
       stage_norm_in<M>(c, fold, rows, s.cols, xs, s.cols, ys);
+    else if (merge.n > 0)
+      stage_merge<M>(c, merge, s.cols, xs);
     else
       rows::stage_x(x, ldx, rows, s.cols, xs, rowof);
     rows::tile_ring(s, xs, rows, ys, GemmScratch<M>::ring(c), &c.ts->ring, &c.ts->ok, c.site);
     return ys;
   } else {
-    if (folded) {
+    if (folded || merge.n > 0) {
       bf16* xs = GemmScratch<M>::xs(c);
       float* ys = GemmScratch<M>::ys(c);
-      stage_norm_in<M>(c, fold, rows, s.cols, xs, s.cols, ys);
+      if (folded)
+        stage_norm_in<M>(c, fold, rows, s.cols, xs, s.cols, ys);
+      else
+        stage_merge<M>(c, merge, s.cols, xs);
       rows::tile(s.p, s.ld, xs, rows, s.rows, s.cols, ys);
       return ys;
     }
@@ -291,7 +338,9 @@ __device__ __forceinline__ void o_proj(const Ctx& c) {
   const int layer = c.ts->w[H_LAYER];
   const int n0 = MK_F(o_proj, N0), nlen = MK_F(o_proj, N_LEN), split = MK_F(o_proj, SPLIT);
   const bf16* x = ptr<const bf16>(d->attn_out) + Lay::attn_out(layer, 0) + MK_F(o_proj, K0);
-  const float* ys = gemm<M>(c, o_proj_weights<M>(c, c.ts->w), x, M::Q_WIDTH, d->rows);
+  // MERGE_SPLITS (resolved): the KV head's splits merged into the input here, no ATTN_COMBINE
+  const MergeIn merge{MK_F(o_proj, MERGE_SPLITS), split, layer};
+  const float* ys = gemm<M>(c, o_proj_weights<M>(c, c.ts->w), x, M::Q_WIDTH, d->rows, nullptr, false, {}, merge);
   rows::store<float>(ys, ptr<float>(d->o_part) + Lay::o_part(layer, split, 0) + n0, M::HIDDEN, d->rows, nlen);
 }
 

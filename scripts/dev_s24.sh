@@ -1,4 +1,4 @@
-# Twenty-fourth session's GPU runs (from the repo root on the device machine).
+# GPU runs of the twenty-fourth and later sessions (from the repo root on the device machine).
 mkdir -p build/cubin && cp build/cubin-sel/* build/cubin/ && source scripts/gpu_env.sh
 E=schedules/experiments
 run_orders() {  # tiles orders batches vars
@@ -24,10 +24,12 @@ case "${1:-tails}" in
     MEGAC_VARIANTS=default MEGAC_TILES=${TLIST:-$AB,default#1,$AB#1,default#2,$AB#2} MEGAC_TILE_BATCHES=${TB:-1} \
       MEGAC_TILE_CONTEXTS=${TC:-8192} timeout 560 python3 -m gpu.megakernel_check --run tiles --out $OUT/ab.json 2>&1 \
       | grep -v Warning | grep '^{"' ;;
-  verify)  # the session's device changes: tiny and hang, the split configuration's fp32 slice
+  verify)  # the device changes: tiny and hang, fp32 slices of TILES sets SLICE (ROWS rows)
     timeout 300 python3 -m gpu.megakernel_check --run tiny hang --out $OUT/battery.json 2>&1 | grep -v Warning | tail -6
-    MEGAC_CHECK_TILES=split8 timeout 300 python3 -m gpu.megakernel_check --run nmc_slice --out $OUT/slice.json 2>&1 \
-      | grep -v Warning | tail -6 ;;
+    for t in $(echo ${SLICE:-split8} | tr , " "); do
+      MEGAC_CHECK_TILES=$t MEGAC_CHECK_ROWS=${ROWS:-2} timeout 300 python3 -m gpu.megakernel_check --run nmc_slice \
+        --out $OUT/slice-$t.json 2>&1 | grep -v Warning | tail -4
+    done ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

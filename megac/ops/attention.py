@@ -286,6 +286,39 @@ class AttnDrain(ClaimerOp):
         attend(vm, layer, r[:, _R["ROW"]], r[:, _R["KV_HEAD"]], r[:, _R["SPLIT"]], r[:, _R["NUM_SPLITS"]], window)
 
 
+def merge_splits(lse: torch.Tensor, o: torch.Tensor, ns: np.ndarray) -> torch.Tensor:
+    """The log-sum-exp merge of ATTN_COMBINE (and of a merging O_PROJ), fp32:
+    ``lse [m, hpk, S]`` and ``o [m, hpk, S, hd]`` the partials of m (row, kv
+    head) pairs, ``ns [m]`` the splits each merges (in index order; splits
+    past it are masked out). Returns ``[m, hpk * hd]`` fp32 (the caller
+    casts)."""
+    ninf, zero = _NINF, _ZERO
+    m, hpk, S, hd = o.shape
+    # splits past a task's NUM_SPLITS are masked out (all-valid groups skip
+    # the masks: where(True, a, b) == a, so the bits are the same)
+    full = bool((ns == S).all())
+    valid = None if full else torch.arange(S)[None, :] < idx(ns)[:, None]  # [m, S]
+    M = (lse if full else torch.where(valid[:, None, :], lse, ninf)).amax(-1)  # [m, hpk]
+    mfin = M != float("-inf")
+    Lsum = torch.zeros_like(M)
+    acc = torch.zeros(o.shape[:2] + (hd,), dtype=torch.float32)
+    for sp in range(S):
+        ls = lse[:, :, sp]
+        ok = (ls != float("-inf")) & mfin
+        if not full:
+            ok = ok & valid[:, sp][:, None]
+        f = torch.where(ok, torch.exp(ls - M), zero)
+        if full:
+            Lsum = Lsum + f
+            acc = acc + f[..., None] * o[:, :, sp]
+        else:
+            v = valid[:, sp][:, None]
+            Lsum = torch.where(v, Lsum + f, Lsum)
+            acc = torch.where(v[..., None], acc + f[..., None] * o[:, :, sp], acc)
+    inv = torch.where(Lsum > 0, 1.0 / Lsum, zero)
+    return (acc * inv[..., None]).reshape(m, hpk * hd)
+
+
 class AttnCombine(OpDef):
     """Log-sum-exp merge of one (row, kv head)'s NUM_SPLITS partials, in split
     order, into ``attn_out`` (activation dtype)."""
@@ -337,7 +370,6 @@ class AttnCombine(OpDef):
                                st["attn_out"][layer].view(vm.R * kvh, hpk * hd)))
             return groups
 
-        ninf, zero = _NINF, _ZERO
         for layer, rows, kvhs, nsw, heads, out_rows, lse_part, o_part, out_buf in vm.plan(op.name, words, build):
             ns = vm.values(nsw)
             S = int(ns.max())
@@ -351,29 +383,7 @@ class AttnCombine(OpDef):
             m = len(rows)
             lse = lse_part[:S].index_select(1, heads).view(S, m, hpk).permute(1, 2, 0)  # [m, hpk, S]
             o = o_part[:S].index_select(1, heads).view(S, m, hpk, hd).permute(1, 2, 0, 3)  # [m, hpk, S, hd]
-            # splits past a task's NUM_SPLITS are masked out (all-valid groups skip
-            # the masks: where(True, a, b) == a, so the bits are the same)
-            full = bool((ns == S).all())
-            valid = None if full else torch.arange(S)[None, :] < idx(ns)[:, None]  # [m, S]
-            M = (lse if full else torch.where(valid[:, None, :], lse, ninf)).amax(-1)  # [m, hpk]
-            mfin = M != float("-inf")
-            Lsum = torch.zeros_like(M)
-            acc = torch.zeros(o.shape[:2] + (hd,), dtype=torch.float32)
-            for sp in range(S):
-                ls = lse[:, :, sp]
-                ok = (ls != float("-inf")) & mfin
-                if not full:
-                    ok = ok & valid[:, sp][:, None]
-                f = torch.where(ok, torch.exp(ls - M), zero)
-                if full:
-                    Lsum = Lsum + f
-                    acc = acc + f[..., None] * o[:, :, sp]
-                else:
-                    v = valid[:, sp][:, None]
-                    Lsum = torch.where(v, Lsum + f, Lsum)
-                    acc = torch.where(v[..., None], acc + f[..., None] * o[:, :, sp], acc)
-            inv = torch.where(Lsum > 0, 1.0 / Lsum, zero)
-            out = (acc * inv[..., None]).reshape(m, hpk * hd)
+            out = merge_splits(lse, o, ns)
             if vm.tracking:
                 for r, h in zip(rows, kvhs):
                     vm.tr.write("attn_out", (layer, r, slice(h * hpk * hd, (h + 1) * hpk * hd)))
@@ -382,4 +392,4 @@ class AttnCombine(OpDef):
 
 ATTENTION_OPS = (AttnDecode(), AttnDrain(), AttnCombine())
 
-__all__ = ["ATTENTION_OPS", "AttnCombine", "AttnDecode", "AttnDrain", "attend", "split_bytes"]
+__all__ = ["ATTENTION_OPS", "AttnCombine", "AttnDecode", "AttnDrain", "attend", "merge_splits", "split_bytes"]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megac import abi
 from megac.abi import Flag, H, Op
 from megac.errors import BadTaskError
-from megac.ops.base import BF16, BIG, FP32, KV_PIECE, Limits, OpDef, at, field, span, summed
+from megac.ops.base import BF16, BIG, FP32, KV_PIECE, Limits, OpDef, at, bound, field, resolve_dyn, span, summed
 from megac.ops.cpu import as_slice, cast, cols, idx, ranges, rotate
 from megac.ops.norm import norm_in_access, norm_in_input, norm_in_of, norm_in_rules
 
@@ -92,10 +92,11 @@ class GemmOp(OpDef):
         return FP32 * nl
 
     # -- CPU helpers ---------------------------------------------------------
-    def run_splitk(self, vm, words, xbuf: str, xslot, W_of, out: str) -> None:
+    def run_splitk(self, vm, words, xbuf: str, xslot, W_of, out: str, track_x: bool = True) -> None:
         """Split-K partial GEMM tiles: ``out[layer, split, :, n0:n0+nl]`` (fp32).
         ``xslot``: the input slot as a function of the layer, or the name of
-        the field that holds it."""
+        the field that holds it; ``track_x`` False: the caller reported what
+        the input was made from (a merging O_PROJ)."""
         op = self.op
         by_field = isinstance(xslot, str)
 
@@ -126,7 +127,7 @@ class GemmOp(OpDef):
             xb = xbuf
             if fold is not None:
                 xb = norm_in_input(vm, xs, fold)
-            elif vm.tracking:
+            elif vm.tracking and track_x:
                 vm.tr.read(xbuf, (xs, slice(None), slice(k0, k0 + kl)))
             if vm.tracking:
                 for a, b in rngs:
@@ -330,7 +331,9 @@ class QkvProj(GemmOp):
 
 class OProj(GemmOp):
     """One N tile of one split-K slice (= one KV head's query heads) of the
-    output projection: fp32 partial ``o_part[layer, split]``."""
+    output projection: fp32 partial ``o_part[layer, split]``. Its input is
+    ``attn_out``, or, with MERGE_SPLITS (o_proj_merge, one row), the KV head's
+    attention partials merged here exactly as ATTN_COMBINE merges them."""
 
     op = Op.O_PROJ
     node_kinds = ("o_proj",)
@@ -343,14 +346,87 @@ class OProj(GemmOp):
     def split_slots(self, lim):
         return max(lim.geo.kv_heads, 1)
 
+    def field_rules(self, lim):
+        return super().field_rules(lim) + [("MERGE_SPLITS", 0, lim.geo.max_splits + 1, True)]
+
+    def check_tiles(self, F_, geo):
+        bad = super().check_tiles(F_, geo)
+        if bad is None and np.any(F_["MERGE_SPLITS"] != 0):
+            kw = geo.heads_per_kv * geo.head_dim
+            if geo.rows != 1:
+                return "MERGE_SPLITS in a schedule of more than one row"
+            if np.any(F_["K0"] != F_["SPLIT"] * kw) or np.any(F_["K_LEN"] != kw):
+                return "a merging tile's K range is not its KV head's query heads"
+        return bad
+
     def access(self, acc, w, ix, layer, geo):
-        n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")
-        k0, kl = field(w, self.op, "K0"), field(w, self.op, "K_LEN")
-        acc.add("attn_out", False, ix, at(layer), span(geo.rows), (k0, k0 + kl))
-        acc.add("o_part", True, ix, at(layer), at(field(w, self.op, "SPLIT")), span(geo.rows), (n0, n0 + nl))
+        op = self.op
+        n0, nl = field(w, op, "N0"), field(w, op, "N_LEN")
+        k0, kl = field(w, op, "K0"), field(w, op, "K_LEN")
+        ms = field(w, op, "MERGE_SPLITS")
+        m = ms != 0
+        plain = ~m
+        if plain.any():
+            acc.add("attn_out", False, ix[plain], at(layer[plain]), span(geo.rows), (k0[plain], (k0 + kl)[plain]))
+        if m.any():
+            ns = bound(ms[m], geo)
+            kvh = field(w, op, "SPLIT")[m]
+            heads = (kvh * geo.heads_per_kv, (kvh + 1) * geo.heads_per_kv)
+            acc.add("attn_o_part", False, ix[m], at(layer[m]), (0, ns), span(geo.rows), heads, span(geo.head_dim))
+            acc.add("attn_lse_part", False, ix[m], at(layer[m]), (0, ns), span(geo.rows), heads)
+        acc.add("o_part", True, ix, at(layer), at(field(w, op, "SPLIT")), span(geo.rows), (n0, n0 + nl))
+
+    def task_bytes(self, w, geo, params):
+        from megac.ops.attention import _context
+
+        ms = field(w, self.op, "MERGE_SPLITS")
+        ns = resolve_dyn(ms, geo.attn_splits(_context(geo, params)))
+        # a merging tile also reads its KV head's partials (o and lse, fp32)
+        merged = np.where(ms != 0, ns * geo.heads_per_kv * (geo.head_dim + 1) * FP32, 0)
+        return super().task_bytes(w, geo, params) + merged
 
     def run(self, vm, words):
-        self.run_splitk(vm, words, "attn_out", lambda layer: layer, lambda layer: vm.st.w("w_o")[layer], "o_part")
+        ms = field(words, self.op, "MERGE_SPLITS")
+        if (ms == 0).all():
+            self.run_splitk(vm, words, "attn_out", lambda layer: layer, lambda layer: vm.st.w("w_o")[layer], "o_part")
+            return
+        if (ms != 0).any() and (ms == 0).any():
+            raise BadTaskError("O_PROJ: merging and plain tiles in one run")
+        self._merge(vm, words)
+        self.run_splitk(vm, words, "attn_out", lambda layer: layer, lambda layer: vm.st.w("w_o")[layer], "o_part",
+                        track_x=False)
+
+    def _merge(self, vm, words) -> None:
+        """Each (layer, KV head) of ``words`` merged once a step into row 0 of
+        ``attn_out`` (VM scratch here: no task of a merging schedule reads
+        it), as ATTN_COMBINE's merge."""
+        from megac.ops.attention import merge_splits
+
+        op, st = self.op, vm.st
+        hd, hpk = vm.hd, vm.hpk
+        if vm.R != 1:
+            raise BadTaskError("O_PROJ: MERGE_SPLITS in a schedule of more than one row")
+        for (layer, kvh, msw), ti in vm.groups(words, op, ("SPLIT", "MERGE_SPLITS")):
+            k0, kl = field(words[ti], op, "K0"), field(words[ti], op, "K_LEN")
+            if not 0 <= kvh < vm.geo.kv_heads or (k0 != kvh * hpk * hd).any() or (kl != hpk * hd).any():
+                raise BadTaskError("O_PROJ: a merging tile's K range is not its KV head's query heads", layer=layer)
+            n = int(vm.value(msw))
+            if not 0 < n <= st["attn_o_part"].shape[1]:
+                raise BadTaskError(f"O_PROJ: MERGE_SPLITS {n} outside the partial slots", layer=layer)
+            hs = slice(kvh * hpk, (kvh + 1) * hpk)
+            if vm.tracking:
+                for _ in ti:  # every tile reads the partials
+                    vm.tr.read("attn_lse_part", (layer, slice(0, n), 0, hs))
+                    vm.tr.read("attn_o_part", (layer, slice(0, n), 0, hs))
+            key = ("o_proj_merge", layer, kvh)
+            if key in vm.cache:
+                continue
+            lse = st["attn_lse_part"][layer, :n, 0, hs].permute(1, 0)[None]  # [1, hpk, n]
+            o = st["attn_o_part"][layer, :n, 0, hs].permute(1, 0, 2)[None]  # [1, hpk, n, hd]
+            out = merge_splits(lse, o, np.array([n]))
+            dst = st["attn_out"][layer, 0, kvh * hpk * hd:(kvh + 1) * hpk * hd]
+            dst.copy_(cast(out[0], dst.dtype))
+            vm.cache[key] = True
 
 
 class FfnUpgateAct(GemmOp):

@@ -46,7 +46,8 @@ Ensures: at most two waits per task, one signal per task; every static
 counter's target equals its number of signallers and every wait on it uses
 that target; dynamic counters are waited with their queue count; attention
 (decode tasks and claimed tasks) waits per KV head on QKV; O-proj split s
-waits only on the combine counter of KV head s.
+waits only on the combine counter of KV head s (with o_proj_merge: on the
+counter of KV head s's attention splits).
 """
 
 from __future__ import annotations
@@ -738,7 +739,9 @@ def ensures(lw: Lowering) -> None:
         c0k = np.where(c0 >= 0, c0, 0)
         if op == Op.O_PROJ:
             split = nt.fields["SPLIT"]
-            bad = (c1 >= 0) | (c0 < 0) | (kind_of[c0k] != "attn_combine") | (key_kvh[c0k] != split)
+            # a merging tile (o_proj_merge) waits on its KV head's splits themselves
+            src = "attn" if geo.o_proj_merge else "attn_combine"
+            bad = (c1 >= 0) | (c0 < 0) | (kind_of[c0k] != src) | (key_kvh[c0k] != split)
             if bad.any():
                 i = np.flatnonzero(bad)[0]
                 fail(nt, i, f"split {int(split[i])} waits {[lw.counters[c].name for c in (c0[i], c1[i]) if c >= 0]}, "

@@ -254,10 +254,12 @@ def run(lw: Lowering) -> str:
     # the order files name every node kind; one the graph leaves out (top-k
     # or gather inside ROUTE_FINALIZE: geometry's fused_topk / fused_gather;
     # both with routed claims; the combine inside the norm: fused_combine;
-    # the down claims inside the up claims: split_down) has no wave
+    # the down claims inside the up claims: split_down; the attention
+    # combine inside the O-projection: o_proj_merge) has no wave
     absent = ({"topk"} if geo.fused_topk else set()) | (
         {"moe_gather"} if geo.fused_gather or geo.routed_claims else set()) | (
-        {"moe_combine"} if geo.fused_combine else set()) | ({"moe_down"} if geo.split_down else set())
+        {"moe_combine"} if geo.fused_combine else set()) | ({"moe_down"} if geo.split_down else set()) | (
+        {"attn_combine"} if geo.o_proj_merge else set())
 
     g_host = []
     # per entry: the cursor's advance and the offset from the advanced

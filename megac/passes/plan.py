@@ -232,7 +232,9 @@ def ensures(lw: Lowering) -> None:
             raise PassError(NAME, f"descriptor field {f.name} has no plan")
         if b.nbytes < 0:
             raise PassError(NAME, f"{f.name}: negative size")
-    for name in ("x_norm", "q", "attn_o_part", "attn_out", "o_part", "logits"):
+    # attn_out: not with o_proj_merge (the O-projection merges the partials itself)
+    written = ("x_norm", "q", "attn_o_part", "o_part", "logits") + (() if lw.geo.o_proj_merge else ("attn_out",))
+    for name in written:
         b = plan.buffers[name]
         # logits are read by the host after the kernel: nothing inside waits on them
         if b.lifetime is None or (not b.guards and name != "logits"):

@@ -14,7 +14,9 @@ attn (sliding)     (row, kv head, split) for split < sliding_static_splits
 attn (full)        one claimer template (ATTN queue); output = its subtasks
 attn_combine       (row, kv head)
 o_proj             kv_heads split-K slices (slice s = KV head s's query
-                   heads) x o_proj_bn tiles over hidden
+                   heads) x o_proj_bn tiles over hidden; with o_proj_merge
+                   each merges KV head s's attention splits (no
+                   attn_combine node)
 ffn_upgate         upgate_bn rows of interleaved gate/up = upgate_bn/2 columns
 ffn_down           ffn_splits split-K slices (ffn_split_bounds) x down_bn tiles
 router             router_splits split-K slices x router_bn tiles over experts
@@ -151,7 +153,11 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         kw = geo.heads_per_kv * hd
         nn0, nlen = _ranges(D, geo.o_proj_bn)
         s, t = _grid(range(geo.kv_heads), range(len(nn0)))
-        F = dict(N0=nn0[t], N_LEN=nlen[t], K0=s * kw, K_LEN=np.full_like(s, kw), SPLIT=s)
+        # o_proj_merge: each tile merges its KV head's splits of the one row
+        merge = (abi.dyn(tw.attn_splits_sliding(0) if geo.sliding[l] else tw.attn_splits_full(0))
+                 if geo.o_proj_merge else 0)
+        F = dict(N0=nn0[t], N_LEN=nlen[t], K0=s * kw, K_LEN=np.full_like(s, kw), SPLIT=s,
+                 MERGE_SPLITS=np.full_like(s, merge))
         shape, box = (geo.kv_heads, D), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
     elif k == "ffn_upgate":
         half = geo.upgate_bn // 2
@@ -219,7 +225,7 @@ def requires(lw: Lowering) -> None:
         raise PassError(NAME, "needs a decode graph (megac.ir.build_graph)")
     if g.graph.get("num_layers") != lw.geo.num_layers:
         raise PassError(NAME, "graph and geometry disagree on num_layers")
-    for k in ("fused_topk", "fused_gather", "routed_claims", "fused_combine", "split_down"):
+    for k in ("fused_topk", "fused_gather", "routed_claims", "fused_combine", "split_down", "o_proj_merge"):
         if bool(g.graph.get(k)) != getattr(lw.geo, k):
             raise PassError(NAME, f"graph and geometry disagree on {k} (routing work inside ROUTE_FINALIZE)")
 

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 10
+#define MEGAC_ABI_VERSION 11
 
 namespace megac {
 
@@ -103,6 +103,7 @@ constexpr int N_LEN = 9;
 constexpr int K0 = 10;
 constexpr int K_LEN = 11;
 constexpr int SPLIT = 12;
+constexpr int MERGE_SPLITS = 13;
 }  // namespace f_o_proj
 namespace f_ffn_upgate_act {
 constexpr int N0 = 8;

@@ -463,14 +463,16 @@ def check_nmc_slice() -> dict:
     random weights drawn on the GPU (bf16): the megakernel's logits against
     the fp32 reference (megac.reference, plain PyTorch) on the same weights,
     teacher-forced, expert choices compared (gpu.megakernel_scale).
-    MEGAC_CHECK_TILES (a scale.TILES name): that tile set of the slice."""
+    MEGAC_CHECK_TILES (a scale.TILES name): that tile set of the slice;
+    MEGAC_CHECK_ROWS=1: the first prompt alone (the batch-1 schedule)."""
     import torch
 
     from megac.weights import random_weights
 
     spec = slice_spec(os.environ.get("MEGAC_CHECK_TILES"))
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device="cuda")
-    return scale.routed_comparison(spec, w, [[5, 17, 1234, 99, 255000], [7, 8000, 42]], 8)
+    prompts = [[5, 17, 1234, 99, 255000], [7, 8000, 42]][:int(os.environ.get("MEGAC_CHECK_ROWS", "2"))]
+    return scale.routed_comparison(spec, w, prompts, 8)
 
 
 def check_serve() -> dict:
@@ -553,7 +555,7 @@ def prebuild(only: list[str] | None = None) -> None:
 
     full = load_spec("north-mini-code")
     specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
-        full, slice_spec(), *[slice_spec(n) for n in ("sd8", "sd8_up128", "split8")],
+        full, slice_spec(), *[slice_spec(n) for n in ("sd8", "sd8_up128", "split8", "merge", "split1_merge")],
         *scale.config_specs(), *[scale.context_spec(hd) for hd in scale.CONTEXT_HEAD_DIMS], *[scale.split_spec(t, m) for t, m in scale.SPLITS],
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
         *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)],

@@ -1120,7 +1120,7 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
     from megac.weights import random_weights
 
     out = {}
-    w = ref = None
+    w = ref = ref1 = None
     orders, defines = orders or {}, defines or {}
     for name, spec in specs.items():
         if w is None:
@@ -1134,9 +1134,15 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
         out[name] = {f"bs{b}" + ("" if contexts == (8192,) else f"_ctx{c}"): _step_times(eng, b, c, steps=steps)[
             "kernel_ms"] for c in contexts for b in batches}
         if bits:
-            got = greedy_bits(eng, variant_cubin(spec, defines.get(name, {}), order))
+            cubin = variant_cubin(spec, defines.get(name, {}), order)
+            got = greedy_bits(eng, cubin)
             ref = ref or got
             out[name]["bits_equal_first"] = same_bits(ref, got)
+            # and one row alone (the batch-1 schedule: what o_proj_merge changes)
+            use_cubin(eng.backend, cubin)
+            got1 = generate_all(eng, BIT_PROMPTS[:1], 4)
+            ref1 = ref1 or got1
+            out[name]["bits_equal_first_1row"] = same_bits(ref1, got1)
         print(json.dumps({name: out[name]}), flush=True)
         del eng
         gc.collect()
@@ -1360,6 +1366,11 @@ TILES = {
                          "order": "schedules/experiments/split-oproj-last.yaml"},
     # the same with a static split's first chunks issued when it runs
     "split1_noprime": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "variant": "attn_noprime"},
+    # the O-projection tiles merging their KV head's attention splits at batch 1 (no ATTN_COMBINE
+    # task and hop: geometry.o_proj_merge_at), in the plain and the split configuration
+    "merge": {"o_proj_merge": 1},
+    "split1_merge": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1},
+    "split8_merge": {"split_down": 8, "split_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1},
 }
 
 

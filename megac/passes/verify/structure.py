@@ -88,23 +88,25 @@ def check_structure(p: Program, out: Sink) -> None:
 
 
 def check_field_pairs(p: Program, out: Sink) -> None:
-    """ATTN_COMBINE merges NUM_SPLITS partials after waiting for TARGET0
-    split signals: it may merge no more than it waited for (a dynamic count
-    counts as the largest value its target word can hold; two dynamic values
-    must be the same word). Splits past a row's own count are empty, so
-    merging fewer is exact."""
-    idx = np.flatnonzero((p.op == Op.ATTN_COMBINE) & (p.w0 >= 0))
-    ns = p.words[idx, F(Op.ATTN_COMBINE, "NUM_SPLITS")].astype(np.int64)
-    for j, i in enumerate(idx):
-        a, t = int(ns[j]), int(p.t0[i])
-        if isdyn(a) and isdyn(t):
-            ok = a == t
-        elif isdyn(t):
-            ok = False  # the waited count may be smaller than a static merge
-        else:
-            ok = (p.geo.dyn_bound(a & DYN_INDEX_MASK) if isdyn(a) else a) <= t
-        if not ok:
-            out.add("field_mismatch", f"{p.where(i)}: NUM_SPLITS {fmt_target(a)} may exceed the {fmt_target(t)} split signals it waits for on {p.cname(p.w0[i])}")
+    """ATTN_COMBINE (and an O_PROJ that merges: MERGE_SPLITS != 0) merges
+    NUM_SPLITS partials after waiting for TARGET0 split signals: it may merge
+    no more than it waited for (a dynamic count counts as the largest value
+    its target word can hold; two dynamic values must be the same word).
+    Splits past a row's own count are empty, so merging fewer is exact."""
+    for op, name in ((Op.ATTN_COMBINE, "NUM_SPLITS"), (Op.O_PROJ, "MERGE_SPLITS")):
+        col = p.words[:, F(op, name)].astype(np.int64)
+        idx = np.flatnonzero((p.op == op) & (p.w0 >= 0) & (col != 0))
+        for i in idx:
+            a, t = int(col[i]), int(p.t0[i])
+            if isdyn(a) and isdyn(t):
+                ok = a == t
+            elif isdyn(t):
+                ok = False  # the waited count may be smaller than a static merge
+            else:
+                ok = (p.geo.dyn_bound(a & DYN_INDEX_MASK) if isdyn(a) else a) <= t
+            if not ok:
+                out.add("field_mismatch", f"{p.where(i)}: {name} {fmt_target(a)} may exceed the "
+                                          f"{fmt_target(t)} split signals it waits for on {p.cname(p.w0[i])}")
 
 
 def _field_rules(p: Program) -> dict[int, list]:
