@@ -71,13 +71,15 @@ def _with_tiles(spec, tiles, say):
     """``spec`` compiled with the tile settings the trace recorded (``otherData``
     ``tiles``, written since the twenty-first session), where they differ from
     what it asks for today: the traced schedule is rebuilt as it ran even after
-    a default tile changed. Traces without them: ``spec`` as it is."""
-    from megac.geometry import DEFAULT_TILES
+    a default tile changed. A key the trace does not name (it predates the
+    key) takes its value from before the key existed (``PLAIN_TILES``: the
+    split configuration off); traces without tiles: ``spec`` with those."""
+    from megac.geometry import DEFAULT_TILES, PLAIN_TILES
 
-    if not tiles:
-        return spec
-    if not isinstance(tiles, dict) or any(k not in DEFAULT_TILES or not isinstance(v, int) for k, v in tiles.items()):
+    if tiles is not None and (not isinstance(tiles, dict) or any(
+            k not in DEFAULT_TILES or not isinstance(v, int) for k, v in tiles.items())):
         raise MegacError(f"calibrate: the trace's tiles are not tile settings: {tiles!r}")
+    tiles = {**PLAIN_TILES, **(tiles or {})}
     now = {**DEFAULT_TILES, **(spec.target.tiles or {})}
     if all(now.get(k) == v for k, v in tiles.items()):
         return spec

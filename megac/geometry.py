@@ -146,13 +146,13 @@ DEFAULT_TILES = {
     # order than the down claims' (a split-K sum: other bits). Not with
     # fused_combine (the norm would sum every tile). -1: automatic, batch 1
     # for large MoE models that allow it (split_down_bound). With their own
-    # up and O-projection tiles (split_up_bn 128, split_o_proj_bn 256) and
-    # the wave order's KIND_split waves, H200, North Mini Code 8K batch 1,
-    # kernel ms, engines alternating against the plain schedule
-    # (twenty-fourth session): 2.62 / 2.67 / 2.67 / 2.76 against 2.74-2.82
-    # (median -3 %), but bimodal across engines (2.80-2.84 without the
-    # attention prime) where the plain schedule is not: not yet the default
-    "split_down": 0,
+    # up and O-projection tiles (split_up_bn 128, split_o_proj_bn 256), the
+    # wave order's KIND_split waves and the attention merge inside the
+    # O-projection (o_proj_merge), H200, North Mini Code 8K batch 1, kernel
+    # ms, engines alternating (twenty-fifth session): 2.63 / 2.68 / 2.71 /
+    # 2.72 against the plain schedule's 2.72-2.83 (median -3 %); the split
+    # alone 2.72-2.75 in the same runs (twenty-fourth: bimodal engines)
+    "split_down": -1,
     # MOE_COMBINE tasks per row in split_down schedules (each sums a range of
     # the row's features over every slot's tiles: one CTA reading every
     # tile's partial of a whole row took up to ~9 us at batch 1; 32 ranges of
@@ -165,20 +165,29 @@ DEFAULT_TILES = {
     # up claim's: 128 rows (0.75 MB of North Mini Code) where the plain up
     # tiles are 256 (the twenty-third session: 256-row split claims 3.11 ms
     # at batch 1 against 2.83 with 128)
-    "split_up_bn": 0,
+    "split_up_bn": 128,
     # O-projection features per tile in the schedules that split the down
     # projection (0: o_proj_bn): there the order puts a sliding layer's
     # O-projection on its attention SMs (the wave order's KIND_split waves),
     # one tile each at 256 features (North Mini Code: 32 splits, 32 tiles)
-    "split_o_proj_bn": 0,
+    "split_o_proj_bn": 256,
     # 1: in schedules of one row each O-projection tile merges its KV head's
     # attention splits into its input itself (O_PROJ.MERGE_SPLITS, the
     # ATTN_COMBINE arithmetic, the same bits), no ATTN_COMBINE task: a hop
     # and a single-CTA task less on a layer's attention chain; every tile of
     # a head re-reads the head's partials (KV heads x features / o_proj_bn
-    # merges instead of KV heads)
-    "o_proj_merge": 0,
+    # merges instead of KV heads). -1: automatic, where the split
+    # configuration applies (split_down_at: there the O-projection tiles sit
+    # on the attention SMs). H200, North Mini Code 8K batch 1, engines
+    # alternating: the plain schedule -1.5 %, the split one -1.7 % (2.63 /
+    # 2.68 / 2.71 / 2.72 against 2.72 / 2.74 / 2.75)
+    "o_proj_merge": -1,
 }
+
+#: The tiles that give the plain batch-1 schedule of the sessions before the
+#: twenty-fifth (no split-K expert down projection, no attention merge in the
+#: O-projection): what a recorded trace or step that names no such key ran.
+PLAIN_TILES = {"split_down": 0, "o_proj_merge": 0}
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
 K_ALIGN = 8
@@ -314,11 +323,13 @@ def split_down_at(spec, rows: int, tiles: dict | None = None) -> bool:
 def o_proj_merge_at(spec, rows: int, tiles: dict | None = None) -> bool:
     """Whether schedules of ``rows`` rows of ``spec`` merge the attention
     splits inside the O-projection tiles (the target's ``o_proj_merge``
-    tile). One row only: a tile waits on its KV head's splits, which signal
-    a counter per (row, KV head), and a task has two waits."""
-    on = (tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
-          )["o_proj_merge"]
-    return bool(on) and rows == 1
+    tile; -1: where the split configuration applies, ``split_down_at``).
+    One row only: a tile waits on its KV head's splits, which signal a
+    counter per (row, KV head), and a task has two waits."""
+    t = tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+    if t["o_proj_merge"] < 0:
+        return rows == 1 and split_down_at(spec, rows, t)
+    return bool(t["o_proj_merge"]) and rows == 1
 
 
 def routed_claims_at(spec, rows: int, tiles: dict | None = None) -> bool:

@@ -343,16 +343,18 @@ __device__ __forceinline__ void issue(const rows::WeightSpan& s, const Walk& wk,
 #define MEGAC_TC_PRIME_FN __forceinline__
 #endif
 
-// Every thread: each warp's lane 0 issues the warp's first kStages stages of
-// the tile `s` as walk W (Walk, or Packed's packed stages) deals them.
+// Every thread: each warp's lane 0 issues the warp's first `stages` (at
+// most kStages) stages of the tile `s` as walk W (Walk, or Packed's packed
+// stages) deals them.
 template <class W>
-__device__ __forceinline__ void prime_first(const rows::WeightSpan& s, uint8_t* ring, BulkState* st) {
+__device__ __forceinline__ void prime_first(const rows::WeightSpan& s, uint8_t* ring, BulkState* st,
+                                            int stages = kStages) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   if (lane != 0) return;
   const W wk(s.rows, s.cols, warp, nwarps);
   const uint64_t policy = l2_evict_first_policy();
   const uint32_t base = st->seq[warp];
-  const int n = min(kStages, wk.total);
+  const int n = min(min(kStages, stages), wk.total);
   for (int i = 0; i < n; ++i) issue(s, wk, i, base, ring, st, warp, nwarps, policy);
   st->primed[warp] = n;
 }
@@ -360,8 +362,9 @@ __device__ __forceinline__ void prime_first(const rows::WeightSpan& s, uint8_t* 
 // Before a static task's waits: its tile's first stages. The scratch's
 // earlier generic writes were fenced for the async proxy at the end of the
 // task before (megakernel.cuh).
-__device__ MEGAC_TC_PRIME_FN void prime(const rows::WeightSpan s, uint8_t* ring, BulkState* st) {
-  prime_first<Walk>(s, ring, st);
+__device__ MEGAC_TC_PRIME_FN void prime(const rows::WeightSpan s, uint8_t* ring, BulkState* st,
+                                        int stages = kStages) {
+  prime_first<Walk>(s, ring, st, stages);
 }
 
 // After a primed task's waits gave up: wait for its copies, so none lands in

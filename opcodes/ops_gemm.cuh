@@ -177,10 +177,26 @@ __device__ __forceinline__ WeightSpan moe_down_weights(const Ctx& c, const int32
 // The first chunks of a static GEMM task's tile into its warps' pipelines,
 // before the task's waits (every thread; the generated Dispatch::prime).
 // True when it primed: the task's gemm() then goes on from there (Ctx::primed).
+// Stages per warp a merging O-projection tile (O_PROJ.MERGE_SPLITS) primes
+// before its waits (at most tc::kStages): its merge's small partial loads,
+// issued after the waits, queue behind whatever of its own weight copies is
+// still in flight (twenty-fifth session: with the whole ring primed the
+// slowest KV head's merge took ~7 us, one round trip elsewhere).
+#ifndef MEGAC_MERGE_PRIME
+#define MEGAC_MERGE_PRIME 1
+#endif
+
+// How many stages per warp the dispatcher primes for the static task `w`
+// (its words as compiled: MERGE_SPLITS may still be a target-word reference).
 template <class M>
-__device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s) {
+__device__ __forceinline__ int prime_stages(const int32_t* w) {
+  return w[H_OPCODE] == OP_O_PROJ && w[f_o_proj::MERGE_SPLITS] != 0 ? MEGAC_MERGE_PRIME : tc::kStages;
+}
+
+template <class M>
+__device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s, int stages = tc::kStages) {
   if constexpr (GemmScratch<M>::kTc && tc::kBulk) {
-    tc::prime(s, GemmScratch<M>::tc_ring(c), &c.ts->tc);
+    tc::prime(s, GemmScratch<M>::tc_ring(c), &c.ts->tc, stages);
     return true;
   } else if constexpr (GemmScratch<M>::kPiped && rows::kEarly) {
     rows::prime(s, GemmScratch<M>::pipes(c));

@@ -50,12 +50,13 @@ O_PROJ_64 = {"o_proj_bn": 64}
 
 def traced(model: str):
     """``model`` as the recorded traces and steps ran it (64-feature
-    O-projection tiles; a measurement fits only the schedule it ran)."""
+    O-projection tiles, the plain batch-1 schedule: geometry.PLAIN_TILES; a
+    measurement fits only the schedule it ran)."""
     from models import variant
 
     spec = load_spec(model)
-    return variant(spec, spec.name, target={**spec.target.model_dump(),
-                                            "tiles": {**(spec.target.tiles or {}), **O_PROJ_64}})
+    return variant(spec, spec.name, target={**spec.target.model_dump(), "tiles": {
+        **(spec.target.tiles or {}), **O_PROJ_64, **geometry.PLAIN_TILES}})
 
 
 #: the expert tiles every trace and step up to the twelfth session ran
@@ -75,8 +76,8 @@ def unfolded(model: str):
     from models import variant
 
     spec = load_spec(model)
-    return variant(spec, spec.name, target={**spec.target.model_dump(),
-                                            "tiles": {**(spec.target.tiles or {}), **O_PROJ_64, **UNFOLDED}})
+    return variant(spec, spec.name, target={**spec.target.model_dump(), "tiles": {
+        **(spec.target.tiles or {}), **O_PROJ_64, **UNFOLDED, **geometry.PLAIN_TILES}})
 
 
 def whole_heads(model: str, **tiles):
@@ -87,7 +88,8 @@ def whole_heads(model: str, **tiles):
     from models import variant
 
     spec = load_spec(model)
-    tiles = {**(spec.target.tiles or {}), "qkv_bn": spec.head_dim, **O_PROJ_64, **UNFOLDED, **tiles}
+    tiles = {**(spec.target.tiles or {}), "qkv_bn": spec.head_dim, **O_PROJ_64, **UNFOLDED, **geometry.PLAIN_TILES,
+             **tiles}
     return variant(spec, spec.name, target={**spec.target.model_dump(), "tiles": tiles})
 
 
@@ -267,10 +269,12 @@ def test_schedule_command_predicts_with_a_calibration():
     r = CliRunner().invoke(main, ["schedule", "north-mini-code", "--calibration", "h200-north-mini-code", "--json"])
     assert r.exit_code == 0, r.output
     pred = json.loads(r.output)["predicted"]
-    # against the kernel time the H200 measured for the default schedule (batch 1, 8K; its
-    # 128-feature O-projection tiles, twenty-first session's check tiles)
-    runs = json.loads((ROOT / "benchmarks" / "megakernel-variants-2026-12-04-h200-session21.json").read_text())["runs"]
-    measured_ms = runs["tiles_o128"]["o128"]["bs1_ctx8192"]
+    # against the kernel time the H200 measured for the default schedule (batch 1, 8K: the split
+    # configuration with the attention merge in the O-projection since the twenty-fifth session;
+    # its check tiles runs, two engines, the median)
+    runs = json.loads((ROOT / "benchmarks" / "megakernel-merge-2026-12-04-h200-session25.json").read_text())["runs"]
+    got = runs["ab_merge_prime"]["tiles"]["result"]
+    measured_ms = float(np.median([got["split1_merge"]["bs1"], got["split1_merge#1"]["bs1"]]))
     assert abs(pred["step_us"] / 1e3 / measured_ms - 1) < 0.10 and "H200" in pred["calibration"]
     r = CliRunner().invoke(main, ["schedule", "tiny-moe", "--calibration", "h999-none"])
     assert r.exit_code == 2 and "no bundled calibration" in r.output
@@ -490,7 +494,7 @@ def test_calibrate_command_fits_a_trace_and_writes_a_calibration(tmp_path, fold1
     recs, sched = fold19
     # the nineteenth session's run: the stamps' step and the plain one's (bench, same code)
     meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "kernel_ms": 3.041,
-            "profiled_ms": 3.081, "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64}}
+            "profiled_ms": 3.081, "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64, **geometry.PLAIN_TILES}}
     trace = tmp_path / "step.json.gz"
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     out = tmp_path / "cal.json"
@@ -527,11 +531,11 @@ def test_calibrate_command_rebuilds_the_traced_tiles(tmp_path, fold19):
 
     recs, sched = fold19
     meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "schedule_context": 8192,
-            "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64}}
+            "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64, **geometry.PLAIN_TILES}}
     trace = tmp_path / "step.json.gz"
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     r = _cli(trace)
-    assert r.exit_code == 0 and "compiling with the trace's tiles (o_proj_bn 128 -> 64)" in r.output, r.output
+    assert r.exit_code == 0 and "compiling with the trace's tiles (o_proj_bn 128 -> 64, o_proj_merge -1 -> 0, split_down -1 -> 0)" in r.output, r.output
     meta.pop("tiles")
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     r = _cli(trace)

@@ -125,12 +125,19 @@ def _assert_one_run_of_consecutive_sms(sms, num_sms: int) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _nmc_8k(order: str, rows: int):
-    """North Mini Code's schedule of ``rows`` at 8K under ``order`` (a name
-    or a file path), compiled once per module (compile_one runs every
-    pass's checks and the verifier; the tests only read it)."""
+    """North Mini Code's plain schedule of ``rows`` at 8K under ``order`` (a
+    name or a file path; at batch 1 without the split configuration,
+    geometry.PLAIN_TILES: the order files' plain waves), compiled once per
+    module (compile_one runs every pass's checks and the verifier; the
+    tests only read it)."""
+    from megac.geometry import PLAIN_TILES
     from megac.passes.pipeline import compile_one
+    from models import variant
 
-    return compile_one(load_spec("north-mini-code"), order=order, rows=rows, context=8192)
+    spec = load_spec("north-mini-code")
+    plain = variant(spec, spec.name, target={**spec.target.model_dump(),
+                                             "tiles": {**(spec.target.tiles or {}), **PLAIN_TILES}})
+    return compile_one(plain, order=order, rows=rows, context=8192)
 
 
 def test_the_layer_cursor_runs_each_layers_tasks_on_the_same_sms():
@@ -379,18 +386,18 @@ def test_split_schedules_take_the_kinds_split_waves():
     of the same order keep ``moe``'s. The tuned order's: a sliding layer's
     O-projection on its attention SMs, each SM's O-projection before its up
     claimer, the norm on the finalize SM; a full layer (claimed attention,
-    no host SMs) deals it by the cursor before the up claims."""
+    no host SMs) deals it by the cursor before the up claims. North Mini
+    Code's default at batch 1 (since the twenty-fifth session), with the
+    attention merged inside the O-projection there (no ATTN_COMBINE)."""
     from megac.passes.order import waves_for
-    from models import variant
-
-    spec = load_spec("north-mini-code")
-    split = variant(spec, "nmc-split1", target={**spec.target.model_dump(), "tiles": {
-        "split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256}})
     from megac.passes.pipeline import compile_one
 
+    split = load_spec("north-mini-code")
     one = compile_one(split, order="tuned", rows=1, context=8192)
     two = compile_one(split, order="tuned", rows=2, context=8192)
     assert one.geometry.split_down and not two.geometry.split_down
+    assert one.geometry.o_proj_merge and not two.geometry.o_proj_merge
+    assert "ATTN_COMBINE" not in one.tasks_per_opcode and two.tasks_per_opcode["ATTN_COMBINE"] > 0
     geo = one.geometry
     slide_l = next(l for l in geo.moe_layers if geo.sliding[l])
     full_l = next(l for l in geo.moe_layers if not geo.sliding[l])

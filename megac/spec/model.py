@@ -170,9 +170,12 @@ class TargetSpec(BaseModel):
         for k, x in v.items():
             if k not in DEFAULT_TILES:
                 raise ValueError(f"unknown tile {k!r} (known: {', '.join(sorted(DEFAULT_TILES))})")
-            if k in ("fused_topk", "fused_gather", "fused_combine", "o_proj_merge"):
+            if k in ("fused_topk", "fused_gather", "fused_combine"):
                 if x not in (0, 1):
                     raise ValueError(f"{k} is 0 or 1 (got {x})")
+            elif k == "o_proj_merge":
+                if x not in (-1, 0, 1):
+                    raise ValueError(f"{k} is 0, 1 or -1 (automatic: where split_down applies) (got {x})")
             elif k == "split_down":
                 if not -1 <= x <= 65536:
                     raise ValueError(f"{k} is a row bound in 0..65536, 0: none, -1: automatic (got {x})")

@@ -734,6 +734,9 @@ VARIANTS = {
     # a static split's first tensor-copy chunks issued when it runs (the default issues them before its
     # waits at batch 1, older keys only: ops_attention.cuh attn_prime); at every batch size
     "attn_noprime": {"MEGAC_ATTN_PRIME": 0},
+    # stages per warp a merging O-projection tile primes before its waits (default 1)
+    "merge_p0": {"MEGAC_MERGE_PRIME": 0},
+    "merge_p2": {"MEGAC_MERGE_PRIME": 2},
     "attn_prime_all": {"MEGAC_ATTN_PRIME_ROWS": 65536},
     # a split's page-table entries one chunk ahead (the default loads them at once up front)
     "attn_behind": {"MEGAC_ATTN_AHEAD": 0},
@@ -1366,11 +1369,17 @@ TILES = {
                          "order": "schedules/experiments/split-oproj-last.yaml"},
     # the same with a static split's first chunks issued when it runs
     "split1_noprime": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "variant": "attn_noprime"},
+    # the default before the twenty-fifth session at batch 1: no split, no merge
+    "plain": {"split_down": 0, "o_proj_merge": 0},
     # the O-projection tiles merging their KV head's attention splits at batch 1 (no ATTN_COMBINE
     # task and hop: geometry.o_proj_merge_at), in the plain and the split configuration
     "merge": {"o_proj_merge": 1},
     "split1_merge": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1},
     "split8_merge": {"split_down": 8, "split_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1},
+    "split1_merge_p0": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1,
+                        "variant": "merge_p0"},
+    "split1_merge_p2": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1,
+                        "variant": "merge_p2"},
 }
 
 

@@ -129,12 +129,18 @@ def test_postconditions(model, rows):
                 r, h = int(nt.fields["ROW"][i]), int(nt.fields["KV_HEAD"][i])
                 assert names[w[i, H.WAIT0]] == f"combine[{l}][{r}][{h}]"
                 assert names[w[i, H.SIGNAL]] == f"attn_done[{l}][{h}]"
-        # O-proj split s waits only on the attention of KV head s
+        # O-proj split s waits only on the attention of KV head s: its combine, or where the
+        # O-projection merges the splits itself (one row) the splits' counter, their count
         if nt.op == Op.O_PROJ:
             for i in range(len(w)):
                 s = int(nt.fields["SPLIT"][i])
-                assert names[w[i, H.WAIT0]] == f"attn_done[{l}][{s}]" and w[i, H.WAIT1] == -1
-                assert w[i, H.TARGET0] == geo.rows
+                assert w[i, H.WAIT1] == -1
+                if geo.o_proj_merge:
+                    assert names[w[i, H.WAIT0]] == f"combine[{l}][0][{s}]"
+                    assert w[i, F(Op.O_PROJ, "MERGE_SPLITS")] != 0
+                else:
+                    assert names[w[i, H.WAIT0]] == f"attn_done[{l}][{s}]" and w[i, H.TARGET0] == geo.rows
+                    assert w[i, F(Op.O_PROJ, "MERGE_SPLITS")] == 0
         # the next layer waits norm[l] (target rows), or where it folds that
         # norm (NORM_IN) what the norm task waits on
         if nt.op == Op.QKV_PROJ and l > 0 and geo.folded(l):
@@ -146,7 +152,8 @@ def test_postconditions(model, rows):
             assert (w[:, H.TARGET0] == geo.rows).all() and (w[:, H.WAIT1] == -1).all()
         if nt.op == Op.MOE_COMBINE:
             assert names[w[0, H.WAIT0]] == f"route[{l}]" and w[0, H.TARGET0] == 1
-            assert names[w[0, H.WAIT1]] == f"moe_down[{l}]"
+            # split_down: the up claims write moe_out (no down claims)
+            assert names[w[0, H.WAIT1]] == (f"moe_up[{l}]" if geo.split_down else f"moe_down[{l}]")
             assert w[0, H.TARGET1] == abi.dyn(geo.target_words.moe_down_count(l))
         if nt.op == Op.MOE_DOWN_DRAIN or (nt.op == Op.MOE_UPGATE_DRAIN and not geo.routed_claims):
             assert names[w[0, H.WAIT0]] == f"route[{l}]" and w[0, H.TARGET0] == 1

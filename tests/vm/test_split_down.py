@@ -26,11 +26,12 @@ from models import hf_last_logits, hf_model, variant
 def _spec(bound: int, **tiles):
     """tiny-moe with experts of 64 features in up tiles of 32 (two split-K
     partials per expert; a slice's K a multiple of 32 as the tensor cores
-    need)."""
+    need): the split schedules' up tiles are the plain ones (split_up_bn 0)."""
     moe = load_spec("tiny-moe")
     return variant(moe, f"sd-{bound}-{'-'.join(f'{k}{v}' for k, v in tiles.items())}", tie_embeddings=False,
                    moe={"expert_intermediate_size": 64},
-                   target={**moe.target.model_dump(), "tiles": {"split_down": bound, "moe_up_bn": 64, **tiles}})
+                   target={**moe.target.model_dump(), "tiles": {"split_down": bound, "moe_up_bn": 64,
+                                                                "split_up_bn": 0, **tiles}})
 
 
 def _of(sched, op):
@@ -105,23 +106,27 @@ def test_split_down_is_a_row_bound():
 
 
 def test_automatic_split_is_batch_one_of_large_moe_models_with_their_own_tiles():
-    """split_down -1: batch 1 where the model is wide (North Mini Code), off
-    for a narrow one (tiny-moe); the split schedules take split_up_bn and
-    split_o_proj_bn, the others keep theirs, and moe_out's tile axis follows
-    the split's up tiles in every schedule (one kernel)."""
-    from megac.geometry import Geometry, split_down_bound
+    """split_down -1 (the default since the twenty-fifth session): batch 1
+    where the model is wide (North Mini Code), off for a narrow one
+    (tiny-moe); the split schedules take split_up_bn and split_o_proj_bn
+    (128 / 256 by default), the others keep theirs, and moe_out's tile axis
+    follows the split's up tiles in every schedule (one kernel); the
+    O-projection merges the attention splits where the split applies
+    (o_proj_merge -1)."""
+    from megac.geometry import DEFAULT_TILES, PLAIN_TILES, Geometry, split_down_bound
 
-    tiles = {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256}
+    assert (DEFAULT_TILES["split_down"], DEFAULT_TILES["split_up_bn"], DEFAULT_TILES["split_o_proj_bn"]) == (-1, 128, 256)
     tiny = load_spec("tiny-moe")
-    tiny_auto = variant(tiny, "tiny-auto", target={**tiny.target.model_dump(), "tiles": tiles})
-    assert split_down_bound(tiny_auto) == 0
-    nmc = load_spec("north-mini-code")
-    auto = variant(nmc, "nmc-auto", target={**nmc.target.model_dump(), "tiles": tiles})
-    assert split_down_bound(auto) == 1 and split_down_bound(nmc) == 0
+    assert split_down_bound(tiny) == 0 and not Geometry.from_spec(tiny, 1, 1024).o_proj_merge
+    auto = load_spec("north-mini-code")
+    plain_spec = variant(auto, "nmc-plain", target={**auto.target.model_dump(), "tiles": PLAIN_TILES})
+    assert split_down_bound(auto) == 1 and split_down_bound(plain_spec) == 0
     one, two = Geometry.from_spec(auto, 1, 8192), Geometry.from_spec(auto, 2, 8192)
-    assert (one.split_down, one.moe_up_bn, one.o_proj_bn) == (True, 128, 256)
-    plain = Geometry.from_spec(nmc, 2, 8192)
-    assert (two.split_down, two.moe_up_bn, two.o_proj_bn) == (False, plain.moe_up_bn, plain.o_proj_bn)
+    assert (one.split_down, one.moe_up_bn, one.o_proj_bn, one.o_proj_merge) == (True, 128, 256, True)
+    plain = Geometry.from_spec(plain_spec, 1, 8192)
+    assert (two.split_down, two.moe_up_bn, two.o_proj_bn, two.o_proj_merge) == (
+        False, plain.moe_up_bn, plain.o_proj_bn, False)
+    assert not plain.o_proj_merge and plain.moe_up_bn == 256 and plain.o_proj_bn == 128
     assert one.moe_out_tiles == two.moe_out_tiles == 2 * 768 // 128
     assert plain.moe_out_tiles == 1
 
@@ -136,6 +141,6 @@ def test_split_down_needs_up_tiles_that_slice_the_down_matrix(up_bn, width, why)
 
     nmc = load_spec("north-mini-code")
     spec = variant(nmc, f"sd-bad-{up_bn}", moe={"expert_intermediate_size": width} if width else None,
-                   target={**nmc.target.model_dump(), "tiles": {"split_down": 1, "moe_up_bn": up_bn}})
+                   target={**nmc.target.model_dump(), "tiles": {"split_down": 1, "moe_up_bn": up_bn, "split_up_bn": 0}})
     with pytest.raises(ValueError, match=why):
         Geometry.from_spec(spec, 1, 1024)
