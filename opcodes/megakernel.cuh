@@ -41,6 +41,9 @@ __device__ __forceinline__ bool call(F f, const Ctx& c) {
 //   1: the head of each task's tile, just before its waits;
 //   2: the head of the NEXT task's tile as each task starts, so HBM streams
 //      across the task boundary and through the next task's waits.
+#ifndef MEGAC_OPROJ_L2  // ops_gemm.cuh says what it does
+#define MEGAC_OPROJ_L2 0
+#endif
 #ifndef MEGAC_PREFETCH
 #define MEGAC_PREFETCH 0
 #endif
@@ -167,6 +170,10 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ g
       if (MEGAC_PREFETCH == 1 || k == 0) Dispatch::prefetch(c, ts->w, threadIdx.x);
       if (MEGAC_PREFETCH == 2 && k + 1 < n) Dispatch::prefetch(c, ts->nw, threadIdx.x);
     }
+#endif
+#if MEGAC_OPROJ_L2 && MEGAC_PREFETCH == 2
+    if (threadIdx.x >= 32 && threadIdx.x < 64 && k + 1 < n && ts->nw[H_OPCODE] == OP_O_PROJ)
+      Dispatch::oproj_l2(c, ts->nw, threadIdx.x & 31);
 #endif
     const int op = ts->w[H_OPCODE];
     const int32_t sig = ts->w[H_SIGNAL];  // read now: the next task's words overwrite ts->w

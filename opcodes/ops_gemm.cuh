@@ -177,6 +177,25 @@ __device__ __forceinline__ WeightSpan moe_down_weights(const Ctx& c, const int32
 // The first chunks of a static GEMM task's tile into its warps' pipelines,
 // before the task's waits (every thread; the generated Dispatch::prime).
 // True when it primed: the task's gemm() then goes on from there (Ctx::primed).
+// 1: while the task before an O-projection tile runs (its attention split
+// on the split configuration's attention SMs), one warp pulls the tile's
+// whole weight span into L2 (cp.async.bulk.prefetch.L2, 32 KB a 16-row
+// group), so the tile streams it from L2 after its waits instead of from
+// HBM at the end of the layer (needs MEGAC_PREFETCH 2: the next task's
+// words in shared memory). 0: off.
+#ifndef MEGAC_OPROJ_L2
+#define MEGAC_OPROJ_L2 0
+#endif
+
+// The O-projection tile of words `w` into L2, spread over 32 lanes.
+template <class M>
+__device__ __forceinline__ void oproj_l2(const Ctx& c, const int32_t* w, int lane) {
+  const WeightSpan s = o_proj_weights<M>(c, w);
+  if (!s.tiled) return;
+  for (int rg = lane; rg < (s.rows + 15) / 16; rg += 32)
+    prefetch_l2(s.p + int64_t(rg) * 16 * s.ld, uint32_t(s.cols) * 32u);
+}
+
 // Stages per warp a merging O-projection tile (O_PROJ.MERGE_SPLITS) primes
 // before its waits (at most tc::kStages): its merge's small partial loads,
 // issued after the waits, queue behind whatever of its own weight copies is

@@ -737,6 +737,9 @@ VARIANTS = {
     # stages per warp a merging O-projection tile primes before its waits (default 1)
     "merge_p0": {"MEGAC_MERGE_PRIME": 0},
     "merge_p2": {"MEGAC_MERGE_PRIME": 2},
+    # an O-projection tile's weights pulled into L2 while the task before it (its SM's attention
+    # split) runs
+    "oproj_l2": {"MEGAC_PREFETCH": 2, "MEGAC_OPROJ_L2": 1},
     "attn_prime_all": {"MEGAC_ATTN_PRIME_ROWS": 65536},
     # a split's page-table entries one chunk ahead (the default loads them at once up front)
     "attn_behind": {"MEGAC_ATTN_AHEAD": 0},
@@ -1371,6 +1374,8 @@ TILES = {
     "split1_noprime": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "variant": "attn_noprime"},
     # the default before the twenty-fifth session at batch 1: no split, no merge
     "plain": {"split_down": 0, "o_proj_merge": 0},
+    # the default with the O-projection's weights pulled into L2 during its SM's attention split
+    "oproj_l2": {"variant": "oproj_l2"},
     # the O-projection tiles merging their KV head's attention splits at batch 1 (no ATTN_COMBINE
     # task and hop: geometry.o_proj_merge_at), in the plain and the split configuration
     "merge": {"o_proj_merge": 1},
