@@ -147,12 +147,14 @@ DEFAULT_TILES = {
     # fused_combine (the norm would sum every tile). -1: automatic, batch 1
     # for large MoE models that allow it (split_down_bound). With their own
     # up and O-projection tiles (split_up_bn 128, split_o_proj_bn 256), the
-    # wave order's KIND_split waves and the attention merge inside the
-    # O-projection (o_proj_merge), H200, North Mini Code 8K batch 1, kernel
-    # ms, engines alternating (twenty-fifth session): 2.63 / 2.68 / 2.71 /
-    # 2.72 against the plain schedule's 2.72-2.83 (median -3 %); the split
-    # alone 2.72-2.75 in the same runs (twenty-fourth: bimodal engines)
-    "split_down": -1,
+    # wave order's KIND_split waves and the attention merge, H200, North
+    # Mini Code 8K batch 1, kernel ms, engines alternating (twenty-fifth
+    # session): 2.60 against the plain schedule's 2.76-2.79 (-6 %). Not the
+    # default: North Mini Code's fp32 slice (layers 0, 1, 4) at one row
+    # disagrees with the fp32 reference wherever the split applies (min
+    # cosine 0.64, 8 expert choices off by margins up to 1.03; at two rows,
+    # split too, 0.99996; the VM's split at one row matches transformers)
+    "split_down": 0,
     # MOE_COMBINE tasks per row in split_down schedules (each sums a range of
     # the row's features over every slot's tiles: one CTA reading every
     # tile's partial of a whole row took up to ~9 us at batch 1; 32 ranges of
@@ -176,11 +178,11 @@ DEFAULT_TILES = {
     # ATTN_COMBINE arithmetic, the same bits), no ATTN_COMBINE task: a hop
     # and a single-CTA task less on a layer's attention chain; every tile of
     # a head re-reads the head's partials (KV heads x features / o_proj_bn
-    # merges instead of KV heads). -1: automatic, where the split
-    # configuration applies (split_down_at: there the O-projection tiles sit
-    # on the attention SMs). H200, North Mini Code 8K batch 1, engines
-    # alternating: the plain schedule -1.5 %, the split one -1.7 % (2.63 /
-    # 2.68 / 2.71 / 2.72 against 2.72 / 2.74 / 2.75)
+    # merges instead of KV heads). -1: automatic, batch 1 of MoE models of
+    # hidden size >= 1024 (SPLIT_AUTO_MIN_HIDDEN: North Mini Code). H200,
+    # North Mini Code 8K batch 1, engines alternating: the plain schedule
+    # -1.6 %, the split one -1.7 % (twenty-fifth session); its bits are
+    # ATTN_COMBINE's
     "o_proj_merge": -1,
 }
 
@@ -323,12 +325,12 @@ def split_down_at(spec, rows: int, tiles: dict | None = None) -> bool:
 def o_proj_merge_at(spec, rows: int, tiles: dict | None = None) -> bool:
     """Whether schedules of ``rows`` rows of ``spec`` merge the attention
     splits inside the O-projection tiles (the target's ``o_proj_merge``
-    tile; -1: where the split configuration applies, ``split_down_at``).
+    tile; -1: batch 1 of MoE models of hidden size >= SPLIT_AUTO_MIN_HIDDEN).
     One row only: a tile waits on its KV head's splits, which signal a
     counter per (row, KV head), and a task has two waits."""
     t = tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
     if t["o_proj_merge"] < 0:
-        return rows == 1 and split_down_at(spec, rows, t)
+        return rows == 1 and bool(spec.moe) and spec.hidden_size >= SPLIT_AUTO_MIN_HIDDEN
     return bool(t["o_proj_merge"]) and rows == 1
 
 

@@ -208,6 +208,9 @@ struct FinalizeArgs {
   size_t split_stride = 0;
   int32_t topk_splits = 0, flags = 0;
   float* topk_w = nullptr;  // [rows * k]
+  // a ranking finalize's ids also here ([rows * k], as ROUTER_TOPK writes
+  // them: the buffer the host reads a step's routing from); null: not
+  int32_t* topk_ids_out = nullptr;
   // the gather inside (x != nullptr): row r of x ([rows, hidden] bf16) to
   // each of its routed slots of moe_x ([slots, hidden])
   const __nv_bfloat16* x = nullptr;
@@ -320,6 +323,8 @@ __device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* sme
   }
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
+  if (ranked && a.topk_ids_out != nullptr)
+    for (int i = threadIdx.x; i < n; i += blockDim.x) a.topk_ids_out[i] = ids[i];
   if (threadIdx.x < 32) {
     rank_entries(ids, ranked, n, cnt, rank);
     scan_experts(cnt, E, off, act, nact);

@@ -137,6 +137,7 @@ __device__ __forceinline__ bool route_finalize(const Ctx& c) {
   a.split_stride = size_t(M::MAX_ROWS) * M::NUM_EXPERTS;
   a.flags = c.ts->w[H_FLAGS];
   a.topk_w = ptr<float>(d->topk_w) + Lay::topk(layer, 0);
+  a.topk_ids_out = a.topk_splits > 0 ? ptr<int32_t>(d->topk_ids) + Lay::topk(layer, 0) : nullptr;
   const int xslot = c.ts->w[f_route_finalize::X_SLOT];
   if (xslot >= 0) {  // the gather inside (fused_gather)
     a.x = ptr<const __nv_bfloat16>(d->x_norm) + Lay::x_norm(xslot, 0);

@@ -269,12 +269,12 @@ def test_schedule_command_predicts_with_a_calibration():
     r = CliRunner().invoke(main, ["schedule", "north-mini-code", "--calibration", "h200-north-mini-code", "--json"])
     assert r.exit_code == 0, r.output
     pred = json.loads(r.output)["predicted"]
-    # against the kernel time the H200 measured for the default schedule (batch 1, 8K: the split
-    # configuration with the attention merge in the O-projection since the twenty-fifth session;
-    # its check tiles runs, two engines, the median)
+    # against the kernel time the H200 measured for the default schedule (batch 1, 8K: the
+    # attention merged in the O-projection since the twenty-fifth session; its check tiles run,
+    # four engines, the median)
     runs = json.loads((ROOT / "benchmarks" / "megakernel-merge-2026-12-04-h200-session25.json").read_text())["runs"]
-    got = runs["ab_merge_prime"]["tiles"]["result"]
-    measured_ms = float(np.median([got["split1_merge"]["bs1"], got["split1_merge#1"]["bs1"]]))
+    got = runs["ab_merge_default_vs_plain_8k"]["tiles"]["result"]
+    measured_ms = float(np.median([got[k]["bs1"] for k in ("default", "default#1", "default#2", "default_2")]))
     assert abs(pred["step_us"] / 1e3 / measured_ms - 1) < 0.10 and "H200" in pred["calibration"]
     r = CliRunner().invoke(main, ["schedule", "tiny-moe", "--calibration", "h999-none"])
     assert r.exit_code == 2 and "no bundled calibration" in r.output
@@ -535,7 +535,7 @@ def test_calibrate_command_rebuilds_the_traced_tiles(tmp_path, fold19):
     trace = tmp_path / "step.json.gz"
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     r = _cli(trace)
-    assert r.exit_code == 0 and "compiling with the trace's tiles (o_proj_bn 128 -> 64, o_proj_merge -1 -> 0, split_down -1 -> 0)" in r.output, r.output
+    assert r.exit_code == 0 and "compiling with the trace's tiles (o_proj_bn 128 -> 64, o_proj_merge -1 -> 0)" in r.output, r.output
     meta.pop("tiles")
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     r = _cli(trace)

@@ -386,13 +386,14 @@ def test_split_schedules_take_the_kinds_split_waves():
     of the same order keep ``moe``'s. The tuned order's: a sliding layer's
     O-projection on its attention SMs, each SM's O-projection before its up
     claimer, the norm on the finalize SM; a full layer (claimed attention,
-    no host SMs) deals it by the cursor before the up claims. North Mini
-    Code's default at batch 1 (since the twenty-fifth session), with the
-    attention merged inside the O-projection there (no ATTN_COMBINE)."""
+    no host SMs) deals it by the cursor before the up claims; at batch 1
+    the attention merged inside the O-projection (no ATTN_COMBINE)."""
     from megac.passes.order import waves_for
     from megac.passes.pipeline import compile_one
+    from models import variant
 
-    split = load_spec("north-mini-code")
+    spec = load_spec("north-mini-code")
+    split = variant(spec, "nmc-split1", target={**spec.target.model_dump(), "tiles": {"split_down": -1}})
     one = compile_one(split, order="tuned", rows=1, context=8192)
     two = compile_one(split, order="tuned", rows=2, context=8192)
     assert one.geometry.split_down and not two.geometry.split_down

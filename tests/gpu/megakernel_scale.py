@@ -1374,6 +1374,14 @@ TILES = {
     "split1_noprime": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "variant": "attn_noprime"},
     # the default before the twenty-fifth session at batch 1: no split, no merge
     "plain": {"split_down": 0, "o_proj_merge": 0},
+    # and without the batch-1 norm fold, and without routed claims too (the fp32 slice at one row)
+    "plain_nofold": {"split_down": 0, "o_proj_merge": 0, "norm_fold": 0},
+    # the split without the merge, the merge without the split (the fp32 slice at one row)
+    "nomerge": {"o_proj_merge": 0},
+    "plain_merge": {"split_down": 0, "o_proj_merge": 1},
+    "split_nofold": {"norm_fold": 0},
+    "split_unrouted": {"norm_fold": 0, "routed_claims": 0},
+    "plain_unrouted": {"split_down": 0, "o_proj_merge": 0, "norm_fold": 0, "routed_claims": 0},
     # the default with the O-projection's weights pulled into L2 during its SM's attention split
     "oproj_l2": {"variant": "oproj_l2"},
     # the O-projection tiles merging their KV head's attention splits at batch 1 (no ATTN_COMBINE

@@ -106,27 +106,30 @@ def test_split_down_is_a_row_bound():
 
 
 def test_automatic_split_is_batch_one_of_large_moe_models_with_their_own_tiles():
-    """split_down -1 (the default since the twenty-fifth session): batch 1
-    where the model is wide (North Mini Code), off for a narrow one
-    (tiny-moe); the split schedules take split_up_bn and split_o_proj_bn
-    (128 / 256 by default), the others keep theirs, and moe_out's tile axis
-    follows the split's up tiles in every schedule (one kernel); the
-    O-projection merges the attention splits where the split applies
-    (o_proj_merge -1)."""
+    """split_down -1: batch 1 where the model is wide (North Mini Code), off
+    for a narrow one (tiny-moe); the split schedules take split_up_bn and
+    split_o_proj_bn (128 / 256 by default), the others keep theirs, and
+    moe_out's tile axis follows the split's up tiles in every schedule (one
+    kernel). Off by default (0). The O-projection merges the attention
+    splits at batch 1 of the wide MoE model either way (o_proj_merge -1)."""
     from megac.geometry import DEFAULT_TILES, PLAIN_TILES, Geometry, split_down_bound
 
-    assert (DEFAULT_TILES["split_down"], DEFAULT_TILES["split_up_bn"], DEFAULT_TILES["split_o_proj_bn"]) == (-1, 128, 256)
+    assert (DEFAULT_TILES["split_down"], DEFAULT_TILES["split_up_bn"], DEFAULT_TILES["split_o_proj_bn"]) == (0, 128, 256)
+    tiles = {"split_down": -1}
     tiny = load_spec("tiny-moe")
-    assert split_down_bound(tiny) == 0 and not Geometry.from_spec(tiny, 1, 1024).o_proj_merge
-    auto = load_spec("north-mini-code")
-    plain_spec = variant(auto, "nmc-plain", target={**auto.target.model_dump(), "tiles": PLAIN_TILES})
-    assert split_down_bound(auto) == 1 and split_down_bound(plain_spec) == 0
+    tiny_auto = variant(tiny, "tiny-auto", target={**tiny.target.model_dump(), "tiles": tiles})
+    assert split_down_bound(tiny_auto) == 0 and not Geometry.from_spec(tiny, 1, 1024).o_proj_merge
+    nmc = load_spec("north-mini-code")
+    auto = variant(nmc, "nmc-auto", target={**nmc.target.model_dump(), "tiles": tiles})
+    assert split_down_bound(auto) == 1 and split_down_bound(nmc) == 0
     one, two = Geometry.from_spec(auto, 1, 8192), Geometry.from_spec(auto, 2, 8192)
     assert (one.split_down, one.moe_up_bn, one.o_proj_bn, one.o_proj_merge) == (True, 128, 256, True)
-    plain = Geometry.from_spec(plain_spec, 1, 8192)
+    plain = Geometry.from_spec(nmc, 1, 8192)
     assert (two.split_down, two.moe_up_bn, two.o_proj_bn, two.o_proj_merge) == (
         False, plain.moe_up_bn, plain.o_proj_bn, False)
-    assert not plain.o_proj_merge and plain.moe_up_bn == 256 and plain.o_proj_bn == 128
+    assert not plain.split_down and plain.o_proj_merge and plain.moe_up_bn == 256 and plain.o_proj_bn == 128
+    none = variant(nmc, "nmc-plain", target={**nmc.target.model_dump(), "tiles": PLAIN_TILES})
+    assert not Geometry.from_spec(none, 1, 8192).o_proj_merge
     assert one.moe_out_tiles == two.moe_out_tiles == 2 * 768 // 128
     assert plain.moe_out_tiles == 1
 
