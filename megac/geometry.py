@@ -146,14 +146,13 @@ DEFAULT_TILES = {
     # order than the down claims' (a split-K sum: other bits). Not with
     # fused_combine (the norm would sum every tile). -1: automatic, batch 1
     # for large MoE models that allow it (split_down_bound). With their own
-    # up and O-projection tiles (split_up_bn 128, split_o_proj_bn 256), the
-    # wave order's KIND_split waves and the attention merge, H200, North
-    # Mini Code 8K batch 1, kernel ms, engines alternating (twenty-fifth
-    # session): 2.60 against the plain schedule's 2.76-2.79 (-6 %). Not the
-    # default: North Mini Code's fp32 slice (layers 0, 1, 4) at one row
-    # disagrees with the fp32 reference wherever the split applies (min
-    # cosine 0.64, 8 expert choices off by margins up to 1.03; at two rows,
-    # split too, 0.99996; the VM's split at one row matches transformers)
+    # O-projection tiles (split_o_proj_bn 256) and the wave order's
+    # KIND_split waves. Timed at batch 1 with 128-row split up tiles beside
+    # the plain 256-row ones (twenty-fourth, twenty-fifth sessions: 2.60
+    # against 2.76-2.79 ms, -6 %), which paired the wrong gate/up rows (the
+    # weights are interleaved once: split_tile_problem now refuses it; the
+    # fp32 slice at one row gave cosine 0.64): a valid split (up tiles equal
+    # to moe_up_bn) is not measured yet
     "split_down": 0,
     # MOE_COMBINE tasks per row in split_down schedules (each sums a range of
     # the row's features over every slot's tiles: one CTA reading every
@@ -164,10 +163,13 @@ DEFAULT_TILES = {
     # expert up tiles (gate/up rows) of the schedules that split the down
     # projection (0: moe_up_bn). Each split claim streams its up rows and
     # their down columns, so smaller tiles keep a claim's bytes near a plain
-    # up claim's: 128 rows (0.75 MB of North Mini Code) where the plain up
-    # tiles are 256 (the twenty-third session: 256-row split claims 3.11 ms
-    # at batch 1 against 2.83 with 128)
-    "split_up_bn": 128,
+    # up claim's (the twenty-third session: 256-row split claims 3.11 ms at
+    # batch 1 against 2.83 with 128). It must equal moe_up_bn: the device
+    # interleaves the expert gate/up rows once, in chunks of the largest
+    # schedule's moe_up_bn / 2 (the twenty-fifth session found the batch-1
+    # split with 128 beside 256-row plain tiles pairing the wrong rows: the
+    # split timings of the twenty-fourth and twenty-fifth sessions ran so)
+    "split_up_bn": 0,
     # O-projection features per tile in the schedules that split the down
     # projection (0: o_proj_bn): there the order puts a sliding layer's
     # O-projection on its attention SMs (the wave order's KIND_split waves),
@@ -285,6 +287,14 @@ def split_tile_problem(t: dict, expert_width: int) -> str | None:
         return ("target.tiles: split_down and fused_combine exclude each other (the norm "
                 "would have to sum every expert tile's partial)")
     bn, what = split_up_rows(t, expert_width)
+    plain = min(t["moe_up_bn"], 2 * expert_width) if expert_width else t["moe_up_bn"]
+    plain -= plain % 2
+    if bn != plain:
+        # the device lays the expert weights out once (gate/up interleaved in chunks of the
+        # largest schedule's moe_up_bn / 2); a tile of other rows would pair the wrong gate/up rows
+        return (f"target.tiles.split_up_bn: {bn} rows differs from moe_up_bn {plain}: the expert weights are "
+                f"interleaved once, in chunks of moe_up_bn/2, for every batch size (set split_up_bn 0, or "
+                f"moe_up_bn {bn})")
     if bn > 256:
         return (f"target.tiles.split_down: up tiles of at most 256 rows (128 features: the "
                 f"down slice's rows live in shared memory), got {what} {bn}")
@@ -436,6 +446,10 @@ class Geometry:
         # up tiles size moe_out's tile axis in every schedule (one kernel serves every batch size)
         split = split_down_at(spec, rows, t)
         split_bn, _ = split_up_rows(t, expert_width)
+        # the split's tile rules on the tiles as asked (before the split schedule takes its own)
+        problem = split_tile_problem(t, expert_width) if experts and t["split_down"] else None
+        if problem:
+            raise ValueError(problem)
         if split:
             t = {**t, "moe_up_bn": split_bn, "o_proj_bn": t["split_o_proj_bn"] or t["o_proj_bn"]}
 
@@ -483,9 +497,6 @@ class Geometry:
 
         target = spec.target
         routed = routed_claims_at(spec, rows, t)
-        problem = split_tile_problem(t, expert_width) if experts and t["split_down"] else None
-        if problem:
-            raise ValueError(problem)
         return cls(
             spec_name=spec.name,
             block=spec.block,

@@ -472,7 +472,8 @@ def check_nmc_slice() -> dict:
     spec = slice_spec(os.environ.get("MEGAC_CHECK_TILES"))
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device="cuda")
     prompts = [[5, 17, 1234, 99, 255000], [7, 8000, 42]][:int(os.environ.get("MEGAC_CHECK_ROWS", "2"))]
-    return scale.routed_comparison(spec, w, prompts, 8)
+    variant = os.environ.get("MEGAC_CHECK_VARIANT")  # a VARIANTS build of the slice
+    return scale.routed_comparison(spec, w, prompts, 8, defines=scale.VARIANTS[variant] if variant else None)
 
 
 def check_serve() -> dict:

@@ -317,7 +317,7 @@ class _Routes:
         return ids, w.to(h.dtype)
 
 
-def routed_comparison(spec, w, prompts, steps: int, max_len: int = 1024) -> dict:
+def routed_comparison(spec, w, prompts, steps: int, max_len: int = 1024, defines: dict | None = None) -> dict:
     """Greedy decode of ``prompts`` (one batch) on the megakernel, capturing
     its expert choices (prefill: the PyTorch prefill's; steps: the kernel's
     ``topk_ids``); then per row an fp32 reference of the whole sequence that
@@ -330,6 +330,8 @@ def routed_comparison(spec, w, prompts, steps: int, max_len: int = 1024) -> dict
 
     eng = engine(spec, w, max_batch_size=len(prompts), max_model_len=max_len, kv_cache_memory_gb=4.0)
     be, kv = eng.backend, eng.kv
+    if defines:  # a VARIANTS build of the same source
+        use_cubin(be, variant_cubin(spec, defines))
     moe_layers = [i for i, ls in enumerate(spec.layers) if ls.ffn == "moe"]
     rows = [kv.allocate_row() for _ in prompts]
     routes = {r: [[] for _ in moe_layers] for r in rows}
@@ -1359,19 +1361,22 @@ TILES = {
     # with the order that puts a sliding layer's O-projection on its attention SMs
     "sd8_up128_o256_oa": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256,
                           "order": "schedules/experiments/split-oproj-on-attn.yaml"},
-    # the split configuration of the twenty-fourth session (its own up and O-projection tiles, the
-    # tuned order's moe_split waves): at batch 1 (the automatic bound, -1), and up to 8 rows (the
-    # fp32 slice check runs 2 rows)
-    "split1": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256},
-    "split8": {"split_down": 8, "split_up_bn": 128, "split_o_proj_bn": 256},
+    # the split configuration of the twenty-fourth session (128-row up tiles, its own O-projection
+    # tiles, the tuned order's moe_split waves): at batch 1 (the automatic bound, -1), and up to 8
+    # rows (the fp32 slice check runs 2 rows). The up tiles are every schedule's (moe_up_bn): the
+    # expert weights are interleaved once; the twenty-fourth and twenty-fifth sessions' runs of
+    # these entries had split_up_bn 128 beside 256-row plain tiles, the batch-1 step pairing the
+    # wrong gate/up rows (fp32 slice at one row: cosine 0.64)
+    "split1": {"split_down": -1, "moe_up_bn": 128, "split_o_proj_bn": 256},
+    "split8": {"split_down": 8, "moe_up_bn": 128, "split_o_proj_bn": 256},
     # the O-projection after the MoE combine on the SMs leaving the claims, 128 tiles of 64 features
     # (each a whole ring primed before its wait)
-    "split1_o64_last": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 64,
+    "split1_o64_last": {"split_down": -1, "moe_up_bn": 128, "split_o_proj_bn": 64,
                         "order": "schedules/experiments/split-oproj-last.yaml"},
-    "split1_o128_last": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 128,
+    "split1_o128_last": {"split_down": -1, "moe_up_bn": 128, "split_o_proj_bn": 128,
                          "order": "schedules/experiments/split-oproj-last.yaml"},
     # the same with a static split's first chunks issued when it runs
-    "split1_noprime": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "variant": "attn_noprime"},
+    "split1_noprime": {"split_down": -1, "moe_up_bn": 128, "split_o_proj_bn": 256, "variant": "attn_noprime"},
     # the default before the twenty-fifth session at batch 1: no split, no merge
     "plain": {"split_down": 0, "o_proj_merge": 0},
     # and without the batch-1 norm fold, and without routed claims too (the fp32 slice at one row)
@@ -1387,11 +1392,11 @@ TILES = {
     # the O-projection tiles merging their KV head's attention splits at batch 1 (no ATTN_COMBINE
     # task and hop: geometry.o_proj_merge_at), in the plain and the split configuration
     "merge": {"o_proj_merge": 1},
-    "split1_merge": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1},
-    "split8_merge": {"split_down": 8, "split_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1},
-    "split1_merge_p0": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1,
+    "split1_merge": {"split_down": -1, "moe_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1},
+    "split8_merge": {"split_down": 8, "moe_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1},
+    "split1_merge_p0": {"split_down": -1, "moe_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1,
                         "variant": "merge_p0"},
-    "split1_merge_p2": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1,
+    "split1_merge_p2": {"split_down": -1, "moe_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1,
                         "variant": "merge_p2"},
 }
 

@@ -107,15 +107,15 @@ def test_split_down_is_a_row_bound():
 
 def test_automatic_split_is_batch_one_of_large_moe_models_with_their_own_tiles():
     """split_down -1: batch 1 where the model is wide (North Mini Code), off
-    for a narrow one (tiny-moe); the split schedules take split_up_bn and
-    split_o_proj_bn (128 / 256 by default), the others keep theirs, and
-    moe_out's tile axis follows the split's up tiles in every schedule (one
-    kernel). Off by default (0). The O-projection merges the attention
-    splits at batch 1 of the wide MoE model either way (o_proj_merge -1)."""
+    for a narrow one (tiny-moe); the split schedules take split_o_proj_bn
+    (256 by default), the others keep theirs, and moe_out's tile axis follows
+    the up tiles in every schedule (one kernel). Off by default (0). The
+    O-projection merges the attention splits at batch 1 of the wide MoE
+    model either way (o_proj_merge -1)."""
     from megac.geometry import DEFAULT_TILES, PLAIN_TILES, Geometry, split_down_bound
 
-    assert (DEFAULT_TILES["split_down"], DEFAULT_TILES["split_up_bn"], DEFAULT_TILES["split_o_proj_bn"]) == (0, 128, 256)
-    tiles = {"split_down": -1}
+    assert (DEFAULT_TILES["split_down"], DEFAULT_TILES["split_up_bn"], DEFAULT_TILES["split_o_proj_bn"]) == (0, 0, 256)
+    tiles = {"split_down": -1, "moe_up_bn": 128}
     tiny = load_spec("tiny-moe")
     tiny_auto = variant(tiny, "tiny-auto", target={**tiny.target.model_dump(), "tiles": tiles})
     assert split_down_bound(tiny_auto) == 0 and not Geometry.from_spec(tiny, 1, 1024).o_proj_merge
@@ -125,8 +125,7 @@ def test_automatic_split_is_batch_one_of_large_moe_models_with_their_own_tiles()
     one, two = Geometry.from_spec(auto, 1, 8192), Geometry.from_spec(auto, 2, 8192)
     assert (one.split_down, one.moe_up_bn, one.o_proj_bn, one.o_proj_merge) == (True, 128, 256, True)
     plain = Geometry.from_spec(nmc, 1, 8192)
-    assert (two.split_down, two.moe_up_bn, two.o_proj_bn, two.o_proj_merge) == (
-        False, plain.moe_up_bn, plain.o_proj_bn, False)
+    assert (two.split_down, two.moe_up_bn, two.o_proj_bn, two.o_proj_merge) == (False, 128, plain.o_proj_bn, False)
     assert not plain.split_down and plain.o_proj_merge and plain.moe_up_bn == 256 and plain.o_proj_bn == 128
     none = variant(nmc, "nmc-plain", target={**nmc.target.model_dump(), "tiles": PLAIN_TILES})
     assert not Geometry.from_spec(none, 1, 8192).o_proj_merge
@@ -147,3 +146,25 @@ def test_split_down_needs_up_tiles_that_slice_the_down_matrix(up_bn, width, why)
                    target={**nmc.target.model_dump(), "tiles": {"split_down": 1, "moe_up_bn": up_bn, "split_up_bn": 0}})
     with pytest.raises(ValueError, match=why):
         Geometry.from_spec(spec, 1, 1024)
+
+
+def test_the_split_up_tiles_are_every_schedules():
+    """The device lays the expert weights out once (gate/up interleaved in
+    chunks of the largest schedule's moe_up_bn / 2), so split schedules whose
+    up tiles differ from the plain ones' would pair the wrong gate and up
+    rows (the twenty-fifth session's batch-1 split beside 256-row plain
+    tiles: fp32 cosine 0.64 on the H200): an explicit bound is refused in
+    one line naming both tiles; the automatic bound is then 0."""
+    from megac.geometry import Geometry, split_down_bound
+
+    nmc = load_spec("north-mini-code")
+    bad = variant(nmc, "sd-mismatch", target={**nmc.target.model_dump(), "tiles": {"split_down": 1, "split_up_bn": 128}})
+    with pytest.raises(ValueError, match="split_up_bn: 128 rows differs from moe_up_bn 256") as e:
+        Geometry.from_spec(bad, 1, 8192)
+    assert "\n" not in str(e.value)
+    auto = variant(nmc, "sd-mismatch-auto", target={**nmc.target.model_dump(), "tiles": {"split_down": -1,
+                                                                                           "split_up_bn": 128}})
+    assert split_down_bound(auto) == 0 and not Geometry.from_spec(auto, 1, 8192).split_down
+    same = variant(nmc, "sd-same", target={**nmc.target.model_dump(), "tiles": {"split_down": 1, "split_up_bn": 128,
+                                                                                 "moe_up_bn": 128}})
+    assert Geometry.from_spec(same, 1, 8192).split_down
