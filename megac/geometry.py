@@ -272,12 +272,18 @@ def tiled_shapes(qkv_width: int, hidden: int, vocab: int, q_width: int, dense_wi
     return not any(n % 16 for n in rows) and not any(k % 32 for k in ks)
 
 
+def up_rows(bn: int, expert_width: int) -> int:
+    """Gate/up rows of an expert up tile asked as ``bn``: clamped to the
+    expert's 2 x width rows (none: a dense model) and even."""
+    bn = min(bn, 2 * expert_width) if expert_width else bn
+    return bn - bn % 2
+
+
 def split_up_rows(t: dict, expert_width: int) -> tuple[int, str]:
     """(gate/up rows of a split schedule's up tiles, the tile that named
     them): split_up_bn, else moe_up_bn, clamped to the expert and even."""
-    bn = t["split_up_bn"] or t["moe_up_bn"]
-    bn = min(bn, 2 * expert_width) if expert_width else bn
-    return bn - bn % 2, "split_up_bn" if t["split_up_bn"] else "moe_up_bn"
+    return (up_rows(t["split_up_bn"] or t["moe_up_bn"], expert_width),
+            "split_up_bn" if t["split_up_bn"] else "moe_up_bn")
 
 
 def split_tile_problem(t: dict, expert_width: int) -> str | None:
@@ -287,8 +293,7 @@ def split_tile_problem(t: dict, expert_width: int) -> str | None:
         return ("target.tiles: split_down and fused_combine exclude each other (the norm "
                 "would have to sum every expert tile's partial)")
     bn, what = split_up_rows(t, expert_width)
-    plain = min(t["moe_up_bn"], 2 * expert_width) if expert_width else t["moe_up_bn"]
-    plain -= plain % 2
+    plain = up_rows(t["moe_up_bn"], expert_width)
     if bn != plain:
         # the device lays the expert weights out once (gate/up interleaved in chunks of the
         # largest schedule's moe_up_bn / 2); a tile of other rows would pair the wrong gate/up rows
@@ -470,8 +475,7 @@ class Geometry:
         upgate_bn -= upgate_bn % 2  # gate half + up half
         down_bn = min(t["down_bn"], hidden)
         router_bn = min(t["router_bn"], experts) if experts else t["router_bn"]
-        moe_up_bn = min(t["moe_up_bn"], 2 * expert_width) if experts else t["moe_up_bn"]
-        moe_up_bn -= moe_up_bn % 2
+        moe_up_bn = up_rows(t["moe_up_bn"], expert_width)
         moe_down_bn = min(t["moe_down_bn"], hidden)
         lm_bn = min(t["lm_bn"], spec.vocab_size)
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from megac import abi
 from megac.abi import Flag, H, Op
 from megac.errors import BadTaskError
+from megac.ops.attention import _context, merge_splits
 from megac.ops.base import BF16, BIG, FP32, KV_PIECE, Limits, OpDef, at, bound, field, resolve_dyn, span, summed
 from megac.ops.cpu import as_slice, cast, cols, idx, ranges, rotate
 from megac.ops.norm import norm_in_access, norm_in_input, norm_in_of, norm_in_rules
@@ -377,8 +378,6 @@ class OProj(GemmOp):
         acc.add("o_part", True, ix, at(layer), at(field(w, op, "SPLIT")), span(geo.rows), (n0, n0 + nl))
 
     def task_bytes(self, w, geo, params):
-        from megac.ops.attention import _context
-
         ms = field(w, self.op, "MERGE_SPLITS")
         ns = resolve_dyn(ms, geo.attn_splits(_context(geo, params)))
         # a merging tile also reads its KV head's partials (o and lse, fp32)
@@ -390,7 +389,7 @@ class OProj(GemmOp):
         if (ms == 0).all():
             self.run_splitk(vm, words, "attn_out", lambda layer: layer, lambda layer: vm.st.w("w_o")[layer], "o_part")
             return
-        if (ms != 0).any() and (ms == 0).any():
+        if (ms == 0).any():
             raise BadTaskError("O_PROJ: merging and plain tiles in one run")
         self._merge(vm, words)
         self.run_splitk(vm, words, "attn_out", lambda layer: layer, lambda layer: vm.st.w("w_o")[layer], "o_part",
@@ -400,8 +399,6 @@ class OProj(GemmOp):
         """Each (layer, KV head) of ``words`` merged once a step into row 0 of
         ``attn_out`` (VM scratch here: no task of a merging schedule reads
         it), as ATTN_COMBINE's merge."""
-        from megac.ops.attention import merge_splits
-
         op, st = self.op, vm.st
         hd, hpk = vm.hd, vm.hpk
         if vm.R != 1:
