@@ -29,6 +29,9 @@ Tiles (one task = one tile)
                    (``router_split_bounds``)
     moe_up_bn, moe_down_bn     expert tiles (interleaved gate/up rows; hidden)
     up_tiles, down_tiles       tiles per active expert
+    moe_chunk      gate/up rows per interleave chunk of the expert weights
+                   (``moe_chunk_rows``; every schedule's): a tile pairs them
+                   chunk by chunk
     fused_topk, fused_gather   the top-k / the gather inside ROUTE_FINALIZE
     fused_combine  the MoE combine inside the layer's ADD_RMSNORM (one row)
     routed_claims  the up claimers rank the rows themselves (the target's
@@ -65,6 +68,7 @@ Per layer (tuples indexed by layer)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
@@ -150,9 +154,11 @@ DEFAULT_TILES = {
     # KIND_split waves. Timed at batch 1 with 128-row split up tiles beside
     # the plain 256-row ones (twenty-fourth, twenty-fifth sessions: 2.60
     # against 2.76-2.79 ms, -6 %), which paired the wrong gate/up rows (the
-    # weights are interleaved once: split_tile_problem now refuses it; the
-    # fp32 slice at one row gave cosine 0.64): a valid split (up tiles equal
-    # to moe_up_bn) is not measured yet
+    # weights were interleaved in chunks of 128; the fp32 slice at one row
+    # gave cosine 0.64). Valid, on 128-row up tiles in every schedule: -1.9 %
+    # at batch 1, but batch 2-8 1-6 % slower on them (twenty-fifth session).
+    # On its own 128-row tiles beside the plain 256 (split_up_bn 128, the
+    # interleave in chunks of 64: moe_chunk_rows): not run on the GPU yet
     "split_down": 0,
     # MOE_COMBINE tasks per row in split_down schedules (each sums a range of
     # the row's features over every slot's tiles: one CTA reading every
@@ -164,11 +170,11 @@ DEFAULT_TILES = {
     # projection (0: moe_up_bn). Each split claim streams its up rows and
     # their down columns, so smaller tiles keep a claim's bytes near a plain
     # up claim's (the twenty-third session: 256-row split claims 3.11 ms at
-    # batch 1 against 2.83 with 128). It must equal moe_up_bn: the device
-    # interleaves the expert gate/up rows once, in chunks of the largest
-    # schedule's moe_up_bn / 2 (the twenty-fifth session found the batch-1
-    # split with 128 beside 256-row plain tiles pairing the wrong rows: the
-    # split timings of the twenty-fourth and twenty-fifth sessions ran so)
+    # batch 1 against 2.83 with 128). The expert weights are laid out once
+    # for every batch size, gate/up interleaved in chunks every schedule's
+    # tiles hold whole (moe_chunk_rows: 64 rows for 128 beside 256), each
+    # tile pairing them chunk by chunk (the twenty-fifth session's split
+    # timings ran 128-row tiles on chunks of 128: wrong pairs)
     "split_up_bn": 0,
     # O-projection features per tile in the schedules that split the down
     # projection (0: o_proj_bn): there the order puts a sliding layer's
@@ -286,6 +292,18 @@ def split_up_rows(t: dict, expert_width: int) -> tuple[int, str]:
             "split_up_bn" if t["split_up_bn"] else "moe_up_bn")
 
 
+def moe_chunk_rows(t: dict, expert_width: int) -> int:
+    """Gate/up rows per interleave chunk of the expert weights (the layout
+    every schedule of tiles ``t`` reads: one copy serves every batch size):
+    half the greatest common divisor of the plain up tiles and, where some
+    schedule splits the down projection, the split's. Each tile then holds
+    whole chunks (the last one of the expert may be shorter) and pairs gate
+    and up rows chunk by chunk."""
+    plain = up_rows(t["moe_up_bn"], expert_width)
+    rows = math.gcd(plain, split_up_rows(t, expert_width)[0]) if t["split_down"] else plain
+    return max(1, rows // 2)
+
+
 def split_tile_problem(t: dict, expert_width: int) -> str | None:
     """Why tiles ``t`` cannot split the down projection of experts of
     ``expert_width`` features (None: they can)."""
@@ -293,13 +311,6 @@ def split_tile_problem(t: dict, expert_width: int) -> str | None:
         return ("target.tiles: split_down and fused_combine exclude each other (the norm "
                 "would have to sum every expert tile's partial)")
     bn, what = split_up_rows(t, expert_width)
-    plain = up_rows(t["moe_up_bn"], expert_width)
-    if bn != plain:
-        # the device lays the expert weights out once (gate/up interleaved in chunks of the
-        # largest schedule's moe_up_bn / 2); a tile of other rows would pair the wrong gate/up rows
-        return (f"target.tiles.split_up_bn: {bn} rows differs from moe_up_bn {plain}: the expert weights are "
-                f"interleaved once, in chunks of moe_up_bn/2, for every batch size (set split_up_bn 0, or "
-                f"moe_up_bn {bn})")
     if bn > 256:
         return (f"target.tiles.split_down: up tiles of at most 256 rows (128 features: the "
                 f"down slice's rows live in shared memory), got {what} {bn}")
@@ -427,6 +438,9 @@ class Geometry:
     moe_out_tiles: int = 1
     #: the O-projection tiles merge the attention splits, no ATTN_COMBINE (DEFAULT_TILES' o_proj_merge)
     o_proj_merge: bool = False
+    #: gate/up rows per interleave chunk of the expert weights (moe_chunk_rows;
+    #: 0: moe_up_bn / 2): the same in every schedule of a model's tiles
+    moe_chunk: int = 0
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -455,6 +469,7 @@ class Geometry:
         problem = split_tile_problem(t, expert_width) if experts and t["split_down"] else None
         if problem:
             raise ValueError(problem)
+        moe_chunk = moe_chunk_rows(t, expert_width) if experts else 0  # before the split takes its tiles
         if split:
             t = {**t, "moe_up_bn": split_bn, "o_proj_bn": t["split_o_proj_bn"] or t["o_proj_bn"]}
 
@@ -552,6 +567,7 @@ class Geometry:
             combine_splits=(max(1, min(t["combine_splits"], hidden // 4)) if split else 1),
             moe_out_tiles=_ceil_div(2 * expert_width, split_bn) if experts and t["split_down"] else 1,
             o_proj_merge=o_proj_merge_at(spec, rows, t),
+            moe_chunk=moe_chunk,
         )
 
     def with_context(self, context: int) -> "Geometry":
@@ -599,6 +615,11 @@ class Geometry:
     @cached_property
     def up_tiles(self) -> int:
         return _ceil_div(2 * self.expert_width, self.moe_up_bn) if self.num_experts else 0
+
+    @cached_property
+    def up_chunk(self) -> int:
+        """Gate/up rows per interleave chunk of the expert weights (moe_chunk)."""
+        return self.moe_chunk or max(1, self.moe_up_bn // 2)
 
     @cached_property
     def down_tiles(self) -> int:

@@ -346,13 +346,21 @@ __device__ __forceinline__ void store(const float* ys, OutT* __restrict__ y, int
   }
 }
 
-// Gate/up interleaved in chunks of nlen/2 rows: h[m * ldh + c] = silu(gate) * up.
-__device__ __forceinline__ void silu_mul(const float* ys, bf16* __restrict__ h, int64_t ldh, int rows, int nlen) {
+// Gate/up interleaved in chunks of `chunk` rows (0: one chunk, nlen/2), the
+// tile's rows whole chunks from a chunk boundary, the last one possibly
+// shorter (the end of the matrix): [gate | up] per chunk. Feature c of the
+// tile is gate row base + j and up row base + len + j of its chunk, so
+// h[m * ldh + c] = silu(gate) * up over the tile's nlen/2 features in order.
+__device__ __forceinline__ void silu_mul(const float* ys, bf16* __restrict__ h, int64_t ldh, int rows, int nlen,
+                                         int chunk = 0) {
   const int half = nlen / 2;
+  if (chunk <= 0 || chunk >= half) chunk = half;
   for (int i = threadIdx.x; i < rows * half; i += blockDim.x) {
     const int m = i / half, c = i % half;
-    const float g = ys[c * 8 + m];
-    const float u = ys[(c + half) * 8 + m];
+    const int k = c / chunk, j = c - k * chunk;
+    const int len = min(chunk, half - k * chunk), base = 2 * k * chunk;
+    const float g = ys[(base + j) * 8 + m];
+    const float u = ys[(base + len + j) * 8 + m];
     h[m * ldh + c] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
   }
 }

@@ -445,7 +445,7 @@ __device__ __forceinline__ void moe_split_down(const Ctx& c, const float* ys, in
   uint8_t* ring = GemmScratch<M>::tc_ring(c);
   tc::prime_packed(ds, ring, &c.ts->tc);
   bf16* hs = GemmScratch<M>::hs(c);
-  rows::silu_mul(ys, hs, tc::x_pitch(nlen / 2), nr, nlen);
+  rows::silu_mul(ys, hs, tc::x_pitch(nlen / 2), nr, nlen, M::MOE_CHUNK);
   __syncthreads();
   float* yd = reinterpret_cast<float*>(GemmScratch<M>::xs(c));  // the up tile's staged X is spent
   tc::tile_packed(ds, hs, nr, yd, ring, &c.ts->tc, true);
@@ -476,7 +476,8 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c, const int32_t* rowof =
       return;
     }
   }
-  rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, ws.rows);
+  rows::silu_mul(ys, ptr<bf16>(d->moe_act) + Lay::moe_act(layer, s0) + n0 / 2, M::EXPERT_WIDTH, nr, ws.rows,
+                 M::MOE_CHUNK);
 }
 
 template <class M>

@@ -124,7 +124,10 @@ class CudaBackend(TorchPrefillMixin):
         self.use_cubin(cubin or build_megakernel(artifact_dir))
         geo = self.big.geometry
         chunk = max(1, geo.upgate_bn // 2)
-        moe_chunk = max(1, geo.moe_up_bn // 2)
+        # the expert interleave every schedule of these tiles shares (geometry.moe_chunk_rows)
+        moe_chunk = geo.up_chunk
+        if any(s.geometry.up_chunk != moe_chunk for s in self.schedules.schedules):
+            raise MegacError("cuda backend: the schedules interleave the expert gate/up rows in different chunks")
         # decode only: the canonical layers are emptied as their kernel copy is
         # made, so the peak is one copy of the model, not two
         kw = kernel_weights(self.weights, spec, chunk=chunk, moe_chunk=moe_chunk, consume=decode_only)

@@ -19,6 +19,8 @@ the GEMM tile for the expert tiles.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,13 @@ from megac.abi import Flag, H, Op, Queue
 from megac.errors import BadTaskError, QueueOverflowError
 from megac.ops.base import BF16, BIG, FP32, QUEUE_BUFFER, ClaimerOp, OpDef, SubTasks, at, field, last_of, span
 from megac.ops.cpu import idx
+from megac.weights.layout import tile_gate_up_rows
+
+
+@lru_cache(maxsize=4096)
+def _tile_rows(width: int, chunk: int, n0: int, n1: int):
+    """tile_gate_up_rows, once per tile shape (a step claims the same tiles)."""
+    return tile_gate_up_rows(width, chunk, n0, n1)
 
 
 def _ek(geo) -> tuple[int, int]:
@@ -569,9 +578,10 @@ class MoeUpgateDrain(_ExpertDrain):
         nlen = int(cw[abi.field_index(self.op, "N_LEN")])
         st, geo = vm.st, vm.geo
         ew = geo.expert_width
-        if nlen != 2 * st.weights.moe_chunk:
+        chunk = st.weights.moe_chunk
+        if nlen <= 0 or nlen % (2 * chunk):
             raise BadTaskError(f"MOE_UPGATE_DRAIN: N_LEN {nlen} does not match the expert gate/up interleave "
-                               f"(chunk {st.weights.moe_chunk})", layer=layer)
+                               f"(whole chunks of {chunk})", layer=layer)
         W = st.w("w_moe_upgate")[vm.slot(layer)]  # [E, 2ew, D]
         split = bool(int(cw[H.FLAGS]) & Flag.SPLIT_DOWN)
         if split and not geo.split_down:
@@ -587,6 +597,11 @@ class MoeUpgateDrain(_ExpertDrain):
             if n0 >= n1:
                 raise BadTaskError(f"MOE_UPGATE_DRAIN: N_TILE {int(t[i])} outside the expert", layer=layer)
             h, c0 = (n1 - n0) // 2, n0 // 2
+            pair = _tile_rows(ew, chunk, n0, n1)
+            if pair is None:
+                raise BadTaskError(f"MOE_UPGATE_DRAIN: tile rows {n0}..{n1} are not whole gate/up chunks of {chunk}",
+                                   layer=layer)
+            g, u = pair
             slots = range(int(s0[i]), int(s0[i] + nr[i]))
             if routed:  # each slot's row, where it lies in x_norm
                 xs, rows_of = vm.routed_rows[layer]
@@ -602,7 +617,8 @@ class MoeUpgateDrain(_ExpertDrain):
                                         W[int(e[i])])
                 else:
                     y = vm.slot_product(("moe_up", layer, int(e[i]), s), "moe_x", layer, s, W[int(e[i])])
-                a = (F.silu(y[n0:n0 + h]) * y[n0 + h:n1]).to(act.dtype)
+                yt = y[n0:n1]
+                a = (F.silu(yt[g]) * yt[u]).to(act.dtype)
                 if split:  # the tile's features times their down columns: its partial of the output
                     ti = int(t[i])
                     if (ti + 1) * D > out.shape[2]:

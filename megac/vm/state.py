@@ -7,7 +7,7 @@
     st.bind_kv(kv)                           # k_pool / v_pool are the cache's own tensors
 
 :class:`VMWeights` holds the kernel-layout weights (``megac.weights.layout``:
-fused QKV, gate/up interleaved in chunks of ``upgate_bn/2`` / ``moe_up_bn/2``
+fused QKV, gate/up interleaved in chunks of ``upgate_bn/2`` / ``moe_chunk``
 so a tile's SiLU*up epilogue needs nothing outside the tile, expert stacks),
 shared by every schedule (batch size, context bucket) of one model. In bf16
 mode the descriptor tensors are bf16 and an fp32 copy of each is kept for the
@@ -87,7 +87,7 @@ class VMWeights:
     def from_weights(cls, weights: ModelWeights, spec, geometry, *, dtype: torch.dtype | None = None,
                      consume: bool = False) -> "VMWeights":
         """Kernel layouts of ``weights`` for schedules of ``geometry``'s tiling
-        (gate/up chunk = ``upgate_bn // 2``, expert chunk = ``moe_up_bn // 2``).
+        (gate/up chunk = ``upgate_bn // 2``, expert chunk = ``moe_chunk``).
 
         ``consume=True`` builds the stacks one layer at a time and drops each
         layer's canonical tensors from ``weights`` as soon as they are copied
@@ -95,7 +95,7 @@ class VMWeights:
         one copy of the model, not two (:func:`kernel_weights`' ``consume``)."""
         dtype = act_dtype_of(dtype or weights.dtype)
         chunk = max(1, geometry.upgate_bn // 2)
-        moe_chunk = max(1, geometry.moe_up_bn // 2)
+        moe_chunk = geometry.up_chunk
         if weights.dtype != dtype:
             if consume:
                 raise MegacError("vm: consume=True needs weights already in the VM dtype")
@@ -118,9 +118,9 @@ class VMWeights:
         if geo.dense_width and geo.upgate_bn // 2 != self.chunk:
             raise MegacError(f"vm: weights interleaved in chunks of {self.chunk}, schedule tiles "
                              f"upgate_bn/2 = {geo.upgate_bn // 2}")
-        if geo.num_experts and geo.moe_up_bn // 2 != self.moe_chunk:
-            raise MegacError(f"vm: expert weights interleaved in chunks of {self.moe_chunk}, schedule tiles "
-                             f"moe_up_bn/2 = {geo.moe_up_bn // 2}")
+        if geo.num_experts and geo.up_chunk != self.moe_chunk:
+            raise MegacError(f"vm: expert weights interleaved in chunks of {self.moe_chunk}, schedule's "
+                             f"moe_chunk {geo.up_chunk}")
 
 
 # ---------------------------------------------------------------------------

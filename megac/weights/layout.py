@@ -161,6 +161,21 @@ def upgate_row_map(width: int, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     return torch.tensor(idx, dtype=torch.int64)
 
 
+def tile_gate_up_rows(width: int, chunk: int, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A tile of interleaved rows ``[n0, n1)``: (its gate rows, its up rows),
+    int64 offsets from ``n0`` that pair feature by feature over the tile's
+    features ``n0/2 ..`` in order; None when the tile does not hold whole
+    chunks of contiguous features (it would pair rows of other features)."""
+    m = upgate_row_map(width, chunk)[n0:n1]
+    gate = torch.nonzero(m < width).flatten()
+    up = torch.nonzero(m >= width).flatten()
+    h = (n1 - n0) // 2
+    feats = torch.arange(n0 // 2, n0 // 2 + h)
+    if len(gate) != h or len(up) != h or not torch.equal(m[gate], feats) or not torch.equal(m[up] - width, feats):
+        return None
+    return gate, up
+
+
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """``[..., W, K]`` gate and up -> ``[..., 2W, K]`` interleaved in chunks."""
     if gate.shape != up.shape:

@@ -449,3 +449,22 @@ def test_cuda_without_an_index_names_the_current_device(monkeypatch):
     assert not _same_device("cuda:1", torch.device("cuda", 0))
     assert not _same_device("cuda", torch.device("cpu"))
     assert _same_device("cpu", torch.device("cpu"))
+
+
+def test_a_tile_of_whole_chunks_pairs_gate_and_up_rows_feature_by_feature():
+    """A 128-row tile of gate/up interleaved in chunks of 32 (two chunks)
+    pairs gate row i with up row i of its 64 features, read back from the
+    interleaved matrix itself; the expert's short last chunk too; a tile
+    that starts inside a chunk, or cuts one, pairs nothing."""
+    from megac.weights.layout import interleave_gate_up, tile_gate_up_rows
+
+    width, chunk = 100, 32
+    gate = torch.arange(width, dtype=torch.float32)[:, None] * torch.ones(1, 4)
+    fused = interleave_gate_up(gate, gate + 1000.0, chunk)
+    for n0, n1 in ((0, 128), (128, 200), (64, 128)):
+        g, u = tile_gate_up_rows(width, chunk, n0, n1)
+        rows = fused[n0:n1, 0]
+        assert torch.equal(rows[g], torch.arange(n0 // 2, n1 // 2, dtype=torch.float32))
+        assert torch.equal(rows[u], rows[g] + 1000.0)
+    assert tile_gate_up_rows(width, chunk, 32, 160) is None  # starts inside a chunk
+    assert tile_gate_up_rows(width, chunk, 0, 96) is None    # cuts the second chunk
