@@ -62,7 +62,10 @@ def main() -> None:
 @click.option("--dump-passes", is_flag=True, help="Print each pass with its wall time and summary.")
 @click.option("--jobs", type=click.IntRange(1), default=None,
               help="Worker processes compiling the schedules in parallel (default: one per CPU).")
-def compile_cmd(model, out_dir, order, batch_sizes, target, dump_passes, jobs):
+@click.option("--cubin/--no-cubin", default=True, show_default=True,
+              help="Build the megakernel cubin where nvcc exists (--no-cubin: the schedules and the CUDA "
+                   "source only, to build where the GPU is; serve builds a missing cubin).")
+def compile_cmd(model, out_dir, order, batch_sizes, target, dump_passes, jobs, cubin):
     """Compile MODEL (bundled name, model.yaml or HF checkpoint dir) to an artifact."""
     from megac.passes.pipeline import default_jobs
     from megac.runtime.artifacts import cache_path, compile_into
@@ -85,17 +88,20 @@ def compile_cmd(model, out_dir, order, batch_sizes, target, dump_passes, jobs):
         )
     click.echo(f"wrote {out_dir}/manifest.json and schedule.npz "
                f"({len(result.schedules)} schedules) in {elapsed:.2f} s")
-    _megakernel_line(out_dir)
+    _megakernel_line(out_dir, build=cubin)
 
 
-def _megakernel_line(out_dir: Path) -> None:
-    """Build the artifact's megakernel cubin where nvcc exists; one line either way."""
+def _megakernel_line(out_dir: Path, build: bool = True) -> None:
+    """Build the artifact's megakernel cubin where nvcc exists (and ``build``); one line either way."""
     from megac.codegen.megakernel import CUBIN, SOURCE, build_megakernel
     from megac.gpu.build import nvcc_path, report
 
     if not (out_dir / SOURCE).is_file():
         why = json.loads((out_dir / "manifest.json").read_text()).get("megakernel_unsupported")
         click.echo(f"no megakernel for this model ({why}); the artifact runs on the CPU VM")
+        return
+    if not build:
+        click.echo(f"wrote {out_dir / SOURCE}; no cubin (--no-cubin: the GPU backend builds it where it runs)")
         return
     if nvcc_path() is None:
         click.echo(f"wrote {out_dir / SOURCE}; nvcc not found, so no cubin here (build where the CUDA toolkit is)")

@@ -30,6 +30,14 @@ case "${1:-tails}" in
       MEGAC_CHECK_TILES=$t MEGAC_CHECK_ROWS=${ROWS:-2} timeout 300 python3 -m gpu.megakernel_check --run nmc_slice \
         --out $OUT/slice-$t.json 2>&1 | grep -v Warning | tail -4
     done ;;
+  own)  # the split on its own 128-row up tiles beside the plain 256 (twenty-sixth session, not yet run):
+        # fp32 slices at 1 row (split tiles) and 2 (plain tiles over two chunks), then A/B against the default.
+        # Prebuild: MEGAC_VARIANTS=default ... --prebuild nmc-slice-split1_own nmc-split1_own north-mini-code
+    for r in 1 2; do
+      MEGAC_CHECK_TILES=split1_own MEGAC_CHECK_ROWS=$r timeout 200 python3 -m gpu.megakernel_check --run nmc_slice \
+        --out $OUT/slice-own-$r.json 2>&1 | grep -v Warning | tail -3 | cut -c1-400
+    done
+    TLIST=split1_own,default#1,split1_own#1,default#2 TB=${TB:-1,2,8} bash "$0" ab ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

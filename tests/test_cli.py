@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +43,12 @@ def assert_one_line_error(res, *needles):
 
 def test_compile_writes_a_loadable_artifact(tmp_path):
     out = tmp_path / "art"
-    res = megac("compile", "tiny-moe", "-o", out, "--batch-size", 1, "--batch-size", 4, cwd=tmp_path)
+    res = megac("compile", "tiny-moe", "-o", out, "--batch-size", 1, "--batch-size", 4, "--no-cubin", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "wrote" in res.stdout and "[megac]" in res.stderr  # progress goes to stderr
+    # the CUDA source without its cubin (test_artifact_tampering builds one)
+    assert "no cubin (--no-cubin" in res.stdout and (out / "megakernel.cu").is_file()
+    assert not (out / "megakernel.cubin").exists()
     art = load_artifact(out)
     m = art.manifest
     assert m["abi_version"] == abi.ABI_VERSION
@@ -71,7 +75,16 @@ def test_compile_writes_a_loadable_artifact(tmp_path):
 
 def test_artifact_tampering_is_refused(tmp_path):
     out = tmp_path / "art"
-    assert megac("compile", "tiny-llama", "-o", out, "--batch-size", 2).returncode == 0
+    res = megac("compile", "tiny-llama", "-o", out, "--batch-size", 2)
+    assert res.returncode == 0, res.stderr
+    from megac.gpu.build import nvcc_path
+
+    if nvcc_path():  # compile builds the cubin where nvcc is, and says how it went
+        built = r"built \S+megakernel\.cubin \(sm_90a, \d+ registers/thread, no spills\)"
+        assert re.search(built, res.stdout), res.stdout
+        assert (out / "megakernel.cubin").stat().st_size > 0
+    else:
+        assert "nvcc not found, so no cubin here" in res.stdout
     npz = out / "schedule.npz"
     data = bytearray(npz.read_bytes())
     data[len(data) // 2] ^= 0xFF

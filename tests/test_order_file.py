@@ -80,7 +80,7 @@ def test_compile_with_an_order_file(tmp_path):
     f = tmp_path / "o.yaml"
     shutil.copy(schedules_dir() / "attention-first.yaml", f)
     out = tmp_path / "art"
-    res = megac("compile", "tiny-moe", "--order", f, "-o", out, "--batch-size", 1, cwd=tmp_path)
+    res = megac("compile", "tiny-moe", "--order", f, "-o", out, "--batch-size", 1, "--no-cubin", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["order"] == str(f.resolve())

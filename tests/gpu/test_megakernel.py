@@ -132,6 +132,15 @@ def test_split_down_slice_matches_the_fp32_reference(tmp_path):
     _routed_ok(_run("nmc_slice", tmp_path, MEGAC_CHECK_TILES="sd8_up128"))
 
 
+@pytest.mark.parametrize("rows", ["1", "2"])
+def test_split_on_its_own_up_tiles_matches_the_fp32_reference(tmp_path, rows):
+    """The batch-1 split on 128-row up tiles beside the 256-row tiles of
+    the 2-row schedule, one weight layout interleaved in chunks of 64
+    (geometry.moe_chunk_rows): one row runs the split tiles, two rows the
+    plain tiles pairing two chunks each; the default slice's acceptance."""
+    _routed_ok(_run("nmc_slice", tmp_path, MEGAC_CHECK_TILES="split1_own", MEGAC_CHECK_ROWS=rows))
+
+
 def test_north_mini_code_49_layers_crossing_buckets(tmp_path):
     r = _run("nmc_full", tmp_path)
     _routed_ok(r)

@@ -69,6 +69,7 @@ def _hf_sharing(weights, spec):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("big-memory")  # ~11 GB and ~6 GB: never side by side
 def test_north_mini_code_slice_matches_transformers():
     """fp32, 2 ragged rows, prefill + 3 decode steps: logits within 1e-4 of
     transformers and the same greedy tokens. ~60 s, peak ~11 GB."""
@@ -108,6 +109,7 @@ def test_north_mini_code_slice_matches_transformers():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("big-memory")  # ~11 GB and ~6 GB: never side by side
 def test_real_widths_cross_a_context_bucket_and_the_sliding_window():
     """North Mini Code's attention at its real widths (hidden 2048, 32 query /
     4 KV heads of 128, KV blocks of 64, window 4096, its context buckets):
