@@ -501,13 +501,15 @@ def argmax_reduce(records) -> tuple[np.ndarray, np.ndarray]:
 # KV layout
 # --------------------------------------------------------------------------
 KV_LAYOUT = {
-    "k_pool": "[num_blocks, block_size, kv_heads, head_dim] bf16 (one pool for all layers)",
-    "v_pool": "[num_blocks, block_size, kv_heads, head_dim] bf16",
+    "k_pool": "[num_blocks, block_size, kv_heads, head_dim] bf16 (one pool for all layers); where the "
+              "model's kv_head_major tile is 1, stored [num_blocks, kv_heads, block_size, head_dim] "
+              "(opcodes/kv_pool.cuh) and seen by the host through a view of the first shape",
+    "v_pool": "as k_pool",
     "page_table": "[num_layers, max_rows, max_blocks_per_seq] int32, -1 = unmapped/released",
     "seq_pos": "[max_rows] int32: tokens already cached = position of the current token",
     "row_active": "[max_rows] int32: a 0 row attends over an empty span, reads and writes no KV, and its outputs are ignored",
     "kv_tmaps": "two CUtensorMaps (K pool at +0, V pool at +128 bytes; 64-byte aligned) over the pools as "
-                "[num_blocks, block_size, kv_heads, head_dim], box 16 tokens x 1 head x 64 dims, 128-byte "
+                "stored (dims in memory order), box 16 tokens x 1 head x 64 dims, 128-byte "
                 "swizzle, encoded by the host (megac.gpu.tensormap); a null pointer: the splits copy K/V "
                 "in 16-byte pieces instead",
 }

@@ -40,6 +40,8 @@ Tiles (one task = one tile)
                    (``split_down_at``); moe_out_tiles: moe_out's tiles per slot
     o_proj_merge   the O-projection tiles merge the attention splits (one row,
                    ``o_proj_merge_at``): no ATTN_COMBINE
+    kv_head_major  the GPU backends' KV pools are [blocks][kv_heads][block_size]
+                   [hd] (opcodes/kv_pool.cuh; token-major otherwise)
     lm_bn, lm_tiles            LM head vocab tile
 
 Attention splits
@@ -192,6 +194,15 @@ DEFAULT_TILES = {
     # -1.6 %, the split one -1.7 % (twenty-fifth session); its bits are
     # ATTN_COMBINE's
     "o_proj_merge": -1,
+    # 1: the GPU backends keep the paged KV pools head-major, [blocks]
+    # [kv_heads][block_size][hd] (opcodes/kv_pool.cuh): one KV head's keys of
+    # a block contiguous instead of 128-byte pieces a token row apart. The
+    # twenty-fourth session's slow engines had one head's attention splits
+    # ~50 % slower than the others', by where the pool landed, and those
+    # splits ended the attention chain. Same values, same bits (the host
+    # works through a token-major view; the CPU VM keeps token-major pools).
+    # Not run on the GPU yet (twenty-sixth session: no device)
+    "kv_head_major": 0,
 }
 
 #: The tiles that give the plain batch-1 schedule of the sessions before the
@@ -348,6 +359,12 @@ def split_down_at(spec, rows: int, tiles: dict | None = None) -> bool:
     return 0 < rows <= split_down_bound(spec, tiles)
 
 
+def kv_head_major_of(spec) -> bool:
+    """Whether the GPU backends keep ``spec``'s KV pools head-major (its
+    ``kv_head_major`` tile; every schedule of the model shares the pool)."""
+    return bool({**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}["kv_head_major"])
+
+
 def o_proj_merge_at(spec, rows: int, tiles: dict | None = None) -> bool:
     """Whether schedules of ``rows`` rows of ``spec`` merge the attention
     splits inside the O-projection tiles (the target's ``o_proj_merge``
@@ -441,6 +458,8 @@ class Geometry:
     #: gate/up rows per interleave chunk of the expert weights (moe_chunk_rows;
     #: 0: moe_up_bn / 2): the same in every schedule of a model's tiles
     moe_chunk: int = 0
+    #: the GPU backends' KV pools are head-major (DEFAULT_TILES' kv_head_major)
+    kv_head_major: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -568,6 +587,7 @@ class Geometry:
             moe_out_tiles=_ceil_div(2 * expert_width, split_bn) if experts and t["split_down"] else 1,
             o_proj_merge=o_proj_merge_at(spec, rows, t),
             moe_chunk=moe_chunk,
+            kv_head_major=bool(t["kv_head_major"]),
         )
 
     def with_context(self, context: int) -> "Geometry":

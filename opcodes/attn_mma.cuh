@@ -194,7 +194,7 @@ __device__ __forceinline__ void issue(const Split& a, int key0, int blk, uint32_
       const int p = lane + 32 * r, j = p / kPieces, c = p % kPieces, key = key0 + j;
       const int b = __shfl_sync(0xffffffffu, blk, j);
       const bool in = key < a.end;
-      const int64_t tok = (int64_t(b) * a.block_size + (in ? key % a.block_size : 0)) * a.kv_heads + a.kvh;
+      const int64_t tok = kvpool::row(b, in ? key % a.block_size : 0, a.block_size, a.kv_heads, a.kvh, a.head_major);
       const uint32_t dst = slot + j * Sh::PITCH + c * 16;
       cp_async16(dst, a.k_pool + tok * HD + c * 8, in ? 16 : 0);
       cp_async16(dst + Sh::kTile, a.v_pool + tok * HD + c * 8, in ? 16 : 0);
@@ -231,9 +231,10 @@ __device__ __forceinline__ void issue_tma(const Split& a, int key0, int blk, uin
   const int off = key0 % a.block_size;  // the box's 16 tokens stay in the block: block_size % 16 == 0
   const char* maps = static_cast<const char*>(a.tmaps);
 #pragma unroll
-  for (int h = 0; h < HD / 64; ++h) {
-    attn::tma_load_4d(slot + h * 2048, maps, h * 64, a.kvh, off, blk, bar);
-    attn::tma_load_4d(slot + Sh::kTileT + h * 2048, maps + 128, h * 64, a.kvh, off, blk, bar);
+  for (int h = 0; h < HD / 64; ++h) {  // the maps' dims in memory order (megac.gpu.tensormap)
+    const int c1 = a.head_major ? off : a.kvh, c2 = a.head_major ? a.kvh : off;
+    attn::tma_load_4d(slot + h * 2048, maps, h * 64, c1, c2, blk, bar);
+    attn::tma_load_4d(slot + Sh::kTileT + h * 2048, maps + 128, h * 64, c1, c2, blk, bar);
   }
 }
 

@@ -21,6 +21,7 @@
 
 #include "attention.cuh"
 #include "common.cuh"
+#include "kv_pool.cuh"
 
 namespace megac {
 namespace attn_rows {
@@ -29,10 +30,11 @@ using bf16 = __nv_bfloat16;
 
 struct Split {
   const bf16* q;              // [GQA][hd] query heads of this (row, kv head)
-  const bf16* k_pool;         // [blocks][block_size][kv_heads][hd]
+  const bf16* k_pool;         // kv_pool.cuh's layout (head_major below)
   const bf16* v_pool;
   const int32_t* pt;          // the row's page-table row
   int kv_heads, kvh, hd, gqa, block_size;
+  bool head_major;
   int begin, end;             // keys; empty when begin >= end
   float scale;
   float* o;                   // [GQA][hd] of this (split, row, kv head), row pitch hd
@@ -75,7 +77,7 @@ __device__ __forceinline__ void split(const Split& a, float* sm) {
       const int key = key0 + u * nwarps;
       const bool live = key < a.end;
       const int64_t block = live ? a.pt[key / a.block_size] : 0;
-      const int64_t tok = (block * a.block_size + key % a.block_size) * a.kv_heads + a.kvh;
+      const int64_t tok = kvpool::row(block, key % a.block_size, a.block_size, a.kv_heads, a.kvh, a.head_major);
       const bf16* kr = a.k_pool + tok * hd;
       const bf16* vr = a.v_pool + tok * hd;
 #pragma unroll

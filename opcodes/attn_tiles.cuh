@@ -30,6 +30,7 @@
 #include <cuda_bf16.h>
 
 #include "common.cuh"
+#include "kv_pool.cuh"
 #include "mbarrier.cuh"
 
 namespace megac {
@@ -46,7 +47,7 @@ static_assert(kStages >= 2, "a tile computed and one in flight");
 
 struct Split {
   const bf16* q;              // [G][HD] query heads of this (row, kv head)
-  const bf16* k_pool;         // [blocks][block_size][kv_heads][HD]
+  const bf16* k_pool;         // kv_pool.cuh's layout (head_major below)
   const bf16* v_pool;
   const int32_t* pt;          // the row's page-table row
   int kv_heads, kvh, block_size;
@@ -55,6 +56,7 @@ struct Split {
   float* o;                   // [G][HD] of this (split, row, kv head)
   float* lse;                 // [G]
   const void* tmaps = nullptr;  // the pools' tensor maps (LaunchDesc::kv_tmaps; attn_mma's tensor copies)
+  bool head_major = false;      // the pools' layout (kv_pool.cuh; the model's KV_HEAD_MAJOR)
 };
 
 // The shape of a tile and of the shared memory it needs.
@@ -119,7 +121,8 @@ __device__ __forceinline__ void issue_tile(const Split& a, int t, int ntiles, ui
       if (i < S::T * kPieces) {
         const int j = i / kPieces, c = i % kPieces, key = key0 + j;
         const bool live = key < a.end;
-        const int64_t tok = (int64_t(blk[r]) * a.block_size + (live ? key % a.block_size : 0)) * a.kv_heads + a.kvh;
+        const int64_t tok = kvpool::row(blk[r], live ? key % a.block_size : 0, a.block_size, a.kv_heads, a.kvh,
+                                        a.head_major);
         const int n = live ? 16 : 0;  // zeros past the split: never a stale page's NaN
         cp_async16(smem_addr(ks + j * S::P + c * 8), a.k_pool + tok * HD + c * 8, n);
         cp_async16(smem_addr(vs + j * S::P + c * 8), a.v_pool + tok * HD + c * 8, n);

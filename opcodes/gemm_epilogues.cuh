@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 
 #include "generated/megac_abi.h"
+#include "kv_pool.cuh"
 
 namespace megac {
 namespace gemm {
@@ -126,12 +127,12 @@ __device__ __forceinline__ void rope_pair(float& x0, float& x1, int pos, float i
 }
 
 // Head kvh's hd values of the token at `pos` in a paged K or V pool
-// ([blocks][block_size][kv_heads][hd]), through the row's page-table row.
+// (kv_pool.cuh's layout), through the row's page-table row.
 __device__ __forceinline__ __nv_bfloat16* kv_slot(__nv_bfloat16* pool, const int32_t* pt_row, int pos,
-                                                  int block_size, int kv_heads, int kvh, int hd) {
+                                                  int block_size, int kv_heads, int kvh, int hd,
+                                                  bool head_major = false) {
   const int64_t block = pt_row[pos / block_size];
-  const int64_t slot = block * block_size + pos % block_size;
-  return pool + (slot * kv_heads + kvh) * hd;
+  return pool + kvpool::row(block, pos % block_size, block_size, kv_heads, kvh, head_major) * hd;
 }
 
 // The fused projection's columns are [Q heads | K heads | V heads], hd each;

@@ -374,8 +374,9 @@ struct QkvOut {
   bool rope, rope_half;
   bf16* q;                    // this layer's [rows][q_heads * hd]
   int64_t q_ld;
-  bf16* k_pool;               // [blocks][block_size][kv_heads][hd]
+  bf16* k_pool;               // kv_pool.cuh's layout (head_major below)
   bf16* v_pool;
+  bool head_major;
 };
 
 // The tile holds columns [n0, n0 + nlen) of the fused [Q | K | V] columns:
@@ -415,7 +416,7 @@ __device__ __forceinline__ void qkv(const float* ys, int n0, int nlen, int rows,
       if (!a.row_active[m]) continue;  // an inactive row's page table holds no block
       const int kvh = is_v ? head - a.q_heads - a.kv_heads : head - a.q_heads;
       dst = gemm::kv_slot(is_v ? a.v_pool : a.k_pool, a.page_table + int64_t(m) * a.max_pages, pos, a.block_size,
-                          a.kv_heads, kvh, hd);
+                          a.kv_heads, kvh, hd, a.head_major);
     }
     dst[d0] = __float2bfloat16_rn(x0);
     dst[d1] = __float2bfloat16_rn(x1);

@@ -87,6 +87,7 @@ __device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, i
     attn_tiles::Split a{q, ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), pt, M::KV_HEADS, kvh,
                         d->kv_block_size, begin, end, d->attn_scale, o, lse};
     a.tmaps = ptr<const void>(d->kv_tmaps);
+    a.head_major = M::KV_HEAD_MAJOR;
     if constexpr (AttnScratch<M>::kMma)
       attn_mma::split<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch, &c.ts->tma);
     else
@@ -102,6 +103,7 @@ __device__ __forceinline__ void attend_split(const Ctx& c, int layer, int row, i
     a.hd = M::HEAD_DIM;
     a.gqa = M::GQA;
     a.block_size = d->kv_block_size;
+    a.head_major = M::KV_HEAD_MAJOR;
     a.scale = d->attn_scale;
     a.begin = begin;
     a.end = end;
@@ -135,18 +137,22 @@ __device__ __forceinline__ void warm_split(const Ctx& c, int layer, int row, int
   split_keys(d, row, split, nsplits, window, begin, end);
   const int bs = d->kv_block_size;
   const int n = end - begin;
-  const int lo = begin + n * kvh / M::KV_HEADS, hi = begin + n * (kvh + 1) / M::KV_HEADS;
+  // token-major: a quarter of the keys, every kv head's rows (contiguous);
+  // head-major (kv_pool.cuh): this head's keys, each block's run contiguous
+  const int lo = M::KV_HEAD_MAJOR ? begin : begin + n * kvh / M::KV_HEADS;
+  const int hi = M::KV_HEAD_MAJOR ? end : begin + n * (kvh + 1) / M::KV_HEADS;
   if (lo >= hi) return;  // an empty split, or an inactive row
   const int32_t* pt = page_row<M>(d, layer, row);
-  // pieces of g keys never cross a block: a piece's rows (every kv head) are contiguous
+  // pieces of g keys never cross a block: a piece's rows are contiguous
   const int g = bs % 16 == 0 ? 16 : 1;
-  constexpr int64_t kKeyBytes = int64_t(M::KV_HEADS) * M::HEAD_DIM * 2;
+  constexpr int64_t kKeyBytes = int64_t(M::KV_HEAD_MAJOR ? 1 : M::KV_HEADS) * M::HEAD_DIM * 2;
 #if MEGAC_ATTN_WARM == 2
   const uint64_t policy = l2_evict_last_policy();
 #endif
   for (int p = lo / g + lane; p * g < hi; p += nlanes) {
     const int k0 = max(lo, p * g), k1 = min(hi, (p + 1) * g);
-    const int64_t tok = int64_t(__ldg(pt + k0 / bs)) * bs + k0 % bs;
+    const int64_t tok = M::KV_HEAD_MAJOR ? kvpool::row(__ldg(pt + k0 / bs), k0 % bs, bs, M::KV_HEADS, kvh, true)
+                                         : int64_t(__ldg(pt + k0 / bs)) * bs + k0 % bs;
     const char* kp = reinterpret_cast<const char*>(ptr<const bf16>(d->k_pool)) + tok * kKeyBytes;
     const char* vp = reinterpret_cast<const char*>(ptr<const bf16>(d->v_pool)) + tok * kKeyBytes;
     const uint32_t bytes = uint32_t((k1 - k0) * kKeyBytes);
@@ -175,6 +181,7 @@ __device__ __forceinline__ void attn_prime(const Ctx& c, const int32_t* w, int l
     attn_tiles::Split a{nullptr, ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), page_row<M>(d, layer, row),
                         M::KV_HEADS, kvh, d->kv_block_size, begin, end, 0.f, nullptr, nullptr};
     a.tmaps = ptr<const void>(d->kv_tmaps);
+    a.head_major = M::KV_HEAD_MAJOR;
     attn_mma::prime_warp<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch, &c.ts->tma, lane,
                                                           ptr<const int32_t>(d->seq_pos)[row]);
   }

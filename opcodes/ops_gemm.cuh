@@ -363,6 +363,7 @@ __device__ __forceinline__ void qkv_proj(const Ctx& c) {
   a.q_ld = M::Q_WIDTH;
   a.k_pool = ptr<bf16>(d->k_pool);
   a.v_pool = ptr<bf16>(d->v_pool);
+  a.head_major = M::KV_HEAD_MAJOR;
   rows::qkv(ys, n0, nlen, d->rows, a);
 }
 

@@ -38,6 +38,14 @@ case "${1:-tails}" in
         --out $OUT/slice-own-$r.json 2>&1 | grep -v Warning | tail -3 | cut -c1-400
     done
     TLIST=split1_own,default#1,split1_own#1,default#2 TB=${TB:-1,2,8} bash "$0" ab ;;
+  kvh)  # the KV pools head-major (twenty-sixth session, not yet run): fp32 slices (tensor copies, then
+        # 16-byte pieces), then A/B against the default at bs 1 and 8 (the slow-engine spread: several engines)
+        # Prebuild: MEGAC_VARIANTS=default ... --prebuild nmc-slice-kvh nmc-kvh north-mini-code
+    for m in 1 0; do
+      MEGAC_KV_TMAPS=$m MEGAC_CHECK_TILES=kvh timeout 200 python3 -m gpu.megakernel_check --run nmc_slice \
+        --out $OUT/slice-kvh-$m.json 2>&1 | grep -v Warning | tail -3 | cut -c1-400
+    done
+    TLIST=kvh,default#1,kvh#1,default#2,kvh#2,default#3 TB=${TB:-1,8} bash "$0" ab ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

@@ -23,6 +23,12 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist (scripts/test.sh) schedules tests by node id: tests that
+    # share one would run once and the rest vanish without a word
+    seen: set[str] = set()
+    twice = sorted({i.nodeid for i in items if i.nodeid in seen or seen.add(i.nodeid)})
+    if twice:
+        raise pytest.UsageError(f"tests share a node id (only one would run under xdist): {', '.join(twice[:5])}")
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (marked gpu)")

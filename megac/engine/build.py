@@ -13,6 +13,7 @@ from typing import Callable
 
 from megac.engine.scheduler import Engine, EngineConfig
 from megac.errors import MegacError
+from megac.geometry import kv_head_major_of
 from megac.kv.paged import PagedKVCache, peak_blocks_for_tokens
 from megac.runtime.artifacts import load_or_compile
 from megac.runtime.backends import make_backend, needs_schedules, resolve_kind, runs_on_gpu
@@ -186,8 +187,10 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
             mml = fitted
         per_request = peak_blocks_for_tokens(spec, mml, bs)
         num_blocks = max(per_request, min(batch * per_request, budget))
+    # the GPU backends' pool as the model's kv_head_major tile lays it out (the VM's is token-major)
     kv = PagedKVCache(spec, max_rows=batch, num_blocks=num_blocks, max_context=mml,
-                      dtype=weights.dtype, block_size=bs, device=device)
+                      dtype=weights.dtype, block_size=bs, device=device,
+                      head_major=runs_on_gpu(kind) and kv_head_major_of(spec))
     t0 = time.perf_counter()
     backend = make_backend(kind, spec, weights, kv, schedules=schedules, artifact_dir=artifact_dir,
                            max_batch_size=max(64, batch), mode=opts.mode, policy=opts.policy, seed=opts.seed,

@@ -111,6 +111,13 @@ class CudaBackend(TorchPrefillMixin):
         self.dev = torch.device("cuda")
         if kv.k_pool.device.type != "cuda" or kv.k_pool.dtype != torch.bfloat16:
             raise MegacError("cuda backend: the KV cache must be bf16 on the GPU")
+        from megac.gpu.tensormap import head_major
+
+        want = largest(ScheduleSet(schedules).schedules).geometry.kv_head_major
+        if head_major(kv.k_pool) != want:  # the cubin computes the pools' addresses in one layout
+            raise MegacError(f"cuda backend: the KV pools are {'head' if head_major(kv.k_pool) else 'token'}-major, "
+                             f"the schedules' megakernel reads them {'head' if want else 'token'}-major "
+                             f"(the model's kv_head_major tile; build the cache with head_major={bool(want)})")
         self.weights = weights.to(torch.bfloat16, self.dev)
         self.schedules = ScheduleSet(schedules)
         self.max_batch_size = self.schedules.max_rows

@@ -2,6 +2,7 @@
 
 The megakernel's attention splits copy a 16-key chunk of one kv head as
 boxes of 16 tokens x 1 head x 64 dims through the tensor-memory unit
+(over the pool's dims in memory order: token-major or head-major pools)
 (``opcodes/attn_mma.cuh``, tensor-copy form). A box is described by a
 ``CUtensorMap`` (128 bytes, 64-byte aligned) that only the driver can
 encode (``cuTensorMapEncodeTiled``); this module encodes the K and the V
@@ -35,12 +36,30 @@ def boxes_fit(block_size: int, head_dim: int) -> bool:
     return block_size % BOX_TOKENS == 0 and head_dim in (64, 128)
 
 
-def pool_strides(shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def head_major(pool) -> bool:
+    """Whether ``pool`` (seen as ``[num_blocks, block_size, kv_heads,
+    head_dim]``) is a view of head-major storage (megac.kv.paged)."""
+    nb, bs, kvh, hd = (int(x) for x in pool.shape)
+    # block_size > 1 tells the layouts apart even for one KV head (its stride is the storage's)
+    return tuple(int(x) for x in pool.stride()) == (kvh * bs * hd, hd, bs * hd, 1) and bs > 1
+
+
+def pool_strides(pool) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(dims innermost first, byte strides of dims 1..3) of a bf16 pool
-    ``[num_blocks, block_size, kv_heads, head_dim]`` as a 4-D tensor
-    (head dims, kv heads, tokens of a block, blocks)."""
-    nb, bs, kvh, hd = (int(x) for x in shape)
-    return (hd, kvh, bs, nb), (hd * 2, kvh * hd * 2, bs * kvh * hd * 2)
+    seen as ``[num_blocks, block_size, kv_heads, head_dim]``, in the order
+    its memory holds them: token-major (head dims, kv heads, tokens of a
+    block, blocks), or head-major, a view of ``[num_blocks, kv_heads,
+    block_size, head_dim]`` (head dims, tokens, kv heads, blocks: the order
+    opcodes/attn_mma.cuh gives its box coordinates where the model's
+    KV_HEAD_MAJOR is 1). Any other strides: a one-line MegacError."""
+    nb, bs, kvh, hd = (int(x) for x in pool.shape)
+    st = tuple(int(x) for x in pool.stride())
+    if head_major(pool):
+        return (hd, bs, kvh, nb), (hd * 2, bs * hd * 2, kvh * bs * hd * 2)
+    if st == (bs * kvh * hd, kvh * hd, hd, 1):
+        return (hd, kvh, bs, nb), (hd * 2, kvh * hd * 2, bs * kvh * hd * 2)
+    raise MegacError(f"KV tensor maps: a pool of shape {list(pool.shape)} with strides {list(st)} is neither "
+                     f"token-major nor head-major")
 
 
 def encode_pool(pool, box_tokens: int = BOX_TOKENS) -> bytes:
@@ -51,14 +70,15 @@ def encode_pool(pool, box_tokens: int = BOX_TOKENS) -> bytes:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:
         raise MegacError(f"KV tensor maps: the CUDA driver library is not loadable ({e})") from None
-    dims, strides = pool_strides(pool.shape)
+    dims, strides = pool_strides(pool)
+    # 64 dims x 1 head x box_tokens tokens x 1 block, in the dims' memory order
+    box = (BOX_DIMS, int(box_tokens), 1, 1) if head_major(pool) else (BOX_DIMS, 1, int(box_tokens), 1)
     raw = (ctypes.c_uint8 * (TMAP_BYTES + 64))()
     base = (ctypes.addressof(raw) + 63) // 64 * 64  # the map must be 64-byte aligned
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     rc = lib.cuTensorMapEncodeTiled(
         ctypes.c_void_p(base), _BF16, 4, ctypes.c_void_p(pool.data_ptr()), (u64 * 4)(*dims), (u64 * 3)(*strides),
-        (u32 * 4)(BOX_DIMS, 1, int(box_tokens), 1), (u32 * 4)(1, 1, 1, 1), _NO_INTERLEAVE, _SWIZZLE_128B, _L2_256B,
-        _NO_OOB_FILL)
+        (u32 * 4)(*box), (u32 * 4)(1, 1, 1, 1), _NO_INTERLEAVE, _SWIZZLE_128B, _L2_256B, _NO_OOB_FILL)
     if rc != 0:
         raise MegacError(f"KV tensor maps: cuTensorMapEncodeTiled failed (CUresult {rc}) for a pool of shape "
                          f"{list(pool.shape)}")
@@ -71,7 +91,7 @@ def kv_tmaps(k_pool, v_pool):
     ``kv_tmaps`` is then null)."""
     import torch  # noqa: PLC0415
 
-    if tuple(k_pool.shape) != tuple(v_pool.shape):
+    if tuple(k_pool.shape) != tuple(v_pool.shape) or k_pool.stride() != v_pool.stride():
         raise MegacError(f"KV tensor maps: K pool {list(k_pool.shape)} and V pool {list(v_pool.shape)} differ")
     _, bs, _, hd = (int(x) for x in k_pool.shape)
     if k_pool.dtype != torch.bfloat16 or not boxes_fit(bs, hd):

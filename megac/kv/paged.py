@@ -2,7 +2,10 @@
 
 Storage
     ``k_pool``, ``v_pool``: torch ``[num_blocks, block_size, kv_heads,
-    head_dim]`` (one pool for all layers; default bf16), ``page_table``: numpy
+    head_dim]`` (one pool for all layers; default bf16; ``head_major``: a
+    view of storage ``[num_blocks, kv_heads, block_size, head_dim]``, one KV
+    head's keys of a block contiguous, as the GPU backends keep it where the
+    model's ``kv_head_major`` tile asks: opcodes/kv_pool.cuh), ``page_table``: numpy
     int32 ``[num_layers, max_rows, max_blocks_per_seq]`` (``-1``: unmapped or
     released), ``seq_pos``: numpy int32 ``[max_rows]`` (tokens cached = the
     position of the current token), ``row_active``: numpy int32
@@ -154,7 +157,8 @@ class PagedKVCache:
 
     def __init__(self, spec: "ModelSpec", *, max_rows: int, num_blocks: int,
                  max_context: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                 device: str | torch.device = "cpu", block_size: int | None = None) -> None:
+                 device: str | torch.device = "cpu", block_size: int | None = None,
+                 head_major: bool = False) -> None:
         self.num_layers = spec.num_layers
         self.kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -168,9 +172,15 @@ class PagedKVCache:
         self.windows = np.array([l.window or 0 for l in spec.layers], dtype=np.int64)
         self.dtype = dtype
 
-        shape = (num_blocks, self.block_size, self.kv_heads, self.head_dim)
-        self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.head_major = bool(head_major)
+        if self.head_major:  # stored head-major, seen token-major: every index below works on the view
+            stored = (num_blocks, self.kv_heads, self.block_size, self.head_dim)
+            self.k_pool = torch.zeros(stored, dtype=dtype, device=device).transpose(1, 2)
+            self.v_pool = torch.zeros(stored, dtype=dtype, device=device).transpose(1, 2)
+        else:
+            shape = (num_blocks, self.block_size, self.kv_heads, self.head_dim)
+            self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
+            self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
         self.page_table = np.full((self.num_layers, max_rows, self.max_blocks_per_seq), -1, dtype=np.int32)
         #: bumped by every change of ``page_table``: a GPU backend re-sends a
         #: step's page tables only when they changed (at 128K they are MBs)
@@ -511,13 +521,17 @@ class PagedKVCache:
         return list(torch.split(flat, sizes)) if parts else []
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[len(slots), kv_heads, head_dim]`` at pool ``slots``."""
-        return self.k_pool.flatten(0, 1)[slots], self.v_pool.flatten(0, 1)[slots]
+        """K and V ``[len(slots), kv_heads, head_dim]`` at pool ``slots``
+        (``block * block_size + offset``; indexed by the pair, since the
+        head-major view cannot flatten its first two dims without a copy)."""
+        b, o = slots // self.block_size, slots % self.block_size
+        return self.k_pool[b, o], self.v_pool[b, o]
 
     def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[len(slots), kv_heads, head_dim]`` at pool ``slots``."""
-        self.k_pool.flatten(0, 1)[slots] = k.to(self.k_pool.dtype)
-        self.v_pool.flatten(0, 1)[slots] = v.to(self.v_pool.dtype)
+        b, o = slots // self.block_size, slots % self.block_size
+        self.k_pool[b, o] = k.to(self.k_pool.dtype)
+        self.v_pool[b, o] = v.to(self.v_pool.dtype)
 
     def write(self, layer: int, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` at positions

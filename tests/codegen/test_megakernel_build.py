@@ -43,6 +43,22 @@ def test_megakernel_compiles_without_spills(name, tmp_path):
 
 
 @needs_nvcc
+def test_head_major_kv_build_has_no_spills(tmp_path):
+    """The KV pools head-major (target tile kv_head_major): the attention
+    splits' and the QKV tiles' pool addresses (opcodes/kv_pool.cuh) compile
+    without spills or a local array."""
+    from models import variant
+
+    llama = load_spec("tiny-llama")
+    spec = variant(llama, "llama-kvh", target={**llama.target.model_dump(), "tiles": {"kv_head_major": 1}})
+    res = compile_schedules(spec, batch_sizes=[1, 8])
+    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    k = report(build_megakernel(tmp_path))["kernels"]["megakernel"]
+    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
+    assert "KV_HEAD_MAJOR = 1;" in (tmp_path / SOURCE).read_text()
+
+
+@needs_nvcc
 def test_split_down_build_has_no_spills(tmp_path):
     """North Mini Code with the down projection split-K in the up claims
     (target tile split_down): the packed ring stages and the staged combine

@@ -558,7 +558,7 @@ def prebuild(only: list[str] | None = None) -> None:
     specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
         full, slice_spec(), *[slice_spec(n) for n in ("sd8", "sd8_up128", "split8", "merge", "split1_merge", "plain", "plain_nofold",
                                              "plain_unrouted", "nomerge", "plain_merge", "split_nofold",
-                                             "split_unrouted", "split1_own")],
+                                             "split_unrouted", "split1_own", "kvh")],
         *scale.config_specs(), *[scale.context_spec(hd) for hd in scale.CONTEXT_HEAD_DIMS], *[scale.split_spec(t, m) for t, m in scale.SPLITS],
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
         *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)],

@@ -1399,6 +1399,9 @@ TILES = {
     # the batch-1 split on its own 128-row up tiles beside the plain 256-row ones of the other
     # batch sizes (the expert weights interleaved in chunks of 64, geometry.moe_chunk_rows)
     "split1_own": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256},
+    # the KV pools head-major (a KV head's keys of a block contiguous: opcodes/kv_pool.cuh)
+    "kvh": {"kv_head_major": 1},
+    "split1_own_kvh": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "kv_head_major": 1},
     "split1_merge_p2": {"split_down": -1, "moe_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1,
                         "variant": "merge_p2"},
 }

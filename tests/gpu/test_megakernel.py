@@ -141,6 +141,16 @@ def test_split_on_its_own_up_tiles_matches_the_fp32_reference(tmp_path, rows):
     _routed_ok(_run("nmc_slice", tmp_path, MEGAC_CHECK_TILES="split1_own", MEGAC_CHECK_ROWS=rows))
 
 
+@pytest.mark.parametrize("tmaps", ["1", "0"])
+def test_head_major_kv_pools_match_the_fp32_reference(tmp_path, tmaps):
+    """The KV pools head-major (target tile kv_head_major: a KV head's keys
+    of a block contiguous; opcodes/kv_pool.cuh): the QKV tiles' writes, the
+    prefill's (through the host's token-major view) and the attention
+    splits' reads, by tensor copies and, without the maps, in 16-byte
+    pieces: the default slice's acceptance at two rows."""
+    _routed_ok(_run("nmc_slice", tmp_path, MEGAC_CHECK_TILES="kvh", MEGAC_KV_TMAPS=tmaps))
+
+
 def test_north_mini_code_49_layers_crossing_buckets(tmp_path):
     r = _run("nmc_full", tmp_path)
     _routed_ok(r)

@@ -192,8 +192,21 @@ def test_exhaustion_partial_layers_rolls_nothing(moe):
     assert kv.num_free_blocks == moe.num_layers - 1 and (kv.page_table == -1).all()
 
 
-def test_write_gather_round_trip(moe):
-    kv = _cache(moe, rows=2)
+def _storage_is_head_major(kv):
+    """The pools' memory is [blocks, kv_heads, block_size, head_dim] and
+    holds what the token-major view reads."""
+    for pool in (kv.k_pool, kv.v_pool):
+        storage = pool.transpose(1, 2)
+        assert storage.is_contiguous() and not pool.is_contiguous()
+        flat = torch.as_strided(pool, (pool.numel(),), (1,))  # the memory in address order
+        assert torch.equal(flat, storage.reshape(-1))
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_write_gather_round_trip(moe, head_major):
+    """Also with head-major pools (the GPU backends' under the model's
+    kv_head_major tile): every write and read goes through the view."""
+    kv = _cache(moe, rows=2, head_major=head_major)
     r0, r1 = kv.allocate_row(), kv.allocate_row()
     k, v = _rand_kv(moe, 40, 0)
     k1, v1 = _rand_kv(moe, 40, 1)
@@ -215,6 +228,9 @@ def test_write_gather_round_trip(moe):
                 kv.gather(layer, r0, 0, 40)
         else:
             assert start == 0
+    if head_major:
+        _storage_is_head_major(kv)
+        assert int(kv.k_pool.transpose(1, 2).ne(0).sum()) > 0  # the writes landed in the storage
 
 
 def test_write_outside_reservation(moe):
@@ -260,9 +276,10 @@ def test_long_reserve_maps_only_the_window(moe):
         assert torch.equal(gk, k[start:]) and torch.equal(gv, v[start:])
 
 
-def test_fork_copy_on_write(moe):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_fork_copy_on_write(moe, head_major):
     spec = load_spec("tiny-llama")
-    kv = _cache(spec, rows=3, blocks=32)
+    kv = _cache(spec, rows=3, blocks=32, head_major=head_major)
     src = kv.allocate_row()
     n = BS + 5
     kv.reserve(src, n)
@@ -299,6 +316,8 @@ def test_fork_copy_on_write(moe):
     kv.free_row(dst)
     kv.check()
     assert kv.allocator.num_used == 0
+    if head_major:
+        _storage_is_head_major(kv)
 
 
 def test_reservation_cannot_move_back(moe):

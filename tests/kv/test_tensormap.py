@@ -7,7 +7,7 @@ import torch
 
 from megac import abi
 from megac.errors import MegacError
-from megac.gpu.tensormap import BOX_TOKENS, boxes_fit, kv_tmaps, pool_strides
+from megac.gpu.tensormap import BOX_TOKENS, boxes_fit, head_major, kv_tmaps, pool_strides
 
 
 @pytest.mark.parametrize("bs,hd,ok", [(16, 128, True), (64, 128, True), (64, 64, True), (32, 64, True),
@@ -19,7 +19,7 @@ def test_boxes_fit_block_and_head_sizes(bs, hd, ok):
 @pytest.mark.parametrize("shape", [(7, 64, 4, 128), (3, 16, 1, 64), (5, 32, 8, 64)])
 def test_pool_view_matches_the_pools_layout(shape):
     pool = torch.empty(shape, dtype=torch.bfloat16)
-    dims, strides = pool_strides(shape)
+    dims, strides = pool_strides(pool)
     assert dims == tuple(reversed(shape))
     # byte strides of (kv head, token, block) = torch's element strides x 2, innermost first
     assert strides == tuple(2 * s for s in reversed(pool.stride()[:3]))
@@ -43,3 +43,28 @@ def test_mismatched_pools_are_refused():
 def test_descriptor_carries_the_maps():
     doc = {f.name: f for f in abi.LAUNCH_DESC}["kv_tmaps"]
     assert doc.ctype == "ptr" and "null" in doc.doc
+
+
+@pytest.mark.parametrize("shape", [(7, 64, 4, 128), (3, 16, 1, 64), (5, 32, 8, 64)])
+def test_head_major_pool_maps_its_storage_in_memory_order(shape):
+    """A head-major pool (storage [blocks, kv_heads, tokens, dims] seen as
+    [blocks, tokens, kv_heads, dims]): the map's dims and byte strides are
+    the storage's, innermost first (dims, tokens, kv heads, blocks), the
+    order attn_mma.cuh gives its box coordinates under KV_HEAD_MAJOR."""
+    nb, bs, kvh, hd = shape
+    storage = torch.empty(nb, kvh, bs, hd, dtype=torch.bfloat16)
+    view = storage.transpose(1, 2)
+    assert tuple(view.shape) == shape and head_major(view) and not head_major(torch.empty(shape))
+    dims, strides = pool_strides(view)
+    assert dims == (hd, bs, kvh, nb)
+    assert strides == tuple(2 * s for s in reversed(storage.stride()[:3]))
+
+
+def test_pools_of_other_strides_are_refused_in_one_line():
+    k = torch.zeros(4, 2, 64, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3)  # head-major
+    with pytest.raises(MegacError, match="differ"):  # one pool of each layout
+        kv_tmaps(k, torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16))
+    odd = torch.zeros(64, 4, 2, 128, dtype=torch.bfloat16).transpose(0, 1)  # blocks not outermost
+    with pytest.raises(MegacError, match="neither token-major nor head-major") as e:
+        pool_strides(odd)
+    assert "\n" not in str(e.value)
