@@ -283,12 +283,12 @@ struct LaunchDesc {
   uint64_t w_moe_down;  // bf16 [moe_layers, experts, hidden, expert_width]
   uint64_t layer_slot;  // int32 [num_layers]: index of the layer in its dense/moe weight stack
   uint64_t rope_inv_freq;  // fp32 [head_dim/2]
-  uint64_t k_pool;  // [num_blocks, block_size, kv_heads, head_dim] bf16 (one pool for all layers)
-  uint64_t v_pool;  // [num_blocks, block_size, kv_heads, head_dim] bf16
+  uint64_t k_pool;  // [num_blocks, block_size, kv_heads, head_dim] bf16 (one pool for all layers); where the model's kv_head_major tile is 1, stored [num_blocks, kv_heads, block_size, head_dim] (opcodes/kv_pool.cuh) and seen by the host through a view of the first shape
+  uint64_t v_pool;  // as k_pool
   uint64_t page_table;  // [num_layers, max_rows, max_blocks_per_seq] int32, -1 = unmapped/released
   uint64_t seq_pos;  // [max_rows] int32: tokens already cached = position of the current token
   uint64_t row_active;  // [max_rows] int32: a 0 row attends over an empty span, reads and writes no KV, and its outputs are ignored
-  uint64_t kv_tmaps;  // two CUtensorMaps (K pool at +0, V pool at +128 bytes; 64-byte aligned) over the pools as [num_blocks, block_size, kv_heads, head_dim], box 16 tokens x 1 head x 64 dims, 128-byte swizzle, encoded by the host (megac.gpu.tensormap); a null pointer: the splits copy K/V in 16-byte pieces instead
+  uint64_t kv_tmaps;  // two CUtensorMaps (K pool at +0, V pool at +128 bytes; 64-byte aligned) over the pools as stored (dims in memory order), box 16 tokens x 1 head x 64 dims, 128-byte swizzle, encoded by the host (megac.gpu.tensormap); a null pointer: the splits copy K/V in 16-byte pieces instead
   int32_t kv_block_size;  // tokens per KV block
   int32_t max_blocks_per_seq;  // page table row length
   uint64_t x_resid;  // fp32 [2*num_layers+1, rows, hidden] residual stream after each norm, slot = GAMMA index (slot 0: the embedding)
