@@ -46,6 +46,18 @@ case "${1:-tails}" in
         --out $OUT/slice-kvh-$m.json 2>&1 | grep -v Warning | tail -3 | cut -c1-400
     done
     TLIST=kvh,default#1,kvh#1,default#2,kvh#2,default#3 TB=${TB:-1,8} bash "$0" ab ;;
+  next1)  # the twenty-sixth session's two changes, their fp32 slices in one call (~3 min). Prebuild:
+          # MEGAC_VARIANTS=default ... --prebuild nmc-slice-split1_own nmc-slice-kvh nmc-split1_own nmc-kvh north-mini-code
+    for r in 1 2; do
+      MEGAC_CHECK_TILES=split1_own MEGAC_CHECK_ROWS=$r timeout 200 python3 -m gpu.megakernel_check --run nmc_slice \
+        --out $OUT/slice-own-$r.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300
+    done
+    for m in 1 0; do
+      MEGAC_KV_TMAPS=$m MEGAC_CHECK_TILES=kvh timeout 200 python3 -m gpu.megakernel_check --run nmc_slice \
+        --out $OUT/slice-kvh-$m.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300
+    done ;;
+  next2)  # and both against the default, engines alternating (~4 min at bs 1 and 8)
+    TLIST=split1_own,kvh,default#1,split1_own#1,kvh#1,default#2 TB=${TB:-1,8} bash "$0" ab ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;
