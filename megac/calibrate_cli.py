@@ -74,13 +74,13 @@ def _with_tiles(spec, tiles, say):
     a default tile changed. A key the trace does not name (it predates the
     key) takes its value from before the key existed (``PLAIN_TILES``: the
     split configuration off); traces without tiles: ``spec`` with those."""
-    from megac.geometry import DEFAULT_TILES, PLAIN_TILES
+    from megac.geometry import DEFAULT_TILES, PLAIN_TILES, tiles_of
 
     if tiles is not None and (not isinstance(tiles, dict) or any(
             k not in DEFAULT_TILES or not isinstance(v, int) for k, v in tiles.items())):
         raise MegacError(f"calibrate: the trace's tiles are not tile settings: {tiles!r}")
     tiles = {**PLAIN_TILES, **(tiles or {})}
-    now = {**DEFAULT_TILES, **(spec.target.tiles or {})}
+    now = tiles_of(spec)
     if all(now.get(k) == v for k, v in tiles.items()):
         return spec
     differ = ", ".join(f"{k} {now.get(k)} -> {v}" for k, v in sorted(tiles.items()) if now.get(k) != v)

@@ -245,6 +245,12 @@ def _even_bounds(total: int, parts: int, align: int) -> tuple[int, ...]:
     return tuple(bounds)
 
 
+def tiles_of(spec, tiles: dict | None = None) -> dict:
+    """``tiles`` where given, else ``spec``'s tile settings: DEFAULT_TILES
+    with the target's ``tiles`` over them (what every ``*_at`` rule reads)."""
+    return tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+
+
 def fused_combine_at(spec, rows: int, tiles: dict | None = None) -> bool:
     """Whether schedules of ``rows`` rows of ``spec`` do the MoE combine
     inside the norm (the target's ``fused_combine`` tile). One row only:
@@ -255,9 +261,7 @@ def fused_combine_at(spec, rows: int, tiles: dict | None = None) -> bool:
     rows that length is a target word, whose writer would be a third."""
     if not spec.moe:
         return False
-    on = (tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
-          )["fused_combine"]
-    return bool(on) and rows == 1
+    return bool(tiles_of(spec, tiles)["fused_combine"]) and rows == 1
 
 
 def norm_fold_at(spec, rows: int, tiles: dict | None = None) -> bool:
@@ -265,7 +269,7 @@ def norm_fold_at(spec, rows: int, tiles: dict | None = None) -> bool:
     GEMM readers (the target's ``norm_fold`` tile: a row bound, 0 none)."""
     if spec.block != "parallel" or not spec.moe:
         return False
-    t = tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+    t = tiles_of(spec, tiles)
     # with routed claims the claimers' own wait on the norm orders the next
     # fold's residual slot; without them (a gather task, a per-row combine)
     # the next norm would need a third wait
@@ -342,7 +346,7 @@ def split_down_bound(spec, tiles: dict | None = None) -> int:
     else 0."""
     if not spec.moe:
         return 0
-    t = tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+    t = tiles_of(spec, tiles)
     if t["split_down"] >= 0:
         return t["split_down"]
     ew = spec.moe.expert_intermediate_size
@@ -362,7 +366,7 @@ def split_down_at(spec, rows: int, tiles: dict | None = None) -> bool:
 def kv_head_major_of(spec) -> bool:
     """Whether the GPU backends keep ``spec``'s KV pools head-major (its
     ``kv_head_major`` tile; every schedule of the model shares the pool)."""
-    return bool({**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}["kv_head_major"])
+    return bool(tiles_of(spec)["kv_head_major"])
 
 
 def o_proj_merge_at(spec, rows: int, tiles: dict | None = None) -> bool:
@@ -371,7 +375,7 @@ def o_proj_merge_at(spec, rows: int, tiles: dict | None = None) -> bool:
     tile; -1: batch 1 of MoE models of hidden size >= SPLIT_AUTO_MIN_HIDDEN).
     One row only: a tile waits on its KV head's splits, which signal a
     counter per (row, KV head), and a task has two waits."""
-    t = tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+    t = tiles_of(spec, tiles)
     if t["o_proj_merge"] < 0:
         return rows == 1 and bool(spec.moe) and spec.hidden_size >= SPLIT_AUTO_MIN_HIDDEN
     return bool(t["o_proj_merge"]) and rows == 1
@@ -382,9 +386,7 @@ def routed_claims_at(spec, rows: int, tiles: dict | None = None) -> bool:
     target's ``routed_claims`` tile: a row bound, 0 none)."""
     if not spec.moe:
         return False
-    bound_ = (tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
-              )["routed_claims"]
-    return 0 < rows <= bound_
+    return 0 < rows <= tiles_of(spec, tiles)["routed_claims"]
 
 
 @dataclass(frozen=True)
@@ -455,9 +457,9 @@ class Geometry:
     moe_out_tiles: int = 1
     #: the O-projection tiles merge the attention splits, no ATTN_COMBINE (DEFAULT_TILES' o_proj_merge)
     o_proj_merge: bool = False
-    #: gate/up rows per interleave chunk of the expert weights (moe_chunk_rows;
-    #: 0: moe_up_bn / 2): the same in every schedule of a model's tiles
-    moe_chunk: int = 0
+    #: gate/up rows per interleave chunk of the expert weights (moe_chunk_rows):
+    #: the same in every schedule of a model's tiles
+    moe_chunk: int = 1
     #: the GPU backends' KV pools are head-major (DEFAULT_TILES' kv_head_major)
     kv_head_major: bool = False
 
@@ -467,7 +469,7 @@ class Geometry:
         unknown = set(tile_overrides) - set(DEFAULT_TILES)
         if unknown:
             raise ValueError(f"unknown tile override(s): {sorted(unknown)}")
-        t = {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {}), **tile_overrides}
+        t = {**tiles_of(spec), **tile_overrides}
         if rows < 1:
             raise ValueError(f"rows must be >= 1 (got {rows})")
         if context < 1:
@@ -488,7 +490,7 @@ class Geometry:
         problem = split_tile_problem(t, expert_width) if experts and t["split_down"] else None
         if problem:
             raise ValueError(problem)
-        moe_chunk = moe_chunk_rows(t, expert_width) if experts else 0  # before the split takes its tiles
+        moe_chunk = moe_chunk_rows(t, expert_width)  # before the split takes its tiles
         if split:
             t = {**t, "moe_up_bn": split_bn, "o_proj_bn": t["split_o_proj_bn"] or t["o_proj_bn"]}
 
@@ -635,11 +637,6 @@ class Geometry:
     @cached_property
     def up_tiles(self) -> int:
         return _ceil_div(2 * self.expert_width, self.moe_up_bn) if self.num_experts else 0
-
-    @cached_property
-    def up_chunk(self) -> int:
-        """Gate/up rows per interleave chunk of the expert weights (moe_chunk)."""
-        return self.moe_chunk or max(1, self.moe_up_bn // 2)
 
     @cached_property
     def down_tiles(self) -> int:

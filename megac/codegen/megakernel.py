@@ -121,7 +121,7 @@ def model_constants(spec, schedules) -> list[tuple[str, int]]:
     kmax, nmax = _gemm_extents(schedules)
     if len({s.geometry.kv_head_major for s in schedules}) > 1:  # one KV pool serves every schedule
         raise MegacError(f"megakernel: {spec.name}: the schedules lay the KV pools out differently")
-    if len({s.geometry.up_chunk for s in schedules}) > 1:  # one weight layout serves every schedule
+    if len({s.geometry.moe_chunk for s in schedules}) > 1:  # one weight layout serves every schedule
         raise MegacError(f"megakernel: {spec.name}: the schedules interleave the expert gate/up rows in "
                          f"different chunks")
     return [
@@ -130,7 +130,7 @@ def model_constants(spec, schedules) -> list[tuple[str, int]]:
         ("Q_WIDTH", geo.q_width), ("KV_WIDTH", geo.kv_width), ("QKV_WIDTH", geo.qkv_width), ("VOCAB", geo.vocab),
         ("DENSE_WIDTH", geo.dense_width), ("NUM_EXPERTS", geo.num_experts), ("TOP_K", geo.top_k),
         ("EXPERT_WIDTH", geo.expert_width), ("MOE_OUT_TILES", geo.moe_out_tiles),
-        ("MOE_CHUNK", geo.up_chunk if geo.num_experts else 1), ("KV_HEAD_MAJOR", int(geo.kv_head_major)), ("MAX_ROWS", geo.rows),
+        ("MOE_CHUNK", geo.moe_chunk), ("KV_HEAD_MAJOR", int(geo.kv_head_major)), ("MAX_ROWS", geo.rows),
         ("MAX_SPLITS", geo.max_splits),
         ("NORM_SLOTS", geo.norm_slots), ("FFN_SPLITS", geo.ffn_splits), ("ROUTER_SPLITS", geo.router_splits),
         ("LM_BN", geo.lm_bn), ("LM_TILES", geo.lm_tiles), ("MAX_KLEN", kmax), ("MAX_NLEN", nmax),

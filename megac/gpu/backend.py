@@ -111,17 +111,15 @@ class CudaBackend(TorchPrefillMixin):
         self.dev = torch.device("cuda")
         if kv.k_pool.device.type != "cuda" or kv.k_pool.dtype != torch.bfloat16:
             raise MegacError("cuda backend: the KV cache must be bf16 on the GPU")
-        from megac.gpu.tensormap import head_major
-
-        want = largest(ScheduleSet(schedules).schedules).geometry.kv_head_major
-        if head_major(kv.k_pool) != want:  # the cubin computes the pools' addresses in one layout
-            raise MegacError(f"cuda backend: the KV pools are {'head' if head_major(kv.k_pool) else 'token'}-major, "
-                             f"the schedules' megakernel reads them {'head' if want else 'token'}-major "
-                             f"(the model's kv_head_major tile; build the cache with head_major={bool(want)})")
-        self.weights = weights.to(torch.bfloat16, self.dev)
         self.schedules = ScheduleSet(schedules)
-        self.max_batch_size = self.schedules.max_rows
         self.big = largest(self.schedules.schedules)
+        want, have = self.big.geometry.kv_head_major, kv.head_major
+        if have != want:  # the cubin computes the pools' addresses in one layout
+            raise MegacError(f"cuda backend: the KV pools are {'head' if have else 'token'}-major, the schedules' "
+                             f"megakernel reads them {'head' if want else 'token'}-major (the model's "
+                             f"kv_head_major tile; build the cache with head_major={want})")
+        self.weights = weights.to(torch.bfloat16, self.dev)
+        self.max_batch_size = self.schedules.max_rows
         self.watchdog_ns = int(watchdog_ns)
         launch.expect_sms(self.big.num_sms)
         self.entry = ENTRY
@@ -131,10 +129,9 @@ class CudaBackend(TorchPrefillMixin):
         self.use_cubin(cubin or build_megakernel(artifact_dir))
         geo = self.big.geometry
         chunk = max(1, geo.upgate_bn // 2)
-        # the expert interleave every schedule of these tiles shares (geometry.moe_chunk_rows)
-        moe_chunk = geo.up_chunk
-        if any(s.geometry.up_chunk != moe_chunk for s in self.schedules.schedules):
-            raise MegacError("cuda backend: the schedules interleave the expert gate/up rows in different chunks")
+        # the expert interleave every schedule of these tiles shares (geometry.moe_chunk_rows;
+        # the generated MOE_CHUNK, which model_constants checks is every schedule's)
+        moe_chunk = geo.moe_chunk
         # decode only: the canonical layers are emptied as their kernel copy is
         # made, so the peak is one copy of the model, not two
         kw = kernel_weights(self.weights, spec, chunk=chunk, moe_chunk=moe_chunk, consume=decode_only)

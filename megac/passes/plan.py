@@ -217,8 +217,8 @@ def _weight_layouts(geo) -> dict[str, WeightLayout]:
         out["w_router"] = WeightLayout("w_router", (n, geo.num_experts, D), "bf16", "stacked by layer_slot")
         out["w_moe_upgate"] = WeightLayout(
             "w_moe_upgate", (n, geo.num_experts, 2 * geo.expert_width, D), "bf16",
-            f"experts stacked; gate/up interleaved in chunks of {geo.up_chunk} rows",
-            [{"chunk_rows": geo.up_chunk, "order": ["gate", "up"], "stack": "moe layers (layer_slot), experts"}])
+            f"experts stacked; gate/up interleaved in chunks of {geo.moe_chunk} rows",
+            [{"chunk_rows": geo.moe_chunk, "order": ["gate", "up"], "stack": "moe layers (layer_slot), experts"}])
         out["w_moe_down"] = WeightLayout("w_moe_down", (n, geo.num_experts, D, geo.expert_width), "bf16",
                                          "experts stacked, [out, in]")
     return out

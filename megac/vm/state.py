@@ -95,7 +95,7 @@ class VMWeights:
         one copy of the model, not two (:func:`kernel_weights`' ``consume``)."""
         dtype = act_dtype_of(dtype or weights.dtype)
         chunk = max(1, geometry.upgate_bn // 2)
-        moe_chunk = geometry.up_chunk
+        moe_chunk = geometry.moe_chunk
         if weights.dtype != dtype:
             if consume:
                 raise MegacError("vm: consume=True needs weights already in the VM dtype")
@@ -118,9 +118,9 @@ class VMWeights:
         if geo.dense_width and geo.upgate_bn // 2 != self.chunk:
             raise MegacError(f"vm: weights interleaved in chunks of {self.chunk}, schedule tiles "
                              f"upgate_bn/2 = {geo.upgate_bn // 2}")
-        if geo.num_experts and geo.up_chunk != self.moe_chunk:
+        if geo.num_experts and geo.moe_chunk != self.moe_chunk:
             raise MegacError(f"vm: expert weights interleaved in chunks of {self.moe_chunk}, schedule's "
-                             f"moe_chunk {geo.up_chunk}")
+                             f"moe_chunk {geo.moe_chunk}")
 
 
 # ---------------------------------------------------------------------------

@@ -157,12 +157,12 @@ def test_split_up_tiles_of_their_own_share_one_interleave():
     from megac.geometry import Geometry, split_down_bound
 
     nmc = load_spec("north-mini-code")
-    assert Geometry.from_spec(nmc, 1, 8192).up_chunk == 128  # no split: moe_up_bn / 2
+    assert Geometry.from_spec(nmc, 1, 8192).moe_chunk == 128  # no split: moe_up_bn / 2
     own = variant(nmc, "sd-own", target={**nmc.target.model_dump(), "tiles": {"split_down": -1, "split_up_bn": 128}})
     assert split_down_bound(own) == 1
     one, two = Geometry.from_spec(own, 1, 8192), Geometry.from_spec(own, 2, 8192)
-    assert (one.split_down, one.moe_up_bn, one.up_chunk) == (True, 128, 64)
-    assert (two.split_down, two.moe_up_bn, two.up_chunk) == (False, 256, 64)
+    assert (one.split_down, one.moe_up_bn, one.moe_chunk) == (True, 128, 64)
+    assert (two.split_down, two.moe_up_bn, two.moe_chunk) == (False, 256, 64)
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -173,7 +173,7 @@ def test_split_up_tiles_of_their_own_match_transformers(n):
     tiles over two chunks each) within 1e-4 of transformers' fp32 model."""
     spec = _spec(2, moe_up_bn=128, split_up_bn=64)
     scheds = compile_schedules(spec, batch_sizes=[1, 4], buckets=[1024])
-    assert {s.geometry.up_chunk for s in scheds.schedules} == {32}
+    assert {s.geometry.moe_chunk for s in scheds.schedules} == {32}
     assert {s.geometry.moe_up_bn for s in scheds.schedules} == {64, 128}
     w = random_weights(spec, seed=29)
     g = torch.Generator().manual_seed(5)
