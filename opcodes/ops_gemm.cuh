@@ -174,9 +174,6 @@ __device__ __forceinline__ WeightSpan moe_down_weights(const Ctx& c, const int32
                  min(nlen_full, M::HIDDEN - n0), M::EXPERT_WIDTH, M::EXPERT_WIDTH);
 }
 
-// The first chunks of a static GEMM task's tile into its warps' pipelines,
-// before the task's waits (every thread; the generated Dispatch::prime).
-// True when it primed: the task's gemm() then goes on from there (Ctx::primed).
 // 1: while the task before an O-projection tile runs (its attention split
 // on the split configuration's attention SMs), one warp pulls the tile's
 // whole weight span into L2 (cp.async.bulk.prefetch.L2, 32 KB a 16-row
@@ -212,6 +209,9 @@ __device__ __forceinline__ int prime_stages(const int32_t* w) {
   return w[H_OPCODE] == OP_O_PROJ && w[f_o_proj::MERGE_SPLITS] != 0 ? MEGAC_MERGE_PRIME : tc::kStages;
 }
 
+// The first chunks of a static GEMM task's tile into its warps' pipelines,
+// before the task's waits (every thread; the generated Dispatch::prime).
+// True when it primed: the task's gemm() then goes on from there (Ctx::primed).
 template <class M>
 __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s, int stages = tc::kStages) {
   if constexpr (GemmScratch<M>::kTc && tc::kBulk) {
