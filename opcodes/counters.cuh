@@ -27,13 +27,30 @@ namespace megac {
 // kAsyncWrites: the outputs were written by the async proxy (TMA / bulk
 // stores, after their cp.async.bulk.wait_group): order them with the generic
 // proxy first, or the consumer could see the count before the data.
+//
+// MEGAC_SIGNAL_ACQREL 1: the release as CUTLASS's semaphores write it,
+// fence.acq_rel.gpu (MEMBAR.ALL.GPU: the thread's earlier writes acked)
+// then a relaxed reduction, instead of __threadfence() (fence.sc.gpu,
+// MEMBAR.SC.GPU, which also orders against every other SC fence of the
+// GPU) and the add. Both are release patterns of the PTX memory model; a
+// counter's signal sits on every hop of a step's critical path. The
+// twenty-first session's single red.release.gpu measured mixed (NMC bs1
+// +2.8 %, bs1 32K -1.8 %); this form is untried. 0: the SC fence.
+#ifndef MEGAC_SIGNAL_ACQREL
+#define MEGAC_SIGNAL_ACQREL 0
+#endif
+
 template <bool kAsyncWrites = false>
 __device__ __forceinline__ void signal_counter(uint32_t* counter, uint32_t n = 1) {
   if constexpr (kAsyncWrites) {
     asm volatile("fence.proxy.async.global;" ::: "memory");
   }
+#if MEGAC_SIGNAL_ACQREL
+  asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(n) : "memory");
+#else
   __threadfence();
   atomicAdd(counter, n);
+#endif
 }
 
 // Spin until *counter >= target. ONE thread calls it; false means the
@@ -42,6 +59,12 @@ __device__ __forceinline__ void signal_counter(uint32_t* counter, uint32_t n = 1
 //
 // kAsyncReads: the data this wait guards will be read by the async proxy (TMA
 // loads of activations another SM wrote): fence the proxies after acquiring.
+//
+// What a wait costs after its target lands (nvdisasm of the North Mini Code
+// build): each poll is an LDG.E.STRONG.GPU, and the trailing acquire of a
+// value the poll already saw compiles to CCTL.IVALL alone (ptxas drops the
+// dead load), so the acquire adds no round trip; the abort flag's read in
+// SpinBound did, every poll (common.cuh MEGAC_ABORT_EVERY).
 template <bool kAsyncReads = false>
 __device__ __forceinline__ bool wait_counter(const uint32_t* counter, uint32_t target,
                                              int32_t counter_index, const WaitSite& site) {
@@ -72,6 +95,39 @@ __device__ __forceinline__ bool wait_counter(const uint32_t* counter, uint32_t t
   if constexpr (kAsyncReads) {
     asm volatile("fence.proxy.async.global;" ::: "memory");
   }
+  return true;
+}
+
+// Both c0 >= t0 and c1 >= t1, the two counters read in the same round trip
+// each poll (wait_counter one after the other pays a round trip for the
+// second even when its producer finished long before the first's); the
+// same contract and watchdog as wait_counter, whose record names the
+// counter still short.
+__device__ __forceinline__ bool wait_counters2(const uint32_t* c0, uint32_t t0, int32_t i0, const uint32_t* c1,
+                                               uint32_t t1, int32_t i1, const WaitSite& site) {
+  // both loads in flight before either value is used
+  uint32_t s0 = ld_relaxed_gpu(c0);
+  uint32_t s1 = ld_relaxed_gpu(c1);
+  if (s0 < t0 || s1 < t1) {
+    SpinBound bound;
+    for (;;) {
+      if (!bound.keep_going(site)) {
+        if (bound.expired) {
+          const bool first = s0 < t0;
+          report_error(site.status, site.task, site.opcode, first ? i0 : i1, static_cast<int32_t>(first ? s0 : s1),
+                       static_cast<int32_t>(first ? t0 : t1), site.layer, kErrCounterTimeout);
+        }
+        return false;
+      }
+      __nanosleep(20);
+      if (s0 < t0) s0 = ld_relaxed_gpu(c0);
+      if (s1 < t1) s1 = ld_relaxed_gpu(c1);
+      if (s0 >= t0 && s1 >= t1) break;
+    }
+  }
+  // an acquire of each (of values at least as new) orders the reads after them
+  ld_acquire_gpu(c0);
+  ld_acquire_gpu(c1);
   return true;
 }
 

@@ -399,7 +399,9 @@ __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int ro
   uint4 v = make_uint4(0, 0, 0, 0);
   if (i0 < n) v = load_x(x, ldx, per_row, rowof, i0);
   prime(s, ring, st);  // lane 0 of each warp; after its own warp's loads in program order
+  MEGAC_MARK(10);      // thread 0's ring stages issued
   if (i0 < n) store_x(xs, per_row, pitch, i0, v);
+  MEGAC_MARK(9);  // thread 0's X load returned
   for (int i = i0 + blockDim.x; i < n; i += blockDim.x) store_x(xs, per_row, pitch, i, load_x(x, ldx, per_row, rowof, i));
   __syncthreads();
 }

@@ -108,9 +108,28 @@ __device__ __forceinline__ bool wait_on(const Ctx& c, int32_t counter, int32_t t
 // `resolve_fields(c)` turns the opcode's dynamic fields into values, then
 // TARGET1 is read and WAIT1 waited. False: the watchdog fired or another
 // CTA aborted.
+// 1: a task with two waits of static targets polls both counters together
+// (counters.cuh wait_counters2), then resolves its fields: the first wait
+// of a QKV or router tile (the O-projection's counter) ends last in the
+// split schedules, and the combine's counter behind it then cost another
+// loaded round trip at the start of every MoE layer's two chains. 0: one
+// wait after the other.
+#ifndef MEGAC_WAIT_PAIR
+#define MEGAC_WAIT_PAIR 0
+#endif
+
 template <class ResolveFields>
 __device__ __forceinline__ bool header_waits(const Ctx& c, ResolveFields resolve_fields) {
   int32_t* w = c.ts->w;
+  if (MEGAC_WAIT_PAIR && w[H_WAIT0] >= 0 && w[H_WAIT1] >= 0 && !is_dyn(w[H_TARGET0]) && !is_dyn(w[H_TARGET1])) {
+    // a field resolved after both waits reads what it would after the first
+    const uint32_t* ctr = ptr<const uint32_t>(c.d->counters);
+    if (!wait_counters2(ctr + w[H_WAIT0], uint32_t(w[H_TARGET0]), w[H_WAIT0], ctr + w[H_WAIT1],
+                        uint32_t(w[H_TARGET1]), w[H_WAIT1], c.site))
+      return false;
+    resolve_fields(c);
+    return true;
+  }
   const int32_t t0 = resolve(c.d, w[H_TARGET0]);
   if (!wait_on(c, w[H_WAIT0], t0)) return false;
   resolve_fields(c);
@@ -169,6 +188,7 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
     }
     __syncthreads();
     if (!ts->claimed || !ts->ok) return ts->ok != 0;
+    MEGAC_MARK(8);  // the claim handed to the CTA (past the claim loop's barrier)
     run();
     __syncthreads();
     MEGAC_MARK(6);  // the claimed tile's work (its GEMM stamps 2-5 on the way)

@@ -276,6 +276,7 @@ __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const 
         tc::prime(s, GemmScratch<M>::tc_ring(c), &c.ts->tc);
         primed = true;
       }
+      MEGAC_MARK(10);  // thread 0's ring stages issued (or primed before the waits)
       stage_merge<M>(c, merge, tc::x_pitch(s.cols), xs);
     } else if (tc::kBulk && MEGAC_X_THEN_PRIME && !primed) {
       tc::stage_x_prime(x, ldx, rows, s.cols, xs, rowof, s, GemmScratch<M>::tc_ring(c), &c.ts->tc);
@@ -468,6 +469,7 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c, const int32_t* rowof =
   const int s0 = c.ts->rec[rec_moe_up::SLOT0], nr = c.ts->rec[rec_moe_up::ROWS];
   const int n0 = c.ts->rec[rec_moe_up::N_TILE] * MK_F(moe_upgate_drain, N_LEN);
   const WeightSpan ws = moe_up_weights<M>(c, c.ts->rec);
+  MEGAC_MARK(11);  // the claimed tile's weight span known
   const bf16* x = rowof != nullptr ? ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0)
                                    : ptr<const bf16>(d->moe_x) + Lay::moe_x(layer, s0);
   const float* ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr);

@@ -16,7 +16,11 @@
 
 namespace megac {
 
-constexpr int kProfileMarks = 8;
+// 0-7: each opcode's own points (megac/gpu/profile.py MARK_NAMES); 8-11:
+// the hand-off from a claim to its tile's first weight copy, where the
+// profiles showed ~2 us a MoE layer between a routed claimer's records and
+// its staged activations that no mark explained (twenty-second session)
+constexpr int kProfileMarks = 12;
 
 #if MEGAC_PROFILE
 __shared__ unsigned long long profile_marks[kProfileMarks];

@@ -1,4 +1,11 @@
 # GPU runs of the twenty-fourth and later sessions (from the repo root on the device machine).
+# The cubins travel prebuilt (carry build/cubin-sel and .whl). The twenty-seventh session's set, for
+# next1 .. next4 and bench, built on the CPU machine with:
+#   MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=abort16,sig_acqrel,pair,hops \
+#   MEGAC_PROFILE_VARIANTS=hops MEGAC_PROFILE_TILES=split1_own MEGAC_ORDER_TILES=none \
+#   .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code smollm2-135m nmc-split1_own nmc-kvh \
+#     nmc-split1_own_kvh nmc-slice-split1_own nmc-slice-kvh
+# then the cubins it prints (but the interleaved / attention-first orders') copied into build/cubin-sel.
 mkdir -p build/cubin && cp build/cubin-sel/* build/cubin/ && source scripts/gpu_env.sh
 E=schedules/experiments
 run_orders() {  # tiles orders batches vars
@@ -58,6 +65,18 @@ case "${1:-tails}" in
     done ;;
   next2)  # and both against the default, engines alternating (~4 min at bs 1 and 8)
     TLIST=split1_own,kvh,default#1,split1_own#1,kvh#1,default#2 TB=${TB:-1,8} bash "$0" ab ;;
+  next3)  # the twenty-seventh session's hop switches (counters.cuh, common.cuh), each build against the
+          # default, interleaved, the bits checked (~5 min; NMC bs 1 and 8 at 8K, SmolLM2 bs 1)
+    MEGAC_VARIANTS=${V:-abort16,sig_acqrel,pair,hops} MEGAC_VARIANT_ROUNDS=${R:-2} \
+      timeout 560 python3 -m gpu.megakernel_check --run variants --out $OUT/variants.json 2>&1 \
+      | grep -v Warning | grep '^{"' ;;
+  next4)  # profiled bs1 8K steps with the hand-off marks (8-11, profile_marks.cuh): the default, and
+          # with the three hop switches, then the split on its own up tiles (traces under $OUT)
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=${PV:-hops} timeout 400 python3 -m gpu.megakernel_check \
+      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-600
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=split1_own timeout 400 python3 -m gpu.megakernel_check \
+      --run profile --out $OUT/profile-own.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-600
+    gzip -q $OUT/*.json 2>/dev/null; ls -la $OUT ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

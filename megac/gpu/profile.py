@@ -30,12 +30,16 @@ from megac.errors import MegacError
 
 SYMBOL = "megakernel_profile"
 #: stamps inside a task (opcodes/profile_marks.cuh kProfileMarks)
-MARKS = 8
+MARKS = 12
 #: uint64 words of a task's record (megakernel.cuh kProfileWords)
 WORDS = 4 + MARKS
 #: what each opcode's marks stand for (the points MEGAC_MARK stands at)
 _GEMM_MARKS = ("activations staged", "first stage landed", "stages consumed", "partials reduced")
-_CLAIM_MARKS = ("head atomic and record", "claim wait", *_GEMM_MARKS, "tile done")
+#: stamps 8-11 of a claim's first tile (mk_core.cuh claim_loop, ops_gemm.cuh, gemm_tc.cuh
+#: stage_x_prime): the hand-off from the claim to its first weight copy; 7 stays the routed
+#: claimer's records
+_HANDOFF_MARKS = ("claim handed to the CTA", "X load returned", "ring stages issued", "weight span known")
+_CLAIM_MARKS = ("head atomic and record", "claim wait", *_GEMM_MARKS, "tile done", "", *_HANDOFF_MARKS)
 #: an attention split on the tensor cores (attn_mma.cuh), stamps 3-5
 _ATTN_MARKS = ("", "first chunk landed", "keys consumed", "merged and written")
 MARK_NAMES = {
@@ -46,13 +50,14 @@ MARK_NAMES = {
     # routed claims (ops_moe.cuh): 0 and 1 are the ranking's (router partials summed, rows
     # ranked), 7 the records derived, before the first tile's stamps
     "MOE_UPGATE_DRAIN": ("head atomic and record / routed: partials summed", "claim wait / routed: rows ranked",
-                         *_GEMM_MARKS, "tile done", "routed: records derived"),
+                         *_GEMM_MARKS, "tile done", "routed: records derived", *_HANDOFF_MARKS),
     "MOE_DOWN_DRAIN": _CLAIM_MARKS,
-    "ATTN_DRAIN": (*_CLAIM_MARKS[:2], *_ATTN_MARKS, "tile done"),
+    "ATTN_DRAIN": (*_CLAIM_MARKS[:2], *_ATTN_MARKS, "tile done", "", "claim handed to the CTA"),
     "ATTN_DECODE": ("", "", *_ATTN_MARKS),
     # a static GEMM task's tile (stamps 2-5 only)
-    **{op: ("", "", *_GEMM_MARKS) for op in ("QKV_PROJ", "O_PROJ", "FFN_UPGATE_ACT", "FFN_DOWN", "ROUTER_GEMM",
-                                             "LM_HEAD")},
+    **{op: ("", "", *_GEMM_MARKS) for op in ("QKV_PROJ", "FFN_UPGATE_ACT", "FFN_DOWN", "ROUTER_GEMM", "LM_HEAD")},
+    # a merging O-projection tile (ops_gemm.cuh gemm): its stages issued, then its input merged
+    "O_PROJ": ("", "", *_GEMM_MARKS, "", "", "", "", "ring stages issued"),
 }
 
 

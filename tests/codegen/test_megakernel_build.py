@@ -94,6 +94,31 @@ def test_ring_stages_of_ten_blocks_keep_the_accumulators_in_registers(tmp_path):
     assert k["spill_stores"] == 0 and k["stack"] <= 32, k
 
 
+@needs_nvcc
+def test_the_hop_switches_and_the_profile_marks_compile(tmp_path):
+    # The dependency hop's switches (counters.cuh MEGAC_SIGNAL_ACQREL,
+    # common.cuh MEGAC_ABORT_EVERY, mk_core.cuh MEGAC_WAIT_PAIR)
+    # are inline PTX the default build does not compile, and the profiled
+    # build stamps twelve marks: one build with all of them, without spills,
+    # so a GPU session does not find a typo. Whether they are faster is the
+    # H200's to say (docs/perf-notes.md); that they give the default's bits,
+    # the GPU check `variants`.
+    from megac.gpu.build import build_cubin
+    from megac.resources import opcodes_dir
+
+    spec = load_spec("tiny-moe")
+    res = compile_schedules(spec, batch_sizes=[1, 8])
+    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    defines = {"MEGAC_SIGNAL_ACQREL": 1, "MEGAC_ABORT_EVERY": 16, "MEGAC_WAIT_PAIR": 1, "MEGAC_PROFILE": 1}
+    cubin = build_cubin(tmp_path / SOURCE, defines=defines, include_dirs=[opcodes_dir(), tmp_path],
+                        cache_dir=tmp_path / "cache")
+    k = report(cubin)["kernels"]["megakernel"]
+    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
+    with pytest.raises(Exception, match="power of two"):
+        build_cubin(tmp_path / SOURCE, defines={"MEGAC_ABORT_EVERY": 3}, include_dirs=[opcodes_dir(), tmp_path],
+                    cache_dir=tmp_path / "cache3")
+
+
 def test_dispatch_covers_the_registry_and_layout_is_checked():
     spec = load_spec("tiny-moe")
     res = compile_schedules(spec, batch_sizes=[1, 2])

@@ -778,6 +778,14 @@ VARIANTS = {
     "attn_warm_last": {"MEGAC_ATTN_WARM": 2},
     # ADD_RMSNORM's gamma toward L2 before its waits (ops_norm.cuh)
     "norm_warm": {"MEGAC_NORM_WARM": 1},
+    # the abort flag read once per 16 polls (the default reads it before every poll: two dependent
+    # round trips a poll, so a hop's wait ends up to a round trip later; common.cuh SpinBound)
+    "abort16": {"MEGAC_ABORT_EVERY": 16},
+    # a counter's signal as fence.acq_rel.gpu + a relaxed reduction (the default: fence.sc.gpu + add)
+    "sig_acqrel": {"MEGAC_SIGNAL_ACQREL": 1},
+    # a task's two waits polled together (mk_core.cuh header_waits; the default waits one, then the other)
+    "pair": {"MEGAC_WAIT_PAIR": 1},
+    "hops": {"MEGAC_ABORT_EVERY": 16, "MEGAC_SIGNAL_ACQREL": 1, "MEGAC_WAIT_PAIR": 1},
     # ROUTER_TOPK's rank counted on two threads per logit (moe_routing.cuh); MoE models only
     "rank_halves": {"MEGAC_TOPK_RANK_HALVES": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only

@@ -35,20 +35,21 @@ def test_read_summary_and_trace():
     put(0, 0, 0, 1000, 5000, Op.QKV_PROJ)
     put(0, 1, 5000, 9000, 10000, Op.O_PROJ)
     put(1, 0, 200, 200, 30000, Op.MOE_UPGATE_DRAIN, claims=3, cwait=12000,
-        marks=(1200, None, 2000, None, None, None, 9200))
+        marks=(1200, None, 2000, None, None, None, 9200, None, 1500))
     recs = profile.read(buf, sched)
     assert [(r["sm"], r["task"], r["op"]) for r in recs] == [(0, 0, "QKV_PROJ"), (0, 1, "O_PROJ"),
                                                             (1, 0, "MOE_UPGATE_DRAIN")]
     assert recs[1]["layer"] == 1 and recs[1]["start_us"] == 5.0 and recs[1]["waited_us"] == 9.0
     assert recs[2]["claims"] == 3 and recs[2]["claim_wait_us"] == 12.0
-    assert recs[2]["marks_us"] == [1.2, None, 2.0, None, None, None, 9.2, None]
+    assert recs[2]["marks_us"] == [1.2, None, 2.0, None, None, None, 9.2, None, 1.5, None, None, None]
     assert recs[0]["marks_us"] == [None] * profile.MARKS
     # marks from the wait's end (0.2 µs), named per opcode; tasks without marks left out
     m = profile.marks_summary(recs)
     assert list(m) == ["MOE_UPGATE_DRAIN"]
     assert m["MOE_UPGATE_DRAIN"]["marks_us"] == {"head atomic and record / routed: partials summed": 1.0,
                                                   "activations staged": 1.8,
-                                                  "tile done": 9.0}
+                                                  "tile done": 9.0,
+                                                  "claim handed to the CTA": 1.3}
     assert m["MOE_UPGATE_DRAIN"]["run_us"] == 29.8
     s = profile.summary(recs)
     assert s["span_us"] == 30.0 and s["sms"] == 2
