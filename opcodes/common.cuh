@@ -202,8 +202,6 @@ __device__ __noinline__ void report_error(int32_t* status, int32_t task,
   atomicCAS(status + kStatusAbort, 0, kind);
 }
 
-// Bookkeeping for one bounded spin: the timer is read only after a few
-// failed polls, so a wait that succeeds at once costs no timer read.
 // Polls between two reads of the abort flag (a power of two). The flag's
 // read is an L2 round trip whose value the poll loop branches on before it
 // issues the counter's load, so read at every poll it doubles the poll's
@@ -217,6 +215,8 @@ __device__ __noinline__ void report_error(int32_t* status, int32_t task,
 static_assert(MEGAC_ABORT_EVERY >= 1 && (MEGAC_ABORT_EVERY & (MEGAC_ABORT_EVERY - 1)) == 0,
               "MEGAC_ABORT_EVERY is a power of two");
 
+// Bookkeeping for one bounded spin: the timer is read only after a few
+// failed polls, so a wait that succeeds at once costs no timer read.
 struct SpinBound {
   uint64_t deadline = 0;
   uint32_t polls = 0;

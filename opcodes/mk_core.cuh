@@ -104,10 +104,6 @@ __device__ __forceinline__ bool wait_on(const Ctx& c, int32_t counter, int32_t t
   return wait_counter(ctr, static_cast<uint32_t>(target), counter, c.site);
 }
 
-// Thread 0: the header waits of the task in c.ts->w; after WAIT0,
-// `resolve_fields(c)` turns the opcode's dynamic fields into values, then
-// TARGET1 is read and WAIT1 waited. False: the watchdog fired or another
-// CTA aborted.
 // 1: a task with two waits of static targets polls both counters together
 // (counters.cuh wait_counters2), then resolves its fields: the first wait
 // of a QKV or router tile (the O-projection's counter) ends last in the
@@ -118,6 +114,10 @@ __device__ __forceinline__ bool wait_on(const Ctx& c, int32_t counter, int32_t t
 #define MEGAC_WAIT_PAIR 0
 #endif
 
+// Thread 0: the header waits of the task in c.ts->w; after WAIT0,
+// `resolve_fields(c)` turns the opcode's dynamic fields into values, then
+// TARGET1 is read and WAIT1 waited. False: the watchdog fired or another
+// CTA aborted.
 template <class ResolveFields>
 __device__ __forceinline__ bool header_waits(const Ctx& c, ResolveFields resolve_fields) {
   int32_t* w = c.ts->w;

@@ -5,7 +5,10 @@
 #   MEGAC_PROFILE_VARIANTS=hops MEGAC_PROFILE_TILES=split1_own MEGAC_ORDER_TILES=none \
 #   .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code smollm2-135m nmc-split1_own nmc-kvh \
 #     nmc-split1_own_kvh nmc-slice-split1_own nmc-slice-kvh
-# then the cubins it prints (but the interleaved / attention-first orders') copied into build/cubin-sel.
+#   MEGAC_VARIANTS=hops ... --prebuild tiny-llama; and tiny-llama's hops build for next3's hang check:
+#   PYTHONPATH=.:tests .venv/bin/python -c "from gpu import megakernel_scale as s; from megac.spec import \
+#     load_spec; print(s.variant_cubin(load_spec('tiny-llama'), s.VARIANTS['hops']))"
+# then the cubins they print (but the interleaved / attention-first orders') copied into build/cubin-sel.
 mkdir -p build/cubin && cp build/cubin-sel/* build/cubin/ && source scripts/gpu_env.sh
 E=schedules/experiments
 run_orders() {  # tiles orders batches vars
@@ -66,7 +69,10 @@ case "${1:-tails}" in
   next2)  # and both against the default, engines alternating (~4 min at bs 1 and 8)
     TLIST=split1_own,kvh,default#1,split1_own#1,kvh#1,default#2 TB=${TB:-1,8} bash "$0" ab ;;
   next3)  # the twenty-seventh session's hop switches (counters.cuh, common.cuh), each build against the
-          # default, interleaved, the bits checked (~5 min; NMC bs 1 and 8 at 8K, SmolLM2 bs 1)
+          # default, interleaved, the bits checked (~5 min; NMC bs 1 and 8 at 8K, SmolLM2 bs 1), after
+          # the watchdog's check on their build (tiny-llama)
+    MEGAC_HANG_VARIANT=hops timeout 120 python3 -m gpu.megakernel_check --run hang --out $OUT/hang-hops.json 2>&1 \
+      | grep -v Warning | tail -3 | cut -c1-400
     MEGAC_VARIANTS=${V:-abort16,sig_acqrel,pair,hops} MEGAC_VARIANT_ROUNDS=${R:-2} \
       timeout 560 python3 -m gpu.megakernel_check --run variants --out $OUT/variants.json 2>&1 \
       | grep -v Warning | grep '^{"' ;;

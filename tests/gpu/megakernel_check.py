@@ -15,7 +15,8 @@ Checks:
            gives the same bits as in the batch.
   hang     a schedule with one target raised by 1 raises MegakernelHang
            within 3 s naming the task, the counter and the producer; the
-           next step runs correctly.
+           next step runs correctly (MEGAC_HANG_VARIANT: that VARIANTS
+           build's waits).
   rng      the counter-based random weights: the same bits on CPU and GPU.
   orders   tiny-moe under the three wave orders: bit-identical tokens and logits.
   sampling sampling on the GPU (tiny-moe): greedy tokens from the argmax
@@ -286,6 +287,9 @@ def check_hang() -> dict:
     w = random_weights(spec, seed=7, dtype=torch.bfloat16)
     eng = scale.engine(spec, w, "cuda", max_batch_size=1, max_model_len=256)
     be = eng.backend
+    variant = os.environ.get("MEGAC_HANG_VARIANT")  # a VARIANTS build's waits (its watchdog paths) instead
+    if variant:
+        scale.use_cubin(be, scale.variant_cubin(spec, scale.VARIANTS[variant]))
     sched = be.schedules.pick(1, 64)
     t = sched.tasks.copy()
     live = [(s, j) for s in range(t.shape[0]) for j in range(int(sched.task_counts[s]))
