@@ -4,7 +4,7 @@
 #   MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=abort16,sig_acqrel,pair,hops \
 #   MEGAC_PROFILE_VARIANTS=hops MEGAC_PROFILE_TILES=split1_own MEGAC_ORDER_TILES=none \
 #   .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code smollm2-135m nmc-split1_own nmc-kvh \
-#     nmc-split1_own_kvh nmc-slice-split1_own nmc-slice-kvh
+#     nmc-split1_own_kvh nmc-slice-split1_own nmc-slice-kvh nmc-split1_own_oqkv
 #   MEGAC_VARIANTS=hops ... --prebuild tiny-llama; and tiny-llama's hops build for next3's hang check:
 #   PYTHONPATH=.:tests .venv/bin/python -c "from gpu import megakernel_scale as s; from megac.spec import \
 #     load_spec; print(s.variant_cubin(load_spec('tiny-llama'), s.VARIANTS['hops']))"
@@ -83,6 +83,9 @@ case "${1:-tails}" in
     MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=split1_own timeout 400 python3 -m gpu.megakernel_check \
       --run profile --out $OUT/profile-own.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-600
     gzip -q $OUT/*.json 2>/dev/null; ls -la $OUT ;;
+  next5)  # the O-projection over twice the SMs in the split schedule (split1_own_oqkv, its own order
+          # file; the cost model predicts +12 %) against the split on its own up tiles, bs1 8K
+    TLIST=split1_own_oqkv,split1_own,split1_own_oqkv#1,split1_own#1 TB=1 bash "$0" ab ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

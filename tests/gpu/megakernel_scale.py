@@ -1407,6 +1407,10 @@ TILES = {
     # the batch-1 split on its own 128-row up tiles beside the plain 256-row ones of the other
     # batch sizes (the expert weights interleaved in chunks of 64, geometry.moe_chunk_rows)
     "split1_own": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256},
+    # and its O-projection in 64 tiles of 128 features, half on the attention SMs, half on the
+    # first QKV SMs (twenty-seventh session: the O-projection's share of the bandwidth doubled)
+    "split1_own_oqkv": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 128,
+                        "order": "schedules/experiments/split-oproj-attn-qkv.yaml"},
     # the KV pools head-major (a KV head's keys of a block contiguous: opcodes/kv_pool.cuh)
     "kvh": {"kv_head_major": 1},
     "split1_own_kvh": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "kv_head_major": 1},
