@@ -91,11 +91,20 @@ def test_the_experiment_orders_compile_and_verify():
     (not bundled): each must stay a valid order the compiler verifies."""
     from megac.passes.pipeline import compile_one
 
+    from models import variant
+
     files = sorted((schedules_dir() / "experiments").glob("*.yaml"))
     assert files
+    moe = load_spec("tiny-moe")
+    # their moe_split waves too: tiny-moe with the expert down projection split-K in the up
+    # claims at one row (two split-K partials per expert; tests/vm/test_split_down.py)
+    split = variant(moe, "tiny-moe-split", moe={"expert_intermediate_size": 64},
+                    target={**moe.target.model_dump(), "tiles": {"split_down": 1, "moe_up_bn": 64}})
     for f in files:
-        sched = compile_one(load_spec("tiny-moe"), order=str(f), rows=2, context=256)
+        sched = compile_one(moe, order=str(f), rows=2, context=256)
         assert sched.num_tasks > 0, f
+        one = compile_one(split, order=str(f), rows=1, context=256)
+        assert one.geometry.split_down and one.num_tasks > 0, f
 
 
 def _opcodes_per_sm_and_layer(sched):

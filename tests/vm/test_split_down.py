@@ -186,3 +186,27 @@ def test_split_up_tiles_of_their_own_match_transformers(n):
                 ref = hf_last_logits(model, seq)
             assert float((logits - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
             seq.append(tok)
+
+
+def test_the_o_projection_over_attention_and_qkv_sms_gives_the_same_bits():
+    """schedules/experiments/split-oproj-attn-qkv.yaml places a split
+    schedule's O-projection tiles on the attention SMs and then on the QKV
+    SMs, before their up claimers: where a task runs changes no arithmetic,
+    so one row decodes to the tuned order's tokens and logits bit for bit,
+    in the VM's fast mode and in its checked mode (every read against the
+    counters' happens-before order)."""
+    from megac.resources import schedules_dir
+
+    spec = _spec(1)
+    order = str(schedules_dir() / "experiments" / "split-oproj-attn-qkv.yaml")
+    base = compile_schedules(spec, batch_sizes=[1], buckets=[1024])
+    moved = compile_schedules(spec, order=order, batch_sizes=[1], buckets=[1024])
+    assert moved.schedules[0].geometry.split_down
+    assert not np.array_equal(moved.schedules[0].tasks, base.schedules[0].tasks)
+    w = random_weights(spec, seed=31)
+    prompt = [torch.randint(0, spec.vocab_size, (7,), generator=torch.Generator().manual_seed(8)).tolist()]
+    ref = run(spec, w, base, prompt, max_tokens=4, eos_token_ids=[], return_logits=True)[0]
+    for mode in ("fast", "checked"):
+        got = run(spec, w, moved, prompt, max_tokens=4, eos_token_ids=[], return_logits=True, mode=mode)[0]
+        assert got.tokens == ref.tokens, mode
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits)), mode
