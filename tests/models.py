@@ -62,3 +62,14 @@ def hf_last_logits(model, tokens: list[int]) -> torch.Tensor:
     """fp32 logits of the last position of ``tokens`` (full recompute, no cache)."""
     ids = torch.tensor([tokens], dtype=torch.int64)
     return model(input_ids=ids, use_cache=False).logits[0, -1].float()
+
+
+def assert_steps_match_hf(model, prompt: list[int], out, label=None, rtol: float = 1e-4) -> None:
+    """Each decoded step of ``out`` (tokens and logits of ``prompt``'s
+    generation): its logits within ``rtol`` of the largest of transformers'
+    fp32 logits for the same sequence (the prompt and the tokens before)."""
+    seq = list(prompt)
+    for tok, logits in zip(out.tokens, out.logits):
+        ref = hf_last_logits(model, seq)
+        assert float((logits - ref).abs().max()) <= rtol * float(ref.abs().max()), label
+        seq.append(tok)

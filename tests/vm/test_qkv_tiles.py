@@ -20,7 +20,7 @@ from megac.errors import MegacError
 from megac.passes.pipeline import compile_one
 from megac.spec import load_spec
 from megac.weights import random_weights
-from models import hf_last_logits, hf_model, variant
+from models import assert_steps_match_hf, hf_model, variant
 
 
 def _spec(qkv_bn: int | None, name: str = "qkv"):
@@ -75,13 +75,7 @@ def test_part_head_tiles_match_transformers():
     prompt = torch.randint(0, half.vocab_size, (9,), generator=torch.Generator().manual_seed(2)).tolist()
     out = run(half, w, compile_schedules(half, batch_sizes=[1], buckets=[1024]), [prompt], max_tokens=4,
               eos_token_ids=[], return_logits=True)[0]
-    model = hf_model(half, w)
-    seq = list(prompt)
-    for tok, logits in zip(out.tokens, out.logits):
-        with torch.no_grad():
-            ref = hf_last_logits(model, seq)
-        assert float((logits - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
-        seq.append(tok)
+    assert_steps_match_hf(hf_model(half, w), prompt, out)
 
 
 @pytest.mark.parametrize("qkv_bn, why", [(24, "divide"), (8, "multiples of 16")])

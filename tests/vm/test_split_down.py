@@ -20,7 +20,7 @@ from megac.abi import TASK_WORDS, Flag, H, Op, field_index
 from megac.passes.pipeline import compile_one, compile_schedules
 from megac.spec import load_spec
 from megac.weights import random_weights
-from models import hf_last_logits, hf_model, variant
+from models import assert_steps_match_hf, hf_model, variant
 
 
 def _spec(bound: int, **tiles):
@@ -86,12 +86,7 @@ def test_split_down_matches_transformers_and_the_default_tokens(routed):
             out = run(spec, w, scheds, prompts[:n], max_tokens=4, eos_token_ids=[], return_logits=True, mode=mode)
             for p, o, want in zip(prompts, out, ref_tokens):
                 assert o.tokens == want, (mode, n)
-                seq = list(p)
-                for tok, logits in zip(o.tokens, o.logits):
-                    with torch.no_grad():
-                        ref = hf_last_logits(model, seq)
-                    assert float((logits - ref).abs().max()) <= 1e-4 * float(ref.abs().max()), (mode, n)
-                    seq.append(tok)
+                assert_steps_match_hf(model, p, o, (mode, n))
 
 
 def test_split_down_excludes_the_combine_in_the_norm():
@@ -180,12 +175,7 @@ def test_split_up_tiles_of_their_own_match_transformers(n):
     prompts = [torch.randint(0, spec.vocab_size, (k,), generator=g).tolist() for k in (9, 5, 11)][:n]
     model = hf_model(spec, w)
     for p, o in zip(prompts, run(spec, w, scheds, prompts, max_tokens=3, eos_token_ids=[], return_logits=True)):
-        seq = list(p)
-        for tok, logits in zip(o.tokens, o.logits):
-            with torch.no_grad():
-                ref = hf_last_logits(model, seq)
-            assert float((logits - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
-            seq.append(tok)
+        assert_steps_match_hf(model, p, o)
 
 
 def test_the_o_projection_over_attention_and_qkv_sms_gives_the_same_bits():
