@@ -143,7 +143,8 @@ __device__ __forceinline__ void warm_split(const Ctx& c, int layer, int row, int
   const int hi = M::KV_HEAD_MAJOR ? end : begin + n * (kvh + 1) / M::KV_HEADS;
   if (lo >= hi) return;  // an empty split, or an inactive row
   const int32_t* pt = page_row<M>(d, layer, row);
-  // pieces of g keys never cross a block: a piece's rows are contiguous
+  // pieces of g keys never cross a block: a piece's rows are contiguous (token-major: from
+  // head 0's row of its first key, every head; head-major: this head's rows)
   const int g = bs % 16 == 0 ? 16 : 1;
   constexpr int64_t kKeyBytes = int64_t(M::KV_HEAD_MAJOR ? 1 : M::KV_HEADS) * M::HEAD_DIM * 2;
 #if MEGAC_ATTN_WARM == 2
@@ -151,10 +152,10 @@ __device__ __forceinline__ void warm_split(const Ctx& c, int layer, int row, int
 #endif
   for (int p = lo / g + lane; p * g < hi; p += nlanes) {
     const int k0 = max(lo, p * g), k1 = min(hi, (p + 1) * g);
-    const int64_t tok = M::KV_HEAD_MAJOR ? kvpool::row(__ldg(pt + k0 / bs), k0 % bs, bs, M::KV_HEADS, kvh, true)
-                                         : int64_t(__ldg(pt + k0 / bs)) * bs + k0 % bs;
-    const char* kp = reinterpret_cast<const char*>(ptr<const bf16>(d->k_pool)) + tok * kKeyBytes;
-    const char* vp = reinterpret_cast<const char*>(ptr<const bf16>(d->v_pool)) + tok * kKeyBytes;
+    const int64_t row = kvpool::row(__ldg(pt + k0 / bs), k0 % bs, bs, M::KV_HEADS, M::KV_HEAD_MAJOR ? kvh : 0,
+                                    M::KV_HEAD_MAJOR);
+    const char* kp = reinterpret_cast<const char*>(ptr<const bf16>(d->k_pool) + row * M::HEAD_DIM);
+    const char* vp = reinterpret_cast<const char*>(ptr<const bf16>(d->v_pool) + row * M::HEAD_DIM);
     const uint32_t bytes = uint32_t((k1 - k0) * kKeyBytes);
 #if MEGAC_ATTN_WARM == 2
     prefetch_l2_hint(kp, bytes, policy);
