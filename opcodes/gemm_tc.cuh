@@ -29,6 +29,7 @@
 
 #include "common.cuh"
 #include "profile_marks.cuh"
+#include "gemm_rows.cuh"  // rows::WeightSpan
 #include "gemm_tile.cuh"
 #include "mbarrier.cuh"
 #include "weight_stream.cuh"
@@ -95,11 +96,11 @@ __device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, in
 // i / groups; warp w takes items w, w + nwarps, ...
 struct Deal {
   int groups, parts, nb;
-  __device__ Deal(int nlen, int klen, int nwarps)
+  __host__ __device__ Deal(int nlen, int klen, int nwarps)
       : groups(nlen / 16), parts(nlen / 16 >= nwarps ? 1 : nwarps / (nlen / 16)), nb(klen / 32) {}
-  __device__ int items() const { return groups * parts; }
-  __device__ int first_block(int item) const { return (item / groups) * nb / parts; }
-  __device__ int end_block(int item) const { return (item / groups + 1) * nb / parts; }
+  __host__ __device__ int items() const { return groups * parts; }
+  __host__ __device__ int first_block(int item) const { return (item / groups) * nb / parts; }
+  __host__ __device__ int end_block(int item) const { return (item / groups + 1) * nb / parts; }
 };
 
 __device__ __forceinline__ void zero_acc(float (&acc)[kAcc][4]) {
@@ -288,17 +289,61 @@ __device__ __forceinline__ void bulk_init(BulkState* st) {
 // slice's last stages may be empty).
 struct Walk : Deal {
   int per_item, total;
-  __device__ Walk(int nlen, int klen, int warp, int nwarps) : Deal(nlen, klen, nwarps) {
+  __host__ __device__ Walk(int nlen, int klen, int warp, int nwarps) : Deal(nlen, klen, nwarps) {
     const int all = items();
     const int mine = warp < all ? (all - warp + nwarps - 1) / nwarps : 0;
     per_item = ((nb + parts - 1) / parts + kStageBlocks - 1) / kStageBlocks;
     total = mine * per_item;
   }
   // stage i: its item, first block and block count (0: an empty stage)
-  __device__ void stage(int i, int warp, int nwarps, int& item, int& blk0, int& nblk) const {
+  __host__ __device__ void stage(int i, int warp, int nwarps, int& item, int& blk0, int& nblk) const {
     item = warp + (i / per_item) * nwarps;
     blk0 = first_block(item) + (i % per_item) * kStageBlocks;
     nblk = max(0, min(kStageBlocks, end_block(item) - blk0));
+  }
+};
+
+// 1: tile_bulk and prime() walk a warp's stages with a cursor (WalkPos) that
+// steps one stage at a time, Walk::stage's divisions (the item, the stage
+// within it, the item's first and end block, its row group) once an item
+// instead of every stage; 0: Walk::stage for each stage. Why: in the SASS,
+// ~85 dependent integer instructions (five divisions) stood between a
+// slot's last MMA and the bulk copy refilling it, and ~100 more before each
+// stage's wait; a warp keeps two 8 KB slots in flight, so that time is part
+// of every slot's round trip, and a claim's first copies waited ~1.3 us on
+// prime()'s (twenty-eighth session's stamps 11 -> 10). The same stages in
+// the same order: the same bits.
+#ifndef MEGAC_TC_WALK_POS
+#define MEGAC_TC_WALK_POS 0
+#endif
+
+// Stage i of a warp's walk and the stages after it, one next() a stage.
+struct WalkPos {
+  int item, j, b0, b1, grp;  // the item, the stage within it, its blocks [b0, b1), its row group
+  __host__ __device__ WalkPos(const Walk& wk, int i, int warp, int nwarps) {
+    const int k = i < wk.per_item ? 0 : i / wk.per_item;
+    j = i - k * wk.per_item;
+    at(wk, warp + k * nwarps);
+  }
+  __host__ __device__ void at(const Walk& wk, int it) {
+    item = it;
+    if (wk.parts == 1) {  // one slice an item (every expert tile): item < groups
+      b0 = 0;
+      b1 = wk.nb;
+      grp = it;
+    } else {
+      b0 = wk.first_block(it);
+      b1 = wk.end_block(it);
+      grp = it % wk.groups;
+    }
+  }
+  __host__ __device__ int blk0() const { return b0 + j * kStageBlocks; }
+  __host__ __device__ int nblk() const { return max(0, min(kStageBlocks, b1 - blk0())); }
+  __host__ __device__ void next(const Walk& wk, int nwarps) {
+    if (++j == wk.per_item) {
+      j = 0;
+      at(wk, item + nwarps);
+    }
   }
 };
 
@@ -326,6 +371,34 @@ __device__ __forceinline__ void issue(const rows::WeightSpan& s, const Walk& wk,
   }
 }
 
+// Lane 0: the stage at `p` as the warp's n-th stage (its slot n % kStages).
+__device__ __forceinline__ void issue_at(const rows::WeightSpan& s, const WalkPos& p, uint32_t n, uint8_t* ring,
+                                         BulkState* st, int warp, uint64_t policy) {
+  const uint32_t slot = n % kStages;
+  uint64_t* bar = &st->bar[warp][slot];
+  const int blk0 = p.blk0(), nblk = p.nblk();
+  if (nblk > 0) {
+    const bf16* src = s.p + (int64_t(p.grp) * (s.ld / 32) + blk0) * kBlockElems;
+    mbar_arrive_expect_tx(bar, uint32_t(nblk) * 1024u);
+    bulk_load_hint(ring + (warp * kStages + slot) * kStageBytes, src, uint32_t(nblk) * 1024u, bar, policy);
+  } else {
+    mbar_arrive(bar);
+  }
+}
+
+// Lane 0: stages [i0, i1) of the walk (prime() and tile_bulk's first fill).
+// Returns the cursor at stage i1 (tile_bulk refills from there).
+__device__ __forceinline__ WalkPos issue_range(const rows::WeightSpan& s, const Walk& wk, int i0, int i1,
+                                               uint32_t base, uint8_t* ring, BulkState* st, int warp, int nwarps,
+                                               uint64_t policy) {
+  WalkPos p(wk, i0, warp, nwarps);
+  for (int i = i0; i < i1; ++i) {
+    issue_at(s, p, base + i, ring, st, warp, policy);
+    p.next(wk, nwarps);
+  }
+  return p;
+}
+
 // 1: prime() is one function every static GEMM opcode's dispatch calls
 // instead of a copy of its walk's divisions inlined into each (North Mini
 // Code's kernel 71,427 -> 65,470 lines of SASS); 0: inlined. The span by
@@ -343,6 +416,15 @@ __device__ __forceinline__ void issue(const rows::WeightSpan& s, const Walk& wk,
 #define MEGAC_TC_PRIME_FN __forceinline__
 #endif
 
+// Lane 0: a walk's first n stages.
+__device__ __forceinline__ void issue_first(const rows::WeightSpan& s, const Walk& wk, int n, uint32_t base,
+                                            uint8_t* ring, BulkState* st, int warp, int nwarps, uint64_t policy) {
+  if (MEGAC_TC_WALK_POS)
+    issue_range(s, wk, 0, n, base, ring, st, warp, nwarps, policy);
+  else
+    for (int i = 0; i < n; ++i) issue(s, wk, i, base, ring, st, warp, nwarps, policy);
+}
+
 // Every thread: each warp's lane 0 issues the warp's first `stages` (at
 // most kStages) stages of the tile `s` as walk W (Walk, or Packed's packed
 // stages) deals them.
@@ -355,7 +437,7 @@ __device__ __forceinline__ void prime_first(const rows::WeightSpan& s, uint8_t* 
   const uint64_t policy = l2_evict_first_policy();
   const uint32_t base = st->seq[warp];
   const int n = min(min(kStages, stages), wk.total);
-  for (int i = 0; i < n; ++i) issue(s, wk, i, base, ring, st, warp, nwarps, policy);
+  issue_first(s, wk, n, base, ring, st, warp, nwarps, policy);
   st->primed[warp] = n;
 }
 
@@ -444,9 +526,40 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
   const int issued = primed ? int(st->primed[warp]) : 0;
   __syncwarp();  // every lane read seq / primed before lane 0 moves them
   const uint64_t policy = lane == 0 ? l2_evict_first_policy() : 0;
+  float acc[kAcc][4];
+#if MEGAC_TC_WALK_POS
+  // lane 0's refill cursor (stage i + kStages at step i) and every lane's
+  // consuming one (stage i)
+  WalkPos fill(wk, 0, warp, nwarps);
+  if (lane == 0) fill = issue_range(s, wk, issued, min(kStages, wk.total), base, ring, st, warp, nwarps, policy);
+  WalkPos at(wk, 0, warp, nwarps);
+  for (int i = 0; i < wk.total; ++i) {
+    if (at.j == 0) zero_acc(acc);
+    const uint32_t n = base + i;
+    wait_landed(st, warp, n);
+    if (i == 0) MEGAC_MARK(3);  // warp 0's first stage landed (the ring's first fill)
+    const uint32_t src = ring_w + (n % kStages) * kStageBytes + lane * 16;
+    const int blk0 = at.blk0(), nblk = at.nblk(), rel0 = at.j * kStageBlocks;
+#pragma unroll
+    for (int b = 0; b < kStageBlocks; ++b) {
+      if (b >= nblk) break;
+      uint4 xv = make_uint4(0, 0, 0, 0);
+      if (token) xv = gemm::lds128(xa + (blk0 + b) * 64);
+      mma_block(acc, rel0 + b, gemm::lds128(src + b * 1024), gemm::lds128(src + b * 1024 + 512), xv);
+    }
+    // the slot's reads are done (their MMAs consumed them): refill it
+    if (MEGAC_TC_STAGE_FENCE) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (lane == 0 && i + kStages < wk.total) {
+      issue_at(s, fill, n + kStages, ring, st, warp, policy);
+      fill.next(wk, nwarps);
+    }
+    if (at.j == wk.per_item - 1) store_item(acc, wk, at.item, ys, part);
+    at.next(wk, nwarps);
+  }
+#else
   if (lane == 0)
     for (int i = issued; i < min(kStages, wk.total); ++i) issue(s, wk, i, base, ring, st, warp, nwarps, policy);
-  float acc[kAcc][4];
   for (int i = 0; i < wk.total; ++i) {
     int item, blk0, nblk;
     wk.stage(i, warp, nwarps, item, blk0, nblk);
@@ -469,6 +582,7 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
     if (lane == 0 && i + kStages < wk.total) issue(s, wk, i + kStages, base, ring, st, warp, nwarps, policy);
     if (i % wk.per_item == wk.per_item - 1) store_item(acc, wk, item, ys, part);
   }
+#endif
   __syncwarp();
   if (lane == 0) {
     st->seq[warp] = base + wk.total;
@@ -518,6 +632,12 @@ __device__ __forceinline__ void issue(const rows::WeightSpan& s, const Packed& p
     const int group = warp + (i * pk.pack + j) * nwarps;
     bulk_load_hint(dst + j * bytes, s.p + int64_t(group) * (s.ld / 32) * kBlockElems, bytes, bar, policy);
   }
+}
+
+// Lane 0: a packed walk's first n stages.
+__device__ __forceinline__ void issue_first(const rows::WeightSpan& s, const Packed& pk, int n, uint32_t base,
+                                            uint8_t* ring, BulkState* st, int warp, int nwarps, uint64_t policy) {
+  for (int i = 0; i < n; ++i) issue(s, pk, i, base, ring, st, warp, nwarps, policy);
 }
 
 // prime() for a packed tile.
