@@ -201,6 +201,16 @@ struct MoeDownOffsets {
   }
 };
 
+// 1: a routed claimer of one row (batch 1) places its K experts by
+// comparing their ids (K threads, K compares each) instead of counting them
+// over all E experts and scanning (two barriers and a warp's walk of E
+// counts); the same summary. 0: the count and the scan for every batch.
+// Why: the twenty-eighth session's stamps put ~1 us between the ranking and
+// the records at batch 1, on the path to every layer's first expert byte.
+#ifndef MEGAC_ROUTED_ONE_ROW
+#define MEGAC_ROUTED_ONE_ROW 0
+#endif
+
 // Routed claims, whole CTA: rank, count and scan as finalize_cta does, then
 // the claim loop over the records derived from that (the queue head's atomic
 // as for a queue in memory); no claimed task waits (the router's counter,
@@ -242,24 +252,41 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
   moe::topk_rows_cta<false>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0),
                             size_t(M::MAX_ROWS) * M::NUM_EXPERTS, MK_F(moe_upgate_drain, ROUTE_SPLITS), rows, E, K,
                             ts->w[H_FLAGS], ids, nullptr, ids);
-  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    moe::rank_entries(ids, true, n, cnt, rank);
-    moe::scan_experts(cnt, E, off, act, nact);
-  }
-  __syncthreads();
   int32_t* sum = RS::summary(c);  // [0] nact, [1 + 3a ..] (e, slot0, rows), [1 + 3 entries + slot] row
   int32_t* rowof = sum + 1 + 3 * RS::kEntries;
-  const int na = *nact;
-  for (int a = threadIdx.x; a < na; a += blockDim.x) {
-    const int e = act[a];
-    sum[1 + 3 * a] = e;
-    sum[2 + 3 * a] = off[e];
-    sum[3 + 3 * a] = cnt[e];
+  if (MEGAC_ROUTED_ONE_ROW && rows == 1) {
+    // one row: its K experts are distinct, one slot each, so the active
+    // experts ascending are its ids sorted and an expert's slot is its place
+    // there (what the count and the scan below give), K threads at once
+    if (threadIdx.x < K) {
+      const int e = ids[threadIdx.x];
+      int pos = 0;
+#pragma unroll
+      for (int j = 0; j < K; ++j) pos += ids[j] < e;
+      sum[1 + 3 * pos] = e;
+      sum[2 + 3 * pos] = pos;
+      sum[3 + 3 * pos] = 1;
+      rowof[pos] = 0;
+    }
+    if (threadIdx.x == 0) sum[0] = K;
+  } else {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      moe::rank_entries(ids, true, n, cnt, rank);
+      moe::scan_experts(cnt, E, off, act, nact);
+    }
+    __syncthreads();
+    const int na = *nact;
+    for (int a = threadIdx.x; a < na; a += blockDim.x) {
+      const int e = act[a];
+      sum[1 + 3 * a] = e;
+      sum[2 + 3 * a] = off[e];
+      sum[3 + 3 * a] = cnt[e];
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) rowof[off[ids[i]] + rank[i]] = i / K;
+    if (threadIdx.x == 0) sum[0] = na;
   }
-  for (int i = threadIdx.x; i < n; i += blockDim.x) rowof[off[ids[i]] + rank[i]] = i / K;
-  if (threadIdx.x == 0) sum[0] = na;
   MEGAC_MARK(7);  // ranked, counted, the claims' summary written (after topk_rows_cta's 0 and 1)
   __syncthreads();
   // the claim loop's, with records derived: index p is tile p % UP_TILES of the

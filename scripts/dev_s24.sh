@@ -86,6 +86,17 @@ case "${1:-tails}" in
   next5)  # the O-projection over twice the SMs in the split schedule (split1_own_oqkv, its own order
           # file; the cost model predicts +12 %) against the split on its own up tiles, bs1 8K
     TLIST=split1_own_oqkv,split1_own,split1_own_oqkv#1,split1_own#1 TB=1 bash "$0" ab ;;
+  next6)  # the twenty-eighth session's GEMM ring cursor (gemm_tc.cuh MEGAC_TC_WALK_POS), with the ranking on
+          # two threads a logit and the one-row claimer's placement (ops_moe.cuh MEGAC_ROUTED_ONE_ROW), each
+          # against the default, interleaved, bits checked; then profiled bs1 8K steps (default, walkpos_1row).
+          # Prebuild: MEGAC_VARIANTS=walkpos,rank_halves,walkpos_rank,walkpos_1row
+          #   MEGAC_PROFILE_VARIANTS=walkpos_1row ... --prebuild north-mini-code smollm2-135m
+    MEGAC_VARIANTS=${V:-walkpos,rank_halves,walkpos_rank,walkpos_1row} MEGAC_VARIANT_ROUNDS=${R:-3} \
+      timeout 400 python3 -m gpu.megakernel_check --run variants --out $OUT/variants.json 2>&1 \
+      | grep -v Warning | grep '^{"'
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=${PV:-walkpos_1row} timeout 200 python3 -m gpu.megakernel_check \
+      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
+    gzip -q $OUT/*.json 2>/dev/null; ls $OUT ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

@@ -728,6 +728,8 @@ VARIANTS = {
     # the GEMM rings walked with a cursor: the stage divisions once an item (gemm_tc.cuh WalkPos)
     "walkpos": {"MEGAC_TC_WALK_POS": 1},
     "walkpos_rank": {"MEGAC_TC_WALK_POS": 1, "MEGAC_TOPK_RANK_HALVES": 1},  # and the ranking on two threads a logit
+    # and a one-row routed claimer placing its experts by their ids (ops_moe.cuh MEGAC_ROUTED_ONE_ROW)
+    "walkpos_1row": {"MEGAC_TC_WALK_POS": 1, "MEGAC_ROUTED_ONE_ROW": 1},
     "rows": {"MEGAC_TC_GEMM": 0},  # row-major weights, the CUDA-core row GEMM
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
     "attn_tiles": {"MEGAC_ATTN_MMA": 0},  # attention splits on the CUDA cores (attn_tiles.cuh)
@@ -815,7 +817,7 @@ VARIANTS = {
     "norm_scalar": {"MEGAC_NORM_VEC": 0},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"up_x_cg", "rank_halves", "walkpos_rank", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
+MOE_ONLY_VARIANTS = {"up_x_cg", "rank_halves", "walkpos_rank", "walkpos_1row", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
