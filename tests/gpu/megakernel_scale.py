@@ -730,6 +730,10 @@ VARIANTS = {
     "walkpos_rank": {"MEGAC_TC_WALK_POS": 1, "MEGAC_TOPK_RANK_HALVES": 1},  # and the ranking on two threads a logit
     # and a one-row routed claimer placing its experts by their ids (ops_moe.cuh MEGAC_ROUTED_ONE_ROW)
     "walkpos_1row": {"MEGAC_TC_WALK_POS": 1, "MEGAC_ROUTED_ONE_ROW": 1},
+    # rings of 4 x 4 KB a warp with the cursor: the same bytes in flight, a slot refilled after half the
+    # bytes (2 x 8 KB won when each stage paid its divisions: "the cost is per stage")
+    "walkpos_4x4": {"MEGAC_TC_WALK_POS": 1, "MEGAC_TC_STAGES": 4, "MEGAC_TC_STAGE_BLOCKS": 4},
+    "walkpos_3x6": {"MEGAC_TC_WALK_POS": 1, "MEGAC_TC_STAGES": 3, "MEGAC_TC_STAGE_BLOCKS": 6},  # 144 KB in flight
     "rows": {"MEGAC_TC_GEMM": 0},  # row-major weights, the CUDA-core row GEMM
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
     "attn_tiles": {"MEGAC_ATTN_MMA": 0},  # attention splits on the CUDA cores (attn_tiles.cuh)
