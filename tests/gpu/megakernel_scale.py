@@ -1425,6 +1425,12 @@ TILES = {
     "split1_own_kvh": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "kv_head_major": 1},
     "split1_merge_p2": {"split_down": -1, "moe_up_bn": 128, "split_o_proj_bn": 256, "o_proj_merge": 1,
                         "variant": "merge_p2"},
+    # the GEMM ring cursor with the one-row placement (twenty-eighth session: a claim streamed ~65 GB/s per
+    # SM, the expert up phase bound by it), alone, with 128-feature up tiles (96 claims at batch 1: ~7 us a
+    # claim before its first byte lost to fewer, longer claims before), and with the split on its own up tiles
+    "wp": {"variant": "walkpos_1row"},
+    "wp_up128": {"moe_up_bn": 128, "variant": "walkpos_1row"},
+    "wp_split1_own": {"split_down": -1, "split_up_bn": 128, "split_o_proj_bn": 256, "variant": "walkpos_1row"},
 }
 
 
