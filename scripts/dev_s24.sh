@@ -9,7 +9,11 @@
 #   PYTHONPATH=.:tests .venv/bin/python -c "from gpu import megakernel_scale as s; from megac.spec import \
 #     load_spec; print(s.variant_cubin(load_spec('tiny-llama'), s.VARIANTS['hops']))"
 # then the cubins they print (but the interleaved / attention-first orders') copied into build/cubin-sel.
-mkdir -p build/cubin && cp build/cubin-sel/* build/cubin/ && source scripts/gpu_env.sh
+# cubins travel as build/cubin-sel (as built) or build/cz/cubins.tar.xz (a carry holds 64 MiB with the
+# tree; cubins compress ~18x, twenty-eighth session)
+mkdir -p build/cubin && { cp build/cubin-sel/* build/cubin/ 2>/dev/null; true; }
+[ -f build/cz/cubins.tar.xz ] && tar -C build/cubin -xJf build/cz/cubins.tar.xz
+source scripts/gpu_env.sh
 E=schedules/experiments
 run_orders() {  # tiles orders batches vars
   MEGAC_VARIANTS=${4:-default} MEGAC_ORDER_TILES=$1 MEGAC_TILE_BATCHES=$3 MEGAC_TILE_CONTEXTS=8192 MEGAC_VARIANT_ORDERS=$2 \
@@ -97,6 +101,9 @@ case "${1:-tails}" in
     MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=${PV:-walkpos_1row} timeout 200 python3 -m gpu.megakernel_check \
       --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
     gzip -q $OUT/*.json 2>/dev/null; ls $OUT ;;
+  s28)  # next6 with the rings of more, smaller stages, then the cursor with the tile sets (engines alternating)
+    V=walkpos,rank_halves,walkpos_rank,walkpos_1row,walkpos_4x4,walkpos_3x6 bash "$0" next6
+    TLIST=wp,wp_up128,wp_split1_own,default#1,wp#1,wp_up128#1,wp_split1_own#1 TB=1,8 bash "$0" ab ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;
