@@ -317,7 +317,11 @@ struct Walk : Deal {
 #define MEGAC_TC_WALK_POS 0
 #endif
 
-// Stage i of a warp's walk and the stages after it, one next() a stage.
+// Stage i of a warp's walk and the stages after it, one next() a stage. An
+// item's blocks are worked out when the cursor reaches it (none at all for
+// a one-slice item), where Walk::stage worked them out every stage. (At the
+// end of a warp's walk next() works out the item past it: skipping that, or
+// keeping the refill cursor in lane 0 alone, made the megakernel spill.)
 struct WalkPos {
   int item, j, b0, b1, grp;  // the item, the stage within it, its blocks [b0, b1), its row group
   __host__ __device__ WalkPos(const Walk& wk, int i, int warp, int nwarps) {
@@ -386,17 +390,15 @@ __device__ __forceinline__ void issue_at(const rows::WeightSpan& s, const WalkPo
   }
 }
 
-// Lane 0: stages [i0, i1) of the walk (prime() and tile_bulk's first fill).
-// Returns the cursor at stage i1 (tile_bulk refills from there).
-__device__ __forceinline__ WalkPos issue_range(const rows::WeightSpan& s, const Walk& wk, int i0, int i1,
-                                               uint32_t base, uint8_t* ring, BulkState* st, int warp, int nwarps,
-                                               uint64_t policy) {
-  WalkPos p(wk, i0, warp, nwarps);
-  for (int i = i0; i < i1; ++i) {
+// Lane 0: the walk's first n stages (prime()), the cursor not stepped past
+// the last (its next item's blocks would be worked out for nothing).
+__device__ __forceinline__ void issue_stages(const rows::WeightSpan& s, const Walk& wk, int n, uint32_t base,
+                                             uint8_t* ring, BulkState* st, int warp, int nwarps, uint64_t policy) {
+  WalkPos p(wk, 0, warp, nwarps);
+  for (int i = 0; i < n; ++i) {
+    if (i > 0) p.next(wk, nwarps);
     issue_at(s, p, base + i, ring, st, warp, policy);
-    p.next(wk, nwarps);
   }
-  return p;
 }
 
 // 1: prime() is one function every static GEMM opcode's dispatch calls
@@ -420,7 +422,7 @@ __device__ __forceinline__ WalkPos issue_range(const rows::WeightSpan& s, const 
 __device__ __forceinline__ void issue_first(const rows::WeightSpan& s, const Walk& wk, int n, uint32_t base,
                                             uint8_t* ring, BulkState* st, int warp, int nwarps, uint64_t policy) {
   if (MEGAC_TC_WALK_POS)
-    issue_range(s, wk, 0, n, base, ring, st, warp, nwarps, policy);
+    issue_stages(s, wk, n, base, ring, st, warp, nwarps, policy);
   else
     for (int i = 0; i < n; ++i) issue(s, wk, i, base, ring, st, warp, nwarps, policy);
 }
@@ -530,8 +532,12 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
 #if MEGAC_TC_WALK_POS
   // lane 0's refill cursor (stage i + kStages at step i) and every lane's
   // consuming one (stage i)
-  WalkPos fill(wk, 0, warp, nwarps);
-  if (lane == 0) fill = issue_range(s, wk, issued, min(kStages, wk.total), base, ring, st, warp, nwarps, policy);
+  WalkPos fill(wk, issued, warp, nwarps);
+  if (lane == 0)
+    for (int i = issued; i < min(kStages, wk.total); ++i) {
+      issue_at(s, fill, base + i, ring, st, warp, policy);
+      fill.next(wk, nwarps);
+    }
   WalkPos at(wk, 0, warp, nwarps);
   for (int i = 0; i < wk.total; ++i) {
     if (at.j == 0) zero_acc(acc);
