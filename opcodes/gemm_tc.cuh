@@ -475,11 +475,44 @@ __device__ __forceinline__ void drain(BulkState* st) {
 #define MEGAC_X_THEN_PRIME 1
 #endif
 
+// 1: stage_x_prime stages X with cp.async, no register holding it, and
+// calls prime() behind the copies: a call waits on every load still in
+// flight (in the SASS the CALL's wait mask holds the X load's scoreboard),
+// so with ld the claim's first weight copies went out a whole X round trip
+// late (stamps 11 -> 10: ~1.0-1.3 us an expert claim, twenty-eighth
+// session). 0: ld into registers, stored after the call.
+#ifndef MEGAC_X_ASYNC
+#define MEGAC_X_ASYNC 0
+#endif
+
+// Item i of an X staging as one 16-byte cp.async (load_x's source, store_x's
+// place): through L1 for a routed claim's rows, as load_x reads them.
+__device__ __forceinline__ void copy_x_async(const bf16* x, int64_t ldx, int per_row, int pitch,
+                                             const int32_t* rowof, bf16* xs, int i) {
+  const int m = i / per_row, c = i % per_row;
+  const int64_t r = rowof != nullptr ? rowof[m] : m;
+  const bf16* src = x + r * ldx + c * 8;
+  const uint32_t dst = smem_addr(xs + m * pitch + c * 8);
+  if (MEGAC_UP_X_L1 && rowof != nullptr)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
 // stage_x, and prime() as soon as this thread's first X load is out.
 __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs,
                                               const int32_t* rowof, const rows::WeightSpan& s, uint8_t* ring,
                                               BulkState* st) {
   const int per_row = klen / 8, pitch = x_pitch(klen), n = rows * per_row, i0 = threadIdx.x;
+#if MEGAC_X_ASYNC
+  for (int i = i0; i < n; i += blockDim.x) copy_x_async(x, ldx, per_row, pitch, rowof, xs, i);
+  prime(s, ring, st);  // lane 0 of each warp
+  MEGAC_MARK(10);      // thread 0's ring stages issued
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  MEGAC_MARK(9);  // thread 0's X load returned
+  __syncthreads();
+  return;
+#endif
   uint4 v = make_uint4(0, 0, 0, 0);
   if (i0 < n) v = load_x(x, ldx, per_row, rowof, i0);
   prime(s, ring, st);  // lane 0 of each warp; after its own warp's loads in program order

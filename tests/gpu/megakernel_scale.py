@@ -733,6 +733,9 @@ VARIANTS = {
     # rings of 4 x 4 KB a warp with the cursor: the same bytes in flight, a slot refilled after half the
     # bytes (2 x 8 KB won when each stage paid its divisions: "the cost is per stage")
     "walkpos_4x4": {"MEGAC_TC_WALK_POS": 1, "MEGAC_TC_STAGES": 4, "MEGAC_TC_STAGE_BLOCKS": 4},
+    # and X staged by cp.async so the prime call does not wait for it (gemm_tc.cuh MEGAC_X_ASYNC)
+    "wp_x": {"MEGAC_TC_WALK_POS": 1, "MEGAC_ROUTED_ONE_ROW": 1, "MEGAC_X_ASYNC": 1},
+    "walkpos_x": {"MEGAC_TC_WALK_POS": 1, "MEGAC_X_ASYNC": 1},
     "walkpos_3x6": {"MEGAC_TC_WALK_POS": 1, "MEGAC_TC_STAGES": 3, "MEGAC_TC_STAGE_BLOCKS": 6},  # 144 KB in flight
     "rows": {"MEGAC_TC_GEMM": 0},  # row-major weights, the CUDA-core row GEMM
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
@@ -821,7 +824,7 @@ VARIANTS = {
     "norm_scalar": {"MEGAC_NORM_VEC": 0},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"up_x_cg", "rank_halves", "walkpos_rank", "walkpos_1row", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
+MOE_ONLY_VARIANTS = {"up_x_cg", "rank_halves", "walkpos_rank", "walkpos_1row", "wp_x", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
