@@ -104,6 +104,9 @@ case "${1:-tails}" in
   s28)  # next6 with the rings of more, smaller stages, then the cursor with the tile sets (engines alternating)
     V=walkpos,rank_halves,walkpos_rank,walkpos_1row,walkpos_4x4,walkpos_3x6 bash "$0" next6
     TLIST=wp,wp_up128,wp_split1_own,default#1,wp#1,wp_up128#1,wp_split1_own#1 TB=1,8 bash "$0" ab ;;
+  s28b)  # the cursor (its SmolLM2 fix), with the one-row placement, with X by cp.async, interleaved, 4
+          # rounds, bits checked; then profiled bs1 8K steps (default, wp_x)
+    V=walkpos,walkpos_1row,wp_x,walkpos_x R=4 PV=wp_x bash "$0" next6 ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;
