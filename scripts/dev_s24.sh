@@ -106,7 +106,15 @@ case "${1:-tails}" in
     TLIST=wp,wp_up128,wp_split1_own,default#1,wp#1,wp_up128#1,wp_split1_own#1 TB=1,8 bash "$0" ab ;;
   s28b)  # the cursor (its SmolLM2 fix), with the one-row placement, with X by cp.async, interleaved, 4
           # rounds, bits checked; then profiled bs1 8K steps (default, wp_x)
-    V=walkpos,walkpos_1row,wp_x,walkpos_x R=4 PV=wp_x bash "$0" next6 ;;
+    V=walkpos,walkpos_1row,wp_x,walkpos_x R=4 PV=wp_x bash "$0" next6
+    # and the wp_x build checked as a default would be: tiny models against the VM, the watchdog on its
+    # waits, the North Mini Code slice against fp32 at one and two rows
+    MEGAC_CHECK_VARIANT=wp_x MEGAC_HANG_VARIANT=wp_x timeout 200 python3 -m gpu.megakernel_check --run tiny hang \
+      --out $OUT/verify.json 2>&1 | grep -v Warning | tail -3 | cut -c1-600
+    for r in 1 2; do
+      MEGAC_CHECK_VARIANT=wp_x MEGAC_CHECK_ROWS=$r timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
+        --out $OUT/slice-wpx-$r.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300
+    done ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

@@ -58,7 +58,8 @@ PROMPTS = [
 
 def _tiny_vs_vm(spec) -> dict:
     """A small model on the GPU against the CPU VM: greedy tokens, logits'
-    cosine, repeat and batch invariance."""
+    cosine, repeat and batch invariance (MEGAC_CHECK_VARIANT: that VARIANTS
+    build of the model)."""
     import torch
 
     from megac.weights import random_weights
@@ -67,6 +68,9 @@ def _tiny_vs_vm(spec) -> dict:
     prompts = [[(17 * i + 3 * j) % spec.vocab_size for j in range(n)] for i, n in enumerate((5, 37, 12))]
     t0 = time.perf_counter()
     gpu = scale.engine(spec, w, "cuda", max_batch_size=8, max_model_len=256)
+    variant = os.environ.get("MEGAC_CHECK_VARIANT")  # a VARIANTS build instead of the default
+    if variant:
+        scale.use_cubin(gpu.backend, scale.variant_cubin(spec, scale.VARIANTS[variant]))
     a = scale.generate_all(gpu, prompts, 8)
     b = scale.generate_all(gpu, prompts, 8)
     alone = [scale.generate_all(gpu, [p], 8)[0] for p in prompts]
