@@ -115,6 +115,13 @@ case "${1:-tails}" in
       MEGAC_CHECK_VARIANT=wp_x MEGAC_CHECK_ROWS=$r timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
         --out $OUT/slice-wpx-$r.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300
     done ;;
+  s28c)  # s28b shortened (no profile, 3 rounds, the slice at one row): for a short device budget
+    MEGAC_VARIANTS=walkpos,walkpos_1row,wp_x,walkpos_x MEGAC_VARIANT_ROUNDS=3 timeout 300 python3 -m gpu.megakernel_check \
+      --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | grep '^{"'
+    MEGAC_CHECK_VARIANT=wp_x MEGAC_HANG_VARIANT=wp_x timeout 200 python3 -m gpu.megakernel_check --run tiny hang \
+      --out $OUT/verify.json 2>&1 | grep -v Warning | tail -3 | cut -c1-600
+    MEGAC_CHECK_VARIANT=wp_x MEGAC_CHECK_ROWS=1 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
+      --out $OUT/slice-wpx-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300 ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;
