@@ -68,10 +68,13 @@ __host__ __device__ constexpr int part_bytes(int nwarps) { return nwarps * 16 * 
 // through L2 only (other CTAs wrote x), but a routed claim's rows: those
 // (x_norm) were pulled into this SM's L1 after its acquire (ops_moe.cuh
 // MEGAC_UP_X_L1), so they are this layer's.
-__device__ __forceinline__ uint4 load_x(const bf16* x, int64_t ldx, int per_row, const int32_t* rowof, int i) {
+__device__ __forceinline__ const uint4* x_src(const bf16* x, int64_t ldx, int per_row, const int32_t* rowof, int i) {
   const int m = i / per_row, c = i % per_row;
   const int64_t r = rowof != nullptr ? rowof[m] : m;  // rowof: the tile's rows gathered (routed claims)
-  const uint4* src = reinterpret_cast<const uint4*>(x + r * ldx) + c;
+  return reinterpret_cast<const uint4*>(x + r * ldx) + c;
+}
+__device__ __forceinline__ uint4 load_x(const bf16* x, int64_t ldx, int per_row, const int32_t* rowof, int i) {
+  const uint4* src = x_src(x, ldx, per_row, rowof, i);
   return MEGAC_UP_X_L1 && rowof != nullptr ? __ldca(src) : __ldcg(src);
 }
 
@@ -358,16 +361,14 @@ __device__ __forceinline__ void wait_landed(BulkState* st, int warp, uint32_t n)
   }
 }
 
-// Lane 0: stage i of this warp's walk into its slot. An empty stage still
-// completes its barrier's phase, so slots and phases stay in step.
-__device__ __forceinline__ void issue(const rows::WeightSpan& s, const Walk& wk, int i, uint32_t base,
-                                      uint8_t* ring, BulkState* st, int warp, int nwarps, uint64_t policy) {
-  const uint32_t n = base + i, slot = n % kStages;
+// Lane 0: row group grp's blocks [blk0, blk0 + nblk) into the slot of the
+// warp's n-th stage. An empty stage still completes its barrier's phase.
+__device__ __forceinline__ void issue_blocks(const rows::WeightSpan& s, int grp, int blk0, int nblk, uint32_t n,
+                                             uint8_t* ring, BulkState* st, int warp, uint64_t policy) {
+  const uint32_t slot = n % kStages;
   uint64_t* bar = &st->bar[warp][slot];
-  int item, blk0, nblk;
-  wk.stage(i, warp, nwarps, item, blk0, nblk);
   if (nblk > 0) {
-    const bf16* src = s.p + (int64_t(item % wk.groups) * (s.ld / 32) + blk0) * kBlockElems;
+    const bf16* src = s.p + (int64_t(grp) * (s.ld / 32) + blk0) * kBlockElems;
     mbar_arrive_expect_tx(bar, uint32_t(nblk) * 1024u);
     bulk_load_hint(ring + (warp * kStages + slot) * kStageBytes, src, uint32_t(nblk) * 1024u, bar, policy);
   } else {
@@ -375,19 +376,19 @@ __device__ __forceinline__ void issue(const rows::WeightSpan& s, const Walk& wk,
   }
 }
 
+// Lane 0: stage i of this warp's walk into its slot. An empty stage still
+// completes its barrier's phase, so slots and phases stay in step.
+__device__ __forceinline__ void issue(const rows::WeightSpan& s, const Walk& wk, int i, uint32_t base,
+                                      uint8_t* ring, BulkState* st, int warp, int nwarps, uint64_t policy) {
+  int item, blk0, nblk;
+  wk.stage(i, warp, nwarps, item, blk0, nblk);
+  issue_blocks(s, item % wk.groups, blk0, nblk, base + i, ring, st, warp, policy);
+}
+
 // Lane 0: the stage at `p` as the warp's n-th stage (its slot n % kStages).
 __device__ __forceinline__ void issue_at(const rows::WeightSpan& s, const WalkPos& p, uint32_t n, uint8_t* ring,
                                          BulkState* st, int warp, uint64_t policy) {
-  const uint32_t slot = n % kStages;
-  uint64_t* bar = &st->bar[warp][slot];
-  const int blk0 = p.blk0(), nblk = p.nblk();
-  if (nblk > 0) {
-    const bf16* src = s.p + (int64_t(p.grp) * (s.ld / 32) + blk0) * kBlockElems;
-    mbar_arrive_expect_tx(bar, uint32_t(nblk) * 1024u);
-    bulk_load_hint(ring + (warp * kStages + slot) * kStageBytes, src, uint32_t(nblk) * 1024u, bar, policy);
-  } else {
-    mbar_arrive(bar);
-  }
+  issue_blocks(s, p.grp, p.blk0(), p.nblk(), n, ring, st, warp, policy);
 }
 
 // Lane 0: the walk's first n stages (prime()), the cursor not stepped past
@@ -489,10 +490,8 @@ __device__ __forceinline__ void drain(BulkState* st) {
 // place): through L1 for a routed claim's rows, as load_x reads them.
 __device__ __forceinline__ void copy_x_async(const bf16* x, int64_t ldx, int per_row, int pitch,
                                              const int32_t* rowof, bf16* xs, int i) {
-  const int m = i / per_row, c = i % per_row;
-  const int64_t r = rowof != nullptr ? rowof[m] : m;
-  const bf16* src = x + r * ldx + c * 8;
-  const uint32_t dst = smem_addr(xs + m * pitch + c * 8);
+  const uint4* src = x_src(x, ldx, per_row, rowof, i);
+  const uint32_t dst = smem_addr(xs + (i / per_row) * pitch + (i % per_row) * 8);
   if (MEGAC_UP_X_L1 && rowof != nullptr)
     asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
   else
@@ -510,9 +509,7 @@ __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int ro
   MEGAC_MARK(10);      // thread 0's ring stages issued
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   MEGAC_MARK(9);  // thread 0's X load returned
-  __syncthreads();
-  return;
-#endif
+#else
   uint4 v = make_uint4(0, 0, 0, 0);
   if (i0 < n) v = load_x(x, ldx, per_row, rowof, i0);
   prime(s, ring, st);  // lane 0 of each warp; after its own warp's loads in program order
@@ -520,6 +517,7 @@ __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int ro
   if (i0 < n) store_x(xs, per_row, pitch, i0, v);
   MEGAC_MARK(9);  // thread 0's X load returned
   for (int i = i0 + blockDim.x; i < n; i += blockDim.x) store_x(xs, per_row, pitch, i, load_x(x, ldx, per_row, rowof, i));
+#endif
   __syncthreads();
 }
 
