@@ -57,7 +57,8 @@ struct TaskShared {
   attn_mma::TmaState tma;      // the attention splits' per-warp tensor-copy rings (attn_mma.cuh), per launch
   uint32_t claims;             // records this claimer task ran (profile)
   uint32_t claim_wait_ns;      // time its record waits took (profile)
-  int32_t pad[2];
+  int32_t early;               // 1: the claimed tile's ring primed before its wait (claim_loop's Early)
+  int32_t pad[1];
 };
 static_assert(sizeof(TaskShared) % 16 == 0, "keeps the scratch that follows aligned");
 
@@ -155,14 +156,33 @@ __device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
 // tile's first bulk-copy stages before the claim's wait was measured slower
 // on the H200, tenth session: the claim's wait ended 2.2 us later and the
 // stage landed no sooner; docs/perf-notes.md.)
-template <class Source, class Offsets, class Prefetch, class Run>
+//
+// `early` (Early::kOn, every thread): where the claim's counter is not yet
+// met when thread 0 first reads it, early(rec) primes the claimed tile's
+// ring, then thread 0 waits, and run() finds c.ts->early set (the tile goes
+// on from the primed stages). Thread 0 reads the counter once (an acquire,
+// as the wait's first read) and a met claim runs as without it; so only a
+// claim that would idle primes, with the whole CTA, not thread 0 before its
+// poll (the tenth session's form).
+struct NoEarly {
+  static constexpr bool kOn = false;
+  __device__ void operator()(const int32_t*) const {}
+};
+
+template <class Source, class Offsets, class Prefetch, class Run, class Early = NoEarly>
 __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait_base_field, int wait_target_field,
-                                           int signal_base_field, Offsets offsets, Prefetch prefetch, Run run) {
+                                           int signal_base_field, Offsets offsets, Prefetch prefetch, Run run,
+                                           Early early = {}) {
   TaskShared* ts = c.ts;
   for (;;) {
+    [[maybe_unused]] int32_t wait_ctr = -1, wait_target = 0;
+#if MEGAC_PROFILE
+    [[maybe_unused]] uint64_t t0 = 0;
+#endif
     if (threadIdx.x == 0) {
       const int32_t* w = ts->w;
       int claimed = source(ts->rec);
+      int defer = 0;
       if (claimed) {
         MEGAC_MARK(0);  // the queue head's atomic and the record's loads
         prefetch(ts->rec);
@@ -170,24 +190,58 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
         offsets(ts->rec, wo, so);
         const int32_t wb = w[wait_base_field];
 #if MEGAC_PROFILE
-        const uint64_t t0 = globaltimer_ns();
+        t0 = globaltimer_ns();
 #endif
-        if (wb >= 0 && !wait_on(c, wb + wo, resolve(c.d, w[wait_target_field]))) {
+        if constexpr (Early::kOn) {
+          if (wb >= 0) {
+            wait_ctr = wb + wo;
+            wait_target = resolve(c.d, w[wait_target_field]);
+            defer = ld_acquire_gpu(ptr<const uint32_t>(c.d->counters) + wait_ctr) < uint32_t(wait_target);
+          }
+          if (!defer && !wait_on(c, wait_ctr, wait_target)) {
+            ts->ok = 0;
+            claimed = 0;
+          }
+        } else if (wb >= 0 && !wait_on(c, wb + wo, resolve(c.d, w[wait_target_field]))) {
           ts->ok = 0;
           claimed = 0;
         }
 #if MEGAC_PROFILE
-        ts->claims += 1;
-        ts->claim_wait_ns += uint32_t(globaltimer_ns() - t0);
+        if (!defer) {
+          ts->claims += 1;
+          ts->claim_wait_ns += uint32_t(globaltimer_ns() - t0);
+        }
 #endif
-        MEGAC_MARK(1);  // the claim's own wait
+        if (!defer) MEGAC_MARK(1);  // the claim's own wait
         const int32_t sb = w[signal_base_field];
         ts->claim_signal = sb >= 0 ? sb + so : -1;
       }
       ts->claimed = claimed;
+      if constexpr (Early::kOn) ts->early = defer;
     }
     __syncthreads();
     if (!ts->claimed || !ts->ok) return ts->ok != 0;
+    if constexpr (Early::kOn) {
+      if (ts->early) {
+        // this thread's generic writes to the scratch (the last claim's)
+        // before the copy engine writes the ring there, as between tasks
+        if constexpr (tc::kBulk) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        early(ts->rec);
+        if (threadIdx.x == 0) {
+          if (!wait_on(c, wait_ctr, wait_target)) ts->ok = 0;
+#if MEGAC_PROFILE
+          ts->claims += 1;
+          ts->claim_wait_ns += uint32_t(globaltimer_ns() - t0);
+#endif
+          MEGAC_MARK(1);  // the claim's own wait (its ring primed)
+        }
+        __syncthreads();
+        if (!ts->ok) {
+          tc::drain(&ts->tc);  // no primed copy lands in a CTA that has left
+          return false;
+        }
+      }
+    }
     MEGAC_MARK(8);  // the claim handed to the CTA (past the claim loop's barrier)
     run();
     __syncthreads();
@@ -220,12 +274,12 @@ struct QueueSource {
   }
 };
 
-template <class Offsets, class Prefetch, class Run>
+template <class Offsets, class Prefetch, class Run, class Early = NoEarly>
 __device__ __forceinline__ bool claim_loop(const Ctx& c, int queue_field, int len_field, int wait_base_field,
                                            int wait_target_field, int signal_base_field, Offsets offsets,
-                                           Prefetch prefetch, Run run, int num_layers) {
+                                           Prefetch prefetch, Run run, int num_layers, Early early = {}) {
   return claim_loop(c, QueueSource{c, queue_field, len_field, num_layers}, wait_base_field, wait_target_field,
-                    signal_base_field, offsets, prefetch, run);
+                    signal_base_field, offsets, prefetch, run, early);
 }
 
 }  // namespace mk

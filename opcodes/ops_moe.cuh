@@ -358,6 +358,30 @@ __device__ __forceinline__ void down_claim_l2(const Ctx& c, const int32_t* rec) 
   }
 }
 
+// 1: a down claim whose expert's up tiles are still running primes its
+// ring (kStages stages a warp, 128 KB of its 384 KB at batch 1 in North
+// Mini Code) before its wait, so its first stages have landed when the up
+// tiles end and the tile streams the rest (claim_loop's Early). Only where
+// the wait is not met when the claim is made: an SM that would idle, not
+// one about to stream. 0: the ring starts after the wait (with the X
+// staging, MEGAC_X_THEN_PRIME). Why it may win where the tenth session's
+// claim prime and the fifteenth's L2 prefetch (MEGAC_DOWN_CLAIM_L2) lost:
+// those requested bytes for every claim, or 25 MB of them, ahead of the up
+// streams; this asks 128 KB per waiting claimer, issued by the whole CTA
+// after thread 0's one read of the counter.
+#ifndef MEGAC_DOWN_PRIME
+#define MEGAC_DOWN_PRIME 0
+#endif
+
+template <class M>
+struct DownEarly {
+  static constexpr bool kOn = MEGAC_DOWN_PRIME && GemmScratch<M>::kTc && tc::kBulk;
+  const Ctx& c;
+  __device__ void operator()(const int32_t* rec) const {
+    if constexpr (kOn) tc::prime(moe_down_weights<M>(c, rec), GemmScratch<M>::tc_ring(c), &c.ts->tc);
+  }
+};
+
 template <class M>
 __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
   return claim_loop(c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, f_moe_down_drain::TASK_WAIT_BASE,
@@ -366,7 +390,18 @@ __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
                       rows::prefetch_head(moe_down_weights<M>(c, rec), 0, 1);
                       down_claim_l2<M>(c, rec);
                     },
-                    [&]() { moe_down_tile<M>(c); }, M::NUM_LAYERS);
+                    [&]() {
+                      if constexpr (DownEarly<M>::kOn) {
+                        if (c.ts->early) {  // the claim's ring was primed before its wait
+                          Ctx primed = c;
+                          primed.primed = true;
+                          moe_down_tile<M>(primed);
+                          return;
+                        }
+                      }
+                      moe_down_tile<M>(c);
+                    },
+                    M::NUM_LAYERS, DownEarly<M>{c});
 }
 
 }  // namespace mk

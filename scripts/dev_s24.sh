@@ -122,6 +122,21 @@ case "${1:-tails}" in
       --out $OUT/verify.json 2>&1 | grep -v Warning | tail -3 | cut -c1-600
     MEGAC_CHECK_VARIANT=wp_x MEGAC_CHECK_ROWS=1 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
       --out $OUT/slice-wpx-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300 ;;
+  s29)  # the down claims' ring primed before their waits (ops_moe.cuh MEGAC_DOWN_PRIME) and 10 KB stages, each
+         # against the default and wp_x, interleaved, bits checked; profile of wp_x_dp; wp_x_dp checked as a
+         # default would be (tiny against the VM, the watchdog, the fp32 slice at one and two rows)
+    V=${V:-walkpos_1row,wp_x,wp_dp,wp_x_dp,wp_st10} R=${R:-3} PV=wp_x_dp bash "$0" next6
+    MEGAC_CHECK_VARIANT=wp_x_dp MEGAC_HANG_VARIANT=wp_x_dp timeout 200 python3 -m gpu.megakernel_check --run tiny hang \
+      --out $OUT/verify.json 2>&1 | grep -v Warning | tail -3 | cut -c1-600
+    for r in 1 2; do
+      MEGAC_CHECK_VARIANT=wp_x_dp MEGAC_CHECK_ROWS=$r timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
+        --out $OUT/slice-dp-$r.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300
+    done ;;
+  s29b)  # s29's builds interleaved over more rounds (each round's median kept), then wp_x_dp through tiny and hang
+    MEGAC_VARIANT_RAW=1 MEGAC_VARIANTS=${V:-walkpos_1row,wp_x,wp_dp,wp_x_dp,wp_st10} MEGAC_VARIANT_ROUNDS=${R:-10} \
+      timeout 420 python3 -m gpu.megakernel_check --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | grep '^{"'
+    MEGAC_CHECK_VARIANT=wp_x_dp MEGAC_HANG_VARIANT=wp_x_dp timeout 120 python3 -m gpu.megakernel_check --run tiny hang \
+      --out $OUT/verify.json > $OUT/verify.log 2>&1; echo verify rc $?; python3 -c "import json; d=json.load(open('$OUT/verify.json/megakernel_check.json')); print({k: (v.get('ok'), str(v)[:300]) for k, v in d.items()})" ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

@@ -736,6 +736,13 @@ VARIANTS = {
     # and X staged by cp.async so the prime call does not wait for it (gemm_tc.cuh MEGAC_X_ASYNC)
     "wp_x": {"MEGAC_TC_WALK_POS": 1, "MEGAC_ROUTED_ONE_ROW": 1, "MEGAC_X_ASYNC": 1},
     "walkpos_x": {"MEGAC_TC_WALK_POS": 1, "MEGAC_X_ASYNC": 1},
+    # and a down claim whose expert's up tiles still run primes its ring before its wait (ops_moe.cuh
+    # MEGAC_DOWN_PRIME)
+    "wp_dp": {"MEGAC_TC_WALK_POS": 1, "MEGAC_ROUTED_ONE_ROW": 1, "MEGAC_DOWN_PRIME": 1},
+    "wp_x_dp": {"MEGAC_TC_WALK_POS": 1, "MEGAC_ROUTED_ONE_ROW": 1, "MEGAC_X_ASYNC": 1, "MEGAC_DOWN_PRIME": 1},
+    # rings of 2 x 10 KB a warp (160 KB an SM) with the cursor: alone an SM streams faster with more in
+    # flight (twenty-second session's sm_stream), and a stage's cost is now smaller
+    "wp_st10": {"MEGAC_TC_WALK_POS": 1, "MEGAC_ROUTED_ONE_ROW": 1, "MEGAC_TC_STAGE_BLOCKS": 10},
     "walkpos_3x6": {"MEGAC_TC_WALK_POS": 1, "MEGAC_TC_STAGES": 3, "MEGAC_TC_STAGE_BLOCKS": 6},  # 144 KB in flight
     "rows": {"MEGAC_TC_GEMM": 0},  # row-major weights, the CUDA-core row GEMM
     "regs": {"MEGAC_TC_BULK": 0},  # tensor-core tile, weights straight into registers
@@ -869,7 +876,11 @@ def interleaved_kernel_ms(eng, cubins: dict, cases, rounds: int = 2, steps: int 
             use_cubin(eng.backend, cubin)
             for b, ctx in cases:
                 times[v][f"bs{b}_ctx{ctx}"].append(_step_times(eng, b, ctx, steps=steps)["kernel_ms"])
-    return {v: {k: median(x) for k, x in t.items()} for v, t in times.items()}
+    out = {v: {k: median(x) for k, x in t.items()} for v, t in times.items()}
+    if os.environ.get("MEGAC_VARIANT_RAW"):  # every round's median too, for the spread
+        for v, t in times.items():
+            out[v].update({k + "_rounds": [round(y, 4) for y in x] for k, x in t.items()})
+    return out
 
 
 #: the bit checks' prompts: 8 rows decoding together (batch 8: long expert queues)
