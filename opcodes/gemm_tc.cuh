@@ -315,7 +315,10 @@ struct Walk : Deal {
 // stage's wait; a warp keeps two 8 KB slots in flight, so that time is part
 // of every slot's round trip, and a claim's first copies waited ~1.3 us on
 // prime()'s (twenty-eighth session's stamps 11 -> 10). The same stages in
-// the same order: the same bits.
+// the same order: the same bits. The generated megakernel sets it per model
+// (megac/codegen/megakernel.py switch_defaults: on from a hidden size of 1024;
+// twenty-ninth session, with the one-row placement: North Mini Code -1.8 % at
+// bs1, -1.5 % at bs8; SmolLM2 +3 % with it); 0 where nothing sets it.
 #ifndef MEGAC_TC_WALK_POS
 #define MEGAC_TC_WALK_POS 0
 #endif
@@ -481,9 +484,15 @@ __device__ __forceinline__ void drain(BulkState* st) {
 // flight (in the SASS the CALL's wait mask holds the X load's scoreboard),
 // so with ld the claim's first weight copies went out a whole X round trip
 // late (stamps 11 -> 10: ~1.0-1.3 us an expert claim, twenty-eighth
-// session). 0: ld into registers, stored after the call.
+// session). 0: ld into registers, stored after the call. Measured with the
+// cursor and the one-row placement (twenty-ninth session, ten interleaved
+// rounds, means, the same bits): NMC bs1 +0.1 % alone, -0.8 % with the down
+// claims primed (MEGAC_DOWN_PRIME); bs8 -0.1 / +0.6 %. The generated megakernel
+// turns it off for a dense model, whose tiles are all primed before their
+// waits (megac/codegen/megakernel.py switch_defaults): its build stays the one
+// measured for it.
 #ifndef MEGAC_X_ASYNC
-#define MEGAC_X_ASYNC 0
+#define MEGAC_X_ASYNC 1
 #endif
 
 // Item i of an X staging as one 16-byte cp.async (load_x's source, store_x's

@@ -207,8 +207,10 @@ struct MoeDownOffsets {
 // counts); the same summary. 0: the count and the scan for every batch.
 // Why: the twenty-eighth session's stamps put ~1 us between the ranking and
 // the records at batch 1, on the path to every layer's first expert byte.
+// Measured with the cursor, the same bits: the ranked -> records span 1.06 ->
+// 0.16 us; NMC bs1 -1.8 % and bs8 -1.5 % together (twenty-ninth session).
 #ifndef MEGAC_ROUTED_ONE_ROW
-#define MEGAC_ROUTED_ONE_ROW 0
+#define MEGAC_ROUTED_ONE_ROW 1
 #endif
 
 // Routed claims, whole CTA: rank, count and scan as finalize_cta does, then
@@ -368,14 +370,18 @@ __device__ __forceinline__ void down_claim_l2(const Ctx& c, const int32_t* rec) 
 // claim prime and the fifteenth's L2 prefetch (MEGAC_DOWN_CLAIM_L2) lost:
 // those requested bytes for every claim, or 25 MB of them, ahead of the up
 // streams; this asks 128 KB per waiting claimer, issued by the whole CTA
-// after thread 0's one read of the counter.
+// after thread 0's one read of the counter. Measured (H200, twenty-ninth
+// session, ten interleaved rounds, means, the same bits) with the cursor,
+// the one-row placement and X by cp.async: NMC bs1 2.659 -> 2.636 ms (-0.9 %;
+// -2.6 % against the twenty-eighth session's default), bs8 8.391 -> 8.444
+// (+0.6 %, still -0.9 % against that default).
 #ifndef MEGAC_DOWN_PRIME
-#define MEGAC_DOWN_PRIME 0
+#define MEGAC_DOWN_PRIME 1
 #endif
 
 template <class M>
 struct DownEarly {
-  static constexpr bool kOn = MEGAC_DOWN_PRIME && GemmScratch<M>::kTc && tc::kBulk;
+  static constexpr bool kOn = MEGAC_DOWN_PRIME && M::NUM_EXPERTS > 0 && GemmScratch<M>::kTc && tc::kBulk;
   const Ctx& c;
   __device__ void operator()(const int32_t* rec) const {
     if constexpr (kOn) tc::prime(moe_down_weights<M>(c, rec), GemmScratch<M>::tc_ring(c), &c.ts->tc);

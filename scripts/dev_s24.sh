@@ -137,6 +137,21 @@ case "${1:-tails}" in
       timeout 420 python3 -m gpu.megakernel_check --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | grep '^{"'
     MEGAC_CHECK_VARIANT=wp_x_dp MEGAC_HANG_VARIANT=wp_x_dp timeout 120 python3 -m gpu.megakernel_check --run tiny hang \
       --out $OUT/verify.json > $OUT/verify.log 2>&1; echo verify rc $?; python3 -c "import json; d=json.load(open('$OUT/verify.json/megakernel_check.json')); print({k: (v.get('ok'), str(v)[:300]) for k, v in d.items()})" ;;
+  s29v)  # the new default (the cursor per model, the one-row placement, X by cp.async, the down claims primed)
+         # checked (tiny against the VM, the watchdog, the fp32 slice at one and two rows), against the
+         # twenty-eighth session's default interleaved, then megac bench
+    MEGAC_CHECK_VARIANT=default timeout 120 python3 -m gpu.megakernel_check --run tiny hang --out $OUT/verify.json \
+      > $OUT/verify.log 2>&1; echo verify rc $?; python3 -c "import json; d=json.load(open('$OUT/verify.json/megakernel_check.json')); print({k: (v.get('ok'), str(v)[:200]) for k, v in d.items()})"
+    for r in 1 2; do
+      MEGAC_CHECK_ROWS=$r timeout 150 python3 -m gpu.megakernel_check --run nmc_slice --out $OUT/slice-$r.json 2>&1 \
+        | grep -v Warning | tail -2 | cut -c1-300
+    done
+    V=s28_default R=${R:-8} bash "$0" s29b_variants
+    # 128-feature down tiles (TILES dn128) against the default, engines alternating
+    TLIST=dn128,default#1,dn128#1,default#2 TB=1,8 bash "$0" ab ;;
+  s29b_variants)
+    MEGAC_VARIANT_RAW=1 MEGAC_VARIANTS=$V MEGAC_VARIANT_ROUNDS=${R:-10} timeout 420 python3 -m gpu.megakernel_check \
+      --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | grep '^{"' ;;
   bench)
     timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

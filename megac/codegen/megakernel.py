@@ -138,6 +138,26 @@ def model_constants(spec, schedules) -> list[tuple[str, int]]:
     ]
 
 
+#: hidden sizes from which the GEMM rings walk with a cursor (gemm_tc.cuh
+#: MEGAC_TC_WALK_POS): a 16-row group of an X row this wide spans at least
+#: four 8 KB stages, and the cursor's stepping beats the walk's divisions per
+#: stage. Measured on the H200 (twenty-ninth session, ten interleaved rounds,
+#: the same bits): North Mini Code (2048) -1.8 % at bs1 and -1.4 % at bs8 with
+#: the cursor; SmolLM2 (576, K-sliced two-stage tiles) +3 % with it.
+WALK_POS_MIN_HIDDEN = 1024
+
+
+def switch_defaults(schedules) -> list[tuple[str, int]]:
+    """Compile-time switches (opcodes/*.cuh macros) whose default depends on
+    the model: emitted before the headers, each under #ifndef so a build's
+    -D (a variant) still wins."""
+    geo = largest(schedules).geometry
+    # X staged by cp.async matters only to a tile not primed before its waits: the expert claims.
+    # A dense model keeps the build measured for it (the switch still changes its code generation).
+    return [("MEGAC_TC_WALK_POS", int(geo.hidden >= WALK_POS_MIN_HIDDEN)),
+            ("MEGAC_X_ASYNC", int(geo.num_experts > 0))]
+
+
 # (buffer, Layout<Model> expression per dimension, condition on the model)
 _LAYOUT_CHECKS = (
     ("x_resid", ("x_resid(1, 0)", "x_resid(0, 1)"), None),
@@ -199,7 +219,8 @@ def render_megakernel(spec, schedules) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     return env.get_template("megakernel.cu.j2").render(
-        spec_name=spec.name, constants=model_constants(spec, schedules), headers=headers, dispatch=dispatch, prefetch=prefetch, warm=warm,
+        spec_name=spec.name, constants=model_constants(spec, schedules), switches=switch_defaults(schedules),
+        headers=headers, dispatch=dispatch, prefetch=prefetch, warm=warm,
         dyn_fields=sorted(dyn.items()), layout_key=schedule_key(big.rows, big.context),
         layout_checks=layout_checks(schedules), scratch_expr=scratch)
 
@@ -271,4 +292,4 @@ def build_megakernel(artifact_dir: Path, *, force: bool = False) -> Path:
 
 
 __all__ = ["CUBIN", "ENTRY", "LAYOUT_SYMBOL", "SMEM_SYMBOL", "gemm_tiled", "SOURCE", "THREADS", "build_megakernel", "largest", "model_constants",
-           "prebuilt_cubin", "render_megakernel", "write_megakernel"]
+           "prebuilt_cubin", "render_megakernel", "switch_defaults", "write_megakernel"]

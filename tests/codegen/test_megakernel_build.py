@@ -170,6 +170,25 @@ def test_gemm_layout_is_tiled_exactly_where_every_tile_fits():
     assert "GEMM_TILED = 0;" in render_megakernel(odd, res.schedules)
 
 
+def test_the_ring_cursor_is_on_from_a_hidden_size_of_1024():
+    """The generated source sets the GEMM ring cursor's default per model
+    (measured: North Mini Code faster with it, SmolLM2 slower) and X by
+    cp.async for MoE models, before any header reads them, and under #ifndef
+    so a variant's -D still wins."""
+    from megac.codegen.megakernel import WALK_POS_MIN_HIDDEN
+
+    for name in ("north-mini-code", "smollm2-135m", "tiny-llama", "tiny-moe"):
+        spec = load_spec(name)
+        src = render_megakernel(spec, compile_schedules(spec, batch_sizes=[1]).schedules)
+        on = int(spec.hidden_size >= WALK_POS_MIN_HIDDEN)
+        guard = f"#ifndef MEGAC_TC_WALK_POS\n#define MEGAC_TC_WALK_POS {on}\n#endif"
+        assert guard in src, name
+        assert src.index(guard) < src.index('#include "megakernel.cuh"'), name
+        # X by cp.async only where expert claims (unprimed tiles) exist
+        assert f"#define MEGAC_X_ASYNC {int(spec.moe is not None)}\n" in src, name
+    assert load_spec("north-mini-code").hidden_size >= WALK_POS_MIN_HIDDEN > load_spec("smollm2-135m").hidden_size
+
+
 def test_a_folded_norm_needs_a_row_in_one_pass(tmp_path):
     """The norm folded into its readers keeps each row in registers (8
     elements a thread): a wider model that asks for norm_fold gets no

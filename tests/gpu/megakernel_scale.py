@@ -725,6 +725,9 @@ def check_speed() -> dict:
 #: headers' own setting
 VARIANTS = {
     "default": {},  # tensor-core GEMM (bulk-copy rings 2 x 8 KB), tensor-core attention splits
+    # the twenty-eighth session's default: the ring walk's divisions every stage, the count and scan
+    # placement, X loaded into registers, the down claims' rings started after their waits
+    "s28_default": {"MEGAC_TC_WALK_POS": 0, "MEGAC_ROUTED_ONE_ROW": 0, "MEGAC_X_ASYNC": 0, "MEGAC_DOWN_PRIME": 0},
     # the GEMM rings walked with a cursor: the stage divisions once an item (gemm_tc.cuh WalkPos)
     "walkpos": {"MEGAC_TC_WALK_POS": 1},
     "walkpos_rank": {"MEGAC_TC_WALK_POS": 1, "MEGAC_TOPK_RANK_HALVES": 1},  # and the ranking on two threads a logit
@@ -1357,6 +1360,9 @@ TILES = {
     "up192": {"moe_up_bn": 192},  # 8 up tiles per expert: 64 claims at batch 1
     "up256": {"moe_up_bn": 256},  # 6 up tiles per expert: 48 claims at batch 1
     "dn256": {"moe_down_bn": 256},  # 8 down tiles per expert
+    # 16 down tiles per expert (128 claims at batch 1, 192 KB each): a claim primed before its wait
+    # (MEGAC_DOWN_PRIME) then holds two of its three stages a warp when the up tiles end
+    "dn128": {"moe_down_bn": 128},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
