@@ -162,12 +162,13 @@ DEFAULT_TILES = {
     # On its own 128-row tiles beside the plain 256 (split_up_bn 128, the
     # interleave in chunks of 64: moe_chunk_rows): not run on the GPU yet
     "split_down": 0,
-    # MOE_COMBINE tasks per row in split_down schedules (each sums a range of
-    # the row's features over every slot's tiles: one CTA reading every
+    # MOE_COMBINE tasks per row, each summing a range of the row's features
+    # over its slots. -1: 32 in split_down schedules (one CTA reading every
     # tile's partial of a whole row took up to ~9 us at batch 1; 32 ranges of
     # North Mini Code's 2048 features at 12 tiles x 8 slots are 24 KB each,
-    # one round trip of 8 loads a thread)
-    "combine_splits": 32,
+    # one round trip of 8 loads a thread), else 1 (one task, the whole row:
+    # 64 KB at batch 1, ~2.4 us on one SM at the end of every MoE layer).
+    "combine_splits": -1,
     # expert up tiles (gate/up rows) of the schedules that split the down
     # projection (0: moe_up_bn). Each split claim streams its up rows and
     # their down columns, so smaller tiles keep a claim's bytes near a plain
@@ -249,6 +250,13 @@ def tiles_of(spec, tiles: dict | None = None) -> dict:
     """``tiles`` where given, else ``spec``'s tile settings: DEFAULT_TILES
     with the target's ``tiles`` over them (what every ``*_at`` rule reads)."""
     return tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
+
+
+def _combine_splits(asked: int, split: bool, hidden: int) -> int:
+    """MOE_COMBINE tasks per row: ``asked`` (-1: 32 with split_down, else 1),
+    at most one per 4 features."""
+    n = (32 if split else 1) if asked < 0 else asked
+    return max(1, min(n, hidden // 4))
 
 
 def fused_combine_at(spec, rows: int, tiles: dict | None = None) -> bool:
@@ -585,7 +593,7 @@ class Geometry:
             fused_combine=fused_combine_at(spec, rows, t),
             norm_fold=norm_fold_at(spec, rows, t),
             split_down=split,
-            combine_splits=(max(1, min(t["combine_splits"], hidden // 4)) if split else 1),
+            combine_splits=_combine_splits(t["combine_splits"], split, hidden),
             moe_out_tiles=_ceil_div(2 * expert_width, split_bn) if experts and t["split_down"] else 1,
             o_proj_merge=o_proj_merge_at(spec, rows, t),
             moe_chunk=moe_chunk,

@@ -149,6 +149,10 @@ case "${1:-tails}" in
     V=s28_default R=${R:-8} bash "$0" s29b_variants
     # 128-feature down tiles (TILES dn128) against the default, engines alternating
     TLIST=dn128,default#1,dn128#1,default#2 TB=1,8 bash "$0" ab ;;
+  s30)  # the next session's battery: megac bench of the new default (BENCHMARKS.md needs it), then the combine
+         # over 8 / 16 feature ranges and the 128-feature down tiles against the default, engines alternating
+    bash "$0" bench
+    TLIST=cs8,dn128,cs16,default#1,cs8#1,dn128#1,cs16#1,default#2 TB=1,8 bash "$0" ab ;;
   s29b_variants)
     MEGAC_VARIANT_RAW=1 MEGAC_VARIANTS=$V MEGAC_VARIANT_ROUNDS=${R:-10} timeout 420 python3 -m gpu.megakernel_check \
       --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | grep '^{"' ;;

@@ -182,6 +182,9 @@ class TargetSpec(BaseModel):
             elif k in ("routed_claims", "norm_fold"):
                 if not 0 <= x <= 65536:
                     raise ValueError(f"{k} is a row bound in 0..65536, 0: none (got {x})")
+            elif k == "combine_splits":
+                if not (x == -1 or 1 <= x <= 65536):
+                    raise ValueError(f"{k} is 1..65536 tasks a row, -1: automatic (got {x})")
             elif k in ("split_up_bn", "split_o_proj_bn"):
                 if not 0 <= x <= 65536:
                     raise ValueError(f"{k} must be in 0..65536, 0: as the plain schedules' tile (got {x})")

@@ -1363,6 +1363,11 @@ TILES = {
     # 16 down tiles per expert (128 claims at batch 1, 192 KB each): a claim primed before its wait
     # (MEGAC_DOWN_PRIME) then holds two of its three stages a warp when the up tiles end
     "dn128": {"moe_down_bn": 128},
+    # a row's MoE combine over 8 / 16 feature ranges on as many SMs (one round of loads each, where one
+    # task loads the whole row's 64 KB in two at the end of every MoE layer; the calibrated cost model
+    # predicts -1.8 % at batch 1)
+    "cs8": {"combine_splits": 8},
+    "cs16": {"combine_splits": 16},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},

@@ -1,0 +1,66 @@
+"""A row's MOE_COMBINE spread over feature ranges without split_down (target
+tile ``combine_splits``): the tasks tile the row, the norm waits for all of
+them, and the step's bits are the one-task combine's (each feature's sum over
+the row's slots runs in k order either way)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engines import assert_same_bits_as
+from megac.abi import TASK_WORDS, H, Op, field_index
+from megac.passes.pipeline import compile_one
+from megac.spec import load_spec
+from megac.weights import random_weights
+from models import variant
+
+
+def _spec(splits: int | None):
+    moe = load_spec("tiny-moe")
+    tiles = {} if splits is None else {"combine_splits": splits}
+    return variant(moe, f"cs-{splits}", target={**moe.target.model_dump(), "tiles": tiles})
+
+
+def _combines(sched):
+    t = sched.tasks.reshape(-1, TASK_WORDS)
+    return t[t[:, H.OPCODE] == int(Op.MOE_COMBINE)]
+
+
+def test_the_combine_is_one_task_a_row_by_default():
+    s = compile_one(_spec(None), "tuned", 2, 1024)
+    assert s.geometry.combine_splits == 1
+    assert len(_combines(s)) == 2 * len(s.geometry.moe_layers)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_combine_splits_tile_each_row(rows):
+    s = compile_one(_spec(4), "tuned", rows, 1024)
+    comb, D = _combines(s), s.geometry.hidden
+    assert s.geometry.combine_splits == 4 and not s.geometry.split_down
+    assert len(comb) == rows * 4 * len(s.geometry.moe_layers)
+    col0, cols, row = (field_index(Op.MOE_COMBINE, f) for f in ("COL0", "COLS", "ROW"))
+    for layer, r in {(int(w[H.LAYER]), int(w[row])) for w in comb}:
+        mine = comb[(comb[:, H.LAYER] == layer) & (comb[:, row] == r)]
+        mine = mine[np.argsort(mine[:, col0])]
+        c0, n = mine[:, col0], mine[:, cols]
+        assert c0[0] == 0 and (c0[1:] == (c0 + n)[:-1]).all() and c0[-1] + n[-1] == D
+        assert (c0 % 4 == 0).all() and (n % 4 == 0).all()
+
+
+def test_combine_splits_give_the_one_task_bits():
+    """Greedy decoding, fast and checked VM modes (the checked mode fails a
+    norm that reads a range before its combine task signalled)."""
+    g = torch.Generator().manual_seed(11)
+    base = _spec(None)
+    w = random_weights(base, seed=5)
+    prompts = [torch.randint(0, base.vocab_size, (n,), generator=g).tolist() for n in (6, 9, 3)]
+    assert_same_bits_as(base, _spec(4), w, prompts, "combine_splits 4")
+
+
+def test_combine_splits_is_checked():
+    moe = load_spec("tiny-moe")
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="combine_splits"):
+            variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"combine_splits": bad}})
