@@ -163,9 +163,12 @@ __device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
 // on from the primed stages). Thread 0 reads the counter once (an acquire,
 // as the wait's first read) and a met claim runs as without it; so only a
 // claim that would idle primes, with the whole CTA, not thread 0 before its
-// poll (the tenth session's form).
+// poll (the tenth session's form). Early::kAlways: every claim with a wait
+// primes first, its counter read only by the wait after (a claim whose
+// counter is met then saves the read's round trip before its first copies).
 struct NoEarly {
   static constexpr bool kOn = false;
+  static constexpr bool kAlways = false;  // prime every claim, its counter unread (kOn only)
   __device__ void operator()(const int32_t*) const {}
 };
 
@@ -196,7 +199,8 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
           if (wb >= 0) {
             wait_ctr = wb + wo;
             wait_target = resolve(c.d, w[wait_target_field]);
-            defer = ld_acquire_gpu(ptr<const uint32_t>(c.d->counters) + wait_ctr) < uint32_t(wait_target);
+            defer = Early::kAlways ||
+                    ld_acquire_gpu(ptr<const uint32_t>(c.d->counters) + wait_ctr) < uint32_t(wait_target);
           }
           if (!defer && !wait_on(c, wait_ctr, wait_target)) {
             ts->ok = 0;

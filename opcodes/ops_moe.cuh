@@ -370,7 +370,10 @@ __device__ __forceinline__ void down_claim_l2(const Ctx& c, const int32_t* rec) 
 // claim prime and the fifteenth's L2 prefetch (MEGAC_DOWN_CLAIM_L2) lost:
 // those requested bytes for every claim, or 25 MB of them, ahead of the up
 // streams; this asks 128 KB per waiting claimer, issued by the whole CTA
-// after thread 0's one read of the counter. Measured (H200, twenty-ninth
+// after thread 0's one read of the counter. 2: every down claim primes
+// before its wait, the counter unread until then: the late claims, whose
+// counters are met (the critical ones at batch 1, twenty-ninth session's
+// profile), issue their first copies a round trip sooner. Measured (H200, twenty-ninth
 // session, ten interleaved rounds, means, the same bits) with the cursor,
 // the one-row placement and X by cp.async: NMC bs1 2.659 -> 2.636 ms (-0.9 %;
 // -2.6 % against the twenty-eighth session's default), bs8 8.391 -> 8.444
@@ -382,6 +385,7 @@ __device__ __forceinline__ void down_claim_l2(const Ctx& c, const int32_t* rec) 
 template <class M>
 struct DownEarly {
   static constexpr bool kOn = MEGAC_DOWN_PRIME && M::NUM_EXPERTS > 0 && GemmScratch<M>::kTc && tc::kBulk;
+  static constexpr bool kAlways = MEGAC_DOWN_PRIME == 2;
   const Ctx& c;
   __device__ void operator()(const int32_t* rec) const {
     if constexpr (kOn) tc::prime(moe_down_weights<M>(c, rec), GemmScratch<M>::tc_ring(c), &c.ts->tc);

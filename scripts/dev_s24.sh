@@ -150,9 +150,16 @@ case "${1:-tails}" in
     # 128-feature down tiles (TILES dn128) against the default, engines alternating
     TLIST=dn128,default#1,dn128#1,default#2 TB=1,8 bash "$0" ab ;;
   s30)  # the next session's battery: megac bench of the new default (BENCHMARKS.md needs it), then the combine
-         # over 8 / 16 feature ranges and the 128-feature down tiles against the default, engines alternating
-    bash "$0" bench
-    TLIST=cs8,dn128,cs16,default#1,cs8#1,dn128#1,cs16#1,default#2 TB=1,8 bash "$0" ab ;;
+         # over 8 feature ranges and the 128-feature down tiles against the default (engines alternating),
+         # then every down claim primed (dp2) against the default (one engine, interleaved)
+    timeout 280 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
+      --batch-size 1,2,4,8 --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14
+    TLIST=cs8,dn128,default#1,cs8#1,dn128#1,default#2 TB=1,8 bash "$0" ab
+    V=dp2 R=8 bash "$0" s29b_variants ;;
+  s30b)  # s30's second half: 16 combine ranges, and the profiled step of cs8
+    TLIST=cs16,default#1,cs16#1,default#2 TB=1,8 bash "$0" ab
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=cs8 timeout 200 python3 -m gpu.megakernel_check --run profile \
+      --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300 ;;
   s29b_variants)
     MEGAC_VARIANT_RAW=1 MEGAC_VARIANTS=$V MEGAC_VARIANT_ROUNDS=${R:-10} timeout 420 python3 -m gpu.megakernel_check \
       --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | grep '^{"' ;;

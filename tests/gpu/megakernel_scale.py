@@ -745,6 +745,8 @@ VARIANTS = {
     "wp_x_dp": {"MEGAC_TC_WALK_POS": 1, "MEGAC_ROUTED_ONE_ROW": 1, "MEGAC_X_ASYNC": 1, "MEGAC_DOWN_PRIME": 1},
     # rings of 2 x 10 KB a warp (160 KB an SM) with the cursor: alone an SM streams faster with more in
     # flight (twenty-second session's sm_stream), and a stage's cost is now smaller
+    # every down claim primes before its wait (MEGAC_DOWN_PRIME 2), its counter unread until then
+    "dp2": {"MEGAC_DOWN_PRIME": 2},
     "wp_st10": {"MEGAC_TC_WALK_POS": 1, "MEGAC_ROUTED_ONE_ROW": 1, "MEGAC_TC_STAGE_BLOCKS": 10},
     "walkpos_3x6": {"MEGAC_TC_WALK_POS": 1, "MEGAC_TC_STAGES": 3, "MEGAC_TC_STAGE_BLOCKS": 6},  # 144 KB in flight
     "rows": {"MEGAC_TC_GEMM": 0},  # row-major weights, the CUDA-core row GEMM
