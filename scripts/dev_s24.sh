@@ -19,6 +19,18 @@ run_orders() {  # tiles orders batches vars
   MEGAC_VARIANTS=${4:-default} MEGAC_ORDER_TILES=$1 MEGAC_TILE_BATCHES=$3 MEGAC_TILE_CONTEXTS=8192 MEGAC_VARIANT_ORDERS=$2 \
     timeout ${T:-300} python3 -m gpu.megakernel_check --run order_variants --out $OUT/o_$1.json 2>&1 | grep -v Warning | grep '^{"' 
 }
+verify() {  # a build checked as a default would be: $1 its VARIANTS name ("": the headers' default), $2 a tag
+  # for the files; then the row counts of the North Mini Code slice against fp32. tiny: the tiny models
+  # against the VM; hang: the watchdog on its waits
+  local v=$1 tag=$2; shift 2
+  env ${v:+MEGAC_CHECK_VARIANT=$v MEGAC_HANG_VARIANT=$v} timeout 200 python3 -m gpu.megakernel_check --run tiny hang \
+    --out $OUT/verify.json > $OUT/verify.log 2>&1; echo verify rc $?
+  python3 -c "import json; d=json.load(open('$OUT/verify.json/megakernel_check.json')); print({k: (v.get('ok'), str(v)[:300]) for k, v in d.items()})"
+  for r in "$@"; do
+    env ${v:+MEGAC_CHECK_VARIANT=$v} MEGAC_CHECK_ROWS=$r timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
+      --out $OUT/slice-$tag-$r.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300
+  done
+}
 case "${1:-tails}" in
   tails)
     run_orders default tuned,$E/tail-on-oproj.yaml,$E/tail-on-finalize.yaml,tuned 1,8
@@ -107,45 +119,23 @@ case "${1:-tails}" in
   s28b)  # the cursor (its SmolLM2 fix), with the one-row placement, with X by cp.async, interleaved, 4
           # rounds, bits checked; then profiled bs1 8K steps (default, wp_x)
     V=walkpos,walkpos_1row,wp_x,walkpos_x R=4 PV=wp_x bash "$0" next6
-    # and the wp_x build checked as a default would be: tiny models against the VM, the watchdog on its
-    # waits, the North Mini Code slice against fp32 at one and two rows
-    MEGAC_CHECK_VARIANT=wp_x MEGAC_HANG_VARIANT=wp_x timeout 200 python3 -m gpu.megakernel_check --run tiny hang \
-      --out $OUT/verify.json 2>&1 | grep -v Warning | tail -3 | cut -c1-600
-    for r in 1 2; do
-      MEGAC_CHECK_VARIANT=wp_x MEGAC_CHECK_ROWS=$r timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
-        --out $OUT/slice-wpx-$r.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300
-    done ;;
+    verify wp_x wpx 1 2 ;;  # and the wp_x build checked as a default would be
   s28c)  # s28b shortened (no profile, 3 rounds, the slice at one row): for a short device budget
     MEGAC_VARIANTS=walkpos,walkpos_1row,wp_x,walkpos_x MEGAC_VARIANT_ROUNDS=3 timeout 300 python3 -m gpu.megakernel_check \
       --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | grep '^{"'
-    MEGAC_CHECK_VARIANT=wp_x MEGAC_HANG_VARIANT=wp_x timeout 200 python3 -m gpu.megakernel_check --run tiny hang \
-      --out $OUT/verify.json 2>&1 | grep -v Warning | tail -3 | cut -c1-600
-    MEGAC_CHECK_VARIANT=wp_x MEGAC_CHECK_ROWS=1 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
-      --out $OUT/slice-wpx-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300 ;;
+    verify wp_x wpx 1 ;;
   s29)  # the down claims' ring primed before their waits (ops_moe.cuh MEGAC_DOWN_PRIME) and 10 KB stages, each
          # against the default and wp_x, interleaved, bits checked; profile of wp_x_dp; wp_x_dp checked as a
          # default would be (tiny against the VM, the watchdog, the fp32 slice at one and two rows)
     V=${V:-walkpos_1row,wp_x,wp_dp,wp_x_dp,wp_st10} R=${R:-3} PV=wp_x_dp bash "$0" next6
-    MEGAC_CHECK_VARIANT=wp_x_dp MEGAC_HANG_VARIANT=wp_x_dp timeout 200 python3 -m gpu.megakernel_check --run tiny hang \
-      --out $OUT/verify.json 2>&1 | grep -v Warning | tail -3 | cut -c1-600
-    for r in 1 2; do
-      MEGAC_CHECK_VARIANT=wp_x_dp MEGAC_CHECK_ROWS=$r timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
-        --out $OUT/slice-dp-$r.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300
-    done ;;
+    verify wp_x_dp dp 1 2 ;;
   s29b)  # s29's builds interleaved over more rounds (each round's median kept), then wp_x_dp through tiny and hang
-    MEGAC_VARIANT_RAW=1 MEGAC_VARIANTS=${V:-walkpos_1row,wp_x,wp_dp,wp_x_dp,wp_st10} MEGAC_VARIANT_ROUNDS=${R:-10} \
-      timeout 420 python3 -m gpu.megakernel_check --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | grep '^{"'
-    MEGAC_CHECK_VARIANT=wp_x_dp MEGAC_HANG_VARIANT=wp_x_dp timeout 120 python3 -m gpu.megakernel_check --run tiny hang \
-      --out $OUT/verify.json > $OUT/verify.log 2>&1; echo verify rc $?; python3 -c "import json; d=json.load(open('$OUT/verify.json/megakernel_check.json')); print({k: (v.get('ok'), str(v)[:300]) for k, v in d.items()})" ;;
+    V=${V:-walkpos_1row,wp_x,wp_dp,wp_x_dp,wp_st10} bash "$0" s29b_variants
+    verify wp_x_dp dp ;;
   s29v)  # the new default (the cursor per model, the one-row placement, X by cp.async, the down claims primed)
          # checked (tiny against the VM, the watchdog, the fp32 slice at one and two rows), against the
-         # twenty-eighth session's default interleaved, then megac bench
-    MEGAC_CHECK_VARIANT=default timeout 120 python3 -m gpu.megakernel_check --run tiny hang --out $OUT/verify.json \
-      > $OUT/verify.log 2>&1; echo verify rc $?; python3 -c "import json; d=json.load(open('$OUT/verify.json/megakernel_check.json')); print({k: (v.get('ok'), str(v)[:200]) for k, v in d.items()})"
-    for r in 1 2; do
-      MEGAC_CHECK_ROWS=$r timeout 150 python3 -m gpu.megakernel_check --run nmc_slice --out $OUT/slice-$r.json 2>&1 \
-        | grep -v Warning | tail -2 | cut -c1-300
-    done
+         # twenty-eighth session's default interleaved, then the 128-feature down tiles
+    verify "" default 1 2
     V=s28_default R=${R:-8} bash "$0" s29b_variants
     # 128-feature down tiles (TILES dn128) against the default, engines alternating
     TLIST=dn128,default#1,dn128#1,default#2 TB=1,8 bash "$0" ab ;;
@@ -158,18 +148,17 @@ case "${1:-tails}" in
   s30)  # the next session's battery: megac bench of the new default (BENCHMARKS.md needs it), then the combine
          # over 8 feature ranges and the 128-feature down tiles against the default (engines alternating),
          # then every down claim primed (dp2) against the default (one engine, interleaved)
-    timeout 280 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
-      --batch-size 1,2,4,8 --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14
+    BT=280 bash "$0" bench
     TLIST=cs8,dn128,default#1,cs8#1,dn128#1,default#2 TB=1,8 bash "$0" ab
     V=dp2 R=8 bash "$0" s29b_variants ;;
   s30b)  # s30's second half: 16 combine ranges, and the profiled step of cs8
     TLIST=cs16,default#1,cs16#1,default#2 TB=1,8 bash "$0" ab
     MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=cs8 timeout 200 python3 -m gpu.megakernel_check --run profile \
       --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300 ;;
-  s29b_variants)
+  s29b_variants)  # the builds $V interleaved on one engine, $R rounds, each round's median kept
     MEGAC_VARIANT_RAW=1 MEGAC_VARIANTS=$V MEGAC_VARIANT_ROUNDS=${R:-10} timeout 420 python3 -m gpu.megakernel_check \
       --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | grep '^{"' ;;
   bench)
-    timeout 500 python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
+    timeout ${BT:-500} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;
 esac
