@@ -142,7 +142,7 @@ def model_constants(spec, schedules) -> list[tuple[str, int]]:
 #: MEGAC_TC_WALK_POS): a 16-row group of an X row this wide spans at least
 #: four 8 KB stages, and the cursor's stepping beats the walk's divisions per
 #: stage. Measured on the H200 (twenty-ninth session, ten interleaved rounds,
-#: the same bits): North Mini Code (2048) -1.8 % at bs1 and -1.4 % at bs8 with
+#: the same bits): North Mini Code (2048) -1.8 % at bs1 and -1.5 % at bs8 with
 #: the cursor; SmolLM2 (576, K-sliced two-stage tiles) +3 % with it.
 WALK_POS_MIN_HIDDEN = 1024
 
