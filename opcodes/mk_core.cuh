@@ -166,10 +166,15 @@ __device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
 // poll (the tenth session's form). Early::kAlways: every claim with a wait
 // primes first, its counter read only by the wait after (a claim whose
 // counter is met then saves the read's round trip before its first copies).
+// early.drain() (thread 0): a primed claim given up after its failed wait
+// waits there for copies of a ring other than the GEMM's (drained here).
 struct NoEarly {
   static constexpr bool kOn = false;
   static constexpr bool kAlways = false;  // prime every claim, its counter unread (kOn only)
   __device__ void operator()(const int32_t*) const {}
+  // thread 0, a primed claim given up (its wait failed), after the GEMM
+  // ring's drain: an Early priming another ring waits for its copies here
+  __device__ void drain() const {}
 };
 
 template <class Source, class Offsets, class Prefetch, class Run, class Early = NoEarly>
@@ -229,7 +234,7 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
       if (ts->early) {
         // this thread's generic writes to the scratch (the last claim's)
         // before the copy engine writes the ring there, as between tasks
-        if constexpr (tc::kBulk) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         early(ts->rec);
         if (threadIdx.x == 0) {
           if (!wait_on(c, wait_ctr, wait_target)) ts->ok = 0;
@@ -242,6 +247,7 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
         __syncthreads();
         if (!ts->ok) {
           tc::drain(&ts->tc);  // no primed copy lands in a CTA that has left
+          if (threadIdx.x == 0) early.drain();
           return false;
         }
       }

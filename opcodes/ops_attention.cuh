@@ -217,6 +217,50 @@ struct AttnOffsets {
   int kv_heads;
 };
 
+// 1: a claimed attention split (ATTN_DRAIN) whose counter is not yet met
+// when its claimer first reads it issues its first tensor-copy chunks before
+// its wait, as a static split does through attn_prime (mk_core.cuh
+// claim_loop's Early hook, as the down claims' MEGAC_DOWN_PRIME); 0: when it
+// runs. Why: at batch 1 a full layer's 64 splits are claimed 10-20 us before
+// their KV head's Q is written (SMs free at the layer's start claim them) and
+// then their first chunk landed ~7 us after the wait, against ~3 us for a
+// primed static split of a sliding layer (thirtieth session's reading of the
+// twenty-ninth session's profile, layer 24); the late splits hold their SMs,
+// whose O-projection tiles and down claims come after them.
+#ifndef MEGAC_ATTN_CLAIM_PRIME
+#define MEGAC_ATTN_CLAIM_PRIME 0
+#endif
+
+template <class M>
+struct AttnEarly {
+  static constexpr bool kOn =
+      MEGAC_ATTN_CLAIM_PRIME && AttnScratch<M>::kMma && attn_mma::tma_shape<M::HEAD_DIM>();
+  static constexpr bool kAlways = false;
+  const Ctx& c;
+  // every thread, the record in c.ts->rec: warp 0's lane w primes warp w's ring
+  __device__ void operator()(const int32_t* r) const {
+    if constexpr (kOn) {
+      const int lane = threadIdx.x;
+      if (lane >= M::THREADS / 32 || c.d->rows > MEGAC_ATTN_PRIME_ROWS) return;
+      const LaunchDesc* d = c.d;
+      const int layer = c.ts->w[H_LAYER], row = r[rec_attn::ROW], kvh = r[rec_attn::KV_HEAD];
+      int begin, end;
+      split_keys(d, row, r[rec_attn::SPLIT], r[rec_attn::NUM_SPLITS], c.ts->w[f_attn_drain::WINDOW], begin, end);
+      attn_tiles::Split a{nullptr, ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), page_row<M>(d, layer, row),
+                          M::KV_HEADS, kvh, d->kv_block_size, begin, end, 0.f, nullptr, nullptr};
+      a.tmaps = ptr<const void>(d->kv_tmaps);
+      a.head_major = M::KV_HEAD_MAJOR;
+      attn_mma::prime_warp<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch, &c.ts->tma, lane,
+                                                            ptr<const int32_t>(d->seq_pos)[row]);
+    }
+  }
+  // thread 0, the claim given up after its wait failed: until the primed
+  // chunks have landed (no copy outlives the CTA)
+  __device__ void drain() const {
+    if constexpr (kOn) attn_mma::tma_drain(&c.ts->tma);
+  }
+};
+
 template <class M>
 __device__ __forceinline__ bool attn_drain(const Ctx& c) {
   auto run = [&]() {
@@ -235,7 +279,7 @@ __device__ __forceinline__ bool attn_drain(const Ctx& c) {
 #endif
   return claim_loop(c, f_attn_drain::QUEUE, f_attn_drain::QUEUE_LEN, f_attn_drain::TASK_WAIT_BASE,
                     f_attn_drain::TASK_WAIT_TARGET, f_attn_drain::TASK_SIGNAL_BASE, AttnOffsets{M::KV_HEADS},
-                    warm, run, M::NUM_LAYERS);
+                    warm, run, M::NUM_LAYERS, AttnEarly<M>{c});
 }
 
 template <class M>

@@ -390,6 +390,7 @@ struct DownEarly {
   __device__ void operator()(const int32_t* rec) const {
     if constexpr (kOn) tc::prime(moe_down_weights<M>(c, rec), GemmScratch<M>::tc_ring(c), &c.ts->tc);
   }
+  __device__ void drain() const {}  // the GEMM ring: claim_loop drains it
 };
 
 template <class M>

@@ -95,6 +95,29 @@ def test_ring_stages_of_ten_blocks_keep_the_accumulators_in_registers(tmp_path):
 
 
 @needs_nvcc
+def test_the_claimed_attention_prime_compiles_into_the_claim_loop(tmp_path):
+    # MEGAC_ATTN_CLAIM_PRIME (ops_attention.cuh AttnEarly): a claimed split
+    # primes its tensor-copy ring before its wait. North Mini Code's 128-dim
+    # heads take the tensor-copy form, so the switch must change the code
+    # (a guard that compiled it away would pass unnoticed otherwise) and
+    # keep it free of spills. Off, the default build's code is the old one.
+    from megac.gpu.build import build_cubin
+    from megac.resources import opcodes_dir
+
+    spec = load_spec("north-mini-code")
+    res = compile_schedules(spec, batch_sizes=[1])
+    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    inc = [opcodes_dir(), tmp_path]
+    on = build_cubin(tmp_path / SOURCE, defines={"MEGAC_ATTN_CLAIM_PRIME": 1}, include_dirs=inc,
+                     cache_dir=tmp_path / "on")
+    off = build_cubin(tmp_path / SOURCE, defines={"MEGAC_ATTN_CLAIM_PRIME": 0}, include_dirs=inc,
+                      cache_dir=tmp_path / "off")
+    k = report(on)["kernels"]["megakernel"]
+    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
+    assert on.read_bytes() != off.read_bytes()
+
+
+@needs_nvcc
 def test_the_hop_switches_and_the_profile_marks_compile(tmp_path):
     # The dependency hop's switches (counters.cuh MEGAC_SIGNAL_ACQREL,
     # common.cuh MEGAC_ABORT_EVERY, mk_core.cuh MEGAC_WAIT_PAIR)
