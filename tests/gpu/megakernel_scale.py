@@ -750,6 +750,7 @@ VARIANTS = {
     # a claimed attention split (a full layer's at batch 1) primes its first chunks before its wait
     # (ops_attention.cuh MEGAC_ATTN_CLAIM_PRIME), as a static split does
     "acp": {"MEGAC_ATTN_CLAIM_PRIME": 1},
+    "dp2_acp": {"MEGAC_DOWN_PRIME": 2, "MEGAC_ATTN_CLAIM_PRIME": 1},
     "wp_st10": {"MEGAC_TC_WALK_POS": 1, "MEGAC_ROUTED_ONE_ROW": 1, "MEGAC_TC_STAGE_BLOCKS": 10},
     "walkpos_3x6": {"MEGAC_TC_WALK_POS": 1, "MEGAC_TC_STAGES": 3, "MEGAC_TC_STAGE_BLOCKS": 6},  # 144 KB in flight
     "rows": {"MEGAC_TC_GEMM": 0},  # row-major weights, the CUDA-core row GEMM
