@@ -168,7 +168,8 @@ case "${1:-tails}" in
   s31)  # the next session's battery, in priority order: megac bench of the default (BENCHMARKS.md has none
          # since the twenty-ninth session's change of default), then every down claim primed (dp2), the
          # claimed attention splits primed (acp) and both, against the default on one engine (8 rounds,
-         # each round's median, bits checked); then acp checked as a default would be
+         # each round's median, bits checked); then acp checked as a default would be (its tiny-model and
+         # slice builds are not in the archive: nvcc there builds them, ~15 s each)
     BT=280 bash "$0" bench
     V=${V:-dp2,acp,dp2_acp} R=${R:-8} bash "$0" s29b_variants
     verify acp acp 1 ;;
