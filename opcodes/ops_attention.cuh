@@ -167,24 +167,39 @@ __device__ __forceinline__ void warm_split(const Ctx& c, int layer, int row, int
   }
 }
 
-// Lane `lane` of warp 0, before an ATTN_DECODE task's waits: warp `lane`'s
-// first chunks of the split onto its tensor-copy ring (attn_mma::prime_warp;
-// only keys older than this step's token: those do not depend on the waits).
+// Splits of M prime before their waits in the tensor-copy form alone.
 template <class M>
-__device__ __forceinline__ void attn_prime(const Ctx& c, const int32_t* w, int lane) {
-  if constexpr (AttnScratch<M>::kMma && attn_mma::tma_shape<M::HEAD_DIM>()) {
+constexpr bool kPrimesSplits = AttnScratch<M>::kMma && attn_mma::tma_shape<M::HEAD_DIM>();
+
+// Lane `lane` of warp 0 (below M::THREADS / 32), before a split's waits:
+// warp `lane`'s first chunks of split `split` (of `nsplits`) of (row, kvh) onto
+// its tensor-copy ring (attn_mma::prime_warp; only keys older than this
+// step's token: those do not depend on the waits). A static split's
+// (attn_prime) and a claimed one's (AttnEarly).
+template <class M>
+__device__ __forceinline__ void prime_split(const Ctx& c, int layer, int row, int kvh, int split, int nsplits,
+                                            int window, int lane) {
+  if constexpr (kPrimesSplits<M>) {
     const LaunchDesc* d = c.d;
-    if (lane >= M::THREADS / 32 || d->rows > MEGAC_ATTN_PRIME_ROWS) return;
-    const int layer = w[H_LAYER], row = w[f_attn_decode::ROW], kvh = w[f_attn_decode::KV_HEAD];
     int begin, end;
-    split_keys(d, row, w[f_attn_decode::SPLIT], resolve(d, w[f_attn_decode::NUM_SPLITS]),
-               w[f_attn_decode::WINDOW], begin, end);
+    split_keys(d, row, split, nsplits, window, begin, end);
     attn_tiles::Split a{nullptr, ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), page_row<M>(d, layer, row),
                         M::KV_HEADS, kvh, d->kv_block_size, begin, end, 0.f, nullptr, nullptr};
     a.tmaps = ptr<const void>(d->kv_tmaps);
     a.head_major = M::KV_HEAD_MAJOR;
     attn_mma::prime_warp<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch, &c.ts->tma, lane,
                                                           ptr<const int32_t>(d->seq_pos)[row]);
+  }
+}
+
+// The static split of an ATTN_DECODE task's words `w`.
+template <class M>
+__device__ __forceinline__ void attn_prime(const Ctx& c, const int32_t* w, int lane) {
+  if constexpr (kPrimesSplits<M>) {
+    const LaunchDesc* d = c.d;
+    if (lane >= M::THREADS / 32 || d->rows > MEGAC_ATTN_PRIME_ROWS) return;
+    prime_split<M>(c, w[H_LAYER], w[f_attn_decode::ROW], w[f_attn_decode::KV_HEAD], w[f_attn_decode::SPLIT],
+                   resolve(d, w[f_attn_decode::NUM_SPLITS]), w[f_attn_decode::WINDOW], lane);
   }
 }
 
@@ -233,25 +248,15 @@ struct AttnOffsets {
 
 template <class M>
 struct AttnEarly {
-  static constexpr bool kOn =
-      MEGAC_ATTN_CLAIM_PRIME && AttnScratch<M>::kMma && attn_mma::tma_shape<M::HEAD_DIM>();
+  static constexpr bool kOn = MEGAC_ATTN_CLAIM_PRIME && kPrimesSplits<M>;
   static constexpr bool kAlways = false;
   const Ctx& c;
   // every thread, the record in c.ts->rec: warp 0's lane w primes warp w's ring
   __device__ void operator()(const int32_t* r) const {
     if constexpr (kOn) {
-      const int lane = threadIdx.x;
-      if (lane >= M::THREADS / 32 || c.d->rows > MEGAC_ATTN_PRIME_ROWS) return;
-      const LaunchDesc* d = c.d;
-      const int layer = c.ts->w[H_LAYER], row = r[rec_attn::ROW], kvh = r[rec_attn::KV_HEAD];
-      int begin, end;
-      split_keys(d, row, r[rec_attn::SPLIT], r[rec_attn::NUM_SPLITS], c.ts->w[f_attn_drain::WINDOW], begin, end);
-      attn_tiles::Split a{nullptr, ptr<const bf16>(d->k_pool), ptr<const bf16>(d->v_pool), page_row<M>(d, layer, row),
-                          M::KV_HEADS, kvh, d->kv_block_size, begin, end, 0.f, nullptr, nullptr};
-      a.tmaps = ptr<const void>(d->kv_tmaps);
-      a.head_major = M::KV_HEAD_MAJOR;
-      attn_mma::prime_warp<M::HEAD_DIM, M::GQA, M::THREADS>(a, c.scratch, &c.ts->tma, lane,
-                                                            ptr<const int32_t>(d->seq_pos)[row]);
+      if (threadIdx.x >= M::THREADS / 32 || c.d->rows > MEGAC_ATTN_PRIME_ROWS) return;
+      prime_split<M>(c, c.ts->w[H_LAYER], r[rec_attn::ROW], r[rec_attn::KV_HEAD], r[rec_attn::SPLIT],
+                     r[rec_attn::NUM_SPLITS], c.ts->w[f_attn_drain::WINDOW], threadIdx.x);
     }
   }
   // thread 0, the claim given up after its wait failed: until the primed
