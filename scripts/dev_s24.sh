@@ -139,22 +139,6 @@ case "${1:-tails}" in
     V=s28_default R=${R:-8} bash "$0" s29b_variants
     # 128-feature down tiles (TILES dn128) against the default, engines alternating
     TLIST=dn128,default#1,dn128#1,default#2 TB=1,8 bash "$0" ab ;;
-  # s30 / s30b's cubins (build/cz/cubins.tar.xz), built on the CPU machine with
-  #   MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=s28_default,dp2 MEGAC_ORDER_TILES=none \
-  #   MEGAC_PROFILE_TILES=cs8 .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code smollm2-135m \
-  #     tiny-llama tiny-moe nmc-slice nmc-cs8 nmc-cs16 nmc-dn128
-  # then every cubin it prints but the interleaved / attention-first orders' (with its .json) packed with
-  # tar -C DIR -cJf build/cz/cubins.tar.xz .
-  s30)  # the next session's battery: megac bench of the new default (BENCHMARKS.md needs it), then the combine
-         # over 8 feature ranges and the 128-feature down tiles against the default (engines alternating),
-         # then every down claim primed (dp2) against the default (one engine, interleaved)
-    BT=280 bash "$0" bench
-    TLIST=cs8,dn128,default#1,cs8#1,dn128#1,default#2 TB=1,8 bash "$0" ab
-    V=dp2 R=8 bash "$0" s29b_variants ;;
-  s30b)  # s30's second half: 16 combine ranges, and the profiled step of cs8
-    TLIST=cs16,default#1,cs16#1,default#2 TB=1,8 bash "$0" ab
-    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=cs8 timeout 200 python3 -m gpu.megakernel_check --run profile \
-      --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300 ;;
   # s31 / s31b's cubins (thirtieth session, no device lent): on the CPU machine, `bash scripts/dev_s24.sh
   # prebuild_s31` (~10 min on 2 cores) writes build/cz/cubins.tar.xz; carry ["build/cz", ".whl"]
   prebuild_s31)
