@@ -139,8 +139,11 @@ def _traced_schedule(spec, order, batch: int, ctx: int, schedule_context, record
               help="Have every SM's streams share this bandwidth (the whole GPU's, e.g. the ceiling megac bench "
                    "measures), so tilings that spread work over more SMs are ranked as measured; with --steps "
                    "the traced rates are refit as uncontended ones.")
+@click.option("--sharing", type=click.Choice(["fcfs", "fair"]), default="fcfs", show_default=True,
+              help="How the streams share --shared-bandwidth: max-min fairly at every moment, or each settled "
+                   "when it starts, first come first served (the calibrations before the thirty-first session).")
 def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op, min_context, out, plot,
-                  shared_bandwidth):
+                  shared_bandwidth, sharing):
     """Fit the cost model to the measured step in TRACE and report how well it predicts."""
     from megac.calibration import REFIT_RATES_GBS, fit, refit_claim_stream, trace_timing
     from megac.costmodel import simulate
@@ -177,8 +180,9 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
     if shared_bandwidth is not None:
         from dataclasses import replace
 
-        cal = replace(cal, shared_bandwidth_bps=float(round(shared_bandwidth * 1e12)))
-        say(f"the streams share {shared_bandwidth:.2f} TB/s"
+        cal = replace(cal, shared_bandwidth_bps=float(round(shared_bandwidth * 1e12)), bandwidth_sharing=sharing)
+        say(f"the streams share {shared_bandwidth:.2f} TB/s "
+            + ("max-min fairly" if sharing == "fair" else "first come, first served")
             + ("" if step_files else " (the rates stay as traced, contention included: --steps refits them)"))
     span = cal.measured_step_us
     pred = simulate(sched, cal.params(context=int(ctx))).step_us
@@ -240,7 +244,7 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
         cal.source = f"{cal.source}; {refit_op} refit to the measured steps of {', '.join(p.name for p in step_files)}"
         if cal.shared_bandwidth_bps:
             cal.source += (f"; every rate x {cal.rate_scale:.2f} as uncontended under a shared "
-                           f"{cal.shared_bandwidth_bps / 1e12:.2f} TB/s")
+                           f"{cal.shared_bandwidth_bps / 1e12:.2f} TB/s ({cal.bandwidth_sharing})")
     if plot is not None:
         from megac.plot import plot_timeline
 

@@ -79,6 +79,9 @@ class Calibration:
     #: the factor the traced per-opcode rates were multiplied by to stand for
     #: uncontended ones under shared_bandwidth (refit_rate_scale; 1: as traced)
     rate_scale: float = 1.0
+    #: how the streams share shared_bandwidth_bps (CostParams.bandwidth_sharing:
+    #: "fcfs", settled as each starts, or "fair", max-min fair at each moment)
+    bandwidth_sharing: str = "fcfs"
 
     def params(self, **overrides) -> CostParams:
         d = self.fixed_us
@@ -99,7 +102,8 @@ class Calibration:
                        claimer_us={int(Op[k]): max(v - d, 0.0) for k, v in self.claimer_us.items()},
                        op_pre_us=pre,
                        claimer_lead_us={int(Op[k]): v for k, v in self.claimer_lead_us.items()},
-                       shared_bandwidth=self.shared_bandwidth_bps)
+                       shared_bandwidth=self.shared_bandwidth_bps,
+                       bandwidth_sharing=self.bandwidth_sharing)
         for k, v in overrides.items():
             setattr(p, k, v)
         return p
@@ -117,6 +121,8 @@ class Calibration:
                          + list(data.get("claim_fixed_us", {})) + list(data.get("pre_us_by_op", {}))
                          + list(data.get("claimer_lead_us", {}))):
                 Op[name]
+            if data.get("bandwidth_sharing", "fcfs") not in ("fcfs", "fair"):
+                raise ValueError(f"bandwidth_sharing {data['bandwidth_sharing']!r} is not fcfs or fair")
             return cls(**data)
         except FileNotFoundError:
             raise MegacError(f"calibration {path}: no such file") from None

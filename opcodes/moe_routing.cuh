@@ -113,11 +113,17 @@ __host__ __device__ constexpr int topk_smem_words(int rows, int num_experts, int
 // rows w, w + warps, ... (lane j < K: entry j) and writes ids_out / w_out
 // [rows * K]. On return smem[0 .. rows * K) holds the selected ids (row
 // major), for the caller (the finalize's ranking, the expert prefetch).
-template <bool kWeights = true>
-__device__ __forceinline__ void topk_rows_cta(const float* __restrict__ parts, size_t split_stride,
+// `stop` (thread 0's, asked once the partials are summed): true ends the
+// call there for the whole CTA, nothing ranked (returns false).
+struct NeverStop {
+  static constexpr bool kOn = false;
+  __device__ bool operator()() const { return false; }
+};
+template <bool kWeights = true, class Stop = NeverStop>
+__device__ __forceinline__ bool topk_rows_cta(const float* __restrict__ parts, size_t split_stride,
                                               int num_splits, int rows, int E, int K, int32_t flags,
                                               int32_t* __restrict__ ids_out, float* __restrict__ w_out,
-                                              int32_t* smem) {
+                                              int32_t* smem, Stop stop = {}) {
   int32_t* sel_id = smem;                                       // [rows * K]
   float* sel_v = reinterpret_cast<float*>(smem + rows * K);     // [rows * K]
   float* vals = sel_v + rows * K;                               // [rows * E]
@@ -140,7 +146,11 @@ __device__ __forceinline__ void topk_rows_cta(const float* __restrict__ parts, s
     keys[i] = order_key(v, i % E);
   }
   MEGAC_MARK(0);  // thread 0's partials summed (an L2 round trip)
-  __syncthreads();
+  if constexpr (Stop::kOn) {
+    if (__syncthreads_or(threadIdx.x == 0 && stop())) return false;
+  } else {
+    __syncthreads();
+  }
 #if MEGAC_TOPK_RANK_HALVES
   // two threads per logit: lanes l and l + 16 of a warp count the even and
   // the odd keys of the row (adjacent words: one shared-memory wavefront),
@@ -178,7 +188,7 @@ __device__ __forceinline__ void topk_rows_cta(const float* __restrict__ parts, s
 #endif
   __syncthreads();
   MEGAC_MARK(1);  // every logit ranked
-  if constexpr (!kWeights) return;  // the ids alone (a routed claimer: sel_id is what it needs)
+  if constexpr (!kWeights) return true;  // the ids alone (a routed claimer: sel_id is what it needs)
   const int lane = threadIdx.x & 31;
   for (int r = threadIdx.x >> 5; r < rows; r += blockDim.x >> 5) {
     const float logit = lane < K ? sel_v[r * K + lane] : 0.f;
@@ -190,6 +200,7 @@ __device__ __forceinline__ void topk_rows_cta(const float* __restrict__ parts, s
   }
   MEGAC_MARK(2);  // weights and stores
   __syncthreads();
+  return true;
 }
 
 struct FinalizeArgs {

@@ -143,20 +143,28 @@ case "${1:-tails}" in
   # prebuild_s31` (~10 min on 2 cores) writes build/cz/cubins.tar.xz; carry ["build/cz", ".whl"]
   prebuild_s31)
     rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
-    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=dp2,acp,dp2_acp MEGAC_ORDER_TILES=none \
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=dp2,acp,dp2_acp,uds,uds_acp MEGAC_ORDER_TILES=none \
       MEGAC_PROFILE_TILES=cs8 .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code smollm2-135m \
       tiny-llama tiny-moe nmc-slice nmc-cs8 nmc-cs16 nmc-dn128 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
     grep -v "(interleaved)\|(attention-first)" build/cz-s31/log.txt | grep -o "/[^ ]*\.cubin" | while read -r c; do
       cp "$c" "$c.json" build/cz-s31/ 2>/dev/null || cp "$c" build/cz-s31/; done
     rm build/cz-s31/log.txt && tar -C build/cz-s31 -cJf build/cz/cubins.tar.xz . && ls -la build/cz ;;
   s31)  # the next session's battery, in priority order: megac bench of the default (BENCHMARKS.md has none
-         # since the twenty-ninth session's change of default), then every down claim primed (dp2), the
-         # claimed attention splits primed (acp) and both, against the default on one engine (8 rounds,
-         # each round's median, bits checked); then acp checked as a default would be (its tiny-model and
-         # slice builds are not in the archive: nvcc there builds them, ~15 s each)
+         # since the twenty-ninth session's change of default), then the drained up claimers stopped before
+         # their ranking (uds, thirty-first session), the claimed attention splits primed (acp) and both,
+         # against the default on one engine (8 rounds, each round's median, bits checked); then uds checked
+         # as a default would be (its tiny-model and slice builds are not in the archive: nvcc there builds
+         # them, ~15 s each)
     BT=280 bash "$0" bench
+    V=${V:-uds,acp,uds_acp} R=${R:-8} bash "$0" s29b_variants
+    verify uds uds 1 ;;
+  s31c)  # every down claim primed (dp2) and with acp, against the default; acp checked as a default
     V=${V:-dp2,acp,dp2_acp} R=${R:-8} bash "$0" s29b_variants
     verify acp acp 1 ;;
+  s31d)  # a full layer's O-projection tiles before the up claimers (schedules/experiments/full-oproj-first.yaml,
+         # thirty-first session) against tuned, bs1 and bs8; then with the drained up claimers stopped (uds)
+    run_orders default tuned,$E/full-oproj-first.yaml,tuned,$E/full-oproj-first.yaml 1,8
+    run_orders default tuned,$E/full-oproj-first.yaml,tuned 1 uds ;;
   s31b)  # the combine over 8 and 16 feature ranges and the 128-feature down tiles against the default
          # (engines alternating, bs1 and bs8), then the profiled step of cs8
     TLIST=cs8,dn128,default#1,cs8#1,dn128#1,default#2 TB=1,8 bash "$0" ab

@@ -517,6 +517,16 @@ def test_calibrate_command_fits_a_trace_and_writes_a_calibration(tmp_path, fold1
     assert with_limit.shared_bandwidth_bps == pytest.approx(4.2e12)
     assert (simulate(sched, with_limit.params(context=8192)).step_us
             > simulate(sched, with_limit.params(context=8192, shared_bandwidth=None)).step_us)
+    assert with_limit.bandwidth_sharing == "fcfs" and "first come, first served" in r.output
+    # --sharing fair: the calibration shares it max-min fairly; the step is no shorter than its bytes there
+    fair = tmp_path / "fair.json"
+    r = _cli(trace, "--shared-bandwidth", "4.2", "--sharing", "fair", "-o", fair)
+    assert r.exit_code == 0 and "share 4.20 TB/s max-min fairly" in r.output, r.output
+    res = simulate(sched, Calibration.load(fair).params(context=8192))
+    assert Calibration.load(fair).bandwidth_sharing == "fair"
+    assert res.step_us * 1e-6 >= res.total_bytes / 4.2e12
+    r = _cli(trace, "--shared-bandwidth", "4.2", "--sharing", "fifo")
+    assert r.exit_code == 2 and "--sharing" in r.output
     r = _cli(trace, "--shared-bandwidth", "0")
     assert r.exit_code == 2 and "--shared-bandwidth" in r.output
 

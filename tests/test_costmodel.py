@@ -186,6 +186,68 @@ def test_shared_bandwidth_hands_out_the_rest_first_come_first_served():
         cm.SharedBandwidth(0.0)
 
 
+def _drain(bw):
+    """Fire a FairBandwidth's events until none is left: {SM: end µs}."""
+    ends = {}
+    while bw.next_event() < float("inf"):
+        done = bw.fire()
+        if done is not None:
+            ends[done[0]] = done[1]
+    return ends
+
+
+def test_fair_bandwidth_shares_the_limit_among_the_streams_running():
+    """Against hand arithmetic, a GPU of 1000 B/µs. Two streams of 1000 B
+    from t = 0, each at most 600 B/µs: 500 each, both through at 2 µs
+    (first come, first served gave 1.67 and 2.22). One capped at 200 B/µs
+    beside one at 1000: 200 and 800. A stream speeds up when another ends
+    and slows when one starts."""
+    bw = cm.FairBandwidth(1e9, num_sms=4)
+    bw.start(0.0, 0, 1000.0, 1 / 600)
+    bw.start(0.0, 1, 1000.0, 1 / 600)
+    assert _drain(bw) == {0: pytest.approx(2.0), 1: pytest.approx(2.0)}
+
+    bw = cm.FairBandwidth(1e9, num_sms=4)
+    bw.start(0.0, 2, 400.0, 1 / 200)  # 200 B/µs: through at 2 µs
+    bw.start(0.0, 3, 2000.0, 1 / 1000)  # 800 B/µs until 2 µs (1600 B), then 1000: 2.4 µs
+    assert _drain(bw) == {2: pytest.approx(2.0), 3: pytest.approx(2.4)}
+
+    # A alone from 0 (1000 B/µs), B from 1 µs: 500 each; B's 500 B are
+    # through at 2 µs, A's last 500 B then at 1000 B/µs: 2.5 µs
+    bw = cm.FairBandwidth(1e9, num_sms=2)
+    bw.start(0.0, 0, 2000.0, 1 / 1000)
+    bw.start(1.0, 1, 500.0, 1 / 1000)
+    assert _drain(bw) == {1: pytest.approx(2.0), 0: pytest.approx(2.5)}
+    with pytest.raises(MegacError, match="positive"):
+        cm.FairBandwidth(0.0, num_sms=1)
+    bw.start(5.0, 0, 10.0, 1 / 1000)
+    with pytest.raises(MegacError, match="SM 0 starts a stream while"):
+        bw.start(5.0, 0, 10.0, 1 / 1000)
+
+
+def test_fair_sharing_does_not_depend_on_which_sm_the_walk_reaches_first(moe):
+    """The same work on every SM at once: first come, first served settles
+    the SM the walk reaches first at full speed and starves the last;
+    shared fairly, the first tasks of the SMs all end together. Both keep
+    the step at or above its bytes at the limit, and the fair step is not
+    faster than a bound by bytes."""
+    free = cm.simulate(moe)
+    bps = 0.25 * free.total_bytes / (free.step_us * 1e-6)
+    first = {}
+    for sharing in ("fcfs", "fair"):
+        r = cm.simulate(moe, shared_bandwidth=bps, bandwidth_sharing=sharing, fixed_us=0.0)
+        assert r.step_us * 1e-6 >= r.total_bytes / bps * (1 - 1e-6)
+        # each SM's first piece of work that moves bytes and starts at 0
+        sel = [i for i in np.argsort(r.start, kind="stable")
+               if r.start[i] == 0.0 and r.nbytes[i] > 0 and r.opcode[i] == r.opcode[np.argmin(r.start)]]
+        ends = r.end[sel]
+        first[sharing] = (len(sel), float(ends.max() - ends.min()) / float(ends.max()))
+    assert first["fcfs"][0] == first["fair"][0] >= 2
+    assert first["fair"][1] < 1e-6 < first["fcfs"][1]
+    with pytest.raises(MegacError, match="fcfs or fair"):
+        cm.simulate(moe, shared_bandwidth=bps, bandwidth_sharing="round-robin")
+
+
 def test_shared_bandwidth_bounds_the_step(moe, nmc1):
     """A limit far above every stream's sum changes nothing; one the streams
     exceed makes the step slower, never faster than its bytes at that limit."""
@@ -209,3 +271,14 @@ def test_shared_bandwidth_travels_with_a_calibration(tmp_path):
     assert cal.params().shared_bandwidth == 4.23e12 and cal.rate_scale > 1
     path = replace(cal, shared_bandwidth_bps=None).save(tmp_path / "c.json")
     assert Calibration.load(path).params().shared_bandwidth is None
+    # how the streams share it travels too (fcfs where a file predates the key)
+    assert cal.params().bandwidth_sharing == "fcfs"
+    fair = Calibration.load(replace(cal, bandwidth_sharing="fair").save(tmp_path / "fair.json"))
+    assert fair.params().bandwidth_sharing == "fair"
+    import json
+
+    data = json.loads(path.read_text())
+    data["bandwidth_sharing"] = "round-robin"
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(MegacError, match="bandwidth_sharing 'round-robin' is not fcfs or fair"):
+        Calibration.load(tmp_path / "bad.json")

@@ -13,6 +13,12 @@ through phases, as the device does:
             a claimer CLAIMs a record, HOLDs it until the claimed task's
             waits are met, runs it, signals what it signals, and claims
             again until the queue is drained; then it signals SIGNAL.
+    RUN, RUN_CLAIMED
+            (``time`` policy only) the task or claimed task runs, and its
+            end is not known yet: it depends on what starts meanwhile (the
+            cost model's streams share the GPU's bandwidth fairly). The
+            hooks' own events (:meth:`Hooks.next_event`) interleave with
+            the SMs' turns in time order and :meth:`Walker.resume` the SM.
 
 What "reaches", "runs" and "claims" mean is the user's: a
 :class:`Counters` model (``UnitCounters``: a counter is complete once every
@@ -39,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-START, WAIT0, WAIT1, CLAIM, HELD = range(5)
-PHASE_NAMES = ("START", "WAIT0", "WAIT1", "CLAIM", "HELD")
+START, WAIT0, WAIT1, CLAIM, HELD, RUN, RUN_CLAIMED = range(7)
+PHASE_NAMES = ("START", "WAIT0", "WAIT1", "CLAIM", "HELD", "RUN", "RUN_CLAIMED")
 
 
 @dataclass
@@ -125,16 +131,29 @@ class Hooks:
     def after_wait0(self, s: int, k: int) -> None:
         """WAIT0 passed: the task reads TARGET1 and its dynamic fields."""
 
-    def run_task(self, s: int, k: int, t: float) -> float:
-        """Run static task ``k`` starting at ``t``; its end time."""
+    def run_task(self, s: int, k: int, t: float) -> float | None:
+        """Run static task ``k`` starting at ``t``; its end time, or None
+        under the ``time`` policy when the end depends on work that starts
+        later (streams sharing bandwidth): the hooks then call
+        :meth:`Walker.resume` once it is known (see :meth:`next_event`)."""
         return t
 
     def claim(self, s: int, k: int, t: float) -> Claim | None:
         """Claimer ``k`` claims its next piece, or None: the queue is drained."""
         return None
 
-    def run_claimed(self, s: int, k: int, claim: Claim, t: float) -> float:
+    def run_claimed(self, s: int, k: int, claim: Claim, t: float) -> float | None:
+        """Run a claimed piece starting at ``t``; its end time, or None as
+        for :meth:`run_task`."""
         return t
+
+    def next_event(self) -> float:
+        """Time of the hooks' own next event (``time`` policy): the walker
+        fires it (:meth:`fire`) before any SM turn that comes later."""
+        return float("inf")
+
+    def fire(self) -> None:
+        """Process the hooks' next event (it may :meth:`Walker.resume` SMs)."""
 
     def finish(self, s: int, k: int, t: float) -> float:
         """Claimer ``k`` found its queue drained at ``t``; its end time."""
@@ -174,6 +193,8 @@ class Walker:
         self.now = [0.0] * S
         self.waiting: dict[int, list[int]] = defaultdict(list)
         self.blocked_on: list[int] = [-1] * S
+        #: the SM runs a piece of work whose end the hooks have yet to give (resume)
+        self.running: list[bool] = [False] * S
         self.rounds = 0
         #: pieces of work each SM finished (tasks, claimed pieces, drained claimers)
         self.turns = [0] * S
@@ -243,7 +264,10 @@ class Walker:
                 self.now[s] += self.lead[k]
                 self.phase[s] = CLAIM
                 return True
-            self.now[s] = h.run_task(s, k, self.now[s])
+            e = h.run_task(s, k, self.now[s])
+            if e is None:
+                return self._run_deferred(s, RUN)
+            self.now[s] = e
             self._next(s, k)
             return True
         if ph == CLAIM:
@@ -255,6 +279,8 @@ class Walker:
             self.held[s], self.held_i[s] = cl, 0
             self.phase[s] = HELD
             return True
+        if ph in (RUN, RUN_CLAIMED):
+            return False  # its end comes through resume()
         # HELD
         cl = self.held[s]
         while self.held_i[s] < len(cl.waits):
@@ -265,13 +291,40 @@ class Walker:
                 self.now[s] = max(self.now[s], self.counters.release(c))
                 h.acquired(s, k, c)
             self.held_i[s] += 1
-        self.now[s] = h.run_claimed(s, k, cl, self.now[s])
+        e = h.run_claimed(s, k, cl, self.now[s])
+        if e is None:
+            return self._run_deferred(s, RUN_CLAIMED)
+        self.now[s] = e
+        self._claimed_done(s)
+        return True
+
+    def _claimed_done(self, s: int) -> None:
         self.turns[s] += 1
-        for c in cl.signals:
+        for c in self.held[s].signals:
             self.signal(c, self.now[s])
         self.held[s] = None
         self.phase[s] = CLAIM
-        return True
+
+    def _run_deferred(self, s: int, phase: int) -> bool:
+        if self._policy != "time":
+            raise RuntimeError("walk: a piece of work without an end time needs the time policy")
+        self.phase[s] = phase
+        self.running[s] = True
+        return False
+
+    def resume(self, s: int, t: float) -> None:
+        """The deferred piece of work SM ``s`` runs ends at ``t``: finish it
+        (signal, move on) and let the SM take its next turn at ``t``."""
+        if not self.running[s]:
+            raise RuntimeError(f"walk: SM {s} has no piece of work to resume")
+        self.running[s] = False
+        self.now[s] = t
+        if self.phase[s] == RUN:
+            self._next(s, self.head[s])
+        else:
+            self._claimed_done(s)
+        if not self.done(s) and self.blocked_on[s] < 0:
+            heapq.heappush(self._heap, (t, s))
 
     def _fast_task(self, s: int) -> bool:
         """Run the static task at the head of SM ``s`` (phase START, plain
@@ -296,7 +349,11 @@ class Walker:
             r = cnt.release(b)
             if r > now:
                 now = r
-        self.now[s] = self.hooks.run_task(s, k, now)
+        e = self.hooks.run_task(s, k, now)
+        if e is None:
+            self.now[s] = now
+            return self._run_deferred(s, RUN)
+        self.now[s] = e
         self._next(s, k)
         return True
 
@@ -332,14 +389,21 @@ class Walker:
         if policy == "time":
             self._heap = [(0.0, s) for s in range(S) if not self.done(s)]
             heapq.heapify(self._heap)
-            while self._heap:
+            h = self.hooks
+            while True:
+                te = h.next_event()
+                if te < float("inf") and (not self._heap or te <= self._heap[0][0]):
+                    h.fire()
+                    continue
+                if not self._heap:
+                    break
                 t, s = heapq.heappop(self._heap)
-                if self.done(s) or self.blocked_on[s] >= 0:
+                if self.done(s) or self.blocked_on[s] >= 0 or self.running[s]:
                     continue
                 self.now[s] = max(self.now[s], t)
                 # one piece of work (a task, a claimed piece, a drained claimer) per turn
                 self._advance(s, one_turn=True)
-                if not self.done(s) and self.blocked_on[s] < 0:
+                if not self.done(s) and self.blocked_on[s] < 0 and not self.running[s]:
                     heapq.heappush(self._heap, (self.now[s], s))
             return self.stuck()
         if policy not in ("greedy", "round_robin", "random"):
@@ -388,5 +452,5 @@ class Walker:
         return out
 
 
-__all__ = ["Blocked", "CLAIM", "Claim", "HELD", "Hooks", "PHASE_NAMES", "START", "UnitCounters", "ValueCounters",
-           "WAIT0", "WAIT1", "Walker"]
+__all__ = ["Blocked", "CLAIM", "Claim", "HELD", "Hooks", "PHASE_NAMES", "RUN", "RUN_CLAIMED", "START", "UnitCounters",
+           "ValueCounters", "WAIT0", "WAIT1", "Walker"]

@@ -95,7 +95,7 @@ def test_ring_stages_of_ten_blocks_keep_the_accumulators_in_registers(tmp_path):
 
 
 @needs_nvcc
-def test_the_claimed_attention_prime_compiles_into_the_claim_loop(tmp_path):
+def test_the_claimed_attention_prime_and_the_drained_stop_compile(tmp_path):
     # MEGAC_ATTN_CLAIM_PRIME (ops_attention.cuh AttnEarly): a claimed split
     # primes its tensor-copy ring before its wait. North Mini Code's 128-dim
     # heads take the tensor-copy form, so the switch must change the code
@@ -115,6 +115,13 @@ def test_the_claimed_attention_prime_compiles_into_the_claim_loop(tmp_path):
     k = report(on)["kernels"]["megakernel"]
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
     assert on.read_bytes() != off.read_bytes()
+    # MEGAC_UP_DRAINED_STOP (ops_moe.cuh): a drained routed up claimer stops
+    # before it ranks; the same checks
+    uds = build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_DRAINED_STOP": 1}, include_dirs=inc,
+                      cache_dir=tmp_path / "uds")
+    k = report(uds)["kernels"]["megakernel"]
+    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
+    assert uds.read_bytes() != off.read_bytes()
 
 
 @needs_nvcc
