@@ -1358,6 +1358,10 @@ TILES = {
     "up96": {"moe_up_bn": 96},  # 16 expert up/gate tiles: 128 claims at batch 1, one per SM
     "up64": {"moe_up_bn": 64},
     "r16": {"router_splits": 16},  # router GEMM over 16 SMs instead of 4
+    # router GEMM over 8 SMs: 64 KB tiles, still one round of partial loads for a routed claimer
+    # (kSplitsAtOnce 8); the router's stream is ~1.7 of the ~13 us from a layer's combine to its
+    # first expert byte (thirty-first session); another split-K sum of the logits: other bits
+    "r8": {"router_splits": 8},
     "up96_r16": {"moe_up_bn": 96, "router_splits": 16},
     # the MoE combine inside the norm at batch 1 (geometry.fused_combine_at): a hop and a task less
     "fused_combine": {"fused_combine": 1},
