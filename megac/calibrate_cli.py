@@ -30,19 +30,62 @@ from megac.errors import MegacError
 from megac.order_option import ORDER_HELP, OrderType
 
 
-def read_trace(path: Path) -> dict:
-    """A Chrome trace written by ``megac bench --profile`` (``.json`` or ``.json.gz``)."""
+def read_trace(path: Path, what: str = "calibrate") -> dict:
+    """A Chrome trace written by ``megac bench --profile`` (``.json`` or
+    ``.json.gz``); errors name the command ``what``."""
     try:
         raw = path.read_bytes()
         text = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
         trace = json.loads(text)
     except FileNotFoundError:
-        raise MegacError(f"calibrate: {path}: no such file") from None
+        raise MegacError(f"{what}: {path}: no such file") from None
     except (OSError, ValueError, EOFError) as err:
-        raise MegacError(f"calibrate: {path}: not a JSON trace ({type(err).__name__}: {err})") from None
+        raise MegacError(f"{what}: {path}: not a JSON trace ({type(err).__name__}: {err})") from None
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
-        raise MegacError(f"calibrate: {path}: no traceEvents (write one with megac bench --profile FILE.json)")
+        raise MegacError(f"{what}: {path}: no traceEvents (write one with megac bench --profile FILE.json)")
     return trace
+
+
+def traced_step(path: Path, model, batch_size, context, order, say, what: str = "calibrate"):
+    """The step a profile trace recorded, rebuilt: (trace, its ``otherData``,
+    the spec with the tiles it ran, the schedule it ran, its records, batch,
+    context, order). The trace's own model, batch, context and order unless
+    given; a trace that does not name them needs them given."""
+    from megac.gpu.profile import records_from_trace
+    from megac.spec import load_spec
+
+    data = read_trace(path, what)
+    meta = data.get("otherData") or {}
+    model = model or meta.get("model")
+    batch = batch_size or meta.get("batch")
+    ctx = context or meta.get("context")
+    order = order or meta.get("order") or "tuned"
+    missing = [n for n, v in (("--model", model), ("--batch-size", batch), ("--context", ctx)) if not v]
+    if missing:
+        raise MegacError(f"{what}: {path} does not name its {', '.join(m[2:] for m in missing)} "
+                         f"(a trace from before megac bench recorded them): pass {', '.join(missing)}")
+    try:
+        records = records_from_trace(data)
+    except (KeyError, TypeError) as err:
+        raise MegacError(f"{what}: {path}: not a megac profile trace (an event lacks {err})") from None
+    if not records:
+        raise MegacError(f"{what}: {path}: the trace holds no task records")
+    if meta.get("tiles") is None:
+        # a trace that does not record its tiles (before the twenty-first session, or written by
+        # the GPU checks): today's tiles where its records are that schedule's, else the plain ones
+        from megac.calibration import check_records
+        from megac.passes.pipeline import compile_one
+
+        spec = load_spec(model)
+        sched = compile_one(spec, order=order, rows=int(batch), context=int(meta.get("schedule_context") or ctx))
+        try:
+            check_records(records, sched)
+            return data, meta, spec, sched, records, int(batch), int(ctx), order
+        except MegacError:
+            pass
+    spec = _with_tiles(load_spec(model), meta.get("tiles"), say)
+    sched = _traced_schedule(spec, order, int(batch), int(ctx), meta.get("schedule_context"), records, say)
+    return data, meta, spec, sched, records, int(batch), int(ctx), order
 
 
 def _step_rows(paths, model: str) -> list[tuple[int, int, float, int]]:
@@ -147,30 +190,13 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
     """Fit the cost model to the measured step in TRACE and report how well it predicts."""
     from megac.calibration import REFIT_RATES_GBS, fit, refit_claim_stream, trace_timing
     from megac.costmodel import simulate
-    from megac.gpu.profile import records_from_trace
-    from megac.spec import load_spec
 
     say = lambda m: click.echo(m, err=True)  # noqa: E731
-    data = read_trace(trace)
-    meta = data.get("otherData") or {}
-    model = model or meta.get("model")
-    batch = batch_size or meta.get("batch")
-    ctx = context or meta.get("context")
-    order = order or meta.get("order") or "tuned"
-    missing = [n for n, v in (("--model", model), ("--batch-size", batch), ("--context", ctx)) if not v]
-    if missing:
-        raise MegacError(f"calibrate: {trace} does not name its {', '.join(m[2:] for m in missing)} "
-                         f"(a trace from before megac bench recorded them): pass {', '.join(missing)}")
     if plot is not None:
         from megac.plot import check_plot_path
 
         check_plot_path(plot, "--plot")
-    try:
-        records = records_from_trace(data)
-    except (KeyError, TypeError) as err:
-        raise MegacError(f"calibrate: {trace}: not a megac profile trace (an event lacks {err})") from None
-    spec = _with_tiles(load_spec(model), meta.get("tiles"), say)
-    sched = _traced_schedule(spec, order, int(batch), int(ctx), meta.get("schedule_context"), records, say)
+    data, meta, spec, sched, records, batch, ctx, order = traced_step(trace, model, batch_size, context, order, say)
     timing = trace_timing(records, sched)
     device = meta.get("device", "the GPU")
     source = f"{device}, {spec.name} batch {batch} context {ctx} order {order}; trace {trace.name}"

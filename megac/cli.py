@@ -293,12 +293,14 @@ def generate_cmd(model, weights, random_weights, backend, dtype, prompts, prompt
 def _add_server_commands() -> None:
     from megac.bench_cli import bench_cmd
     from megac.calibrate_cli import calibrate_cmd
+    from megac.trace_cli import trace_cmd
     from megac.server.cli import bench_serve_cmd, serve_cmd
 
     main.add_command(serve_cmd)
     main.add_command(bench_serve_cmd)
     main.add_command(bench_cmd)
     main.add_command(calibrate_cmd)
+    main.add_command(trace_cmd)
 
 
 _add_server_commands()

@@ -165,8 +165,11 @@ case "${1:-tails}" in
          # thirty-first session) against tuned, bs1 and bs8; then with the drained up claimers stopped (uds)
     run_orders default tuned,$E/full-oproj-first.yaml,tuned,$E/full-oproj-first.yaml 1,8
     run_orders default tuned,$E/full-oproj-first.yaml,tuned 1 uds ;;
-  s31e)  # the router over 8 SMs (TILES r8, thirty-first session) against the default, engines alternating
-    TLIST=r8,default#1,r8#1,default#2 TB=1,8 bash "$0" ab ;;
+  s31e)  # the router over 8 SMs (TILES r8, thirty-first session) against the default, engines alternating;
+         # then 128-row up tiles at batch 1 (up128: 96 claims; a full layer's 48 one-per-SM up claims stream
+         # alone at ~2.6 TB/s from ~22 to ~36 us): if batch 1 gains, per-batch up tiles are worth building
+    TLIST=r8,default#1,r8#1,default#2 TB=1,8 bash "$0" ab
+    TLIST=up128,default#1,up128#1,default#2 TB=1 bash "$0" ab ;;
   s31b)  # the combine over 8 and 16 feature ranges and the 128-feature down tiles against the default
          # (engines alternating, bs1 and bs8), then the profiled step of cs8
     TLIST=cs8,dn128,default#1,cs8#1,dn128#1,default#2 TB=1,8 bash "$0" ab

@@ -1,0 +1,58 @@
+"""``megac trace``: where a profiled step's bandwidth goes, layer by layer.
+
+::
+
+    megac bench north-mini-code --backend cuda --random-weights --batch-size 1 --context 8192 \\
+        --profile step.json                       # on the GPU: one profiled step
+    megac trace step.json --plot layer-bw.png     # here: TB/s through a layer, by opcode
+
+See megac/trace_report.py for what the numbers are.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from megac.order_option import ORDER_HELP, OrderType
+
+
+@click.command("trace")
+@click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model", default=None, help="The traced model (default: the trace's).")
+@click.option("--batch-size", type=click.IntRange(1, 64), default=None, help="The traced step's batch (default: the trace's).")
+@click.option("--context", type=click.IntRange(1), default=None, help="The traced step's context (default: the trace's).")
+@click.option("--order", type=OrderType(), default=None, help=ORDER_HELP + " Default: the trace's, else tuned.")
+@click.option("--bin-us", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Width of a time bin (µs).")
+@click.option("--ceiling", type=click.FloatRange(min=0, min_open=True), default=4.55, show_default=True,
+              metavar="TB/S", help="The streaming ceiling the layers are held against (megac bench measures it).")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw TB/s through a layer, stacked by opcode, one panel per layer kind (.png or .svg).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the profile as JSON.")
+def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, json_out):
+    """Where the bandwidth of the step in TRACE goes: per layer kind, TB/s by opcode through a layer."""
+    from megac.calibrate_cli import traced_step
+    from megac.trace_report import format_profile, plot_profile, profile
+
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
+    if plot is not None:
+        from megac.plot import check_plot_path
+
+        check_plot_path(plot, "--plot")
+    _, _, spec, sched, records, _, ctx, _ = traced_step(trace, model, batch_size, context, order, say, what="trace")
+    p = profile(records, sched, ctx, bin_us=bin_us, ceiling_tbs=ceiling, model=spec.name)
+    click.echo(format_profile(p))
+    if plot is not None:
+        plot_profile(p, plot)
+        say(f"wrote {plot}")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(p.to_json(), indent=1))
+        say(f"wrote {json_out}")
+
+
+__all__ = ["trace_cmd"]
