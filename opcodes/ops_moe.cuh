@@ -222,10 +222,14 @@ struct MoeDownOffsets {
 // the empty claim), ahead of the O-projection tiles of a full layer (their
 // attention done at 27 us, the tiles start at 32) and of the late down
 // claims. The index's atomic returns while the partials load, so a claimer
-// that does get work waits for nothing new. Not yet run on a GPU (gpu
-// check variants: uds).
+// that does get work waits for nothing new. Measured (H200, thirty-first
+// session, one engine, 5 interleaved rounds, medians, the same bits): NMC 8K
+// bs1 2.5967 against 2.6227 ms (-1.0 %), bs8 -0.1 %; in the order runs of
+// the same session -0.2 .. -0.9 % at bs1 in three engines. Checked as the
+// default: tiny models equal to the VM, the watchdog, the one-row fp32 slice
+// (min cosine 0.99997).
 #ifndef MEGAC_UP_DRAINED_STOP
-#define MEGAC_UP_DRAINED_STOP 0
+#define MEGAC_UP_DRAINED_STOP 1
 #endif
 
 struct UpDrainedStop {

@@ -115,13 +115,15 @@ def test_the_claimed_attention_prime_and_the_drained_stop_compile(tmp_path):
     k = report(on)["kernels"]["megakernel"]
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
     assert on.read_bytes() != off.read_bytes()
-    # MEGAC_UP_DRAINED_STOP (ops_moe.cuh): a drained routed up claimer stops
-    # before it ranks; the same checks
+    # MEGAC_UP_DRAINED_STOP (ops_moe.cuh, on by default): a drained routed up
+    # claimer stops before it ranks; the same checks against the switch off
     uds = build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_DRAINED_STOP": 1}, include_dirs=inc,
                       cache_dir=tmp_path / "uds")
+    no_uds = build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_DRAINED_STOP": 0}, include_dirs=inc,
+                         cache_dir=tmp_path / "no_uds")
     k = report(uds)["kernels"]["megakernel"]
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
-    assert uds.read_bytes() != off.read_bytes()
+    assert uds.read_bytes() != no_uds.read_bytes()
 
 
 @needs_nvcc
