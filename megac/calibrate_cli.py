@@ -163,12 +163,24 @@ def _traced_schedule(spec, order, batch: int, ctx: int, schedule_context, record
         raise first
 
 
+def traced_step_options(f):
+    """The TRACE argument and the options that name a trace's step where the
+    trace does not (:func:`traced_step`'s), for the commands that read one."""
+    for opt in reversed((
+            click.argument("trace", type=click.Path(dir_okay=False, path_type=Path)),
+            click.option("--model", default=None, help="The traced model (default: the trace's)."),
+            click.option("--batch-size", type=click.IntRange(1, 64), default=None,
+                         help="The traced step's batch (default: the trace's)."),
+            click.option("--context", type=click.IntRange(1), default=None,
+                         help="The traced step's context (default: the trace's)."),
+            click.option("--order", type=OrderType(), default=None,
+                         help=ORDER_HELP + " Default: the trace's, else tuned."))):
+        f = opt(f)
+    return f
+
+
 @click.command("calibrate")
-@click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--model", default=None, help="The traced model (default: the trace's).")
-@click.option("--batch-size", type=click.IntRange(1, 64), default=None, help="The traced step's batch (default: the trace's).")
-@click.option("--context", type=click.IntRange(1), default=None, help="The traced step's context (default: the trace's).")
-@click.option("--order", type=OrderType(), default=None, help=ORDER_HELP + " Default: the trace's, else tuned.")
+@traced_step_options
 @click.option("--steps", "step_files", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               help="megac bench --json files of the same model: refit the attention claims' rate and predict every row.")
 @click.option("--refit-op", default="ATTN_DRAIN", show_default=True, help="The claimer opcode --steps refits.")

@@ -325,11 +325,11 @@ class _TimedHooks(Hooks):
             self.fair = FairBandwidth(params.shared_bandwidth, p.num_sms)
         elif params.shared_bandwidth:
             self.shared = SharedBandwidth(params.shared_bandwidth)
-        limited = params.shared_bandwidth is not None and params.shared_bandwidth > 0
+        limited = self.shared is not None or self.fair is not None
         # per task (with a shared limit): its fixed µs and its stream's µs per byte
         self.fixed = [params.task_fixed(int(o)) for o in op.tolist()] if limited else None
         self.upb = [params.op_us_per_byte.get(int(o), us_per_byte) for o in op.tolist()] if limited else None
-        self.pending: dict[int, tuple] = {}  # SM -> its running stream's record, less the end (fair)
+        self.pending: dict[int, tuple] = {}  # SM -> (its running stream's start, its record less the times) (fair)
         self.g_cost, self.g_bytes, self.g_pieces, self.g_next = [], [], [], []
         self.g_fixed, self.g_upb = [], []
         for g in p.groups:
@@ -390,7 +390,7 @@ class _TimedHooks(Hooks):
             self.rec.append((s, t, t + fixed) + rec)
             return t + fixed
         self.fair.start(t + fixed, s, nbytes, upb)
-        self.pending[s] = (s, t, rec)
+        self.pending[s] = (t, rec)
         return None
 
     def next_event(self):
@@ -401,7 +401,7 @@ class _TimedHooks(Hooks):
         if done is None:
             return
         s, e = done
-        _, t, rec = self.pending.pop(s)
+        t, rec = self.pending.pop(s)
         self.rec.append((s, t, e) + rec)
         self.walker.resume(s, e)
 

@@ -16,15 +16,11 @@ from pathlib import Path
 
 import click
 
-from megac.order_option import ORDER_HELP, OrderType
+from megac.calibrate_cli import traced_step_options
 
 
 @click.command("trace")
-@click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--model", default=None, help="The traced model (default: the trace's).")
-@click.option("--batch-size", type=click.IntRange(1, 64), default=None, help="The traced step's batch (default: the trace's).")
-@click.option("--context", type=click.IntRange(1), default=None, help="The traced step's context (default: the trace's).")
-@click.option("--order", type=OrderType(), default=None, help=ORDER_HELP + " Default: the trace's, else tuned.")
+@traced_step_options
 @click.option("--bin-us", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
               help="Width of a time bin (µs).")
 @click.option("--ceiling", type=click.FloatRange(min=0, min_open=True), default=4.55, show_default=True,

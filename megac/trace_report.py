@@ -54,14 +54,12 @@ def record_bytes(recs: list[dict], sched, context: int) -> np.ndarray:
     params = CostParams(context=int(context))
     words = np.asarray(sched.tasks)
     counts = np.asarray(sched.task_counts)
-    out = np.zeros(len(recs))
-    static = [i for i, r in enumerate(recs) if r["task"] < counts[r["sm"]]]
-    if len(static) != len(recs):
-        bad = next(r for i, r in enumerate(recs) if i not in set(static))
+    bad = next((r for r in recs if r["task"] >= counts[r["sm"]]), None)
+    if bad is not None:
         raise MegacError(f"trace: SM {bad['sm']} ran task {bad['task']}, past its {counts[bad['sm']]} in the schedule "
                          "(not the schedule this trace ran)")
     w = np.stack([words[r["sm"], r["task"]] for r in recs]) if recs else np.zeros((0, words.shape[-1]))
-    out[:] = task_bytes(w, geo, params)
+    out = task_bytes(w, geo, params)
     per_claim: dict[int, float] = {}
     for i, r in enumerate(recs):
         op = int(w[i, H.OPCODE])

@@ -108,22 +108,14 @@ def test_the_claimed_attention_prime_and_the_drained_stop_compile(tmp_path):
     res = compile_schedules(spec, batch_sizes=[1])
     write_artifact(tmp_path, spec, res.schedules, order="tuned")
     inc = [opcodes_dir(), tmp_path]
-    on = build_cubin(tmp_path / SOURCE, defines={"MEGAC_ATTN_CLAIM_PRIME": 1}, include_dirs=inc,
-                     cache_dir=tmp_path / "on")
-    off = build_cubin(tmp_path / SOURCE, defines={"MEGAC_ATTN_CLAIM_PRIME": 0}, include_dirs=inc,
-                      cache_dir=tmp_path / "off")
-    k = report(on)["kernels"]["megakernel"]
-    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
-    assert on.read_bytes() != off.read_bytes()
-    # MEGAC_UP_DRAINED_STOP (ops_moe.cuh, on by default): a drained routed up
-    # claimer stops before it ranks; the same checks against the switch off
-    uds = build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_DRAINED_STOP": 1}, include_dirs=inc,
-                      cache_dir=tmp_path / "uds")
-    no_uds = build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_DRAINED_STOP": 0}, include_dirs=inc,
-                         cache_dir=tmp_path / "no_uds")
-    k = report(uds)["kernels"]["megakernel"]
-    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
-    assert uds.read_bytes() != no_uds.read_bytes()
+    # and MEGAC_UP_DRAINED_STOP (ops_moe.cuh, on by default): a drained routed
+    # up claimer stops before it ranks; each switch on against it off
+    for switch in ("MEGAC_ATTN_CLAIM_PRIME", "MEGAC_UP_DRAINED_STOP"):
+        on, off = (build_cubin(tmp_path / SOURCE, defines={switch: v}, include_dirs=inc,
+                               cache_dir=tmp_path / f"{switch}-{v}") for v in (1, 0))
+        k = report(on)["kernels"]["megakernel"]
+        assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, (switch, k)
+        assert on.read_bytes() != off.read_bytes(), switch
 
 
 @needs_nvcc
