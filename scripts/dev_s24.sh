@@ -149,6 +149,18 @@ case "${1:-tails}" in
     grep -v "(interleaved)\|(attention-first)" build/cz-s31/log.txt | grep -o "/[^ ]*\.cubin" | while read -r c; do
       cp "$c" "$c.json" build/cz-s31/ 2>/dev/null || cp "$c" build/cz-s31/; done
     rm build/cz-s31/log.txt && tar -C build/cz-s31 -cJf build/cz/cubins.tar.xz . && ls -la build/cz ;;
+  prebuild_add)  # more cubins into prebuild_s31's archive (thirty-second session): PB="nmc-r8 nmc-up128",
+                 # and the default build of the orders PO on North Mini Code (check order_variants)
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_ORDER_TILES=$([ -n "$PO" ] && echo default || echo none) \
+      MEGAC_VARIANT_ORDERS=$PO MEGAC_VARIANTS=default .venv/bin/python -m gpu.megakernel_check \
+      --prebuild $PB 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+    grep -o "/[^ ]*\.cubin" build/cz-s31/log.txt | while read -r c; do cp "$c" "$c.json" build/cz-s31/ 2>/dev/null ||
+      cp "$c" build/cz-s31/; done
+    rm build/cz-s31/log.txt && tar -C build/cz-s31 -cJf build/cz/cubins.tar.xz . && ls -la build/cz ;;
+  s32a)  # a full layer's up claimers before its claimed attention (schedules/experiments/full-up-first.yaml,
+          # thirty-second session) against tuned, bs1 and bs8; then the router over 8 SMs (r8)
+    T=400 run_orders default tuned,$E/full-up-first.yaml,tuned,$E/full-up-first.yaml 1,8
+    TLIST=r8,default#1,r8#1,default#2 TB=1,8 bash "$0" ab ;;
   s31)  # the next session's battery, in priority order: megac bench of the default (BENCHMARKS.md has none
          # since the twenty-ninth session's change of default), then the drained up claimers stopped before
          # their ranking (uds, thirty-first session), the claimed attention splits primed (acp) and both,

@@ -426,3 +426,40 @@ def test_split_schedules_take_the_kinds_split_waves():
     assert waves_for(layers, "moe", full=True, split=False) == "moe_full"
     assert waves_for({**layers, "moe_split_full": 4}, "moe", full=True, split=True) == "moe_split_full"
     assert waves_for({"moe": 1}, "moe", full=False, split=True) == "moe"
+
+
+def test_routed_claim_schedules_take_the_kinds_routed_waves(tmp_path):
+    """``moe_routed_full`` (``KIND_routed``, ``KIND_routed_full``): the waves
+    of that kind's layers in schedules whose up claimers route the rows
+    themselves (batch 1 of North Mini Code); at batch 2 (no routed claims)
+    the same file's layers take ``moe``'s / ``moe_full``'s. Here a full
+    layer's up claimer before its attention claimer on every SM
+    (schedules/experiments/full-up-first.yaml's form, at batch 1 only)."""
+    from megac.passes.order import waves_for
+
+    doc = yaml.safe_load((schedules_dir() / "tuned.yaml").read_text())
+    moe = list(doc["layers"]["moe"])
+    routed_full = [w for w in moe if w != "moe_upgate"]
+    routed_full.insert(routed_full.index({"wave": "attn", "share": 0.5}), "moe_upgate")
+    doc["layers"]["moe_routed_full"] = routed_full
+    mine = tmp_path / "routed-own.yaml"
+    mine.write_text(yaml.safe_dump(doc))
+    one, two = _nmc_8k(str(mine), 1), _nmc_8k(str(mine), 2)
+    assert one.geometry.routed_claims and not two.geometry.routed_claims
+    geo = one.geometry
+    full_l = next(l for l in geo.moe_layers if not geo.sliding[l])
+    slide_l = next(l for l in geo.moe_layers if geo.sliding[l])
+    ops = _op_names(one, full_l)
+    assert all(n.index("MOE_UPGATE_DRAIN") < n.index("ATTN_DRAIN") for n in ops.values())
+    assert _op_names(one, slide_l) == _op_names(_nmc_8k("tuned", 1), slide_l)
+    # batch 2: tuned's waves (the attention claimer first on every SM)
+    assert _op_names(two, full_l) == _op_names(_nmc_8k("tuned", 2), full_l)
+    assert all(n.index("ATTN_DRAIN") < n.index("MOE_UPGATE_DRAIN") for n in _op_names(two, full_l).values())
+    layers = {"moe": 1, "moe_full": 2, "moe_routed": 3, "moe_routed_full": 4, "moe_split": 5}
+    assert waves_for(layers, "moe", full=True, split=False, routed=True) == "moe_routed_full"
+    assert waves_for(layers, "moe", full=False, split=False, routed=True) == "moe_routed"
+    assert waves_for(layers, "moe", full=True, split=True, routed=True) == "moe_split"
+    assert waves_for({"moe": 1, "moe_full": 2}, "moe", full=True, split=False, routed=True) == "moe_full"
+    bad = tmp_path / "bad-routed.yaml"
+    bad.write_text("name: bad\nlayers:\n  moe_routed_sliding: [qkv]\n")
+    assert_one_line_error(megac("schedule", "tiny-moe", "--order", bad), "moe_routed_sliding", "unknown layer kind")

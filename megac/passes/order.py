@@ -66,6 +66,12 @@ FULL_SUFFIX = "_full"
 #: an order file's ``KIND_split`` (and ``KIND_split_full``) entry: the waves of that kind's
 #: layers in schedules that split the expert down projection (geometry ``split_down``)
 SPLIT_SUFFIX = "_split"
+#: an order file's ``KIND_routed`` (and ``KIND_routed_full``) entry: the waves of that kind's
+#: layers in schedules whose up claimers rank the rows themselves (geometry ``routed_claims``:
+#: batch 1 of MoE models), where few expert claims leave most claimers drained at once
+ROUTED_SUFFIX = "_routed"
+#: the schedule modes an entry may name, in the order a layer looks for them
+MODE_SUFFIXES = (SPLIT_SUFFIX, ROUTED_SUFFIX)
 #: where ``assign``'s SM cursor starts a layer: "layer" (the default)
 #: restarts it at SM 0 every layer (and before the final waves), so every
 #: layer's task j runs on the same SM: an SM runs the same opcodes layer
@@ -209,13 +215,15 @@ def load_order(order: str) -> dict:
     layers = {}
     for kind, raw in doc["layers"].items():
         # KIND_full: that kind's full-attention layers (else they take KIND's waves); KIND_split
-        # (_split_full): its layers in split_down schedules (else they take KIND's, KIND_full's)
+        # (_split_full): its layers in split_down schedules, KIND_routed (_routed_full) in routed-claim
+        # schedules (else they take KIND's, KIND_full's)
         base = kind[: -len(FULL_SUFFIX)] if kind.endswith(FULL_SUFFIX) else kind
-        base = base[: -len(SPLIT_SUFFIX)] if base.endswith(SPLIT_SUFFIX) else base
+        base = next((base[: -len(m)] for m in MODE_SUFFIXES if base.endswith(m)), base)
         if base not in LAYER_KINDS:
             raise OrderError(f"{where}: layers.{kind}: unknown layer kind (known: {', '.join(LAYER_KINDS)}, "
                              f"each also as KIND{FULL_SUFFIX} for its full-attention layers, KIND{SPLIT_SUFFIX} "
-                             f"and KIND{SPLIT_SUFFIX}{FULL_SUFFIX} in schedules that split the down projection)")
+                             f"(KIND{SPLIT_SUFFIX}{FULL_SUFFIX}) in schedules that split the down projection, "
+                             f"KIND{ROUTED_SUFFIX} (KIND{ROUTED_SUFFIX}{FULL_SUFFIX}) in routed-claim ones)")
         block, ffn = ("sequential", base.split("_", 1)[1]) if base.startswith("sequential_") else ("parallel", base)
         layers[kind] = parse_waves(raw, f"{where}: layers.{kind}", layer_node_kinds(block, ffn))
     final = parse_waves(doc.get("final", ["lm_head"]), f"{where}: final", ("lm_head",))
@@ -223,12 +231,13 @@ def load_order(order: str) -> dict:
             "sm_cursor": cursor}
 
 
-def waves_for(layers: dict, kind: str, full: bool, split: bool) -> str:
+def waves_for(layers: dict, kind: str, full: bool, split: bool, routed: bool = False) -> str:
     """The entry of an order's ``layers`` a layer of ``kind`` takes: in a
-    split_down schedule KIND_split_full / KIND_split first, then (full
-    attention) KIND_full, then KIND."""
-    names = ([kind + SPLIT_SUFFIX + FULL_SUFFIX] if split and full else []) + (
-        [kind + SPLIT_SUFFIX] if split else []) + ([kind + FULL_SUFFIX] if full else []) + [kind]
+    split_down schedule KIND_split_full / KIND_split first, then in a
+    routed-claim one KIND_routed_full / KIND_routed, then (full attention)
+    KIND_full, then KIND."""
+    modes = [m for m, on in zip(MODE_SUFFIXES, (split, routed)) if on] + [""]
+    names = [kind + m + f for m in modes for f in ((FULL_SUFFIX, "") if full else ("",))]
     return next(n for n in names if n in layers)
 
 
@@ -371,7 +380,8 @@ def run(lw: Lowering) -> str:
                                   f"'{kind}' (layer {l})")
         key = f"{kind}:{'sliding' if geo.sliding[l] else 'full'}"
         lw.layer_kinds.append(key)
-        emit(spec_order["layers"][waves_for(spec_order["layers"], kind, not geo.sliding[l], geo.split_down)],
+        emit(spec_order["layers"][waves_for(spec_order["layers"], kind, not geo.sliding[l], geo.split_down,
+                                            geo.routed_claims)],
              f"L{l}.", key)
     emit(spec_order["final"], "", "final")
     lw.g_node = np.concatenate(g_node)
