@@ -160,7 +160,7 @@ case "${1:-tails}" in
   s32a)  # a full layer's up claimers before its claimed attention (schedules/experiments/full-up-first.yaml,
           # thirty-second session) against tuned, bs1 and bs8; then the router over 8 SMs (r8)
     # (batch 1 first: one call; then bs8 of the winners)
-    T=560 run_orders default tuned,$E/full-up-first.yaml,$E/up-first.yaml,$E/full-up-first-oq.yaml,tuned,$E/full-up-first.yaml ${TB:-1} ;;
+    T=560 run_orders default ${SO:-tuned,$E/full-up-first.yaml,$E/up-first-b.yaml,$E/up-first.yaml,$E/full-up-first-oq.yaml,tuned} ${TB:-1} ;;
   s32b)  # the router over 8 SMs (r8), then 128-row up tiles at batch 1, against the default
     TLIST=r8,default#1,r8#1,default#2 TB=1,8 bash "$0" ab
     TLIST=up128,default#1,up128#1,default#2 TB=1 bash "$0" ab ;;
