@@ -151,7 +151,7 @@ case "${1:-tails}" in
     rm build/cz-s31/log.txt && tar -C build/cz-s31 -cJf build/cz/cubins.tar.xz . && ls -la build/cz ;;
   prebuild_add)  # more cubins into prebuild_s31's archive (thirty-second session): PB="nmc-r8 nmc-up128",
                  # and the default build of the orders PO on North Mini Code (check order_variants)
-    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_ORDER_TILES=$([ -n "$PO" ] && echo default || echo none) \
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_ORDER_TILES=$([ -n "$PO" ] && echo default || echo none) MEGAC_PROFILE_TILES=$PT MEGAC_PROFILE_ORDER=${PRO:-tuned} \
       MEGAC_VARIANT_ORDERS=$PO MEGAC_VARIANTS=default .venv/bin/python -m gpu.megakernel_check \
       --prebuild $PB 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
     grep -o "/[^ ]*\.cubin" build/cz-s31/log.txt | while read -r c; do cp "$c" "$c.json" build/cz-s31/ 2>/dev/null ||
@@ -164,6 +164,13 @@ case "${1:-tails}" in
   s32b)  # the router over 8 SMs (r8), then 128-row up tiles at batch 1, against the default
     TLIST=r8,default#1,r8#1,default#2 TB=1,8 bash "$0" ab
     TLIST=up128,default#1,up128#1,default#2 TB=1 bash "$0" ab ;;
+  s32c)  # the small batch-1 gains together against the default (bs1 and bs8, engines alternating), then
+          # the profiled steps of the default and of cs8 under full-up-first. Prebuild: PB="nmc-cs8_fuf
+          # nmc-cs8_r8_fuf nmc-cs8" with MEGAC_PROFILE_TILES=cs8 MEGAC_PROFILE_ORDER=$E/full-up-first.yaml
+    TLIST=cs8_r8_fuf,cs8_fuf,default#1,cs8_r8_fuf#1,cs8_fuf#1,default#2,cs8_r8_fuf#2,cs8_fuf#2 TB=1,8 bash "$0" ab
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=cs8 MEGAC_PROFILE_ORDER=$E/full-up-first.yaml timeout 200 \
+      python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-200
+    gzip -q $OUT/*.json $OUT/*/*.json 2>/dev/null; ls -la $OUT ;;
   s31)  # the next session's battery, in priority order: megac bench of the default (BENCHMARKS.md has none
          # since the twenty-ninth session's change of default), then the drained up claimers stopped before
          # their ranking (uds, thirty-first session), the claimed attention splits primed (acp) and both,

@@ -1382,6 +1382,10 @@ TILES = {
     # predicts -1.8 % at batch 1)
     "cs8": {"combine_splits": 8},
     "cs16": {"combine_splits": 16},
+    # the thirty-second session's small batch-1 gains together: the combine over 8 SMs, the router over
+    # 8, and a full layer's up claimers before its claimed attention (the order full-up-first)
+    "cs8_fuf": {"combine_splits": 8, "order": "schedules/experiments/full-up-first.yaml"},
+    "cs8_r8_fuf": {"combine_splits": 8, "router_splits": 8, "order": "schedules/experiments/full-up-first.yaml"},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
