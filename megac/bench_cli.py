@@ -280,15 +280,8 @@ def _profile(engine, case, profile_path, plot_path, name: str, say, order: str =
         say(f"inside {op} (median us after its wait, {m['tasks']} tasks): {points}; ends at {m['run_us']:.1f}")
     if profile_path is not None:
         profile_path.parent.mkdir(parents=True, exist_ok=True)
-        from megac.geometry import tiles_of
-
-        # the tile settings the traced schedule compiled with, so megac calibrate rebuilds
-        # that schedule after a default changed
-        meta = {"model": name, "batch": batch, "context": context, "order": order,
-                "schedule_context": got.get("schedule_context"),
-                "tiles": tiles_of(engine.spec),
-                "kernel_ms": got["kernel_ms"], "profiled_ms": got["profiled_ms"],
-                "device": _device_name("cuda")}
+        meta = profile.trace_meta(got, model=name, spec=engine.spec, batch=batch, context=context, order=order,
+                                  device=_device_name("cuda"))
         profile_path.write_text(json.dumps(profile.chrome_trace(recs, meta)))
         say(f"wrote {profile_path} (open in ui.perfetto.dev)")
     if plot_path is not None:

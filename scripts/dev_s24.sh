@@ -19,6 +19,10 @@ run_orders() {  # tiles orders batches vars
   MEGAC_VARIANTS=${4:-default} MEGAC_ORDER_TILES=$1 MEGAC_TILE_BATCHES=$3 MEGAC_TILE_CONTEXTS=8192 MEGAC_VARIANT_ORDERS=$2 \
     timeout ${T:-300} python3 -m gpu.megakernel_check --run order_variants --out $OUT/o_$1.json 2>&1 | grep -v Warning | grep '^{"' 
 }
+pack_cubins() {  # the cubins a prebuild's log (stdin) names, with their .json, into build/cz-s31 and its archive
+  grep -o "/[^ ]*\.cubin" | while read -r c; do cp "$c" "$c.json" build/cz-s31/ 2>/dev/null || cp "$c" build/cz-s31/; done
+  rm -f build/cz-s31/log.txt && tar -C build/cz-s31 -cJf build/cz/cubins.tar.xz . && ls -la build/cz
+}
 verify() {  # a build checked as a default would be: $1 its VARIANTS name ("": the headers' default), $2 a tag
   # for the files; then the row counts of the North Mini Code slice against fp32. tiny: the tiny models
   # against the VM; hang: the watchdog on its waits
@@ -146,20 +150,16 @@ case "${1:-tails}" in
     MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=dp2,acp,dp2_acp,uds,uds_acp MEGAC_ORDER_TILES=none \
       MEGAC_PROFILE_TILES=cs8 .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code smollm2-135m \
       tiny-llama tiny-moe nmc-slice nmc-cs8 nmc-cs16 nmc-dn128 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
-    grep -v "(interleaved)\|(attention-first)" build/cz-s31/log.txt | grep -o "/[^ ]*\.cubin" | while read -r c; do
-      cp "$c" "$c.json" build/cz-s31/ 2>/dev/null || cp "$c" build/cz-s31/; done
-    rm build/cz-s31/log.txt && tar -C build/cz-s31 -cJf build/cz/cubins.tar.xz . && ls -la build/cz ;;
+    grep -v "(interleaved)\|(attention-first)" build/cz-s31/log.txt | pack_cubins ;;
   prebuild_add)  # more cubins into prebuild_s31's archive (thirty-second session): PB="nmc-r8 nmc-up128",
                  # and the default build of the orders PO on North Mini Code (check order_variants)
     MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_ORDER_TILES=$([ -n "$PO" ] && echo default || echo none) MEGAC_PROFILE_TILES=$PT MEGAC_PROFILE_ORDER=${PRO:-tuned} \
       MEGAC_VARIANT_ORDERS=$PO MEGAC_VARIANTS=default .venv/bin/python -m gpu.megakernel_check \
       --prebuild $PB 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
-    grep -o "/[^ ]*\.cubin" build/cz-s31/log.txt | while read -r c; do cp "$c" "$c.json" build/cz-s31/ 2>/dev/null ||
-      cp "$c" build/cz-s31/; done
-    rm build/cz-s31/log.txt && tar -C build/cz-s31 -cJf build/cz/cubins.tar.xz . && ls -la build/cz ;;
-  s32a)  # a full layer's up claimers before its claimed attention (schedules/experiments/full-up-first.yaml,
-          # thirty-second session) against tuned, bs1 and bs8; then the router over 8 SMs (r8)
-    # (batch 1 first: one call; then bs8 of the winners)
+    pack_cubins < build/cz-s31/log.txt ;;
+  s32a)  # wave orders SO (default: a full layer's up claimers before its claimed attention,
+          # schedules/experiments/full-up-first.yaml, and the thirty-second session's other experiments)
+          # against tuned, an engine each, at the batches TB (default 1)
     T=560 run_orders default ${SO:-tuned,$E/full-up-first.yaml,$E/up-first-b.yaml,$E/up-first.yaml,$E/full-up-first-oq.yaml,tuned} ${TB:-1} ;;
   s32b)  # the router over 8 SMs (r8), then 128-row up tiles at batch 1, against the default
     TLIST=r8,default#1,r8#1,default#2 TB=1,8 bash "$0" ab

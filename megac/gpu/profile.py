@@ -323,5 +323,18 @@ def profile_step(backend, kv, batch: int, context: int, *, warmup: int = 5, defi
             "schedule_context": int(sched.geometry.context)}
 
 
+def trace_meta(got: dict, *, model: str, spec, batch: int, context: int, order, device: str) -> dict:
+    """A profiled step's ``chrome_trace`` meta from :func:`profile_step`'s
+    result ``got``: what ``megac calibrate`` / ``megac trace`` need to
+    rebuild the schedule that ran (model, batch, context, order, the context
+    bucket it compiled for, the tile settings, so a later change of default
+    does not rebuild another schedule) and the kernel times."""
+    from megac.geometry import tiles_of
+
+    return {"model": model, "batch": batch, "context": context, "order": str(order),
+            "schedule_context": got.get("schedule_context"), "tiles": tiles_of(spec),
+            "kernel_ms": got["kernel_ms"], "profiled_ms": got["profiled_ms"], "device": device}
+
+
 __all__ = ["MARKS", "MARK_NAMES", "SYMBOL", "WORDS", "attach", "chrome_trace", "format_layer_table", "layer_table",
-           "marks_summary", "profile_step", "read", "records_from_trace", "step_tokens", "summary"]
+           "marks_summary", "profile_step", "read", "records_from_trace", "step_tokens", "summary", "trace_meta"]

@@ -1597,13 +1597,9 @@ def check_profile() -> dict:
             if os.environ.get("OUT"):
                 name = f"profile-{model}-bs{b}-ctx{ctx}" + ("" if v == "default" else f"-{v}") + again.replace("#", "-")
                 (Path(os.environ["OUT"]) / f"{name}.json").write_text(json.dumps(recs))
-                from megac.geometry import tiles_of
-
                 # what megac trace / calibrate need to rebuild the schedule (as megac bench --profile writes)
-                meta = {"model": spec.name, "batch": b, "context": ctx, "order": str(order),
-                        "schedule_context": got.get("schedule_context"), "tiles": tiles_of(spec),
-                        "kernel_ms": plain, "profiled_ms": timed, "device": torch.cuda.get_device_name(),
-                        "variant": v}
+                meta = {**profile.trace_meta(got, model=spec.name, spec=spec, batch=b, context=ctx, order=order,
+                                             device=torch.cuda.get_device_name()), "variant": v}
                 (Path(os.environ["OUT"]) / f"{name}.trace.json").write_text(json.dumps(profile.chrome_trace(recs, meta)))
             print(json.dumps({key: out[key]})[:3000], flush=True)
         del eng, w, be

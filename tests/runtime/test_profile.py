@@ -123,3 +123,27 @@ def test_layer_table_times_each_opcode_from_its_layers_start():
     assert all(r["n"] == 2 for r in rows)
     text = profile.format_layer_table(rows)
     assert text.splitlines()[0].startswith(f"{kind} layers (2)") and "ADD_RMSNORM" in text
+
+
+def test_trace_meta_names_the_step_and_its_tiles():
+    """What megac bench --profile and the GPU check write into a trace's
+    ``otherData``: the step, the context bucket that ran and the spec's own
+    tile settings (a target's override included), so megac trace /
+    calibrate rebuild that schedule after a default changes."""
+    from pathlib import Path
+
+    from megac import geometry
+    from megac.spec import load_spec
+    from models import variant
+
+    spec = load_spec("tiny-moe")
+    mine = variant(spec, "tiny-moe-r2", target={**spec.target.model_dump(), "tiles": {"router_splits": 2}})
+    got = {"records": [], "kernel_ms": 1.5, "profiled_ms": 1.6, "schedule_context": 2048}
+    meta = profile.trace_meta(got, model="tiny-moe", spec=mine, batch=2, context=1100,
+                              order=Path("schedules/experiments/full-up-first.yaml"), device="H200")
+    assert meta["tiles"] == geometry.tiles_of(mine) and meta["tiles"]["router_splits"] == 2
+    assert geometry.DEFAULT_TILES["router_splits"] != 2
+    assert meta["order"] == "schedules/experiments/full-up-first.yaml"
+    assert (meta["batch"], meta["context"], meta["schedule_context"]) == (2, 1100, 2048)
+    assert (meta["kernel_ms"], meta["profiled_ms"], meta["device"]) == (1.5, 1.6, "H200")
+    assert profile.chrome_trace([], meta)["otherData"] == meta
