@@ -59,7 +59,8 @@ def traced_step(path: Path, model, batch_size, context, order, say, what: str = 
     model = model or meta.get("model")
     batch = batch_size or meta.get("batch")
     ctx = context or meta.get("context")
-    order = order or meta.get("order") or "tuned"
+    if order is None:
+        order = _recorded_order(meta.get("order") or "tuned", meta.get("order_doc"), say)
     missing = [n for n, v in (("--model", model), ("--batch-size", batch), ("--context", ctx)) if not v]
     if missing:
         raise MegacError(f"{what}: {path} does not name its {', '.join(m[2:] for m in missing)} "
@@ -86,6 +87,28 @@ def traced_step(path: Path, model, batch_size, context, order, say, what: str = 
     spec = _with_tiles(load_spec(model), meta.get("tiles"), say)
     sched = _traced_schedule(spec, order, int(batch), int(ctx), meta.get("schedule_context"), records, say)
     return data, meta, spec, sched, records, int(batch), int(ctx), order
+
+
+def _recorded_order(order: str, doc, say) -> str:
+    """``order``, or where the trace recorded its waves (``order_doc``, since
+    the thirty-third session) and the order file no longer holds them (a
+    default order retuned since), a copy of the recorded waves to compile."""
+    import hashlib
+    import tempfile
+
+    import yaml
+
+    from megac.passes.order import order_doc
+
+    if not isinstance(doc, dict) or order_doc(order) == doc:
+        return order
+    text = yaml.safe_dump(doc, sort_keys=False)
+    where = Path(tempfile.gettempdir()) / "megac-traced-orders"
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{Path(order).stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    path.write_text(text)
+    say(f"the order {order} has changed since the trace: compiling with the waves it recorded ({path})")
+    return str(path)
 
 
 def _step_rows(paths, model: str) -> list[tuple[int, int, float, int]]:

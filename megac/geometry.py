@@ -100,7 +100,14 @@ DEFAULT_TILES = {
     "down_bn": 64,
     "ffn_splits": 2,
     "router_bn": 128,
-    "router_splits": 4,
+    # router GEMM split-K slices (tasks over SMs): 8 (thirty-third session;
+    # 4 before). The routed claimers and the finalize task sum the slices'
+    # partials; one count for every schedule of a model (the device indexes
+    # router_part with one ROUTER_SPLITS). H200, North Mini Code 8K, engines
+    # alternating, with the batch-1 combine over 8 and full-up-first waves:
+    # bs1 2.545 against 2.588 without it, bs8 even (thirty-second session).
+    # Other bits than 4 (another split-K sum)
+    "router_splits": 8,
     # expert tiles of 256 features: fewer, longer claims. A claim spends ~7 us
     # (up, routed) / ~4.6 us (down) before its first weight stage lands and
     # then streams ~65-78 GB/s per SM, so at 128 features two thirds of a
@@ -168,7 +175,14 @@ DEFAULT_TILES = {
     # North Mini Code's 2048 features at 12 tiles x 8 slots are 24 KB each,
     # one round trip of 8 loads a thread), else 1 (one task, the whole row:
     # 64 KB at batch 1, ~2.4 us on one SM at the end of every MoE layer).
+    # The same bits whatever the count (each feature sums its slots in k order)
     "combine_splits": -1,
+    # MOE_COMBINE tasks per row in routed-claim schedules (batch 1; 0: as
+    # combine_splits says): there the combine ends every MoE layer's expert
+    # chain. 8 ranges of 8 KB: -0.3 .. -0.4 % at batch 1 alone (H200, North
+    # Mini Code 8K, thirty-first and thirty-second sessions), part of the
+    # thirty-third session's batch-1 default
+    "routed_combine_splits": 8,
     # expert up tiles (gate/up rows) of the schedules that split the down
     # projection (0: moe_up_bn). Each split claim streams its up rows and
     # their down columns, so smaller tiles keep a claim's bytes near a plain
@@ -208,8 +222,10 @@ DEFAULT_TILES = {
 
 #: The tiles that give the plain batch-1 schedule of the sessions before the
 #: twenty-fifth (no split-K expert down projection, no attention merge in the
-#: O-projection): what a recorded trace or step that names no such key ran.
-PLAIN_TILES = {"split_down": 0, "o_proj_merge": 0}
+#: O-projection), with the router over 4 SMs and one combine task a row (the
+#: defaults before the thirty-third session): what a recorded trace or step
+#: that names no such key ran.
+PLAIN_TILES = {"split_down": 0, "o_proj_merge": 0, "router_splits": 4, "routed_combine_splits": 0}
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
 K_ALIGN = 8
@@ -252,9 +268,13 @@ def tiles_of(spec, tiles: dict | None = None) -> dict:
     return tiles if tiles is not None else {**DEFAULT_TILES, **(getattr(spec.target, "tiles", None) or {})}
 
 
-def _combine_splits(asked: int, split: bool, hidden: int) -> int:
-    """MOE_COMBINE tasks per row: ``asked`` (-1: 32 with split_down, else 1),
-    at most one per 4 features."""
+def _combine_splits(t: dict, split: bool, routed: bool, hidden: int) -> int:
+    """MOE_COMBINE tasks per row: ``routed_combine_splits`` in routed-claim
+    schedules that name it, else ``combine_splits`` (-1: 32 with split_down,
+    else 1), at most one per 4 features."""
+    asked = t["combine_splits"]
+    if routed and t["routed_combine_splits"] > 0:
+        asked = t["routed_combine_splits"]
     n = (32 if split else 1) if asked < 0 else asked
     return max(1, min(n, hidden // 4))
 
@@ -458,7 +478,7 @@ class Geometry:
     norm_fold: bool = False
     #: the up claims run the down projection split-K (DEFAULT_TILES' split_down >= rows)
     split_down: bool = False
-    #: MOE_COMBINE tasks per row (a feature range each): combine_splits with split_down, else 1
+    #: MOE_COMBINE tasks per row (a feature range each): the combine_splits / routed_combine_splits tiles
     combine_splits: int = 1
     #: moe_out's tiles per slot: up_tiles wherever the model splits the down
     #: projection at some batch size (one kernel serves every schedule), else 1
@@ -593,7 +613,7 @@ class Geometry:
             fused_combine=fused_combine_at(spec, rows, t),
             norm_fold=norm_fold_at(spec, rows, t),
             split_down=split,
-            combine_splits=_combine_splits(t["combine_splits"], split, hidden),
+            combine_splits=_combine_splits(t, split, routed, hidden),
             moe_out_tiles=_ceil_div(2 * expert_width, split_bn) if experts and t["split_down"] else 1,
             o_proj_merge=o_proj_merge_at(spec, rows, t),
             moe_chunk=moe_chunk,

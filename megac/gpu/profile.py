@@ -328,10 +328,13 @@ def trace_meta(got: dict, *, model: str, spec, batch: int, context: int, order, 
     result ``got``: what ``megac calibrate`` / ``megac trace`` need to
     rebuild the schedule that ran (model, batch, context, order, the context
     bucket it compiled for, the tile settings, so a later change of default
-    does not rebuild another schedule) and the kernel times."""
+    does not rebuild another schedule: the order file's waves too) and the
+    kernel times."""
     from megac.geometry import tiles_of
+    from megac.passes.order import order_doc
 
     return {"model": model, "batch": batch, "context": context, "order": str(order),
+            "order_doc": order_doc(str(order)),
             "schedule_context": got.get("schedule_context"), "tiles": tiles_of(spec),
             "kernel_ms": got["kernel_ms"], "profiled_ms": got["profiled_ms"], "device": device}
 

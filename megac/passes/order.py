@@ -93,6 +93,17 @@ def schedule_path(order: str) -> Path:
     return schedules_dir() / f"{order}.yaml"
 
 
+def order_doc(order: str) -> dict | None:
+    """The order file's YAML as a mapping (what a profile trace records, so
+    the schedule it ran can be rebuilt after the file changes); None where
+    there is no such file or it is not a mapping."""
+    try:
+        doc = yaml.safe_load(schedule_path(str(order)).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 class Narrow(tuple):
     """A wave dealt over a share of the SMs: (name, share) or (name, share,
     rest_after): a claimer wave's other claimers go after wave rest_after."""

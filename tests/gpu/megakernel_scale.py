@@ -530,6 +530,17 @@ def _step_times(eng, batch: int, context: int, steps: int = 30) -> dict:
             "tok_s_kernel": round(batch * 1e3 / k, 1), "tok_s_step": round(batch * 1e3 / s, 1)}
 
 
+def engine_addresses(eng) -> dict:
+    """Where an engine's KV pools, weights and step buffers landed (device
+    addresses, hex): engines of one spec run ~2.58 or ~2.66 ms at batch 1
+    (thirty-second session), and these are what differs between them."""
+    be, kv = eng.backend, eng.kv
+    w = [t.data_ptr() for t in getattr(be, "kernel_weights", {}).values()]
+    b = [t.data_ptr() for t in getattr(be, "buf", {}).values() if hasattr(t, "data_ptr")]
+    return {"k_pool": hex(kv.k_pool.data_ptr()), "v_pool": hex(kv.v_pool.data_ptr()),
+            "weights": [hex(min(w)), hex(max(w))] if w else None, "buffers": [hex(min(b)), hex(max(b))] if b else None}
+
+
 def _noise_kv(eng):
     """N(0, 0.01) KV noise: the same fill as ``megac bench``."""
     from megac.decode_bench import fill_kv_noise
@@ -1114,7 +1125,7 @@ def check_order_variants() -> dict:
             key = f"{Path(order).stem}:{v}" + (f"#{i}" if f"{Path(order).stem}:{v}" in out else "")
             got = greedy_bits(eng, cubin)
             ref = ref or got
-            out[key] = {**times[v], "bits_equal_first": same_bits(ref, got)}
+            out[key] = {**times[v], "bits_equal_first": same_bits(ref, got), "addr": engine_addresses(eng)}
             print(json.dumps({key: out[key]}), flush=True)
         del eng
         gc.collect()
@@ -1195,6 +1206,7 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
             got1 = generate_all(eng, BIT_PROMPTS[:1], 4)
             ref1 = ref1 or got1
             out[name]["bits_equal_first_1row"] = same_bits(ref1, got1)
+        out[name]["addr"] = engine_addresses(eng)
         print(json.dumps({name: out[name]}), flush=True)
         del eng
         gc.collect()
@@ -1386,6 +1398,9 @@ TILES = {
     # 8, and a full layer's up claimers before its claimed attention (the order full-up-first)
     "cs8_fuf": {"combine_splits": 8, "order": "schedules/experiments/full-up-first.yaml"},
     "cs8_r8_fuf": {"combine_splits": 8, "router_splits": 8, "order": "schedules/experiments/full-up-first.yaml"},
+    # the default before the thirty-third session (router over 4 SMs, one combine task a row at batch 1,
+    # the tuned order without its moe_routed_full waves): the A/B baseline of today's batch-1 default
+    "s32": {"combine_splits": 1, "router_splits": 4, "order": "schedules/experiments/tuned-session32.yaml"},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
@@ -1592,7 +1607,7 @@ def check_profile() -> dict:
             use_cubin(be, variant_cubin(spec, VARIANTS[v], order))
             got = profile.profile_step(be, eng.kv, b, ctx, warmup=10, defines=VARIANTS[v])
             recs, plain, timed = got["records"], got["kernel_ms"], got["profiled_ms"]
-            out[key] = {"kernel_ms": plain, "kernel_ms_profiled": timed, **profile.summary(recs),
+            out[key] = {"kernel_ms": plain, "kernel_ms_profiled": timed, "addr": engine_addresses(eng), **profile.summary(recs),
                         "inside_tasks": profile.marks_summary(recs), "layers": profile.layer_table(recs, spec)}
             if os.environ.get("OUT"):
                 name = f"profile-{model}-bs{b}-ctx{ctx}" + ("" if v == "default" else f"-{v}") + again.replace("#", "-")

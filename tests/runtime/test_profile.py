@@ -144,6 +144,10 @@ def test_trace_meta_names_the_step_and_its_tiles():
     assert meta["tiles"] == geometry.tiles_of(mine) and meta["tiles"]["router_splits"] == 2
     assert geometry.DEFAULT_TILES["router_splits"] != 2
     assert meta["order"] == "schedules/experiments/full-up-first.yaml"
+    # the order's waves as the file held them (a later retune of the file still rebuilds what ran)
+    import yaml
+    assert meta["order_doc"] == yaml.safe_load(Path("schedules/experiments/full-up-first.yaml").read_text())
+    assert meta["order_doc"]["layers"]["moe_full"][5] == "moe_upgate"
     assert (meta["batch"], meta["context"], meta["schedule_context"]) == (2, 1100, 2048)
     assert (meta["kernel_ms"], meta["profiled_ms"], meta["device"]) == (1.5, 1.6, "H200")
     assert profile.chrome_trace([], meta)["otherData"] == meta
