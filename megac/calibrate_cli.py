@@ -165,7 +165,8 @@ def _traced_schedule(spec, order, batch: int, ctx: int, schedule_context, record
     from megac.passes.pipeline import compile_one
 
     sched = compile_one(spec, order=order, rows=batch, context=int(schedule_context or ctx))
-    if schedule_context:
+    if schedule_context:  # the bucket it ran is known: its records must be that schedule's
+        check_records(records, sched)
         return sched
     try:
         check_records(records, sched)

@@ -144,3 +144,25 @@ def test_trace_command_prints_plots_and_writes_json(step, tmp_path):
     assert r.exit_code != 0 and "pass --model, --batch-size, --context" in r.output
     r = CliRunner().invoke(main, ["trace", str(path), "--plot", str(tmp_path / "bw.gif")])
     assert r.exit_code != 0 and "--plot" in r.output
+
+
+def test_a_trace_is_checked_against_the_bucket_it_names(step, tmp_path):
+    """A trace that names its context bucket (as megac bench --profile
+    writes it) is still checked against that schedule: tuned's records
+    under another order's name are refused in one line naming --order;
+    with the waves the trace recorded (``order_doc``), those rebuild it."""
+    from megac import geometry
+    from megac.cli import main
+    from megac.passes.order import order_doc
+
+    spec, sched = step
+    meta = {"model": spec.name, "batch": 1, "context": CONTEXT, "order": "attention-first",
+            "schedule_context": CONTEXT, "tiles": geometry.tiles_of(spec)}
+    path = tmp_path / "step.trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(chrome_trace(_records(sched), meta)).encode()))
+    r = CliRunner().invoke(main, ["trace", str(path)])
+    assert r.exit_code != 0 and "another schedule" in r.output and "--order" in r.output, r.output
+    path.write_bytes(gzip.compress(json.dumps(chrome_trace(_records(sched), {**meta, "order_doc": order_doc("tuned")})).encode()))
+    r = CliRunner().invoke(main, ["trace", str(path)])
+    assert r.exit_code == 0 and "the order attention-first has changed since the trace" in r.output, r.output
+    assert "layers (" in r.output

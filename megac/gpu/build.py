@@ -195,9 +195,15 @@ def cache_key(
         h.update(data)
 
     feed("source", source.read_bytes())
-    feed("include_dirs", "\n".join(_portable(d) for d in include_dirs).encode())
-    for hdr in _headers([OPCODES, *include_dirs]):
-        feed("header:" + _portable(hdr), hdr.read_bytes())
+    # the include dirs by their place in the search order, each header by its name inside its dir: no
+    # path text, so an artifact dir's name (its key, which hashes the whole compiler's text) leaves the
+    # cubin's key alone when the generated source and headers are the same (a cubin prebuilt here is
+    # found again after an edit elsewhere in the package, or under another cache dir)
+    dirs = [OPCODES, *include_dirs]
+    feed("include_dirs", str(len(dirs)).encode())
+    for i, d in enumerate(dirs):
+        for hdr in _headers([d]):
+            feed(f"header:{i}:{hdr.relative_to(Path(d).resolve()).as_posix()}", hdr.read_bytes())
     feed("defines", "\n".join(_define_flags(defines)).encode())
     feed("flags", "\n".join([*BASE_FLAGS, *extra_flags]).encode())
     return h.hexdigest()

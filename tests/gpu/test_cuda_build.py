@@ -123,6 +123,23 @@ def test_cache_key_tracks_every_input(tmp_path: Path) -> None:
     assert cache_key(src, include_dirs=(inc,)) != after_header, "a source edit must change the key"
 
 
+def test_cache_key_ignores_the_include_dirs_names(tmp_path: Path) -> None:
+    """An artifact dir is named by its key, which hashes the compiler's whole
+    text: the same generated source and headers under another name (an
+    edit elsewhere in the package) keep the cubin's key; the headers'
+    names inside the dir and the dirs' order still count."""
+    src, inc = _tree(tmp_path)
+    base = cache_key(src, include_dirs=(inc,))
+    other = tmp_path / "nmc-0123456789abcdef"
+    other.mkdir()
+    (other / "a.cuh").write_text((inc / "a.cuh").read_text())
+    assert cache_key(src, include_dirs=(other,)) == base
+    (other / "a.cuh").rename(other / "b.cuh")
+    assert cache_key(src, include_dirs=(other,)) != base
+    (other / "a.cuh").write_text("#pragma once\n")
+    assert cache_key(src, include_dirs=(inc, other)) != cache_key(src, include_dirs=(other, inc))
+
+
 def test_cache_key_ignores_checkout_location() -> None:
     """Keys of repository files use repo-relative names only, so cubins built on
     one checkout (this machine) are found again on another (the GPU machine)."""
