@@ -1400,7 +1400,7 @@ TILES = {
     "cs8_r8_fuf": {"combine_splits": 8, "router_splits": 8, "order": "schedules/experiments/full-up-first.yaml"},
     # the default before the thirty-third session (router over 4 SMs, one combine task a row at batch 1,
     # the tuned order without its moe_routed_full waves): the A/B baseline of today's batch-1 default
-    "s32": {"combine_splits": 1, "router_splits": 4, "order": "schedules/experiments/tuned-session32.yaml"},
+    "s32": {"routed_combine_splits": 0, "router_splits": 4, "order": "schedules/experiments/tuned-session32.yaml"},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
