@@ -172,8 +172,7 @@ def check_records(records, schedule) -> None:
         if s >= schedule.num_sms or k >= counts[s] or Op(int(schedule.tasks[s, k, H.OPCODE])).name != r["op"]:
             raise MegacError(f"calibration: record (SM {s}, task {k}, {r['op']}) is not this schedule's task "
                              "there: the trace was measured on another schedule (an order file changed since? "
-                             "pass --order with the waves it ran, e.g. schedules/experiments/tuned-session32.yaml "
-                             "for tuned before the thirty-third session)")
+                             "pass --order with the waves it ran)")
 
 
 @dataclass

@@ -100,14 +100,14 @@ DEFAULT_TILES = {
     "down_bn": 64,
     "ffn_splits": 2,
     "router_bn": 128,
-    # router GEMM split-K slices (tasks over SMs): 8 (thirty-third session;
-    # 4 before). The routed claimers and the finalize task sum the slices'
-    # partials; one count for every schedule of a model (the device indexes
-    # router_part with one ROUTER_SPLITS). H200, North Mini Code 8K, engines
-    # alternating, with the batch-1 combine over 8 and full-up-first waves:
-    # bs1 2.545 against 2.588 without it, bs8 even (thirty-second session).
-    # Other bits than 4 (another split-K sum)
-    "router_splits": 8,
+    # router GEMM split-K slices (tasks over SMs). One count for every
+    # schedule of a model (the device indexes router_part with one
+    # ROUTER_SPLITS). 8 ends the router ~0.7 us sooner at batch 1 (H200
+    # profiles, thirty-third session) but the step does not follow: with
+    # the batch-1 combine over 8 and full-up-first waves, engines
+    # alternating, bs1 even and bs8 -0.4 % against this default (other bits:
+    # another split-K sum), so 4 stays
+    "router_splits": 4,
     # expert tiles of 256 features: fewer, longer claims. A claim spends ~7 us
     # (up, routed) / ~4.6 us (down) before its first weight stage lands and
     # then streams ~65-78 GB/s per SM, so at 128 features two thirds of a
@@ -180,9 +180,9 @@ DEFAULT_TILES = {
     # MOE_COMBINE tasks per row in routed-claim schedules (batch 1; 0: as
     # combine_splits says): there the combine ends every MoE layer's expert
     # chain. 8 ranges of 8 KB: -0.3 .. -0.4 % at batch 1 alone (H200, North
-    # Mini Code 8K, thirty-first and thirty-second sessions), part of the
-    # thirty-third session's batch-1 default
-    "routed_combine_splits": 8,
+    # Mini Code 8K, thirty-first and thirty-second sessions); with the router
+    # over 8 and full-up-first waves, even (thirty-third session: TILES s33)
+    "routed_combine_splits": 0,
     # expert up tiles (gate/up rows) of the schedules that split the down
     # projection (0: moe_up_bn). Each split claim streams its up rows and
     # their down columns, so smaller tiles keep a claim's bytes near a plain
@@ -222,9 +222,8 @@ DEFAULT_TILES = {
 
 #: The tiles that give the plain batch-1 schedule of the sessions before the
 #: twenty-fifth (no split-K expert down projection, no attention merge in the
-#: O-projection), with the router over 4 SMs and one combine task a row (the
-#: defaults before the thirty-third session): what a recorded trace or step
-#: that names no such key ran.
+#: O-projection), with the router over 4 SMs and one combine task a row: what
+#: a recorded trace or step that names no such key ran.
 PLAIN_TILES = {"split_down": 0, "o_proj_merge": 0, "router_splits": 4, "routed_combine_splits": 0}
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).

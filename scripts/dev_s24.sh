@@ -157,22 +157,23 @@ case "${1:-tails}" in
       MEGAC_VARIANT_ORDERS=$PO MEGAC_VARIANTS=default .venv/bin/python -m gpu.megakernel_check \
       --prebuild $PB 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
-  prebuild_s33)  # the thirty-third session's set (the new batch-1 default; its baseline s32, the head-major pools
-                 # kvh, the order routed-norm-on-finalize; the tiny models and the slice for verify)
+  prebuild_s33)  # the thirty-third session's set (its batch-1 candidate, then the default, against the default
+                 # before it, then TILES s32, now s33 the other way round; the head-major pools kvh, the order
+                 # routed-norm-on-finalize; the tiny models and the slice for verify)
     rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
     MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=default \
       MEGAC_VARIANT_ORDERS=tuned,$E/routed-norm-on-finalize.yaml .venv/bin/python -m gpu.megakernel_check \
-      --prebuild north-mini-code smollm2-135m tiny-llama tiny-moe nmc-slice nmc-s32 nmc-kvh 2>&1 | grep -v Warning \
+      --prebuild north-mini-code smollm2-135m tiny-llama tiny-moe nmc-slice nmc-s33 nmc-kvh 2>&1 | grep -v Warning \
       | tee build/cz-s31/log.txt
     grep -v "(interleaved)\|(attention-first)" build/cz-s31/log.txt | pack_cubins ;;
-  s33)  # the thirty-third session's batch-1 default (router over 8 SMs, the combine over 8 ranges at batch 1,
-         # tuned's moe_routed_full waves) checked as a default (tiny models against the VM, the watchdog, the
-         # fp32 slice at one row), against the old default (TILES s32) engines alternating at bs1 and bs8,
-         # then megac bench. Prebuild: bash scripts/dev_s24.sh prebuild_s33
-    verify "" s33 1
-    TLIST=${TLIST:-s32,default#1,s32#1,default#2,s32#2,default#3,s32#3} TB=1,8 bash "$0" ab
+  s33)  # the thirty-third session's batch-1 candidate (router over 8 SMs, the combine over 8 ranges at batch
+         # 1, a full layer's up claimers first at batch 1: TILES s33) against the default, engines alternating
+         # at bs1 and bs8, then megac bench (as run then, with the candidate as the default: verify "" s33 1
+         # first, and the default before it as TILES s32). Prebuild: bash scripts/dev_s24.sh prebuild_s33
+    TLIST=${TLIST:-s33,default#1,s33#1,default#2,s33#2,default#3,s33#3} TB=1,8 bash "$0" ab
     BT=${BT:-260} bash "$0" bench ;;
-  s33b)  # the norm on the finalize SM at batch 1 (routed-norm-on-finalize) against tuned, an engine each;
+  s33b)  # the norm on the finalize SM at batch 1 (routed-norm-on-finalize) against tuned, an engine each
+          # (as run: tuned then held routed-full-up-first's waves and the s33 tiles);
           # the head-major pools (kvh) against the default, engines alternating (the engines' addresses
           # recorded: what the bimodal engines share); profiles of four default engines
     T=200 run_orders default ${SO:-tuned,$E/routed-norm-on-finalize.yaml,tuned,$E/routed-norm-on-finalize.yaml,tuned,$E/routed-norm-on-finalize.yaml} 1
@@ -180,6 +181,11 @@ case "${1:-tails}" in
     MEGAC_PROFILE_CASES=${PC:-1:8192,1:8192,1:8192,1:8192} timeout ${PT:-240} python3 -m gpu.megakernel_check --run profile \
       --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
     gzip -q $OUT/*.json $OUT/*/*.json 2>/dev/null; ls -la $OUT ;;
+  prebuild_bench)  # North Mini Code's default build alone (megac bench), into the carried archive
+    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+    grep -v "(interleaved)\|(attention-first)\|\[profile\]" build/cz-s31/log.txt | pack_cubins ;;
   s32a)  # wave orders SO (default: a full layer's up claimers before its claimed attention,
           # schedules/experiments/full-up-first.yaml, and the thirty-second session's other experiments)
           # against tuned, an engine each, at the batches TB (default 1)

@@ -35,8 +35,6 @@ NMC, SMOL = ("north-mini-code", 8192), ("smollm2-135m", 1024)
 GLOBAL_CURSOR = str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml")
 #: the tuned order until the sixteenth session: every trace and measured step here ran it
 TUNED15 = str(schedules_dir() / "experiments" / "tuned-session15.yaml")
-#: tuned as every trace up to the thirty-second session ran it (no moe_routed_full waves)
-TUNED32 = str(schedules_dir() / "experiments" / "tuned-session32.yaml")
 #: per trace: the (model, context) of its schedule (batch 1, order tuned with
 #: the SM cursor of its day: every trace here predates the per-layer cursor)
 MODEL = {NMC_TRACE: NMC, NMC_TRACE_3: NMC, NMC_TRACE_5: NMC, NMC_TRACE_8: NMC, SMOL_TRACE_8: SMOL}
@@ -234,7 +232,7 @@ def test_bundled_calibration_loads_and_matches_its_own_measurement(name):
     assert cal.instrumentation_scale == pytest.approx(meta["kernel_ms"] / meta["profiled_ms"], abs=1e-4)
     assert cal.instrumentation_scale < 1.0  # the stamps cost time
     bucket = meta.get("schedule_context") or meta["context"]  # (traces before it was recorded: at 8K and 1K alike)
-    sched = compile_one(traced(meta["model"]), order=TUNED32, rows=meta["batch"], context=bucket)
+    sched = compile_one(traced(meta["model"]), order="tuned", rows=meta["batch"], context=bucket)
     pred = simulate(sched, cal.params(context=meta["context"])).step_us
     assert abs(pred / (1e3 * meta["kernel_ms"]) - 1) < 0.10, (pred, meta["kernel_ms"])
 
@@ -323,7 +321,7 @@ def test_bundled_calibration_predicts_every_measured_step(model, batch, context)
     tokens decodes at 1029-1058 and runs the 2048 bucket's."""
     files = NMC_STEPS_19 if model == "north-mini-code" else SMOL_STEPS_19
     ms, timed = _steps(files)[(batch, context)]
-    sched = compile_one(traced(model), order=TUNED32, rows=batch, context=timed)
+    sched = compile_one(traced(model), order="tuned", rows=batch, context=timed)
     cal = Calibration.load(resolve(f"h200-{model}"))
     pred_ms = simulate(sched, cal.params(context=context)).step_us / 1e3
     assert abs(pred_ms / ms - 1) < 0.10, (pred_ms, ms)
@@ -429,7 +427,7 @@ NMC_STEPS_19 = [ROOT / "benchmarks" / "bench-nmc-cuda-fold-2026-12-03-h200-sessi
 @pytest.fixture(scope="module")
 def fold19():
     recs = records_from_trace(json.load(gzip.open(NMC_TRACE_19)))
-    return recs, compile_one(traced("north-mini-code"), order=TUNED32, rows=1, context=8192)
+    return recs, compile_one(traced("north-mini-code"), order="tuned", rows=1, context=8192)
 
 
 def test_the_task_loops_own_costs_come_from_the_trace(fold19):
@@ -495,7 +493,7 @@ def test_calibrate_command_fits_a_trace_and_writes_a_calibration(tmp_path, fold1
 
     recs, sched = fold19
     # the nineteenth session's run: the stamps' step and the plain one's (bench, same code)
-    meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": TUNED32, "kernel_ms": 3.041,
+    meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "kernel_ms": 3.041,
             "profiled_ms": 3.081, "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64, **geometry.PLAIN_TILES}}
     trace = tmp_path / "step.json.gz"
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
@@ -542,21 +540,21 @@ def test_calibrate_command_rebuilds_the_traced_tiles(tmp_path, fold19):
     from megac.gpu.profile import chrome_trace
 
     recs, sched = fold19
-    meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": TUNED32, "schedule_context": 8192,
+    meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "schedule_context": 8192,
             "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64, **geometry.PLAIN_TILES}}
     trace = tmp_path / "step.json.gz"
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     r = _cli(trace)
-    said = ("compiling with the trace's tiles (o_proj_bn 128 -> 64, o_proj_merge -1 -> 0, "
-            "routed_combine_splits 8 -> 0, router_splits 8 -> 4)")
+    said = "compiling with the trace's tiles (o_proj_bn 128 -> 64, o_proj_merge -1 -> 0)"
     assert r.exit_code == 0 and said in r.output, r.output
-    # named by its name, tuned, with the waves it recorded: the order changed since, those waves rebuild it
-    import yaml
-    meta_named = {**meta, "order": "tuned", "order_doc": yaml.safe_load(Path(TUNED32).read_text())}
+    # recorded under an order whose file now holds other waves (here: tuned's waves under the name
+    # attention-first), the waves the trace recorded rebuild it
+    from megac.passes.order import order_doc
+    meta_named = {**meta, "order": "attention-first", "order_doc": order_doc("tuned")}
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta_named)).encode()))
     r = _cli(trace)
-    assert r.exit_code == 0 and "the order tuned has changed since the trace" in r.output, r.output
-    # without them today's tuned is another schedule: one line that names the way out
+    assert r.exit_code == 0 and "the order attention-first has changed since the trace" in r.output, r.output
+    # without them today's attention-first is another schedule: one line that names the way out
     meta_named.pop("order_doc")
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta_named)).encode()))
     r = _cli(trace)

@@ -89,7 +89,7 @@ def test_geometry_north_mini_code():
     assert g.moe_queue_cap == min(128, 8 * 8) * 8
     assert g.attn_queue_cap == 8 * 4 * 32
     assert g.ffn_split_bounds == (0, 1536, 3072)
-    assert g.router_split_bounds == tuple(range(0, 2049, 256))  # 8 slices (4 before the thirty-third session)
+    assert g.router_split_bounds == (0, 512, 1024, 1536, 2048)
     assert g.layer_slot[0] == 0 and g.layer_slot[1] == 0 and g.layer_slot[48] == 47
     assert g.full_layers == list(range(0, 49, 4))
     assert g.target_words.total == abi.TargetWords(8, 49).total

@@ -366,7 +366,7 @@ def test_full_attention_layers_take_their_own_waves(tmp_path):
     O-projection before the expert claimer in North Mini Code's full layers
     only (schedules/experiments/split-full-oproj-first.yaml's form)."""
     doc = yaml.safe_load((schedules_dir() / "tuned.yaml").read_text())
-    doc["layers"].pop("moe_routed_full", None)  # batch 1's full layers would take these first
+    doc["layers"].pop("moe_routed_full", None)  # (an order's batch-1 full layers would take these first)
     moe = list(doc["layers"]["moe"])
     full = [w for w in moe if not (isinstance(w, dict) and w.get("wave") == "o_proj")]
     full.insert(full.index("moe_upgate"), {"wave": "o_proj", "share": 0.25})
