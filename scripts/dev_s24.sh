@@ -186,6 +186,18 @@ case "${1:-tails}" in
     MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
       .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
     grep -v "(interleaved)\|(attention-first)\|\[profile\]" build/cz-s31/log.txt | pack_cubins ;;
+  prebuild_s33c)  # after prebuild_bench: the x_then_ring build (plain and profiled) of NMC and SmolLM2
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=x_then_ring MEGAC_PROFILE_VARIANTS=x_then_ring \
+      MEGAC_ORDER_TILES=none .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code smollm2-135m 2>&1 \
+      | grep -v Warning | grep -v "(interleaved)\|(attention-first)" | tee build/cz-s31/log.txt | pack_cubins ;;
+  s33c)  # megac bench of the default; then the expert claims' ring issued before their X copies (x_then_ring:
+          # the ~1.1 us between a claim's weight span and its ring's first copies, stamps 11 -> 10) against
+          # the default, interleaved on one engine (bits checked), and its profiled step beside the default's
+    BT=200 bash "$0" bench
+    V=${V:-x_then_ring} R=${R:-4} bash "$0" s29b_variants
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=x_then_ring timeout 200 python3 -m gpu.megakernel_check \
+      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
+    gzip -q $OUT/*.json 2>/dev/null; ls $OUT ;;
   s32a)  # wave orders SO (default: a full layer's up claimers before its claimed attention,
           # schedules/experiments/full-up-first.yaml, and the thirty-second session's other experiments)
           # against tuned, an engine each, at the batches TB (default 1)
