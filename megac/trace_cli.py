@@ -29,10 +29,14 @@ from megac.calibrate_cli import traced_step_options
               help="Draw TB/s through a layer, stacked by opcode, one panel per layer kind (.png or .svg).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the profile as JSON.")
-def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, json_out):
+@click.option("--marks", is_flag=True,
+              help="Also print, per opcode, the points stamped inside its tasks (MEGAC_MARK): median us after "
+                   "the task's wait, in time order.")
+def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, json_out, marks):
     """Where the bandwidth of the step in TRACE goes: per layer kind, TB/s by opcode through a layer."""
     from megac.calibrate_cli import traced_step
-    from megac.trace_report import format_profile, plot_profile, profile
+    from megac.gpu.profile import marks_summary
+    from megac.trace_report import format_marks, format_profile, plot_profile, profile
 
     say = lambda m: click.echo(m, err=True)  # noqa: E731
     if plot is not None:
@@ -42,12 +46,16 @@ def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, j
     _, _, spec, sched, records, _, ctx, _ = traced_step(trace, model, batch_size, context, order, say, what="trace")
     p = profile(records, sched, ctx, bin_us=bin_us, ceiling_tbs=ceiling, model=spec.name)
     click.echo(format_profile(p))
+    inside = marks_summary(records) if marks or json_out is not None else None
+    if marks:
+        click.echo("")
+        click.echo(format_marks(inside))
     if plot is not None:
         plot_profile(p, plot)
         say(f"wrote {plot}")
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(p.to_json(), indent=1))
+        json_out.write_text(json.dumps({**p.to_json(), "marks": inside}, indent=1))
         say(f"wrote {json_out}")
 
 

@@ -166,3 +166,37 @@ def test_a_trace_is_checked_against_the_bucket_it_names(step, tmp_path):
     r = CliRunner().invoke(main, ["trace", str(path)])
     assert r.exit_code == 0 and "the order attention-first has changed since the trace" in r.output, r.output
     assert "layers (" in r.output
+
+
+def test_trace_marks_lists_each_opcodes_stamps_in_time_order(step, tmp_path):
+    """``megac trace --marks``: per opcode that stamps points inside its
+    tasks, each point's median µs after the task's wait and the step from the
+    point before, in time order; the same medians in --json; a trace
+    without stamps says so in one line."""
+    from megac.cli import main
+
+    spec, sched = step
+    recs = _records(sched)
+    norms = [r for r in recs if r["op"] == "ADD_RMSNORM"]
+    for i, r in enumerate(norms):  # the 1/rms at +0.8 us, the loads at +0.5 (+0.1 us on every other task)
+        r["marks_us"] = [r["waited_us"] + 0.5 + 0.1 * (i % 2), r["waited_us"] + 0.8] + [None] * 10
+    meta = {"model": spec.name, "batch": 1, "context": CONTEXT, "order": "tuned"}
+    path = tmp_path / "marks.trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
+    out = tmp_path / "marks.json"
+    r = CliRunner().invoke(main, ["trace", str(path), "--marks", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    text = r.output[r.output.index("inside the tasks"):]
+    assert f"ADD_RMSNORM ({len(norms)} tasks" in text
+    lines = [ln.split() for ln in text.splitlines() if "loads and adds" in ln or "1/rms known" in ln]
+    median_loads = float(np.median([0.5 + 0.1 * (i % 2) for i in range(len(norms))]))
+    assert [float(ln[0]) for ln in lines] == pytest.approx([median_loads, 0.8], abs=0.006)
+    assert float(lines[1][1]) == pytest.approx(0.8 - median_loads, abs=0.011)
+    assert "loads and adds" in " ".join(lines[0]) and "1/rms known" in " ".join(lines[1])
+    marks = json.loads(out.read_text())["marks"]
+    assert marks["ADD_RMSNORM"]["marks_us"]["1/rms known"] == pytest.approx(0.8)
+    assert set(marks) == {"ADD_RMSNORM"}
+    plain = tmp_path / "plain.trace.json.gz"
+    plain.write_bytes(gzip.compress(json.dumps(chrome_trace(_records(sched), meta)).encode()))
+    r = CliRunner().invoke(main, ["trace", str(plain), "--marks"])
+    assert r.exit_code == 0 and "no marks in this trace" in r.output, r.output
