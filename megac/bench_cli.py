@@ -275,9 +275,7 @@ def _profile(engine, case, profile_path, plot_path, name: str, say, order: str =
         f"{100 * s['work_fraction']:.0f} % of SM time working")
     say("where a layer's time goes (the measured step):\n" + profile.format_layer_table(
         profile.layer_table(recs, engine.spec)))
-    for op, m in profile.marks_summary(recs).items():
-        points = ", ".join(f"{k} {v:.1f}" for k, v in m["marks_us"].items())
-        say(f"inside {op} (median us after its wait, {m['tasks']} tasks): {points}; ends at {m['run_us']:.1f}")
+    say(profile.format_marks(profile.marks_summary(recs)))
     if profile_path is not None:
         profile_path.parent.mkdir(parents=True, exist_ok=True)
         meta = profile.trace_meta(got, model=name, spec=engine.spec, batch=batch, context=context, order=order,

@@ -35,8 +35,8 @@ from megac.calibrate_cli import traced_step_options
 def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, json_out, marks):
     """Where the bandwidth of the step in TRACE goes: per layer kind, TB/s by opcode through a layer."""
     from megac.calibrate_cli import traced_step
-    from megac.gpu.profile import marks_summary
-    from megac.trace_report import format_marks, format_profile, plot_profile, profile
+    from megac.gpu.profile import format_marks, marks_summary
+    from megac.trace_report import format_profile, plot_profile, profile
 
     say = lambda m: click.echo(m, err=True)  # noqa: E731
     if plot is not None:

@@ -264,25 +264,5 @@ def plot_profile(p: TraceProfile, path) -> Path:
     return path
 
 
-def format_marks(marks: dict) -> str:
-    """``megac.gpu.profile.marks_summary``'s medians as text: per opcode that
-    stamps points inside its run, each point in time order, µs after the
-    task's wait ended (a claimer's: its first claim's), and the step from
-    the point before; where a task's own time goes before its data streams."""
-    if not marks:
-        return "inside the tasks: no marks in this trace (a build without MEGAC_MARK stamps)"
-    lines = ["inside the tasks (median us after the task's wait ended; a claimer: its first claim)"]
-    for op in sorted(marks):
-        m = marks[op]
-        run = f"run {m['run_us']:.2f} us" + (f", {m['run_all_us']:.2f} us where every mark was reached"
-                                            if m.get("run_all_us") is not None else "")
-        lines.append(f"  {op} ({m['tasks']} tasks, {run})")
-        prev = 0.0
-        for name, t in sorted(m["marks_us"].items(), key=lambda kv: kv[1]):
-            lines.append(f"    {t:8.2f}  {t - prev:+7.2f}  {name or '(unnamed)'}")
-            prev = t
-    return "\n".join(lines)
-
-
-__all__ = ["KindProfile", "TraceProfile", "format_marks", "format_profile", "layer_starts", "plot_profile", "profile",
+__all__ = ["KindProfile", "TraceProfile", "format_profile", "layer_starts", "plot_profile", "profile",
            "record_bytes", "stream_span"]

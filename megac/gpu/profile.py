@@ -137,6 +137,26 @@ def marks_summary(recs: Iterable[dict]) -> dict:
     return out
 
 
+def format_marks(marks: dict) -> str:
+    """:func:`marks_summary`'s medians as text: per opcode that
+    stamps points inside its run, each point in time order, µs after the
+    task's wait ended (a claimer's: its first claim's), and the step from
+    the point before; where a task's own time goes before its data streams."""
+    if not marks:
+        return "inside the tasks: no marks in this trace (a build without MEGAC_MARK stamps)"
+    lines = ["inside the tasks (median us after the task's wait ended; a claimer: its first claim)"]
+    for op in sorted(marks):
+        m = marks[op]
+        run = f"run {m['run_us']:.2f} us" + (f", {m['run_all_us']:.2f} us where every mark was reached"
+                                            if m.get("run_all_us") is not None else "")
+        lines.append(f"  {op} ({m['tasks']} tasks, {run})")
+        prev = 0.0
+        for name, t in sorted(m["marks_us"].items(), key=lambda kv: kv[1]):
+            lines.append(f"    {t:8.2f}  {t - prev:+7.2f}  {name or '(unnamed)'}")
+            prev = t
+    return "\n".join(lines)
+
+
 def summary(recs: Iterable[dict]) -> dict:
     """Per opcode: tasks, header-wait µs, run µs (claimers: of which record
     waits), summed over SMs; and the step's span and busy fraction."""
@@ -339,5 +359,5 @@ def trace_meta(got: dict, *, model: str, spec, batch: int, context: int, order, 
             "kernel_ms": got["kernel_ms"], "profiled_ms": got["profiled_ms"], "device": device}
 
 
-__all__ = ["MARKS", "MARK_NAMES", "SYMBOL", "WORDS", "attach", "chrome_trace", "format_layer_table", "layer_table",
-           "marks_summary", "profile_step", "read", "records_from_trace", "step_tokens", "summary", "trace_meta"]
+__all__ = ["MARKS", "MARK_NAMES", "SYMBOL", "WORDS", "attach", "chrome_trace", "format_layer_table", "format_marks",
+           "layer_table", "marks_summary", "profile_step", "read", "records_from_trace", "step_tokens", "summary", "trace_meta"]
