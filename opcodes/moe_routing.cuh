@@ -88,12 +88,102 @@ __device__ __forceinline__ float routing_weight(float logit, int K, int32_t flag
 // larger value, then the lower id; a larger key is better. The high word maps the float's order onto
 // unsigned order (NaN above +inf, every NaN equal, -0 equal to +0), the low
 // word the id reversed (the lower id wins a tie).
+__device__ __forceinline__ uint32_t order_hi(float v) {
+  const uint32_t u = __float_as_uint(v);
+  if (isnan(v)) return 0xffffffffu;
+  if (v == 0.f) return 0x80000000u;  // -0 and +0 compare equal
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // -inf: 0x007fffff, the least: never 0
+}
 __device__ __forceinline__ unsigned long long order_key(float v, int e) {
-  uint32_t u = __float_as_uint(v);
-  if (isnan(v)) u = 0xffffffffu;
-  else if (v == 0.f) u = 0x80000000u;  // -0 and +0 compare equal
-  else u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(e));
+  return (static_cast<unsigned long long>(order_hi(v)) << 32) | (0xffffffffu - static_cast<uint32_t>(e));
+}
+
+// 1: one row (batch 1) is summed and ranked by warp 0 alone, its logits in
+// registers (lane l: experts l, l + 32, ...): K rounds of a warp max over the
+// keys' high words (redux.sync), then a warp min over the ids that hold it
+// (the lower id wins a tie), the winner's key cleared. The same selection
+// and order as the count below (order_key's). 0: every logit's rank counted
+// over the row's E keys in shared memory. Why: the count is 128 dependent
+// generic 64-bit loads and conditional adds a thread (16 batches of 8 in
+// the SASS), behind a barrier after the sums and before another; the
+// thirty-third session's stamps put ~1.5 us between a routed up claimer's
+// partials summed and its rows ranked (ROUTE_FINALIZE 1.6), on the path to
+// every MoE layer's first expert byte. Here: one barrier, ~K x 2 warp
+// reductions. Rows > 1 and E > 32 * kWarpKeys keep the count.
+#ifndef MEGAC_TOPK_WARP
+#define MEGAC_TOPK_WARP 0
+#endif
+constexpr int kWarpKeys = 4;    // logits a lane holds: E <= 128
+constexpr int kWarpSplits = 4;  // router partials a key loads at once (16 loads a lane in flight)
+
+__host__ __device__ constexpr bool one_row_warp_fits(int E, int K) {
+  return E <= 32 * kWarpKeys && K <= 32 && K <= E;
+}
+
+// Warp 0 (all 32 lanes): row 0's E logits summed over num_splits router
+// partials (parts + s * split_stride + e, added in split order as the count's
+// sums), then, unless thread 0's stop() says so (after the sums: returns
+// false, warp-uniform), ranked: lane j < K gets entry j's expert id (and,
+// kValues, its logit). one_row_warp_fits(E, K) must hold.
+template <bool kValues, class Stop>
+__device__ __forceinline__ bool rank_one_row_warp(const float* __restrict__ parts, size_t split_stride, int num_splits,
+                                                  int E, int K, Stop stop, int& id_out, float& v_out) {
+  const int lane = threadIdx.x & 31;
+  float v[kWarpKeys];
+#pragma unroll
+  for (int j = 0; j < kWarpKeys; ++j) v[j] = 0.f;
+  for (int s0 = 0; s0 < num_splits; s0 += kWarpSplits) {
+    // partials come from other tasks of this launch: coherent loads, all at once
+    float q[kWarpKeys][kWarpSplits];
+#pragma unroll
+    for (int j = 0; j < kWarpKeys; ++j)
+#pragma unroll
+      for (int s = 0; s < kWarpSplits; ++s)
+        q[j][s] = lane + 32 * j < E && s0 + s < num_splits ? __ldcg(parts + (s0 + s) * split_stride + lane + 32 * j)
+                                                           : 0.f;
+#pragma unroll
+    for (int j = 0; j < kWarpKeys; ++j)
+#pragma unroll
+      for (int s = 0; s < kWarpSplits; ++s)
+        if (s0 + s < num_splits) v[j] = s0 + s == 0 ? q[j][s] : __fadd_rn(v[j], q[j][s]);
+  }
+  MEGAC_MARK(0);  // thread 0's partials summed (an L2 round trip)
+  if constexpr (Stop::kOn) {
+    if (__shfl_sync(kFullMask, lane == 0 && stop() ? 1 : 0, 0)) return false;
+  }
+  uint32_t hi[kWarpKeys];  // 0: no key (past E, or taken): below every logit's
+#pragma unroll
+  for (int j = 0; j < kWarpKeys; ++j) hi[j] = lane + 32 * j < E ? order_hi(v[j]) : 0u;
+  int id = 0;
+  float val = 0.f;
+#pragma unroll 1
+  for (int r = 0; r < K; ++r) {
+    uint32_t m = hi[0];
+#pragma unroll
+    for (int j = 1; j < kWarpKeys; ++j) m = max(m, hi[j]);
+    m = __reduce_max_sync(kFullMask, m);
+    uint32_t cand = 0xffffffffu;  // this lane's lowest id holding the max
+#pragma unroll
+    for (int j = kWarpKeys - 1; j >= 0; --j)
+      if (hi[j] == m) cand = uint32_t(lane + 32 * j);
+    const uint32_t best = __reduce_min_sync(kFullMask, cand);
+    float bv = 0.f;
+#pragma unroll
+    for (int j = 0; j < kWarpKeys; ++j)
+      if (uint32_t(lane + 32 * j) == best) {
+        hi[j] = 0u;
+        bv = v[j];
+      }
+    if constexpr (kValues) bv = __shfl_sync(kFullMask, bv, int(best & 31u));
+    if (lane == r) {
+      id = int(best);
+      val = bv;
+    }
+  }
+  MEGAC_MARK(1);  // every logit ranked
+  id_out = id;
+  v_out = val;
+  return true;
 }
 
 // Shared memory of topk_rows_cta, in int32 words (ids first: rows * k of them).
@@ -125,6 +215,34 @@ __device__ __forceinline__ bool topk_rows_cta(const float* __restrict__ parts, s
                                               int32_t* __restrict__ ids_out, float* __restrict__ w_out,
                                               int32_t* smem, Stop stop = {}) {
   int32_t* sel_id = smem;                                       // [rows * K]
+  if constexpr (MEGAC_TOPK_WARP) {
+    if (rows == 1 && one_row_warp_fits(E, K)) {
+      bool halted = false;  // thread 0's
+      if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int id;
+        float v;
+        halted = !rank_one_row_warp<kWeights>(parts, split_stride, num_splits, E, K, stop, id, v);
+        if (!halted) {
+          if (lane < K) sel_id[lane] = id;
+          if constexpr (kWeights) {
+            const float w = routing_weight(v, K, flags);  // all 32 lanes: it shuffles
+            if (lane < K) {
+              ids_out[lane] = id;
+              w_out[lane] = w;
+            }
+            MEGAC_MARK(2);  // weights and stores
+          }
+        }
+      }
+      if constexpr (Stop::kOn) {
+        if (__syncthreads_or(threadIdx.x == 0 && halted)) return false;
+      } else {
+        __syncthreads();
+      }
+      return true;
+    }
+  }
   float* sel_v = reinterpret_cast<float*>(smem + rows * K);     // [rows * K]
   float* vals = sel_v + rows * K;                               // [rows * E]
   unsigned long long* keys = reinterpret_cast<unsigned long long*>(

@@ -239,6 +239,30 @@ struct UpDrainedStop {
   __device__ bool operator()() const { return static_cast<int32_t>(idx) >= bound; }
 };
 
+// A routed claimer's claim loop, its summary written (and the barrier after
+// it passed): records derived, index p is tile p % UP_TILES of the
+// (p / UP_TILES)-th active expert; the words' TASK_WAIT_BASE is -1 (no
+// claimed-task wait). `idx`: thread 0's first index, taken as it started.
+template <class M>
+__device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint32_t idx, const int32_t* sum,
+                                              const int32_t* rowof, int tiles, int xslot) {
+  bool first = true;
+  auto source = [&](int32_t* rec) {
+    if (!first) idx = atomicAdd(head, 1u);
+    first = false;
+    if (static_cast<int32_t>(idx) >= sum[0] * tiles) return false;
+    const int a = static_cast<int>(idx) / tiles;
+    rec[rec_moe_up::EXPERT] = sum[1 + 3 * a];
+    rec[rec_moe_up::N_TILE] = static_cast<int>(idx) - a * tiles;
+    rec[rec_moe_up::SLOT0] = sum[2 + 3 * a];
+    rec[rec_moe_up::ROWS] = sum[3 + 3 * a];
+    return true;
+  };
+  return claim_loop(c, source, f_moe_upgate_drain::TASK_WAIT_BASE, f_moe_upgate_drain::TASK_WAIT_TARGET,
+                    f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{(c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0}, [](const int32_t*) {},
+                    [&]() { moe_up_tile<M>(c, rowof, xslot); });
+}
+
 // Routed claims, whole CTA: rank, count and scan as finalize_cta does, then
 // the claim loop over the records derived from that (the queue head's atomic
 // as for a queue in memory); no claimed task waits (the router's counter,
@@ -278,13 +302,43 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
   int32_t* rank = nact + 1;    // [n]
   int32_t* ids = work + moe::finalize_smem_words(E, RS::kEntries);
   const UpDrainedStop stop{idx, min(E, n) * tiles};
+  int32_t* sum = RS::summary(c);  // [0] nact, [1 + 3a ..] (e, slot0, rows), [1 + 3 entries + slot] row
+  int32_t* rowof = sum + 1 + 3 * RS::kEntries;
+  if constexpr (MEGAC_TOPK_WARP && MEGAC_ROUTED_ONE_ROW) {
+    if (rows == 1 && moe::one_row_warp_fits(E, K)) {
+      // warp 0 sums, ranks and places the row's K experts (the one-row
+      // placement below, from registers): one barrier from the partials to
+      // the claim loop, none in between
+      bool halted = false;  // thread 0's
+      if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int e;
+        float v;
+        halted = !moe::rank_one_row_warp<false>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0),
+                                                size_t(M::MAX_ROWS) * M::NUM_EXPERTS,
+                                                MK_F(moe_upgate_drain, ROUTE_SPLITS), E, K, stop, e, v);
+        if (!halted) {
+          int pos = 0;
+          for (int j = 0; j < K; ++j) pos += __shfl_sync(moe::kFullMask, e, j) < e;
+          if (lane < K) {
+            sum[1 + 3 * pos] = e;
+            sum[2 + 3 * pos] = pos;
+            sum[3 + 3 * pos] = 1;
+            rowof[pos] = 0;
+          }
+          if (lane == 0) sum[0] = K;
+        }
+      }
+      if (__syncthreads_or(threadIdx.x == 0 && halted)) return true;  // drained: as the claim loop's empty claim
+      MEGAC_MARK(7);  // ranked, the claims' summary written (after rank_one_row_warp's 0 and 1)
+      return moe_up_claims<M>(c, head, idx, sum, rowof, tiles, xslot);
+    }
+  }
   if (!moe::topk_rows_cta<false>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0),
                                  size_t(M::MAX_ROWS) * M::NUM_EXPERTS, MK_F(moe_upgate_drain, ROUTE_SPLITS), rows, E,
                                  K, ts->w[H_FLAGS], ids, nullptr, ids, stop))
     return true;  // drained before it ranked: as the claim loop's empty claim ends
 
-  int32_t* sum = RS::summary(c);  // [0] nact, [1 + 3a ..] (e, slot0, rows), [1 + 3 entries + slot] row
-  int32_t* rowof = sum + 1 + 3 * RS::kEntries;
   if (MEGAC_ROUTED_ONE_ROW && rows == 1) {
     // one row: its K experts are distinct, one slot each, so the active
     // experts ascending are its ids sorted and an expert's slot is its place
@@ -320,23 +374,7 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
   }
   MEGAC_MARK(7);  // ranked, counted, the claims' summary written (after topk_rows_cta's 0 and 1)
   __syncthreads();
-  // the claim loop's, with records derived: index p is tile p % UP_TILES of the
-  // (p / UP_TILES)-th active expert; the words' TASK_WAIT_BASE is -1 (no claimed-task wait)
-  bool first = true;
-  auto source = [&](int32_t* rec) {
-    if (!first) idx = atomicAdd(head, 1u);
-    first = false;
-    if (static_cast<int32_t>(idx) >= sum[0] * tiles) return false;
-    const int a = static_cast<int>(idx) / tiles;
-    rec[rec_moe_up::EXPERT] = sum[1 + 3 * a];
-    rec[rec_moe_up::N_TILE] = static_cast<int>(idx) - a * tiles;
-    rec[rec_moe_up::SLOT0] = sum[2 + 3 * a];
-    rec[rec_moe_up::ROWS] = sum[3 + 3 * a];
-    return true;
-  };
-  return claim_loop(c, source, f_moe_upgate_drain::TASK_WAIT_BASE, f_moe_upgate_drain::TASK_WAIT_TARGET,
-                    f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{(c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0}, [](const int32_t*) {},
-                    [&]() { moe_up_tile<M>(c, rowof, xslot); });
+  return moe_up_claims<M>(c, head, idx, sum, rowof, tiles, xslot);
 }
 
 template <class M>

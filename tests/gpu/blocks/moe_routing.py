@@ -288,6 +288,11 @@ def cases(quick: bool) -> list[tuple]:
         ("uniform", 64, 8, 4, "smx_renorm", NMC),  # 32 rows per expert
         ("uniform", 8, 128, 8, "sig", {"num_splits": 1, "up_tiles": 3, "down_tiles": 5}),
         ("all_hit", 64, 128, 8, "smx", {"num_splits": 2, "up_tiles": 1, "down_tiles": 1}),
+        # more router splits than a warp ranking loads at once (4): two rounds, and a short one
+        ("uniform", 1, 128, 8, "sig", {"num_splits": 8, "up_tiles": 12, "down_tiles": 16}),
+        ("ties", 1, 128, 8, "smx", {"num_splits": 5, "up_tiles": 12, "down_tiles": 16}),
+        ("nan", 1, 128, 8, "sig_renorm", NMC),
+        ("uniform", 2, 100, 6, "smx_renorm", NMC),  # E not a multiple of 32: lanes past E hold no key
     ]
     return out
 
@@ -318,33 +323,41 @@ def bench_step(mod, rows: int, quick: bool) -> dict:
     }
 
 
-def run(quick: bool) -> dict:
-    cubin = build.build_cubin(SOURCE)
-    mod = launch.load_module(cubin)
-    sp = build.spills(cubin)
-    checks = [check("no_spills", not sp, sp or "0 spill bytes")]
-    rng = np.random.default_rng(2026)
-    for seed, (kind, rows, E, K, mode, shape) in enumerate(cases(quick), start=1):
-        tiles = f"s{shape['num_splits']}_t{shape['up_tiles']}x{shape['down_tiles']}"
-        name = f"route_{kind}_r{rows}_e{E}_k{K}_{mode}_{tiles}"
-        try:
-            ok, res = run_case(mod, kind, rows, E, K, mode, rng, seed, **shape)
-        except Exception as e:  # noqa: BLE001
-            ok, res = False, f"{type(e).__name__}: {e}"
-        checks.append(check(name, ok, res))
-        if not ok and isinstance(res, str) and "abort" in res:
-            break
-    try:
-        checks.append(check("route_queue_overflow_raises", *overflow_case(mod, rng)))
-    except Exception as e:  # noqa: BLE001
-        checks.append(check("route_queue_overflow_raises", False, f"{type(e).__name__}: {e}"))
+# The builds every case runs on: the headers' default, and the one-row
+# ranking on one warp (MEGAC_TOPK_WARP, moe_routing.cuh), which every TOPK
+# task of this kernel takes (each ranks one row) and must match bit for bit.
+BUILDS = {"": {}, "warp_": {"MEGAC_TOPK_WARP": 1}}
 
-    bench = []
-    for rows in (1, 8):
+
+def run(quick: bool) -> dict:
+    checks, bench = [], []
+    for tag, defines in BUILDS.items():
+        cubin = build.build_cubin(SOURCE, defines=defines)
+        mod = launch.load_module(cubin)
+        sp = build.spills(cubin)
+        checks.append(check(f"{tag}no_spills", not sp, sp or "0 spill bytes"))
+        rng = np.random.default_rng(2026)
+        for seed, (kind, rows, E, K, mode, shape) in enumerate(cases(quick), start=1):
+            tiles = f"s{shape['num_splits']}_t{shape['up_tiles']}x{shape['down_tiles']}"
+            name = f"{tag}route_{kind}_r{rows}_e{E}_k{K}_{mode}_{tiles}"
+            try:
+                ok, res = run_case(mod, kind, rows, E, K, mode, rng, seed, **shape)
+            except Exception as e:  # noqa: BLE001
+                ok, res = False, f"{type(e).__name__}: {e}"
+            checks.append(check(name, ok, res))
+            if not ok and isinstance(res, str) and "abort" in res:
+                break
         try:
-            bench.append(bench_step(mod, rows, quick))
+            checks.append(check(f"{tag}route_queue_overflow_raises", *overflow_case(mod, rng)))
         except Exception as e:  # noqa: BLE001
-            checks.append(check(f"bench_route_bs{rows}", False, f"{type(e).__name__}: {e}"))
+            checks.append(check(f"{tag}route_queue_overflow_raises", False, f"{type(e).__name__}: {e}"))
+        for rows in (1, 8):
+            try:
+                b = bench_step(mod, rows, quick)
+                b["name"] = tag + b["name"]
+                bench.append(b)
+            except Exception as e:  # noqa: BLE001
+                checks.append(check(f"{tag}bench_route_bs{rows}", False, f"{type(e).__name__}: {e}"))
     return {"block": "moe_routing", "checks": checks, "bench": bench}
 
 
