@@ -507,6 +507,18 @@ __device__ __forceinline__ void copy_x_async(const bf16* x, int64_t ldx, int per
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
+// stage_x_prime's issue half: every thread's X copies (cp.async, nothing
+// waits for them here), then prime(). The caller waits (cp.async.wait_all)
+// and passes a barrier before the staged X is read.
+__device__ __forceinline__ void issue_x_prime(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs,
+                                              const int32_t* rowof, const rows::WeightSpan& s, uint8_t* ring,
+                                              BulkState* st) {
+  const int per_row = klen / 8, pitch = x_pitch(klen), n = rows * per_row;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) copy_x_async(x, ldx, per_row, pitch, rowof, xs, i);
+  prime(s, ring, st);  // lane 0 of each warp
+  MEGAC_MARK(10);      // thread 0's ring stages issued
+}
+
 // stage_x, and prime() as soon as this thread's first X load is out.
 __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs,
                                               const int32_t* rowof, const rows::WeightSpan& s, uint8_t* ring,

@@ -84,6 +84,10 @@ struct Ctx {
   int scratch_bytes;
   WaitSite site;
   bool primed;  // the dispatcher primed this task's GEMM pipelines (ops_gemm.cuh)
+  // a routed up claim's X copies (cp.async) went out with its primed ring's
+  // first stages before the claim loop (ops_moe.cuh MEGAC_UP_FIRST_EARLY):
+  // the GEMM waits for them instead of staging X
+  bool x_issued = false;
 };
 
 template <class T>

@@ -269,7 +269,11 @@ __device__ __forceinline__ float* gemm(const Ctx& c, const WeightSpan& s, const 
     bf16* xs = GemmScratch<M>::xs(c);
     float* ys = GemmScratch<M>::ys(c);
     bool primed = c.primed;
-    if (folded) {
+    if (tc::kBulk && c.x_issued) {  // its X copies and ring stages went out before the claim loop
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      MEGAC_MARK(9);  // thread 0's X load returned
+      __syncthreads();
+    } else if (folded) {
       stage_norm_in<M>(c, fold, rows, s.cols, xs, tc::x_pitch(s.cols), ys);
     } else if (merge.n > 0) {
       if (tc::kBulk && !primed) {  // the weights stream while the partials are merged

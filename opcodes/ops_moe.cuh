@@ -232,6 +232,17 @@ struct MoeDownOffsets {
 #define MEGAC_UP_DRAINED_STOP 1
 #endif
 
+// 1 (with MEGAC_TOPK_WARP, one row): warp 0, having ranked, also derives
+// the claimer's first record (thread 0's index, taken as it started), and
+// the whole CTA issues that claim's X copies and its ring's first stages
+// before the claim loop hands the record over; the claim then waits for X
+// alone. 0: the claim loop hands the record to the CTA first (a barrier and
+// thread 0's derivation, ~0.6 us in the thirty-third session's stamps 7 ->
+// 11), then the tile stages X and primes. The same claims and bits.
+#ifndef MEGAC_UP_FIRST_EARLY
+#define MEGAC_UP_FIRST_EARLY 0
+#endif
+
 struct UpDrainedStop {
   static constexpr bool kOn = MEGAC_UP_DRAINED_STOP != 0;
   uint32_t idx;  // thread 0's first index (a register: read at the compare, not before)
@@ -245,7 +256,7 @@ struct UpDrainedStop {
 // claimed-task wait). `idx`: thread 0's first index, taken as it started.
 template <class M>
 __device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint32_t idx, const int32_t* sum,
-                                              const int32_t* rowof, int tiles, int xslot) {
+                                              const int32_t* rowof, int tiles, int xslot, bool first_issued = false) {
   bool first = true;
   auto source = [&](int32_t* rec) {
     if (!first) idx = atomicAdd(head, 1u);
@@ -260,7 +271,17 @@ __device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint
   };
   return claim_loop(c, source, f_moe_upgate_drain::TASK_WAIT_BASE, f_moe_upgate_drain::TASK_WAIT_TARGET,
                     f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{(c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0}, [](const int32_t*) {},
-                    [&]() { moe_up_tile<M>(c, rowof, xslot); });
+                    [&]() {
+                      if (first_issued) {  // its X copies and first stages are out (MEGAC_UP_FIRST_EARLY)
+                        first_issued = false;
+                        Ctx issued = c;
+                        issued.primed = true;
+                        issued.x_issued = true;
+                        moe_up_tile<M>(issued, rowof, xslot);
+                        return;
+                      }
+                      moe_up_tile<M>(c, rowof, xslot);
+                    });
 }
 
 // Routed claims, whole CTA: rank, count and scan as finalize_cta does, then
@@ -327,10 +348,35 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
             rowof[pos] = 0;
           }
           if (lane == 0) sum[0] = K;
+          if constexpr (MEGAC_UP_FIRST_EARLY) {
+            // the first claim's record (not halted: thread 0's index is below K * tiles), as the
+            // claim loop's source derives it: the a-th active expert ascending is the one placed at a
+            const int a0 = __shfl_sync(moe::kFullMask, int(idx) / tiles, 0);
+            const int e0 = __shfl_sync(moe::kFullMask, e, __ffs(__ballot_sync(moe::kFullMask, lane < K && pos == a0)) - 1);
+            if (lane == 0) {
+              ts->rec[rec_moe_up::EXPERT] = e0;
+              ts->rec[rec_moe_up::N_TILE] = int(idx) - a0 * tiles;
+              ts->rec[rec_moe_up::SLOT0] = a0;
+              ts->rec[rec_moe_up::ROWS] = 1;
+            }
+          }
         }
       }
       if (__syncthreads_or(threadIdx.x == 0 && halted)) return true;  // drained: as the claim loop's empty claim
       MEGAC_MARK(7);  // ranked, the claims' summary written (after rank_one_row_warp's 0 and 1)
+      if constexpr (MEGAC_UP_FIRST_EARLY && GemmScratch<M>::kTc && tc::kBulk) {
+        if (!(ts->w[H_FLAGS] & FLAG_SPLIT_DOWN)) {
+          const int32_t* rec = ts->rec;
+          const WeightSpan ws = moe_up_weights<M>(c, rec);
+          MEGAC_MARK(11);  // the claimed tile's weight span known
+          // this thread's generic writes to the scratch before the copy engine writes the ring there
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          tc::issue_x_prime(ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0), M::HIDDEN, 1, ws.cols,
+                            GemmScratch<M>::xs(c), rowof + rec[rec_moe_up::SLOT0], ws, GemmScratch<M>::tc_ring(c),
+                            &ts->tc);
+          return moe_up_claims<M>(c, head, idx, sum, rowof, tiles, xslot, true);
+        }
+      }
       return moe_up_claims<M>(c, head, idx, sum, rowof, tiles, xslot);
     }
   }

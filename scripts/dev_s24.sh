@@ -198,29 +198,32 @@ case "${1:-tails}" in
     MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=x_then_ring timeout 200 python3 -m gpu.megakernel_check \
       --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
     gzip -q $OUT/*.json 2>/dev/null; ls $OUT ;;
-  prebuild_s34)  # the one-row ranking on warp 0 (topk_warp): North Mini Code plain and profiled, both builds;
+  prebuild_s34)  # the one-row ranking on warp 0 (topk_warp), and with the first claim issued early (topk_warp_fe):
+                 # North Mini Code plain and profiled, each build;
                  # the tiny models and the slice with it (verify), the routing battery's two builds
     rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
     PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py north-mini-code north-mini-code:topk_warp \
-      north-mini-code:profile north-mini-code:profile+topk_warp nmc-slice:topk_warp tiny-moe:topk_warp \
-      tiny-llama:topk_warp 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+      north-mini-code:topk_warp_fe north-mini-code:profile north-mini-code:profile+topk_warp \
+      north-mini-code:profile+topk_warp_fe nmc-slice:topk_warp nmc-slice:topk_warp_fe tiny-moe:topk_warp \
+      tiny-moe:topk_warp_fe tiny-llama:topk_warp tiny-llama:topk_warp_fe 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
     PYTHONPATH=.:tests .venv/bin/python -c "from megac.gpu import build; from gpu.blocks import moe_routing as m; \
       [print(build.build_cubin(m.SOURCE, defines=d)) for d in m.BUILDS.values()]" | tee -a build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
   s34)  # topk_warp against the default interleaved on one engine, R rounds at bs1 and bs8 (and one bs1
         # step's logits: the same bits), then the routing battery (both builds, bit-exact against
         # megac/routing.py). Prebuild: prebuild_s34
-    MEGAC_VARIANT_MODELS=north-mini-code MEGAC_VARIANT_STEP_BITS=1:8192 V=topk_warp R=${R:-6} bash "$0" s29b_variants
+    MEGAC_VARIANT_MODELS=north-mini-code MEGAC_VARIANT_STEP_BITS=1:8192 V=${V:-topk_warp,topk_warp_fe} R=${R:-6} bash "$0" s29b_variants
     timeout 200 python3 -m gpu.blocks.moe_routing --quick --json $OUT/moe_routing.json > /dev/null 2>&1
     python3 -c "import json; d=json.load(open('$OUT/moe_routing.json')); c=d['checks']; \
       print('battery', len(c), 'checks,', 'failed:', [x['name'] for x in c if not x['ok']][:10]); \
       print([(b['name'], b['time_us']) for b in d['bench']])" ;;
-  s34v)  # topk_warp checked as a default would be: the tiny models against the VM, the watchdog, the
-         # one-row fp32 slice; then the profiled steps (s34p)
+  s34v)  # topk_warp and topk_warp_fe checked as a default would be: the tiny models against the VM, the
+         # watchdog, the one-row fp32 slice; then the profiled steps (s34p)
     verify topk_warp warp 1
+    verify topk_warp_fe warpfe 1
     bash "$0" s34p ;;
   s34p)  # the profiled steps of the default and topk_warp (bs1 8K): the marks of the up claimers' first claim
-    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=topk_warp timeout 250 python3 -m gpu.megakernel_check \
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=${PV:-topk_warp,topk_warp_fe} timeout 250 python3 -m gpu.megakernel_check \
       --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
     gzip -q $OUT/*.json 2>/dev/null; ls $OUT ;;
   s32a)  # wave orders SO (default: a full layer's up claimers before its claimed attention,

@@ -834,6 +834,9 @@ VARIANTS = {
     # one row summed and ranked by warp 0 in registers (warp reductions), and a routed claimer's
     # placement from them, one barrier (moe_routing.cuh, ops_moe.cuh); MoE models only
     "topk_warp": {"MEGAC_TOPK_WARP": 1},
+    # and the first claim's X copies and ring stages issued by the whole CTA before the claim loop
+    # hands the record over (ops_moe.cuh MEGAC_UP_FIRST_EARLY)
+    "topk_warp_fe": {"MEGAC_TOPK_WARP": 1, "MEGAC_UP_FIRST_EARLY": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -858,7 +861,7 @@ VARIANTS = {
     "norm_scalar": {"MEGAC_NORM_VEC": 0},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"uds", "up_x_cg", "rank_halves", "topk_warp", "walkpos_rank", "walkpos_1row", "wp_x", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
+MOE_ONLY_VARIANTS = {"uds", "up_x_cg", "rank_halves", "topk_warp", "topk_warp_fe", "walkpos_rank", "walkpos_1row", "wp_x", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
