@@ -208,7 +208,12 @@ case "${1:-tails}" in
       tiny-moe:topk_warp_fe tiny-llama:topk_warp tiny-llama:topk_warp_fe 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
     PYTHONPATH=.:tests .venv/bin/python -c "from megac.gpu import build; from gpu.blocks import moe_routing as m; \
       [print(build.build_cubin(m.SOURCE, defines=d)) for d in m.BUILDS.values()]" | tee -a build/cz-s31/log.txt
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild nmc-w nmc-fe nmc-up128_fe nmc-up192_fe nmc-up128 \
+      2>&1 | grep -v Warning | tee -a build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
+  s34ab)  # the tile sets w, fe, up128_fe, up192_fe against the default, engines alternating (bs TB, 8K)
+    TLIST=${TLIST:-fe,default#1,w#1,up128_fe,fe#1,default#2,up192_fe,w#2,fe#2,default#3} TB=${TB:-1} bash "$0" ab ;;
   s34)  # topk_warp against the default interleaved on one engine, R rounds at bs1 and bs8 (and one bs1
         # step's logits: the same bits), then the routing battery (both builds, bit-exact against
         # megac/routing.py). Prebuild: prebuild_s34

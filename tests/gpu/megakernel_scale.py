@@ -1407,6 +1407,13 @@ TILES = {
     # the thirty-third session's batch-1 candidate (router over 8 SMs, the combine over 8 ranges at
     # batch 1, a full layer's up claimers first at batch 1): against the default bs1 even, bs8 -0.4 %
     "s33": {"routed_combine_splits": 8, "router_splits": 8, "order": "schedules/experiments/routed-full-up-first.yaml"},
+    # the thirty-fourth session's builds as tile sets (check tiles: engines alternating): the one-row
+    # ranking on warp 0, and with the first claim issued before the hand-off; with smaller up tiles,
+    # whose claims the shorter first claim favours
+    "w": {"variant": "topk_warp"},
+    "fe": {"variant": "topk_warp_fe"},
+    "up128_fe": {"moe_up_bn": 128, "variant": "topk_warp_fe"},
+    "up192_fe": {"moe_up_bn": 192, "variant": "topk_warp_fe"},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
