@@ -205,13 +205,24 @@ case "${1:-tails}" in
     PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py north-mini-code north-mini-code:topk_warp \
       north-mini-code:topk_warp_fe north-mini-code:profile north-mini-code:profile+topk_warp \
       north-mini-code:profile+topk_warp_fe nmc-slice:topk_warp nmc-slice:topk_warp_fe tiny-moe:topk_warp \
-      tiny-moe:topk_warp_fe tiny-llama:topk_warp tiny-llama:topk_warp_fe 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+      tiny-moe:topk_warp_fe tiny-llama:topk_warp tiny-llama:topk_warp_fe nmc-up128:profile \
+      nmc-up128:profile+topk_warp_fe nmc-up128:topk_warp_fe 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
     PYTHONPATH=.:tests .venv/bin/python -c "from megac.gpu import build; from gpu.blocks import moe_routing as m; \
       [print(build.build_cubin(m.SOURCE, defines=d)) for d in m.BUILDS.values()]" | tee -a build/cz-s31/log.txt
     MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
       .venv/bin/python -m gpu.megakernel_check --prebuild nmc-w nmc-fe nmc-up128_fe nmc-up192_fe nmc-up128 \
       2>&1 | grep -v Warning | tee -a build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
+  s34up)  # profiled bs1 8K steps: 128-row up tiles (96 claims) with and without topk_warp_fe, beside the
+          # default's; then the one-row fp32 slices of topk_warp and topk_warp_fe (their JSON printed)
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=up128 MEGAC_PROFILE_VARIANTS=topk_warp_fe timeout 300 \
+      python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-200
+    for v in topk_warp topk_warp_fe; do
+      MEGAC_CHECK_VARIANT=$v MEGAC_CHECK_ROWS=1 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
+        --out $OUT/slice-$v.json > /dev/null 2>&1
+      python3 -c "import json; print('$v', json.dumps(json.load(open('$OUT/slice-$v.json/megakernel_check.json')))[:600])"
+    done
+    gzip -q $OUT/*.json 2>/dev/null; rm -rf $OUT/slice-*.json $OUT/profile.json; ls $OUT ;;
   s34ab)  # the tile sets w, fe, up128_fe, up192_fe against the default, engines alternating (bs TB, 8K)
     TLIST=${TLIST:-fe,default#1,w#1,up128_fe,fe#1,default#2,up192_fe,w#2,fe#2,default#3} TB=${TB:-1} bash "$0" ab ;;
   s34)  # topk_warp against the default interleaved on one engine, R rounds at bs1 and bs8 (and one bs1
