@@ -506,8 +506,48 @@ struct DownEarly {
   __device__ void drain() const {}  // the GEMM ring: claim_loop drains it
 };
 
+// 1: a down claimer takes one claim at most where the layer's down queue
+// holds no more claims than there are SMs (every SM runs one claimer of the
+// queue a layer, passes/assign.py: the later claimers take the rest, so
+// none is left); 0: it claims until the queue is drained. Why: with 128-row
+// up tiles at batch 1 every QKV SM streams an up claim until ~24 us, the
+// ~35 SMs free before that claim the 64 down tiles, and those done first
+// take a second, ending ~5 us after the rest (thirty-fourth session's
+// profile). A capped claimer stops before the head's atomic: no index is
+// taken that no claim runs.
+#ifndef MEGAC_DOWN_ONE_CLAIM
+#define MEGAC_DOWN_ONE_CLAIM 0
+#endif
+
 template <class M>
 __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
+  if constexpr (MEGAC_DOWN_ONE_CLAIM) {
+    const QueueSource queue{c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, M::NUM_LAYERS};
+    bool taken = false;  // thread 0's: this claimer took a claim
+    auto source = [&](int32_t* rec) {
+      if (taken && c.ts->w[f_moe_down_drain::QUEUE_LEN] <= int32_t(gridDim.x)) return false;
+      taken = queue(rec);
+      return taken;
+    };
+    return claim_loop(c, source, f_moe_down_drain::TASK_WAIT_BASE, f_moe_down_drain::TASK_WAIT_TARGET,
+                      f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{},
+                      [&](const int32_t* rec) {
+                        rows::prefetch_head(moe_down_weights<M>(c, rec), 0, 1);
+                        down_claim_l2<M>(c, rec);
+                      },
+                      [&]() {
+                        if constexpr (DownEarly<M>::kOn) {
+                          if (c.ts->early) {
+                            Ctx primed = c;
+                            primed.primed = true;
+                            moe_down_tile<M>(primed);
+                            return;
+                          }
+                        }
+                        moe_down_tile<M>(c);
+                      },
+                      DownEarly<M>{c});
+  }
   return claim_loop(c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, f_moe_down_drain::TASK_WAIT_BASE,
                     f_moe_down_drain::TASK_WAIT_TARGET, f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{},
                     [&](const int32_t* rec) {

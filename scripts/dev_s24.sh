@@ -223,6 +223,21 @@ case "${1:-tails}" in
       python3 -c "import json; print('$v', json.dumps(json.load(open('$OUT/slice-$v.json/megakernel_check.json')))[:600])"
     done
     gzip -q $OUT/*.json 2>/dev/null; rm -rf $OUT/slice-*.json $OUT/profile.json; ls $OUT ;;
+  prebuild_s34b)  # one down claim an SM (dc1) with and without topk_warp and the 128-row up tiles, as TILES
+                  # sets; the tiny models with dc1 (verify); the default
+    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
+    PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py tiny-moe:dc1 tiny-llama:dc1 \
+      2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code nmc-dc1 nmc-up128_dc1 nmc-up128_wdc1 \
+      nmc-wdc1 nmc-w 2>&1 | grep -v Warning | grep -v "(interleaved)\|(attention-first)\|\[profile\]" \
+      | tee -a build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s34c)  # dc1 checked on the tiny models (against the VM), then the dc1 sets against the default, engines
+         # alternating at bs1. Prebuild: prebuild_s34b
+    verify dc1 dc1
+    TLIST=${TLIST:-up128_wdc1,default,wdc1,up128_dc1,dc1,w,default#1,up128_wdc1#1,wdc1#1,default#2,w#1,dc1#1} \
+      TB=${TB:-1} bash "$0" ab ;;
   s34ab)  # the tile sets w, fe, up128_fe, up192_fe against the default, engines alternating (bs TB, 8K)
     TLIST=${TLIST:-fe,default#1,w#1,up128_fe,fe#1,default#2,up192_fe,w#2,fe#2,default#3} TB=${TB:-1} bash "$0" ab ;;
   s34)  # topk_warp against the default interleaved on one engine, R rounds at bs1 and bs8 (and one bs1

@@ -837,6 +837,10 @@ VARIANTS = {
     # and the first claim's X copies and ring stages issued by the whole CTA before the claim loop
     # hands the record over (ops_moe.cuh MEGAC_UP_FIRST_EARLY)
     "topk_warp_fe": {"MEGAC_TOPK_WARP": 1, "MEGAC_UP_FIRST_EARLY": 1},
+    # a down claimer takes one claim at most while the layer's down claims fit one an SM
+    # (ops_moe.cuh MEGAC_DOWN_ONE_CLAIM); and with the one-row ranking on warp 0
+    "dc1": {"MEGAC_DOWN_ONE_CLAIM": 1},
+    "topk_warp_dc1": {"MEGAC_TOPK_WARP": 1, "MEGAC_DOWN_ONE_CLAIM": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -861,7 +865,7 @@ VARIANTS = {
     "norm_scalar": {"MEGAC_NORM_VEC": 0},
 }
 #: variants that change nothing in a dense model (not built for one)
-MOE_ONLY_VARIANTS = {"uds", "up_x_cg", "rank_halves", "topk_warp", "topk_warp_fe", "walkpos_rank", "walkpos_1row", "wp_x", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
+MOE_ONLY_VARIANTS = {"uds", "up_x_cg", "rank_halves", "topk_warp", "topk_warp_fe", "dc1", "topk_warp_dc1", "walkpos_rank", "walkpos_1row", "wp_x", "pf_up16", "pf_up32", "pf_up64", "pf_up32_dn24", "down_l2", "down_l2_last"}
 #: the per-task timeline build (megac/gpu/profile.py)
 PROFILE = {"MEGAC_PROFILE": 1}
 VARIANT_MODELS = ("north-mini-code", "smollm2-135m")
@@ -1414,6 +1418,12 @@ TILES = {
     "fe": {"variant": "topk_warp_fe"},
     "up128_fe": {"moe_up_bn": 128, "variant": "topk_warp_fe"},
     "up192_fe": {"moe_up_bn": 192, "variant": "topk_warp_fe"},
+    # one down claim an SM at batch 1, with the 128-row up tiles whose doubled down claims ended
+    # their layers (thirty-fourth session's profile) and with the default tiles
+    "dc1": {"variant": "dc1"},
+    "up128_dc1": {"moe_up_bn": 128, "variant": "dc1"},
+    "up128_wdc1": {"moe_up_bn": 128, "variant": "topk_warp_dc1"},
+    "wdc1": {"variant": "topk_warp_dc1"},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
