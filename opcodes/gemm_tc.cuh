@@ -523,14 +523,12 @@ __device__ __forceinline__ void issue_x_prime(const bf16* x, int64_t ldx, int ro
 __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int rows, int klen, bf16* xs,
                                               const int32_t* rowof, const rows::WeightSpan& s, uint8_t* ring,
                                               BulkState* st) {
-  const int per_row = klen / 8, pitch = x_pitch(klen), n = rows * per_row, i0 = threadIdx.x;
 #if MEGAC_X_ASYNC
-  for (int i = i0; i < n; i += blockDim.x) copy_x_async(x, ldx, per_row, pitch, rowof, xs, i);
-  prime(s, ring, st);  // lane 0 of each warp
-  MEGAC_MARK(10);      // thread 0's ring stages issued
+  issue_x_prime(x, ldx, rows, klen, xs, rowof, s, ring, st);
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   MEGAC_MARK(9);  // thread 0's X load returned
 #else
+  const int per_row = klen / 8, pitch = x_pitch(klen), n = rows * per_row, i0 = threadIdx.x;
   uint4 v = make_uint4(0, 0, 0, 0);
   if (i0 < n) v = load_x(x, ldx, per_row, rowof, i0);
   prime(s, ring, st);  // lane 0 of each warp; after its own warp's loads in program order

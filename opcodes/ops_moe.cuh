@@ -521,6 +521,21 @@ struct DownEarly {
 
 template <class M>
 __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
+  auto prefetch = [&](const int32_t* rec) {
+    rows::prefetch_head(moe_down_weights<M>(c, rec), 0, 1);
+    down_claim_l2<M>(c, rec);
+  };
+  auto run = [&]() {
+    if constexpr (DownEarly<M>::kOn) {
+      if (c.ts->early) {  // the claim's ring was primed before its wait
+        Ctx primed = c;
+        primed.primed = true;
+        moe_down_tile<M>(primed);
+        return;
+      }
+    }
+    moe_down_tile<M>(c);
+  };
   if constexpr (MEGAC_DOWN_ONE_CLAIM) {
     const QueueSource queue{c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, M::NUM_LAYERS};
     bool taken = false;  // thread 0's: this claimer took a claim
@@ -530,42 +545,11 @@ __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
       return taken;
     };
     return claim_loop(c, source, f_moe_down_drain::TASK_WAIT_BASE, f_moe_down_drain::TASK_WAIT_TARGET,
-                      f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{},
-                      [&](const int32_t* rec) {
-                        rows::prefetch_head(moe_down_weights<M>(c, rec), 0, 1);
-                        down_claim_l2<M>(c, rec);
-                      },
-                      [&]() {
-                        if constexpr (DownEarly<M>::kOn) {
-                          if (c.ts->early) {
-                            Ctx primed = c;
-                            primed.primed = true;
-                            moe_down_tile<M>(primed);
-                            return;
-                          }
-                        }
-                        moe_down_tile<M>(c);
-                      },
-                      DownEarly<M>{c});
+                      f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{}, prefetch, run, DownEarly<M>{c});
   }
   return claim_loop(c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, f_moe_down_drain::TASK_WAIT_BASE,
-                    f_moe_down_drain::TASK_WAIT_TARGET, f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{},
-                    [&](const int32_t* rec) {
-                      rows::prefetch_head(moe_down_weights<M>(c, rec), 0, 1);
-                      down_claim_l2<M>(c, rec);
-                    },
-                    [&]() {
-                      if constexpr (DownEarly<M>::kOn) {
-                        if (c.ts->early) {  // the claim's ring was primed before its wait
-                          Ctx primed = c;
-                          primed.primed = true;
-                          moe_down_tile<M>(primed);
-                          return;
-                        }
-                      }
-                      moe_down_tile<M>(c);
-                    },
-                    M::NUM_LAYERS, DownEarly<M>{c});
+                    f_moe_down_drain::TASK_WAIT_TARGET, f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{}, prefetch,
+                    run, M::NUM_LAYERS, DownEarly<M>{c});
 }
 
 }  // namespace mk
