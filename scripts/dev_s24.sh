@@ -238,6 +238,22 @@ case "${1:-tails}" in
     verify dc1 dc1
     TLIST=${TLIST:-up128_wdc1,default,wdc1,up128_dc1,dc1,w,default#1,up128_wdc1#1,wdc1#1,default#2,w#1,dc1#1} \
       TB=${TB:-1} bash "$0" ab ;;
+  prebuild_s35)  # LM head tiles of 512 / 1024 rows (TILES lm512, lm1024, wlm1024 with topk_warp), the default,
+                 # topk_warp as a set (w); lm1024 profiled
+    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
+    PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py nmc-lm1024:profile north-mini-code:profile \
+      2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code nmc-lm1024 nmc-lm512 nmc-wlm1024 nmc-w nmc-s35 \
+      2>&1 | grep -v Warning | grep -v "(interleaved)\|(attention-first)\|\[profile\]" | tee -a build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s35)  # the LM head tile sets against the default, engines alternating at bs1 (TB), then the profiled
+        # bs1 8K step of lm1024 (its LM head phase against the default's). Prebuild: prebuild_s35
+    TLIST=${TLIST:-lm1024,default,s35,lm512,wlm1024,default#1,s35#1,lm1024#1,w,default#2,s35#2,lm512#1} \
+      TB=${TB:-1} bash "$0" ab
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=lm1024 timeout 200 python3 -m gpu.megakernel_check --run profile \
+      --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-200
+    gzip -q $OUT/*.json 2>/dev/null; ls $OUT ;;
   s34ab)  # the tile sets w, fe, up128_fe, up192_fe against the default, engines alternating (bs TB, 8K)
     TLIST=${TLIST:-fe,default#1,w#1,up128_fe,fe#1,default#2,up192_fe,w#2,fe#2,default#3} TB=${TB:-1} bash "$0" ab ;;
   s34)  # topk_warp against the default interleaved on one engine, R rounds at bs1 and bs8 (and one bs1

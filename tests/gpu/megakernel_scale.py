@@ -1424,6 +1424,17 @@ TILES = {
     "up128_dc1": {"moe_up_bn": 128, "variant": "dc1"},
     "up128_wdc1": {"moe_up_bn": 128, "variant": "topk_warp_dc1"},
     "wdc1": {"variant": "topk_warp_dc1"},
+    # the thirty-fifth session: LM head tiles of 512 / 1024 vocab rows (512 / 256 tasks instead of 1024),
+    # so an SM pays a tile's start (prime, wait, X) and end (warp skew, epilogue, ~7 us) 4 / 2 times
+    # instead of 8 while the head streams at ~93 % of what the bulk copies reach on 132 SMs
+    "lm512": {"lm_bn": 512},
+    "lm1024": {"lm_bn": 1024},
+    "wlm1024": {"lm_bn": 1024, "variant": "topk_warp"},
+    # and every small batch-1 gain so far together: the thirty-third session's candidate (router over 8
+    # SMs, the combine over 8 ranges, a full layer's up claimers first), the one-row ranking on warp 0
+    # and the 1024-row LM head tiles
+    "s35": {"routed_combine_splits": 8, "router_splits": 8, "order": "schedules/experiments/routed-full-up-first.yaml",
+            "variant": "topk_warp", "lm_bn": 1024},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
