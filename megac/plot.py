@@ -129,7 +129,8 @@ WAIT_COLOR = "#e8e8e8"
 
 
 def plot_measured(recs, path, *, title: str, max_sms: int | None = None,
-                  time_range: tuple[float, float] | None = None) -> Path:
+                  time_range: tuple[float, float] | None = None,
+                  xlabel: str = "time (us, from the first task's start)") -> Path:
     """Draw a measured step (:func:`megac.gpu.profile.read` records) to
     ``path`` (.png or .svg): one row per SM, each task's header wait as a
     light grey bar and its run in the opcode's colour (a claimer's bar
@@ -151,7 +152,7 @@ def plot_measured(recs, path, *, title: str, max_sms: int | None = None,
         _bars(ax, [r["waited_us"] for r in mine], [r["end_us"] for r in mine], [r["sm"] for r in mine],
               OP_COLORS.get(o, "#000000"))
     span = max(r["end_us"] for r in recs)
-    _sm_axis(ax, S, time_range or (0, span * 1.01), "time (us, from the first task's start)")
+    _sm_axis(ax, S, time_range or (0, span * 1.01), xlabel)
     handles = [Patch(facecolor=WAIT_COLOR, label="header wait")] + _op_handles(o for o in present if o != Op.NOP)
     return _save(fig, ax, path, title, handles)
 

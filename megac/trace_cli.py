@@ -32,13 +32,24 @@ from megac.calibrate_cli import traced_step_options
 @click.option("--marks", is_flag=True,
               help="Also print, per opcode, the points stamped inside its tasks (MEGAC_MARK): median us after "
                    "the task's wait, in time order.")
-def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, json_out, marks):
-    """Where the bandwidth of the step in TRACE goes: per layer kind, TB/s by opcode through a layer."""
+@click.option("--layer", type=click.IntRange(0), default=None,
+              help="Instead: layer N SM by SM (each SM's tasks of the layer, their waits and runs, in us from the "
+                   "layer's first run), the opcodes' spans and the tasks that ended last.")
+@click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --layer: draw that layer's per-SM timeline (.png or .svg).")
+def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, json_out, marks, layer, timeline):
+    """Where the bandwidth of the step in TRACE goes: per layer kind, TB/s by opcode through a layer.
+    With --layer N: who did what in layer N, SM by SM."""
     from megac.calibrate_cli import traced_step
     from megac.gpu.profile import format_marks, marks_summary
     from megac.trace_report import format_profile, plot_profile, profile
 
     say = lambda m: click.echo(m, err=True)  # noqa: E731
+    if timeline is not None and layer is None:
+        raise click.UsageError("--timeline draws one layer: pass --layer N too")
+    if layer is not None:
+        _layer(trace, layer, timeline, say)
+        return
     if plot is not None:
         from megac.plot import check_plot_path
 
@@ -57,6 +68,38 @@ def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, j
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({**p.to_json(), "marks": inside}, indent=1))
         say(f"wrote {json_out}")
+
+
+def _layer(trace: Path, layer: int, timeline: Path | None, say) -> None:
+    """megac trace --layer: from the trace's records alone (no schedule rebuilt, so any tile set's trace)."""
+    from megac.calibrate_cli import read_trace
+    from megac.errors import MegacError
+    from megac.gpu.profile import records_from_trace
+    from megac.trace_layer import format_layer_view, layer_records, layer_view
+
+    if timeline is not None:
+        from megac.plot import check_plot_path
+
+        check_plot_path(timeline, "--timeline")
+    data = read_trace(trace, "trace")
+    try:
+        records = records_from_trace(data)
+    except (KeyError, TypeError) as err:
+        raise MegacError(f"trace: {trace}: not a megac profile trace (an event lacks {err})") from None
+    view = layer_view(records, layer)
+    click.echo(format_layer_view(view))
+    if timeline is not None:
+        from megac.plot import plot_measured
+
+        recs = layer_records(records, view)
+        meta = data.get("otherData") or {}
+        what = " ".join(str(x) for x in (meta.get("model"), f"batch {meta.get('batch')}" if meta.get("batch") else None,
+                                          f"context {meta.get('context')}" if meta.get("context") else None) if x)
+        # a primed task's wait can begin long before the layer's first run: show the last 10 us of them
+        lo = max(-10.0, min(r["start_us"] for r in recs))
+        plot_measured(recs, timeline, title=f"{what}: layer {layer}, {view.span_us:.1f} us".strip(": "),
+                      time_range=(lo, view.span_us * 1.02), xlabel="time (us, from the layer's first run)")
+        say(f"wrote {timeline}")
 
 
 __all__ = ["trace_cmd"]

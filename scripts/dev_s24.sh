@@ -249,8 +249,13 @@ case "${1:-tails}" in
     pack_cubins < build/cz-s31/log.txt ;;
   s35)  # the LM head tile sets against the default, engines alternating at bs1 (TB), then the profiled
         # bs1 8K step of lm1024 (its LM head phase against the default's). Prebuild: prebuild_s35
+    # the SM clock, power and throttle reasons every 0.5 s beside it (are the ~2.58 / ~2.67 modes clocks?),
+    # each engine's line stamped with the time it printed
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv,noheader -lms 500 > $OUT/smi.csv 2>&1 & SMI=$!
     TLIST=${TLIST:-lm1024,default,s35,lm512,wlm1024,default#1,s35#1,lm1024#1,w,default#2,s35#2,lm512#1} \
-      TB=${TB:-1} bash "$0" ab
+      TB=${TB:-1} bash "$0" ab | while read -r l; do echo "$(date +%H:%M:%S.%N | cut -c1-12) $l" | cut -c1-140; done
+    kill $SMI 2>/dev/null
     MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=lm1024 timeout 200 python3 -m gpu.megakernel_check --run profile \
       --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-200
     gzip -q $OUT/*.json 2>/dev/null; ls $OUT ;;

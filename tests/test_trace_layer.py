@@ -1,0 +1,101 @@
+"""`megac trace TRACE --layer N`: one layer of a profiled step, SM by SM.
+
+The records are written by hand (three SMs, two layers), so every number
+the view prints is known: times from the layer's first run, each SM's
+tasks in the order they ran, the opcodes' spans and the task that ended
+last. The view reads the trace's records alone, so a trace whose model is
+unknown here still shows its layers.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from megac.errors import MegacError
+from megac.gpu.profile import chrome_trace, records_from_trace
+from megac.trace_layer import format_layer_view, layer_records, layer_view
+
+
+def _rec(sm, task, op, layer, start, waited, end, claims=0):
+    return {"sm": sm, "task": task, "op": op, "layer": layer, "start_us": start, "waited_us": waited,
+            "end_us": end, "claims": claims, "claim_wait_us": 0.0, "marks_us": [None] * 12}
+
+
+# layer 3 starts running at t = 100 (SM 0's QKV); SM 1 runs its tasks out of list order in time
+# (records sorted by task index differ from run order only if a trace is malformed, so run order it is)
+RECORDS = [
+    _rec(0, 0, "QKV_PROJ", 2, 40.0, 50.0, 58.0),  # another layer: not in the view
+    _rec(0, 1, "QKV_PROJ", 3, 90.0, 100.0, 108.5),
+    _rec(0, 2, "MOE_UPGATE_DRAIN", 3, 109.0, 110.0, 131.0, claims=1),
+    _rec(0, 3, "O_PROJ", 3, 132.0, 133.5, 141.0),
+    _rec(1, 0, "ROUTER_GEMM", 3, 95.0, 100.5, 106.0),
+    _rec(1, 1, "MOE_UPGATE_DRAIN", 3, 107.0, 107.0, 128.0, claims=1),
+    _rec(1, 2, "MOE_DOWN_DRAIN", 3, 129.0, 130.0, 145.25, claims=2),
+    _rec(2, 0, "ATTN_DECODE", 3, 99.0, 110.0, 120.0),
+    _rec(2, 1, "MOE_UPGATE_DRAIN", 3, 121.0, 122.0, 123.0, claims=0),
+    _rec(2, 2, "MOE_COMBINE", 3, 124.0, 146.0, 147.5),
+]
+
+
+def test_the_view_puts_each_sms_tasks_in_run_order_from_the_layers_first_run():
+    v = layer_view(RECORDS, 3)
+    assert v.origin_us == 100.0 and v.span_us == pytest.approx(47.5)
+    assert sorted(v.sms) == [0, 1, 2]
+    assert [t.op for t in v.sms[0]] == ["QKV_PROJ", "MOE_UPGATE_DRAIN", "O_PROJ"]  # layer 2's task left out
+    up = v.sms[0][1]
+    assert (up.wait_from, up.run_from, up.end, up.claims) == (9.0, 10.0, 31.0, 1)
+    assert v.sms[1][0].wait_from == -5.0  # a primed task's wait began before the layer's first run
+    ops = v.by_op()
+    assert ops["MOE_UPGATE_DRAIN"] == (3, 7.0, 28.0, 31.0)  # tasks, first run, median end, last end
+    assert ops["MOE_DOWN_DRAIN"] == (1, 30.0, 45.25, 45.25)
+    assert [(sm, t.op) for sm, t in v.last(2)] == [(2, "MOE_COMBINE"), (1, "MOE_DOWN_DRAIN")]
+
+
+def test_the_text_names_waits_runs_and_records_claimed():
+    text = format_layer_view(layer_view(RECORDS, 3))
+    assert text.splitlines()[0].startswith("layer 3: 47.5 us")
+    lines = {ln.split()[0]: ln for ln in text.splitlines() if ln[:4].strip().isdigit()}
+    assert lines["0"].split() == ["0", "~10.0", "QKV", "0.0-8.5", "~1.0", "UP*1", "10.0-31.0", "~1.5", "OPROJ",
+                                  "33.5-41.0"]
+    assert "DOWN*2 30.0-45.2" in lines["1"] and "UP*0 22.0-23.0" in lines["2"]  # a drained claimer: 0
+    assert lines["1"].split()[1] == "~5.5"  # the router waited 5.5 us (a wait under 0.05 prints nothing)
+    assert "UP*1 7.0-28.0" in lines["1"] and "~0.0" not in lines["1"]
+    assert "ended last: SM 2 MOE_COMBINE 47.5" in text
+
+
+def test_a_layer_the_trace_lacks_is_named_with_the_layers_it_has():
+    with pytest.raises(MegacError, match=r"no task of layer 7 in the trace \(its layers: 2-3\)"):
+        layer_view(RECORDS, 7)
+
+
+def test_layer_records_are_shifted_to_the_views_origin():
+    v = layer_view(RECORDS, 3)
+    recs = layer_records(RECORDS, v)
+    assert len(recs) == 9 and min(r["waited_us"] for r in recs) == 0.0
+    assert max(r["end_us"] for r in recs) == pytest.approx(47.5)
+
+
+def test_trace_layer_command_prints_and_draws_from_the_records_alone(tmp_path):
+    from megac.cli import main
+
+    # a model name nothing here knows: the layer view must not need the schedule
+    path = tmp_path / "step.trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(chrome_trace(RECORDS, {"model": "nmc-some-tile-set", "batch": 1,
+                                                                     "context": 8192})).encode()))
+    assert records_from_trace(json.loads(gzip.decompress(path.read_bytes())))  # the file round-trips
+    png = tmp_path / "layer3.png"
+    r = CliRunner().invoke(main, ["trace", str(path), "--layer", "3", "--timeline", str(png)])
+    assert r.exit_code == 0, r.output
+    assert "layer 3: 47.5 us" in r.output and "OPROJ 33.5-41.0" in r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # bad input: one line naming what is wrong, nothing written
+    r = CliRunner().invoke(main, ["trace", str(path), "--layer", "9"])
+    assert r.exit_code != 0 and "no task of layer 9" in r.output
+    r = CliRunner().invoke(main, ["trace", str(path), "--timeline", str(tmp_path / "x.png")])
+    assert r.exit_code != 0 and "--layer" in r.output and not (tmp_path / "x.png").exists()
+    r = CliRunner().invoke(main, ["trace", str(path), "--layer", "3", "--timeline", str(tmp_path / "x.gif")])
+    assert r.exit_code != 0 and "--timeline" in r.output
