@@ -172,6 +172,18 @@ __device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
 // counter is met then saves the read's round trip before its first copies).
 // early.drain() (thread 0): a primed claim given up after its failed wait
 // waits there for copies of a ring other than the GEMM's (drained here).
+// 1: a claim with an Early hook (the down claims' MEGAC_DOWN_PRIME 1, the
+// claimed attention splits') whose counter thread 0's first read finds met
+// goes on from that read: the read is an acquire, which is all
+// wait_counter would do with a met counter. 0: wait_on reads the counter
+// again, a second dependent L2 round trip before the claim's first copies.
+// At batch 1 the late down claims (claimed after their expert's up tiles
+// ended, unprimed: the ones that end a sliding layer, thirty-fifth
+// session's per-SM view) pay it on the critical path.
+#ifndef MEGAC_CLAIM_ONE_READ
+#define MEGAC_CLAIM_ONE_READ 0
+#endif
+
 struct NoEarly {
   static constexpr bool kOn = false;
   static constexpr bool kAlways = false;  // prime every claim, its counter unread (kOn only)
@@ -208,8 +220,13 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
           if (wb >= 0) {
             wait_ctr = wb + wo;
             wait_target = resolve(c.d, w[wait_target_field]);
-            defer = Early::kAlways ||
-                    ld_acquire_gpu(ptr<const uint32_t>(c.d->counters) + wait_ctr) < uint32_t(wait_target);
+            if (Early::kAlways) {
+              defer = 1;
+            } else {
+              defer = ld_acquire_gpu(ptr<const uint32_t>(c.d->counters) + wait_ctr) < uint32_t(wait_target);
+              // the acquire that saw the count met is the whole wait (wait_counter's own first read)
+              if (MEGAC_CLAIM_ONE_READ && !defer) wait_ctr = -1;
+            }
           }
           if (!defer && !wait_on(c, wait_ctr, wait_target)) {
             ts->ok = 0;

@@ -238,22 +238,26 @@ case "${1:-tails}" in
     verify dc1 dc1
     TLIST=${TLIST:-up128_wdc1,default,wdc1,up128_dc1,dc1,w,default#1,up128_wdc1#1,wdc1#1,default#2,w#1,dc1#1} \
       TB=${TB:-1} bash "$0" ab ;;
-  prebuild_s35)  # LM head tiles of 512 / 1024 rows (TILES lm512, lm1024, wlm1024 with topk_warp), the default,
-                 # topk_warp as a set (w); lm1024 profiled
+  prebuild_s35)  # LM head tiles of 512 / 1024 rows (TILES lm512, lm1024), a met claim's counter read once
+                 # (or, wor with topk_warp; the tiny models with it for verify), every small gain together
+                 # (s35), the default, topk_warp as a set (w); the default and lm1024 profiled
     rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
-    PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py nmc-lm1024:profile north-mini-code:profile \
-      2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+    PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py tiny-moe:one_read tiny-llama:one_read \
+      nmc-lm1024:profile north-mini-code:profile 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
     MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
-      .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code nmc-lm1024 nmc-lm512 nmc-wlm1024 nmc-w nmc-s35 \
-      2>&1 | grep -v Warning | grep -v "(interleaved)\|(attention-first)\|\[profile\]" | tee -a build/cz-s31/log.txt
+      .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code nmc-lm1024 nmc-lm512 nmc-w nmc-s35 \
+      nmc-or nmc-wor 2>&1 | grep -v Warning | grep -v "(interleaved)\|(attention-first)\|\[profile\]" \
+      | tee -a build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
-  s35)  # the LM head tile sets against the default, engines alternating at bs1 (TB), then the profiled
+  s35)  # one_read checked on the tiny models (against the VM) and the watchdog; the s35 tile sets against
+        # the default, engines alternating at bs1 (TB), the SM clock sampled beside; then the profiled
         # bs1 8K step of lm1024 (its LM head phase against the default's). Prebuild: prebuild_s35
+    verify one_read or
     # the SM clock, power and throttle reasons every 0.5 s beside it (are the ~2.58 / ~2.67 modes clocks?),
     # each engine's line stamped with the time it printed
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
       --format=csv,noheader -lms 500 > $OUT/smi.csv 2>&1 & SMI=$!
-    TLIST=${TLIST:-lm1024,default,s35,lm512,wlm1024,default#1,s35#1,lm1024#1,w,default#2,s35#2,lm512#1} \
+    TLIST=${TLIST:-lm1024,default,s35,or,lm512,default#1,s35#1,or#1,wor,default#2,lm1024#1,or#2} \
       TB=${TB:-1} bash "$0" ab | while read -r l; do echo "$(date +%H:%M:%S.%N | cut -c1-12) $l" | cut -c1-140; done
     kill $SMI 2>/dev/null
     MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=lm1024 timeout 200 python3 -m gpu.megakernel_check --run profile \

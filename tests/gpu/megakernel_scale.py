@@ -841,6 +841,10 @@ VARIANTS = {
     # (ops_moe.cuh MEGAC_DOWN_ONE_CLAIM); and with the one-row ranking on warp 0
     "dc1": {"MEGAC_DOWN_ONE_CLAIM": 1},
     "topk_warp_dc1": {"MEGAC_TOPK_WARP": 1, "MEGAC_DOWN_ONE_CLAIM": 1},
+    # a claim whose counter the first (acquire) read finds met goes on from it, no second read
+    # (mk_core.cuh MEGAC_CLAIM_ONE_READ); and with the one-row ranking on warp 0
+    "one_read": {"MEGAC_CLAIM_ONE_READ": 1},
+    "topk_warp_or": {"MEGAC_TOPK_WARP": 1, "MEGAC_CLAIM_ONE_READ": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1430,11 +1434,15 @@ TILES = {
     "lm512": {"lm_bn": 512},
     "lm1024": {"lm_bn": 1024},
     "wlm1024": {"lm_bn": 1024, "variant": "topk_warp"},
+    # a met claim's counter read once (mk_core.cuh MEGAC_CLAIM_ONE_READ): the late down claims' first
+    # copies a round trip sooner; and with the one-row ranking on warp 0
+    "or": {"variant": "one_read"},
+    "wor": {"variant": "topk_warp_or"},
     # and every small batch-1 gain so far together: the thirty-third session's candidate (router over 8
-    # SMs, the combine over 8 ranges, a full layer's up claimers first), the one-row ranking on warp 0
-    # and the 1024-row LM head tiles
+    # SMs, the combine over 8 ranges, a full layer's up claimers first), the one-row ranking on warp 0,
+    # a met claim's counter read once and the 1024-row LM head tiles
     "s35": {"routed_combine_splits": 8, "router_splits": 8, "order": "schedules/experiments/routed-full-up-first.yaml",
-            "variant": "topk_warp", "lm_bn": 1024},
+            "variant": "topk_warp_or", "lm_bn": 1024},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
