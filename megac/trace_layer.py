@@ -66,6 +66,8 @@ class LayerView:
 
 def layer_view(records, layer: int) -> LayerView:
     """The view of ``layer`` from a trace's records (megac.gpu.profile's)."""
+    if not records:
+        raise MegacError("trace: the trace holds no task records")
     mine = [r for r in records if r["layer"] == layer]
     if not mine:
         layers = sorted({r["layer"] for r in records})

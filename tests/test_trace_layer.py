@@ -70,6 +70,8 @@ def test_the_text_names_waits_runs_and_records_claimed():
 def test_a_layer_the_trace_lacks_is_named_with_the_layers_it_has():
     with pytest.raises(MegacError, match=r"no task of layer 7 in the trace \(its layers: 2-3\)"):
         layer_view(RECORDS, 7)
+    with pytest.raises(MegacError, match="no task records"):
+        layer_view([], 0)
 
 
 def test_layer_records_are_shifted_to_the_views_origin():
