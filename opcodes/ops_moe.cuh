@@ -243,6 +243,22 @@ struct MoeDownOffsets {
 #define MEGAC_UP_FIRST_EARLY 0
 #endif
 
+// 1: a routed up claimer stops after its first claim where the layer's
+// claims (the active experts' tiles) fit one an SM: every SM runs one up
+// claimer of the layer (passes/assign.py), each takes its first index as
+// it starts, so the first arrivals take every claim one each and none is
+// left. 0: after each claim it takes another index (the head's atomic)
+// until the queue is drained. Why: at batch 1 no SM takes a second up
+// claim (48 claims, 132 claimers), so every claimer that ran one pays that
+// last atomic, ~1 us, before its next task; on 23 QKV SMs that is the
+// O-projection tile that ends the layer with the late down claims, and on
+// the router SMs it is one of those late down claims (thirty-fifth
+// session's per-SM view). Unlike MEGAC_DOWN_ONE_CLAIM (a down claimer's
+// next task is the next layer's QKV tile, which waits anyway).
+#ifndef MEGAC_UP_ONE_CLAIM
+#define MEGAC_UP_ONE_CLAIM 0
+#endif
+
 struct UpDrainedStop {
   static constexpr bool kOn = MEGAC_UP_DRAINED_STOP != 0;
   uint32_t idx;  // thread 0's first index (a register: read at the compare, not before)
@@ -259,7 +275,11 @@ __device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint
                                               const int32_t* rowof, int tiles, int xslot, bool first_issued = false) {
   bool first = true;
   auto source = [&](int32_t* rec) {
-    if (!first) idx = atomicAdd(head, 1u);
+    if (!first) {
+      // one claim an SM covers the queue: stop before the head's atomic (no index taken, none left)
+      if (MEGAC_UP_ONE_CLAIM && sum[0] * tiles <= int32_t(gridDim.x)) return false;
+      idx = atomicAdd(head, 1u);
+    }
     first = false;
     if (static_cast<int32_t>(idx) >= sum[0] * tiles) return false;
     const int a = static_cast<int>(idx) / tiles;

@@ -239,29 +239,37 @@ case "${1:-tails}" in
     TLIST=${TLIST:-up128_wdc1,default,wdc1,up128_dc1,dc1,w,default#1,up128_wdc1#1,wdc1#1,default#2,w#1,dc1#1} \
       TB=${TB:-1} bash "$0" ab ;;
   prebuild_s35)  # LM head tiles of 512 / 1024 rows (TILES lm512, lm1024), a met claim's counter read once
-                 # (or, wor with topk_warp; the tiny models with it for verify), every small gain together
-                 # (s35), the default, topk_warp as a set (w); the default and lm1024 profiled
+                 # (or, wor with topk_warp), one up claim an SM (uc1, woruc1 with both), the tiny models with
+                 # one_read and uc1 for verify, every small gain together (s35), the default; the default
+                 # and lm1024 profiled
     rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
     PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py tiny-moe:one_read tiny-llama:one_read \
-      nmc-lm1024:profile north-mini-code:profile 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+      tiny-moe:uc1 tiny-llama:uc1 nmc-lm1024:profile north-mini-code:profile north-mini-code:uc1 \
+      north-mini-code:profile+uc1 nmc-lm1024:uc1 nmc-lm1024:profile+uc1 2>&1 | grep -v Warning \
+      | tee build/cz-s31/log.txt
     MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
-      .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code nmc-lm1024 nmc-lm512 nmc-w nmc-s35 \
-      nmc-or nmc-wor 2>&1 | grep -v Warning | grep -v "(interleaved)\|(attention-first)\|\[profile\]" \
+      .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code nmc-lm1024 nmc-lm512 nmc-s35 \
+      nmc-or nmc-wor nmc-uc1 nmc-woruc1 2>&1 | grep -v Warning | grep -v "(interleaved)\|(attention-first)\|\[profile\]" \
       | tee -a build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
-  s35)  # one_read checked on the tiny models (against the VM) and the watchdog; the s35 tile sets against
-        # the default, engines alternating at bs1 (TB), the SM clock sampled beside; then the profiled
-        # bs1 8K step of lm1024 (its LM head phase against the default's). Prebuild: prebuild_s35
+  s35)  # one_read and uc1 checked on the tiny models (against the VM) and the watchdog; the s35 sets against
+        # the default, engines alternating at bs1 (TB), the SM clock sampled beside (~6 min).
+        # Prebuild: prebuild_s35; then s35p
     verify one_read or
+    verify uc1 uc1
     # the SM clock, power and throttle reasons every 0.5 s beside it (are the ~2.58 / ~2.67 modes clocks?),
     # each engine's line stamped with the time it printed
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
       --format=csv,noheader -lms 500 > $OUT/smi.csv 2>&1 & SMI=$!
-    TLIST=${TLIST:-lm1024,default,s35,or,lm512,default#1,s35#1,or#1,wor,default#2,lm1024#1,or#2} \
+    TLIST=${TLIST:-lm1024,default,s35,uc1,or,woruc1,default#1,s35#1,uc1#1,lm512,default#2,uc1#2,wor,s35#2} \
       TB=${TB:-1} bash "$0" ab | while read -r l; do echo "$(date +%H:%M:%S.%N | cut -c1-12) $l" | cut -c1-140; done
-    kill $SMI 2>/dev/null
-    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=lm1024 timeout 200 python3 -m gpu.megakernel_check --run profile \
-      --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-200
+    kill $SMI 2>/dev/null ;;
+  s35p)  # profiled bs1 8K steps: the default and lm1024, each plain and with uc1 (does the O-projection
+         # behind an up claim, and the late down claims, start ~1 us sooner? the LM head's phase with
+         # 4 MB tiles). Prebuild: prebuild_s35
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=lm1024 MEGAC_PROFILE_VARIANTS=uc1 timeout 500 \
+      python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json 2>&1 | grep -v Warning \
+      | grep '^{"' | cut -c1-200
     gzip -q $OUT/*.json 2>/dev/null; ls $OUT ;;
   s34ab)  # the tile sets w, fe, up128_fe, up192_fe against the default, engines alternating (bs TB, 8K)
     TLIST=${TLIST:-fe,default#1,w#1,up128_fe,fe#1,default#2,up192_fe,w#2,fe#2,default#3} TB=${TB:-1} bash "$0" ab ;;

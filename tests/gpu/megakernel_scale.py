@@ -845,6 +845,11 @@ VARIANTS = {
     # (mk_core.cuh MEGAC_CLAIM_ONE_READ); and with the one-row ranking on warp 0
     "one_read": {"MEGAC_CLAIM_ONE_READ": 1},
     "topk_warp_or": {"MEGAC_TOPK_WARP": 1, "MEGAC_CLAIM_ONE_READ": 1},
+    # a routed up claimer stops after one claim where the layer's claims fit one an SM (ops_moe.cuh
+    # MEGAC_UP_ONE_CLAIM): its next task (an O-projection tile, a late down claim) a round trip sooner;
+    # and with the one-row ranking on warp 0 and the one read
+    "uc1": {"MEGAC_UP_ONE_CLAIM": 1},
+    "topk_warp_or_uc1": {"MEGAC_TOPK_WARP": 1, "MEGAC_CLAIM_ONE_READ": 1, "MEGAC_UP_ONE_CLAIM": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1438,11 +1443,15 @@ TILES = {
     # copies a round trip sooner; and with the one-row ranking on warp 0
     "or": {"variant": "one_read"},
     "wor": {"variant": "topk_warp_or"},
+    # a routed up claimer stops after one claim (MEGAC_UP_ONE_CLAIM): the O-projection tiles and late
+    # down claims behind up claims start ~1 us sooner; and with topk_warp and the one read
+    "uc1": {"variant": "uc1"},
+    "woruc1": {"variant": "topk_warp_or_uc1"},
     # and every small batch-1 gain so far together: the thirty-third session's candidate (router over 8
     # SMs, the combine over 8 ranges, a full layer's up claimers first), the one-row ranking on warp 0,
-    # a met claim's counter read once and the 1024-row LM head tiles
+    # a met claim's counter read once, one up claim an SM and the 1024-row LM head tiles
     "s35": {"routed_combine_splits": 8, "router_splits": 8, "order": "schedules/experiments/routed-full-up-first.yaml",
-            "variant": "topk_warp_or", "lm_bn": 1024},
+            "variant": "topk_warp_or_uc1", "lm_bn": 1024},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},
