@@ -250,7 +250,8 @@ struct MoeDownOffsets {
 // left. 0: after each claim it takes another index (the head's atomic)
 // until the queue is drained. Why: at batch 1 no SM takes a second up
 // claim (48 claims, 132 claimers), so every claimer that ran one pays that
-// last atomic, ~1 us, before its next task; on 23 QKV SMs that is the
+// last atomic before its next task (about half of the 1.2 us from its
+// tile's end to its task's end, the claim's signal the rest); on 23 QKV SMs that is the
 // O-projection tile that ends the layer with the late down claims, and on
 // the router SMs it is one of those late down claims (thirty-fifth
 // session's per-SM view). Unlike MEGAC_DOWN_ONE_CLAIM (a down claimer's
