@@ -46,12 +46,25 @@ def read_trace(path: Path, what: str = "calibrate") -> dict:
     return trace
 
 
+def trace_records(data: dict, path: Path, what: str = "calibrate") -> list[dict]:
+    """The task records of a trace :func:`read_trace` read; errors name the
+    command ``what`` and the file."""
+    from megac.gpu.profile import records_from_trace
+
+    try:
+        records = records_from_trace(data)
+    except (KeyError, TypeError) as err:
+        raise MegacError(f"{what}: {path}: not a megac profile trace (an event lacks {err})") from None
+    if not records:
+        raise MegacError(f"{what}: {path}: the trace holds no task records")
+    return records
+
+
 def traced_step(path: Path, model, batch_size, context, order, say, what: str = "calibrate"):
     """The step a profile trace recorded, rebuilt: (trace, its ``otherData``,
     the spec with the tiles it ran, the schedule it ran, its records, batch,
     context, order). The trace's own model, batch, context and order unless
     given; a trace that does not name them needs them given."""
-    from megac.gpu.profile import records_from_trace
     from megac.spec import load_spec
 
     data = read_trace(path, what)
@@ -65,12 +78,7 @@ def traced_step(path: Path, model, batch_size, context, order, say, what: str = 
     if missing:
         raise MegacError(f"{what}: {path} does not name its {', '.join(m[2:] for m in missing)} "
                          f"(a trace from before megac bench recorded them): pass {', '.join(missing)}")
-    try:
-        records = records_from_trace(data)
-    except (KeyError, TypeError) as err:
-        raise MegacError(f"{what}: {path}: not a megac profile trace (an event lacks {err})") from None
-    if not records:
-        raise MegacError(f"{what}: {path}: the trace holds no task records")
+    records = trace_records(data, path, what)
     if meta.get("tiles") is None:
         # a trace that does not record its tiles (before the twenty-first session, or written by
         # the GPU checks): today's tiles where its records are that schedule's, else the plain ones
@@ -317,4 +325,4 @@ def calibrate_cmd(trace, model, batch_size, context, order, step_files, refit_op
         say(f"wrote {out} (megac schedule {spec.name} --calibration {out})")
 
 
-__all__ = ["calibrate_cmd", "read_trace"]
+__all__ = ["calibrate_cmd", "read_trace", "trace_records"]

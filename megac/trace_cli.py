@@ -72,9 +72,7 @@ def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, j
 
 def _layer(trace: Path, layer: int, timeline: Path | None, say) -> None:
     """megac trace --layer: from the trace's records alone (no schedule rebuilt, so any tile set's trace)."""
-    from megac.calibrate_cli import read_trace
-    from megac.errors import MegacError
-    from megac.gpu.profile import records_from_trace
+    from megac.calibrate_cli import read_trace, trace_records
     from megac.trace_layer import format_layer_view, layer_records, layer_view
 
     if timeline is not None:
@@ -82,10 +80,7 @@ def _layer(trace: Path, layer: int, timeline: Path | None, say) -> None:
 
         check_plot_path(timeline, "--timeline")
     data = read_trace(trace, "trace")
-    try:
-        records = records_from_trace(data)
-    except (KeyError, TypeError) as err:
-        raise MegacError(f"trace: {trace}: not a megac profile trace (an event lacks {err})") from None
+    records = trace_records(data, trace, "trace")
     view = layer_view(records, layer)
     click.echo(format_layer_view(view))
     if timeline is not None:

@@ -184,6 +184,13 @@ __device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
 #define MEGAC_CLAIM_ONE_READ 0
 #endif
 
+// Whether one claim a claimer covers a queue of `claims` claims: every SM
+// runs exactly one claimer of each claimer node a layer (passes/assign.py
+// checks it), so with no more claims than SMs the first arrivals take them
+// all, one each, and a claimer that ran one may stop before the head's
+// atomic: no index is taken that no claim runs, and none is left.
+__device__ __forceinline__ bool one_claim_each_covers(int32_t claims) { return claims <= int32_t(gridDim.x); }
+
 struct NoEarly {
   static constexpr bool kOn = false;
   static constexpr bool kAlways = false;  // prime every claim, its counter unread (kOn only)

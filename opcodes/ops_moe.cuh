@@ -244,17 +244,15 @@ struct MoeDownOffsets {
 #endif
 
 // 1: a routed up claimer stops after its first claim where the layer's
-// claims (the active experts' tiles) fit one an SM: every SM runs one up
-// claimer of the layer (passes/assign.py), each takes its first index as
-// it starts, so the first arrivals take every claim one each and none is
-// left. 0: after each claim it takes another index (the head's atomic)
-// until the queue is drained. Why: at batch 1 no SM takes a second up
-// claim (48 claims, 132 claimers), so every claimer that ran one pays that
-// last atomic before its next task (about half of the 1.2 us from its
-// tile's end to its task's end, the claim's signal the rest); on 23 QKV SMs that is the
-// O-projection tile that ends the layer with the late down claims, and on
-// the router SMs it is one of those late down claims (thirty-fifth
-// session's per-SM view). Unlike MEGAC_DOWN_ONE_CLAIM (a down claimer's
+// claims (the active experts' tiles) fit one an SM (mk_core.cuh
+// one_claim_each_covers). 0: after each claim it takes another index (the
+// head's atomic) until the queue is drained. Why: at batch 1 no SM takes a
+// second up claim (48 claims, 132 claimers), so every claimer that ran one
+// pays that last atomic before its next task (about half of the 1.2 us
+// from its tile's end to its task's end, the claim's signal the rest); on
+// 23 QKV SMs that is the O-projection tile that ends the layer with the
+// late down claims, and on the router SMs it is one of those late down
+// claims (thirty-fifth session's per-SM view). Unlike MEGAC_DOWN_ONE_CLAIM (a down claimer's
 // next task is the next layer's QKV tile, which waits anyway).
 #ifndef MEGAC_UP_ONE_CLAIM
 #define MEGAC_UP_ONE_CLAIM 0
@@ -277,8 +275,7 @@ __device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint
   bool first = true;
   auto source = [&](int32_t* rec) {
     if (!first) {
-      // one claim an SM covers the queue: stop before the head's atomic (no index taken, none left)
-      if (MEGAC_UP_ONE_CLAIM && sum[0] * tiles <= int32_t(gridDim.x)) return false;
+      if (MEGAC_UP_ONE_CLAIM && one_claim_each_covers(sum[0] * tiles)) return false;
       idx = atomicAdd(head, 1u);
     }
     first = false;
@@ -528,17 +525,15 @@ struct DownEarly {
 };
 
 // 1: a down claimer takes one claim at most where the layer's down queue
-// holds no more claims than there are SMs (every SM runs one claimer of the
-// queue a layer, passes/assign.py: the later claimers take the rest, so
-// none is left); 0: it claims until the queue is drained. Why: with 128-row
-// up tiles at batch 1 every QKV SM streams an up claim until ~24 us, the
-// ~35 SMs free before that claim the 64 down tiles, and those done first
-// take a second, ending ~5 us after the rest (thirty-fourth session's
-// profile). A capped claimer stops before the head's atomic: no index is
-// taken that no claim runs. Measured (H200, thirty-fifth session, engines
+// holds no more claims than there are SMs (mk_core.cuh
+// one_claim_each_covers); 0: it claims until the queue is drained. Why:
+// with 128-row up tiles at batch 1 every QKV SM streams an up claim until
+// ~24 us, the ~35 SMs free before that claim the 64 down tiles, and those
+// done first take a second, ending ~5 us after the rest (thirty-fourth
+// session's profile). Measured (H200, thirty-fifth session, engines
 // alternating, bs1 8K): no gain, with the 256-row up tiles (2.571-2.668
-// against the default's 2.574-2.671) or the 128-row ones (+4 %): the claims
-// the early SMs leave go to SMs that arrive late anyway.
+// against the default's 2.574-2.671) or the 128-row ones (+4 %): the
+// claims the early SMs leave go to SMs that arrive late anyway.
 #ifndef MEGAC_DOWN_ONE_CLAIM
 #define MEGAC_DOWN_ONE_CLAIM 0
 #endif
@@ -564,7 +559,7 @@ __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
     const QueueSource queue{c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, M::NUM_LAYERS};
     bool taken = false;  // thread 0's: this claimer took a claim
     auto source = [&](int32_t* rec) {
-      if (taken && c.ts->w[f_moe_down_drain::QUEUE_LEN] <= int32_t(gridDim.x)) return false;
+      if (taken && one_claim_each_covers(c.ts->w[f_moe_down_drain::QUEUE_LEN])) return false;
       taken = queue(rec);
       return taken;
     };

@@ -1438,7 +1438,6 @@ TILES = {
     # instead of 8 while the head streams at ~93 % of what the bulk copies reach on 132 SMs
     "lm512": {"lm_bn": 512},
     "lm1024": {"lm_bn": 1024},
-    "wlm1024": {"lm_bn": 1024, "variant": "topk_warp"},
     # a met claim's counter read once (mk_core.cuh MEGAC_CLAIM_ONE_READ): the late down claims' first
     # copies a round trip sooner; and with the one-row ranking on warp 0
     "or": {"variant": "one_read"},
