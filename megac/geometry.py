@@ -102,12 +102,14 @@ DEFAULT_TILES = {
     "router_bn": 128,
     # router GEMM split-K slices (tasks over SMs). One count for every
     # schedule of a model (the device indexes router_part with one
-    # ROUTER_SPLITS). 8 ends the router ~0.7 us sooner at batch 1 (H200
-    # profiles, thirty-third session) but the step does not follow: with
-    # the batch-1 combine over 8 and full-up-first waves, engines
-    # alternating, bs1 even and bs8 -0.4 % against this default (other bits:
-    # another split-K sum), so 4 stays
-    "router_splits": 4,
+    # ROUTER_SPLITS). 8: the router ends ~0.7 us sooner at batch 1 (H200
+    # profiles, thirty-third session); alone the step did not follow, but
+    # with the batch-1 combine over 8, full-up-first waves at batch 1, the
+    # one-row ranking on a warp, one read of a met claim's counter, one up
+    # claim an SM and 1024-row LM head tiles (TILES s35, thirty-sixth
+    # session) bs1 -1.7 % against 4 and the rest. Another split-K sum of the
+    # logits than 4's: other bits
+    "router_splits": 8,
     # expert tiles of 256 features: fewer, longer claims. A claim spends ~7 us
     # (up, routed) / ~4.6 us (down) before its first weight stage lands and
     # then streams ~65-78 GB/s per SM, so at 128 features two thirds of a
@@ -116,7 +118,16 @@ DEFAULT_TILES = {
     # 384 up or 512 down features leave too few claims at batch 1
     "moe_up_bn": 256,
     "moe_down_bn": 256,
-    "lm_bn": 256,
+    # LM head vocab rows per tile. -1: automatic, the largest of 1024 and 512
+    # that still gives every SM a tile (num_sms tiles or more), else 256;
+    # 256 where split_down applies (a GEMM tile's shared memory stages its
+    # output, lm_bn x 8 fp32, beside the split claims' 64 KB of X: 1024 does
+    # not fit in 227 KB).
+    # Every tile pays a start (prime, wait, X) and an end (warp skew,
+    # epilogue); North Mini Code's 262144 rows in 256 tiles of 4 MB instead
+    # of 1024 of 1 MB (part of TILES s35: see router_splits); SmolLM2's
+    # 49152 keep 256 (192 tiles: 512 would leave 36 SMs idle)
+    "lm_bn": -1,
     # 1: ROUTE_FINALIZE ranks every row's experts itself (as ROUTER_TOPK does),
     # no ROUTER_TOPK tasks and one hop less per MoE layer; 0: a top-k task per row
     "fused_topk": 0,
@@ -180,9 +191,9 @@ DEFAULT_TILES = {
     # MOE_COMBINE tasks per row in routed-claim schedules (batch 1; 0: as
     # combine_splits says): there the combine ends every MoE layer's expert
     # chain. 8 ranges of 8 KB: -0.3 .. -0.4 % at batch 1 alone (H200, North
-    # Mini Code 8K, thirty-first and thirty-second sessions); with the router
-    # over 8 and full-up-first waves, even (thirty-third session: TILES s33)
-    "routed_combine_splits": 0,
+    # Mini Code 8K, thirty-first and thirty-second sessions); part of TILES
+    # s35 (see router_splits). The same bits whatever the count
+    "routed_combine_splits": 8,
     # expert up tiles (gate/up rows) of the schedules that split the down
     # projection (0: moe_up_bn). Each split claim streams its up rows and
     # their down columns, so smaller tiles keep a claim's bytes near a plain
@@ -222,9 +233,10 @@ DEFAULT_TILES = {
 
 #: The tiles that give the plain batch-1 schedule of the sessions before the
 #: twenty-fifth (no split-K expert down projection, no attention merge in the
-#: O-projection), with the router over 4 SMs and one combine task a row: what
-#: a recorded trace or step that names no such key ran.
-PLAIN_TILES = {"split_down": 0, "o_proj_merge": 0, "router_splits": 4, "routed_combine_splits": 0}
+#: O-projection), with the router over 4 SMs, one combine task a row and LM
+#: head tiles of 256 rows: what a recorded trace or step that names no such
+#: key ran.
+PLAIN_TILES = {"split_down": 0, "o_proj_merge": 0, "router_splits": 4, "routed_combine_splits": 0, "lm_bn": 256}
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
 K_ALIGN = 8
@@ -246,6 +258,16 @@ def qkv_tile_problem(qkv_bn: int, spec) -> str | None:
         return (f"target.tiles.qkv_bn: {qkv_bn} columns: half-style RoPE rotates x[k] with x[k + head_dim/2], "
                 f"so a QKV tile must hold whole heads (qkv_bn >= head_dim {hd})")
     return None
+
+
+def auto_lm_bn(vocab: int, num_sms: int) -> int:
+    """The automatic LM head tile (DEFAULT_TILES lm_bn -1): the largest of
+    1024 and 512 vocab rows whose tiles still cover every SM, else 256 (a
+    tile's start and end paid fewer times, no SM left without one)."""
+    for bn in (1024, 512):
+        if _ceil_div(vocab, bn) >= num_sms:
+            return bn
+    return 256
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -540,7 +562,10 @@ class Geometry:
         router_bn = min(t["router_bn"], experts) if experts else t["router_bn"]
         moe_up_bn = up_rows(t["moe_up_bn"], expert_width)
         moe_down_bn = min(t["moe_down_bn"], hidden)
-        lm_bn = min(t["lm_bn"], spec.vocab_size)
+        lm_bn = t["lm_bn"]
+        if lm_bn < 0:  # the LM head tile stages its whole output (lm_bn x 8 fp32) beside the X a split claim stages
+            lm_bn = 256 if split_down_bound(spec, t) else auto_lm_bn(spec.vocab_size, spec.target.num_sms)
+        lm_bn = min(lm_bn, spec.vocab_size)
 
         # Dense down split-K boundaries on upgate column-tile boundaries, so a
         # split waits only for the upgate tiles that produce its K range.

@@ -179,9 +179,12 @@ __device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
 // again, a second dependent L2 round trip before the claim's first copies.
 // At batch 1 the late down claims (claimed after their expert's up tiles
 // ended, unprimed: the ones that end a sliding layer, thirty-fifth
-// session's per-SM view) pay it on the critical path.
+// session's per-SM view) pay it on the critical path. The default since the
+// thirty-sixth session, with MEGAC_TOPK_WARP and MEGAC_UP_ONE_CLAIM (TILES s35,
+// geometry.py's router_splits / routed_combine_splits / lm_bn, tuned.yaml's
+// moe_routed_full): docs/perf-notes.md
 #ifndef MEGAC_CLAIM_ONE_READ
-#define MEGAC_CLAIM_ONE_READ 0
+#define MEGAC_CLAIM_ONE_READ 1
 #endif
 
 // Whether one claim a claimer covers a queue of `claims` claims: every SM

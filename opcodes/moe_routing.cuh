@@ -109,9 +109,10 @@ __device__ __forceinline__ unsigned long long order_key(float v, int e) {
 // thirty-third session's stamps put ~1.5 us between a routed up claimer's
 // partials summed and its rows ranked (ROUTE_FINALIZE 1.6), on the path to
 // every MoE layer's first expert byte. Here: one barrier, ~K x 2 warp
-// reductions. Rows > 1 and E > 32 * kWarpKeys keep the count.
+// reductions. Rows > 1 and E > 32 * kWarpKeys keep the count. The default
+// since the thirty-sixth session (the batch-1 set s35: docs/perf-notes.md).
 #ifndef MEGAC_TOPK_WARP
-#define MEGAC_TOPK_WARP 0
+#define MEGAC_TOPK_WARP 1
 #endif
 constexpr int kWarpKeys = 4;    // logits a lane holds: E <= 128
 constexpr int kWarpSplits = 4;  // router partials a key loads at once (16 loads a lane in flight)

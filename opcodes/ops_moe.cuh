@@ -253,9 +253,10 @@ struct MoeDownOffsets {
 // 23 QKV SMs that is the O-projection tile that ends the layer with the
 // late down claims, and on the router SMs it is one of those late down
 // claims (thirty-fifth session's per-SM view). Unlike MEGAC_DOWN_ONE_CLAIM (a down claimer's
-// next task is the next layer's QKV tile, which waits anyway).
+// next task is the next layer's QKV tile, which waits anyway). The default
+// since the thirty-sixth session (the batch-1 set s35: docs/perf-notes.md).
 #ifndef MEGAC_UP_ONE_CLAIM
-#define MEGAC_UP_ONE_CLAIM 0
+#define MEGAC_UP_ONE_CLAIM 1
 #endif
 
 struct UpDrainedStop {

@@ -334,6 +334,19 @@ case "${1:-tails}" in
   s29b_variants)  # the builds $V interleaved on one engine, $R rounds, each round's median kept
     MEGAC_VARIANT_RAW=1 MEGAC_VARIANTS=$V MEGAC_VARIANT_ROUNDS=${R:-10} timeout 420 python3 -m gpu.megakernel_check \
       --run variants --out $OUT/variants.json 2>&1 | grep -v Warning | grep '^{"' ;;
+  prebuild_s36)  # the thirty-sixth session's default (TILES s35 made the default): the tiny models, the
+                 # slice, North Mini Code (every order: bench) and the sets old35 (the default before) and lm256
+    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code \
+      nmc-old35 nmc-lm256 nmc-r16 nmc-rcs16 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s36)  # the new default checked as a default (the tiny models against the VM, the watchdog, the one-row
+        # fp32 slice), then against the default before it (old35) and itself with 256-row LM head tiles,
+        # engines alternating at bs1 and bs8 (~7 min). Prebuild: prebuild_s36
+    verify "" new 1
+    TLIST=${TLIST:-default,old35,lm256,r16,default#1,old35#1,rcs16,lm256#1,default#2,old35#2,r16#1,default#3,old35#3,rcs16#1} \
+      TB=${TB:-1,8} bash "$0" ab | cut -c1-160 ;;
   bench)
     timeout ${BT:-500} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

@@ -16,6 +16,7 @@ from megac.calibration import Calibration, fit, resolve
 from megac.costmodel import simulate
 from megac.errors import MegacError
 from megac.gpu.profile import chrome_trace, records_from_trace
+from megac.passes.order import order_doc
 from megac.passes.pipeline import compile_one
 from megac.resources import schedules_dir
 from megac.spec import load_spec
@@ -35,6 +36,9 @@ NMC, SMOL = ("north-mini-code", 8192), ("smollm2-135m", 1024)
 GLOBAL_CURSOR = str(schedules_dir() / "experiments" / "tuned-global-cursor.yaml")
 #: the tuned order until the sixteenth session: every trace and measured step here ran it
 TUNED15 = str(schedules_dir() / "experiments" / "tuned-session15.yaml")
+#: tuned as every trace here ran it: until the thirty-sixth session a full MoE layer's claimed
+#: attention went before its up claimers at batch 1 too (no moe_routed_full waves)
+TUNED35 = str(schedules_dir() / "experiments" / "tuned-session35.yaml")
 #: per trace: the (model, context) of its schedule (batch 1, order tuned with
 #: the SM cursor of its day: every trace here predates the per-layer cursor)
 MODEL = {NMC_TRACE: NMC, NMC_TRACE_3: NMC, NMC_TRACE_5: NMC, NMC_TRACE_8: NMC, SMOL_TRACE_8: SMOL}
@@ -427,7 +431,7 @@ NMC_STEPS_19 = [ROOT / "benchmarks" / "bench-nmc-cuda-fold-2026-12-03-h200-sessi
 @pytest.fixture(scope="module")
 def fold19():
     recs = records_from_trace(json.load(gzip.open(NMC_TRACE_19)))
-    return recs, compile_one(traced("north-mini-code"), order="tuned", rows=1, context=8192)
+    return recs, compile_one(traced("north-mini-code"), order=TUNED35, rows=1, context=8192)
 
 
 def test_the_task_loops_own_costs_come_from_the_trace(fold19):
@@ -494,7 +498,8 @@ def test_calibrate_command_fits_a_trace_and_writes_a_calibration(tmp_path, fold1
     recs, sched = fold19
     # the nineteenth session's run: the stamps' step and the plain one's (bench, same code)
     meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "kernel_ms": 3.041,
-            "profiled_ms": 3.081, "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64, **geometry.PLAIN_TILES}}
+            "profiled_ms": 3.081, "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64, **geometry.PLAIN_TILES},
+            "order_doc": order_doc(TUNED35)}
     trace = tmp_path / "step.json.gz"
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     out = tmp_path / "cal.json"
@@ -541,16 +546,16 @@ def test_calibrate_command_rebuilds_the_traced_tiles(tmp_path, fold19):
 
     recs, sched = fold19
     meta = {"model": "north-mini-code", "batch": 1, "context": 8192, "order": "tuned", "schedule_context": 8192,
-            "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64, **geometry.PLAIN_TILES}}
+            "tiles": {**geometry.DEFAULT_TILES, **O_PROJ_64, **geometry.PLAIN_TILES}, "order_doc": order_doc(TUNED35)}
     trace = tmp_path / "step.json.gz"
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     r = _cli(trace)
-    said = "compiling with the trace's tiles (o_proj_bn 128 -> 64, o_proj_merge -1 -> 0)"
+    said = ("compiling with the trace's tiles (lm_bn -1 -> 256, o_proj_bn 128 -> 64, o_proj_merge -1 -> 0, "
+            "routed_combine_splits 8 -> 0, router_splits 8 -> 4)")
     assert r.exit_code == 0 and said in r.output, r.output
     # recorded under an order whose file now holds other waves (here: tuned's waves under the name
     # attention-first), the waves the trace recorded rebuild it
-    from megac.passes.order import order_doc
-    meta_named = {**meta, "order": "attention-first", "order_doc": order_doc("tuned")}
+    meta_named = {**meta, "order": "attention-first"}
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta_named)).encode()))
     r = _cli(trace)
     assert r.exit_code == 0 and "the order attention-first has changed since the trace" in r.output, r.output

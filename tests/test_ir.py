@@ -89,7 +89,9 @@ def test_geometry_north_mini_code():
     assert g.moe_queue_cap == min(128, 8 * 8) * 8
     assert g.attn_queue_cap == 8 * 4 * 32
     assert g.ffn_split_bounds == (0, 1536, 3072)
-    assert g.router_split_bounds == (0, 512, 1024, 1536, 2048)
+    assert g.router_split_bounds == tuple(range(0, 2049, 256))  # 8 slices since the thirty-sixth session
+    # 262144 vocab rows in 1024-row tiles: 256 tiles, every SM one at least (geometry.auto_lm_bn)
+    assert g.lm_bn == 1024 and g.lm_tiles == 256
     assert g.layer_slot[0] == 0 and g.layer_slot[1] == 0 and g.layer_slot[48] == 47
     assert g.full_layers == list(range(0, 49, 4))
     assert g.target_words.total == abi.TargetWords(8, 49).total
@@ -203,7 +205,7 @@ def test_access_vectorised_equals_scalar(nmc_geo):
         _word(Op.O_PROJ, 2, N0=64, N_LEN=64, K0=1024, K_LEN=1024, SPLIT=1),
         _word(Op.ADD_RMSNORM, 2, ROW=3, ATTN_SPLITS=4, FFN_SPLITS=1, GAMMA=3,
               FLAGS=int(abi.Flag.ADD_ATTN | abi.Flag.ADD_FFN)),
-        _word(Op.LM_HEAD, 49, N0=512, N_LEN=256, K0=0, K_LEN=2048),
+        _word(Op.LM_HEAD, 49, N0=2048, N_LEN=1024, K0=0, K_LEN=2048),
         _word(Op.O_PROJ, 5, N0=0, N_LEN=128, K0=0, K_LEN=1024, SPLIT=0),  # same opcode as words[0]: no mix-up
     ])
     boxes = access_boxes(words, g)
@@ -228,3 +230,26 @@ def test_shapes_and_step_inputs(nmc_geo):
         assert f in shapes and f in abi.DESC_NAMES
     ins = {r.buffer for r in step_inputs(nmc_geo)}
     assert ins == {"x_resid", "x_norm", "target_word", "attn_queue"}
+
+
+def test_lm_head_tiles_are_automatic_unless_named():
+    """lm_bn -1 (the default): the largest of 1024 and 512 vocab rows whose
+    tiles still cover every SM, else 256; a named lm_bn wins; split_down
+    models keep 256 (their split claims' staged X leaves no room for a
+    1024-row tile's output in shared memory)."""
+    from megac.geometry import auto_lm_bn
+    from models import variant
+
+    assert auto_lm_bn(262144, 132) == 1024  # North Mini Code: 256 tiles
+    assert auto_lm_bn(128256, 132) == 512  # 126 tiles of 1024 would leave 6 SMs without one
+    assert auto_lm_bn(49152, 132) == 256  # SmolLM2: 96 tiles of 512 would leave 36
+    assert auto_lm_bn(49152, 48) == 1024
+    smol = load_spec("smollm2-135m")
+    assert Geometry.from_spec(smol, 1, 1024).lm_bn == 256
+    nmc = load_spec("north-mini-code")
+    named = variant(nmc, "nmc-lm", target={**nmc.target.model_dump(), "tiles": {"lm_bn": 512}})
+    assert Geometry.from_spec(named, 1, 1024).lm_bn == 512
+    split = variant(nmc, "nmc-split", target={**nmc.target.model_dump(), "tiles": {"split_down": 8, "moe_up_bn": 128}})
+    assert Geometry.from_spec(split, 8, 1024).lm_bn == 256
+    with pytest.raises(ValueError, match="lm_bn"):
+        variant(nmc, "nmc-bad", target={**nmc.target.model_dump(), "tiles": {"lm_bn": -2}})

@@ -154,8 +154,12 @@ def switch_defaults(schedules) -> list[tuple[str, int]]:
     geo = largest(schedules).geometry
     # X staged by cp.async matters only to a tile not primed before its waits: the expert claims.
     # A dense model keeps the build measured for it (the switch still changes its code generation).
+    # The one-row ranking on a warp holds 4 logits a lane in registers: beside the split-K down
+    # projection's staged combine the build spills (8 bytes, 255 registers), so split builds rank as before.
+    split = any(s.geometry.split_down for s in schedules)
     return [("MEGAC_TC_WALK_POS", int(geo.hidden >= WALK_POS_MIN_HIDDEN)),
-            ("MEGAC_X_ASYNC", int(geo.num_experts > 0))]
+            ("MEGAC_X_ASYNC", int(geo.num_experts > 0)),
+            ("MEGAC_TOPK_WARP", int(not split))]
 
 
 # (buffer, Layout<Model> expression per dimension, condition on the model)

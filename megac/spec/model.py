@@ -185,6 +185,9 @@ class TargetSpec(BaseModel):
             elif k == "combine_splits":
                 if not (x == -1 or 1 <= x <= 65536):
                     raise ValueError(f"{k} is 1..65536 tasks a row, -1: automatic (got {x})")
+            elif k == "lm_bn":
+                if not (x == -1 or 1 <= x <= 65536):
+                    raise ValueError(f"{k} is 1..65536 vocab rows a tile, -1: automatic (got {x})")
             elif k == "routed_combine_splits":
                 if not 0 <= x <= 65536:
                     raise ValueError(f"{k} is 0..65536 tasks a row, 0: as combine_splits (got {x})")

@@ -850,6 +850,9 @@ VARIANTS = {
     # and with the one-row ranking on warp 0 and the one read
     "uc1": {"MEGAC_UP_ONE_CLAIM": 1},
     "topk_warp_or_uc1": {"MEGAC_TOPK_WARP": 1, "MEGAC_CLAIM_ONE_READ": 1, "MEGAC_UP_ONE_CLAIM": 1},
+    # (those three are the default since the thirty-sixth session, with TILES s35's tiles and order:
+    # the variants above build what the default does) the build before: all three off
+    "off35": {"MEGAC_TOPK_WARP": 0, "MEGAC_CLAIM_ONE_READ": 0, "MEGAC_UP_ONE_CLAIM": 0},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1451,6 +1454,13 @@ TILES = {
     # a met claim's counter read once, one up claim an SM and the 1024-row LM head tiles
     "s35": {"routed_combine_splits": 8, "router_splits": 8, "order": "schedules/experiments/routed-full-up-first.yaml",
             "variant": "topk_warp_or_uc1", "lm_bn": 1024},
+    # s35 is the default since the thirty-sixth session (geometry.py, tuned.yaml, the three switches
+    # on); the default before it, and s35 with the LM head tiles of before
+    "old35": {"routed_combine_splits": 0, "router_splits": 4, "order": "schedules/experiments/tuned-session35.yaml",
+              "variant": "off35", "lm_bn": 256},
+    "lm256": {"lm_bn": 256},
+    # on the new default: the batch-1 combine over 16 ranges of 4 KB (r16 above: the router over 16 SMs)
+    "rcs16": {"routed_combine_splits": 16},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
     "up256_dn256": {"moe_up_bn": 256, "moe_down_bn": 256},
     "up256_dn512": {"moe_up_bn": 256, "moe_down_bn": 512},

@@ -20,7 +20,7 @@ from models import variant
 def _spec(splits: int | None, routed: int | None = 0):
     """tiny-moe with ``combine_splits`` (None: the default), and in its
     routed-claim (batch-1) schedules ``routed_combine_splits`` (0: the same;
-    None: the default, 0)."""
+    None: the default, 8)."""
     moe = load_spec("tiny-moe")
     tiles = {} if splits is None else {"combine_splits": splits}
     if routed is not None:
@@ -41,14 +41,16 @@ def test_the_combine_is_one_task_a_row_by_default():
 
 def test_routed_claim_schedules_take_their_own_combine_splits():
     """Batch 1 (routed claims) spreads the combine over routed_combine_splits
-    ranges where set (0 by default: combine_splits rules there too); the
-    other schedules keep combine_splits."""
+    ranges where set (8 by default since the thirty-sixth session; 0:
+    combine_splits rules there too); the other schedules keep combine_splits."""
     eight = _spec(None, 8)
     one, two = (compile_one(eight, "tuned", r, 1024) for r in (1, 2))
     assert one.geometry.routed_claims and not two.geometry.routed_claims
     assert (one.geometry.combine_splits, two.geometry.combine_splits) == (8, 1)
     assert len(_combines(one)) == 8 * len(one.geometry.moe_layers)
-    assert compile_one(_spec(None, None), "tuned", 1, 1024).geometry.combine_splits == 1
+    assert compile_one(_spec(None, None), "tuned", 1, 1024).geometry.combine_splits == 8
+    assert compile_one(_spec(None, None), "tuned", 2, 1024).geometry.combine_splits == 1
+    assert compile_one(_spec(None, 0), "tuned", 1, 1024).geometry.combine_splits == 1
     assert compile_one(_spec(3, 5), "tuned", 1, 1024).geometry.combine_splits == 5
     assert compile_one(_spec(3, 5), "tuned", 2, 1024).geometry.combine_splits == 3
 
