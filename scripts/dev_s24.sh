@@ -347,6 +347,9 @@ case "${1:-tails}" in
     verify "" new 1
     TLIST=${TLIST:-default,old35,lm256,r16,default#1,old35#1,rcs16,lm256#1,default#2,old35#2,r16#1,default#3,old35#3,rcs16#1} \
       TB=${TB:-1,8} bash "$0" ab | cut -c1-160 ;;
+  s36b)  # s36 with 10 engines, then megac bench of the new default at bs1 and bs8 (one call, ~8 min)
+    TLIST=${TLIST:-default,old35,lm256,r16,default#1,old35#1,rcs16,default#2,old35#2,lm256#1} bash "$0" s36
+    BS=1,8 BT=${BT:-170} bash "$0" bench ;;
   bench)
     timeout ${BT:-500} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;
