@@ -553,8 +553,9 @@ def test_calibrate_command_rebuilds_the_traced_tiles(tmp_path, fold19):
     said = ("compiling with the trace's tiles (lm_bn -1 -> 256, o_proj_bn 128 -> 64, o_proj_merge -1 -> 0, "
             "routed_combine_splits 8 -> 0, router_splits 8 -> 4)")
     assert r.exit_code == 0 and said in r.output, r.output
-    # recorded under an order whose file now holds other waves (here: tuned's waves under the name
-    # attention-first), the waves the trace recorded rebuild it
+    # recorded under an order whose file now holds other waves (here: the waves of tuned before the
+    # thirty-sixth session, tuned-session35, under the name attention-first), the waves the trace
+    # recorded rebuild it
     meta_named = {**meta, "order": "attention-first"}
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta_named)).encode()))
     r = _cli(trace)
