@@ -350,6 +350,13 @@ case "${1:-tails}" in
   s36b)  # s36 with 10 engines, then megac bench of the new default at bs1 and bs8 (one call, ~8 min)
     TLIST=${TLIST:-default,old35,lm256,r16,default#1,old35#1,rcs16,default#2,old35#2,lm256#1} bash "$0" s36
     BS=1,8 BT=${BT:-170} bash "$0" bench ;;
+  s37v)  # the default checked as a default, alone (fits an H100): tiny models against the VM, the watchdog,
+         # the fp32 slice at one and two rows
+    verify "" new 1 2 ;;
+  s37ab)  # s36b without the check: engines alternating at bs1 and bs8, then megac bench at bs1 and bs8 (H200)
+    TLIST=${TLIST:-default,old35,lm256,r16,default#1,old35#1,rcs16,default#2,old35#2,lm256#1} TB=${TB:-1,8} \
+      bash "$0" ab | cut -c1-160
+    BS=1,8 BT=${BT:-170} bash "$0" bench ;;
   bench)
     timeout ${BT:-500} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;
