@@ -357,6 +357,9 @@ case "${1:-tails}" in
     TLIST=${TLIST:-default,old35,lm256,r16,default#1,old35#1,rcs16,default#2,old35#2,lm256#1} TB=${TB:-1,8} \
       bash "$0" ab | cut -c1-160
     BS=1,8 BT=${BT:-170} bash "$0" bench ;;
+  s37m)  # the modes probe: one engine timed unmoved, then after its buffers, KV pools, weights move (~3 min)
+    timeout ${BT:-400} python3 -m gpu.megakernel_check --run modes --out $OUT/modes.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
+    python3 -c "import json; d=json.load(open('$OUT/modes.json/megakernel_check.json'))['modes']; print(d.get('ok'), str(d)[-400:])" ;;
   bench)
     timeout ${BT:-500} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;

@@ -1682,5 +1682,91 @@ def check_profile() -> dict:
     return out
 
 
+def rehome(eng, what: str) -> dict:
+    """Move one group of an engine's device memory to fresh allocations (the
+    new one made before the old is freed, so it cannot land on the same
+    pages): ``buffers`` (step buffers, the uploaded words, the task lists),
+    ``weights`` (every kernel weight that fits twice in what is free), ``kv``
+    (the two pools). Same contents, so the same bits; returns the moved
+    groups' sizes. For the modes probe: engines of one spec at the same
+    virtual addresses run ~2.57 or ~2.67 ms (thirty-second to thirty-sixth
+    sessions); if moving a group flips an engine's mode, placement is why."""
+    import torch
+
+    be = eng.backend
+    moved = {}
+
+    def fresh(t):
+        new = torch.empty_like(t)
+        new.copy_(t)
+        return new
+
+    if what == "buffers":
+        words = {id(v) for v in be.buf.values() if v.untyped_storage().data_ptr() == be._words.untyped_storage().data_ptr()}
+        for n, t in list(be.buf.items()):
+            if id(t) not in words:
+                be.buf[n] = fresh(t)
+                moved[n] = t.numel() * t.element_size()
+        be.tasks = {k: (fresh(a), fresh(b)) for k, (a, b) in be.tasks.items()}
+        be.reserve_counters(int(be.buf["counters"].shape[0]))  # a new words buffer (zeroed each step anyway)
+    elif what == "weights":
+        for n, t in sorted(be.kernel_weights.items(), key=lambda kv: kv[1].numel()):
+            size = t.numel() * t.element_size()
+            if size + (2 << 30) < torch.cuda.mem_get_info()[0]:
+                be.kernel_weights[n] = fresh(t)
+                moved[n] = size
+            del t
+    elif what == "kv":
+        for n in ("k_pool", "v_pool"):
+            t = getattr(eng.kv, n)
+            setattr(eng.kv, n, fresh(t))
+            moved[n] = t.numel() * t.element_size()
+    else:
+        raise ValueError(what)
+    be._desc_cache.clear()
+    be._step_graphs = {}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return moved
+
+
+def check_modes() -> dict:
+    """One North Mini Code engine at bs1 8K, timed (20 steps) again and again:
+    unmoved (does an engine keep its mode?), then after each group of its
+    memory moves (``rehome``) in turn, MEGAC_MODE_ROUNDS rounds. Bits: the
+    greedy tokens after the moves equal those before."""
+    import os
+
+    import torch
+
+    from megac.decode_bench import pool_blocks
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64,
+                 num_kv_blocks=max(40000, pool_blocks(spec, 8, 8192 + 64)), order="tuned")
+    del w
+    _noise_kv(eng)
+    bits0 = generate_all(eng, BIT_PROMPTS[:1], 4)
+    _noise_kv(eng)
+
+    def ms():
+        return _step_times(eng, 1, 8192, steps=20)["kernel_ms"]
+
+    out = {"unmoved": [ms() for _ in range(4)], "moves": []}
+    print(json.dumps(out), flush=True)
+    for r in range(int(os.environ.get("MEGAC_MODE_ROUNDS", "4"))):
+        for what in ("buffers", "kv", "weights"):
+            moved = rehome(eng, what)
+            row = {"round": r, "moved": what, "bytes": sum(moved.values()), "tensors": len(moved), "ms": [ms(), ms()]}
+            out["moves"].append(row)
+            print(json.dumps(row), flush=True)
+    out["free_gb"] = round(torch.cuda.mem_get_info()[0] / 2 ** 30, 1)
+    out["bits_equal_after_moves"] = same_bits(bits0, generate_all(eng, BIT_PROMPTS[:1], 4))
+    return out
+
+
 CHECKS = {"queue_order": check_queue_order, "step_graph": check_step_graph, "pipeline": check_pipeline, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "order_variants": check_order_variants, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
-          "speed": check_speed, "gemm_env": check_gemm_env}
+          "speed": check_speed, "gemm_env": check_gemm_env, "modes": check_modes}
