@@ -357,6 +357,14 @@ case "${1:-tails}" in
     TLIST=${TLIST:-default,old35,lm256,r16,default#1,old35#1,rcs16,default#2,old35#2,lm256#1} TB=${TB:-1,8} \
       bash "$0" ab | cut -c1-160
     BS=1,8 BT=${BT:-170} bash "$0" bench ;;
+  s37)  # the new default in one call of <10 min, most needed first: its checks (s37v), megac bench at bs1
+        # and bs8, then engines alternating against the default before it (old35) at bs1 while time is left
+    verify "" new 1
+    BS=1,8 BT=${BT:-170} bash "$0" bench
+    left=$((570 - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && MEGAC_VARIANTS=default MEGAC_TILES=old35,default#1,old35#1,default#2,old35#2 MEGAC_TILE_BATCHES=1 \
+      MEGAC_TILE_CONTEXTS=8192 timeout $left python3 -m gpu.megakernel_check --run tiles --out $OUT/ab.json 2>&1 \
+      | grep -v Warning | grep '^{"' | cut -c1-160 ;;
   s37m)  # the modes probe: one engine timed unmoved, then after its buffers, KV pools, weights move (~3 min)
     timeout ${BT:-400} python3 -m gpu.megakernel_check --run modes --out $OUT/modes.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
     python3 -c "import json; d=json.load(open('$OUT/modes.json/megakernel_check.json'))['modes']; print(d.get('ok'), str(d)[-400:])" ;;
