@@ -361,7 +361,7 @@ case "${1:-tails}" in
         # and bs8, then engines alternating against the default before it (old35) at bs1 while time is left
     verify "" new 1
     BS=1,8 BT=${BT:-170} bash "$0" bench
-    left=$((570 - SECONDS)); echo "ab gets ${left}s"
+    left=$((${AB_END:-570} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && MEGAC_VARIANTS=default MEGAC_TILES=old35,default#1,old35#1,default#2,old35#2 MEGAC_TILE_BATCHES=1 \
       MEGAC_TILE_CONTEXTS=8192 timeout $left python3 -m gpu.megakernel_check --run tiles --out $OUT/ab.json 2>&1 \
       | grep -v Warning | grep '^{"' | cut -c1-160 ;;
