@@ -50,9 +50,9 @@ case "${1:-tails}" in
     MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=${PT:-sd8_up128_o256} MEGAC_PROFILE_ORDER=${PO:-$E/split-oproj-on-attn.yaml} \
       timeout 400 python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-160
     gzip -q $OUT/*.json 2>/dev/null; ls -la $OUT ;;
-  ab)  # engines alternating: the default and TILES=$AB, bs1 (TB) 8K
+  ab)  # engines alternating: the default and TILES=$AB, bs1 (TB) 8K; AT: its timeout (s)
     MEGAC_VARIANTS=default MEGAC_TILES=${TLIST:-$AB,default#1,$AB#1,default#2,$AB#2} MEGAC_TILE_BATCHES=${TB:-1} \
-      MEGAC_TILE_CONTEXTS=${TC:-8192} timeout 560 python3 -m gpu.megakernel_check --run tiles --out $OUT/ab.json 2>&1 \
+      MEGAC_TILE_CONTEXTS=${TC:-8192} timeout ${AT:-560} python3 -m gpu.megakernel_check --run tiles --out $OUT/ab.json 2>&1 \
       | grep -v Warning | grep '^{"' ;;
   verify)  # the device changes: tiny and hang, fp32 slices of TILES sets SLICE (ROWS rows)
     timeout 300 python3 -m gpu.megakernel_check --run tiny hang --out $OUT/battery.json 2>&1 | grep -v Warning | tail -6
@@ -353,18 +353,12 @@ case "${1:-tails}" in
   s37v)  # the default checked as a default, alone (fits an H100): tiny models against the VM, the watchdog,
          # the fp32 slice at one and two rows
     verify "" new 1 2 ;;
-  s37ab)  # s36b without the check: engines alternating at bs1 and bs8, then megac bench at bs1 and bs8 (H200)
-    TLIST=${TLIST:-default,old35,lm256,r16,default#1,old35#1,rcs16,default#2,old35#2,lm256#1} TB=${TB:-1,8} \
-      bash "$0" ab | cut -c1-160
-    BS=1,8 BT=${BT:-170} bash "$0" bench ;;
   s37)  # the new default in one call of <10 min, most needed first: its checks (s37v), megac bench at bs1
         # and bs8, then engines alternating against the default before it (old35) at bs1 while time is left
     verify "" new 1
     BS=1,8 BT=${BT:-170} bash "$0" bench
     left=$((${AB_END:-570} - SECONDS)); echo "ab gets ${left}s"
-    [ $left -gt 90 ] && MEGAC_VARIANTS=default MEGAC_TILES=old35,default#1,old35#1,default#2,old35#2 MEGAC_TILE_BATCHES=1 \
-      MEGAC_TILE_CONTEXTS=8192 timeout $left python3 -m gpu.megakernel_check --run tiles --out $OUT/ab.json 2>&1 \
-      | grep -v Warning | grep '^{"' | cut -c1-160 ;;
+    [ $left -gt 90 ] && AT=$left TLIST=old35,default#1,old35#1,default#2,old35#2 TB=1 bash "$0" ab | cut -c1-160 ;;
   s37m)  # the modes probe: one engine timed unmoved, then after its buffers, KV pools, weights move (~3 min)
     timeout ${BT:-400} python3 -m gpu.megakernel_check --run modes --out $OUT/modes.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
     python3 -c "import json; d=json.load(open('$OUT/modes.json/megakernel_check.json'))['modes']; print(d.get('ok'), str(d)[-400:])" ;;

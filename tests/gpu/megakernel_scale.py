@@ -1710,12 +1710,16 @@ def rehome(eng, what: str) -> dict:
         be.tasks = {k: (fresh(a), fresh(b)) for k, (a, b) in be.tasks.items()}
         be.reserve_counters(int(be.buf["counters"].shape[0]))  # a new words buffer (zeroed each step anyway)
     elif what == "weights":
-        for n, t in sorted(be.kernel_weights.items(), key=lambda kv: kv[1].numel()):
+        # smallest first, each old tensor freed (and handed back to the driver) before the next is
+        # sized against what is free: a list of the items would hold every old tensor to the end
+        for n in sorted(be.kernel_weights, key=lambda k: be.kernel_weights[k].numel()):
+            t = be.kernel_weights[n]
             size = t.numel() * t.element_size()
             if size + (2 << 30) < torch.cuda.mem_get_info()[0]:
                 be.kernel_weights[n] = fresh(t)
                 moved[n] = size
             del t
+            torch.cuda.empty_cache()
     elif what == "kv":
         for n in ("k_pool", "v_pool"):
             t = getattr(eng.kv, n)
