@@ -408,6 +408,14 @@ class TargetWords:
 #: (float scratch gets NaN): an element read before it is written shows
 INT_POISON = -7
 
+#: the bits of an fp32 moe_out word not yet written this step. The host fills
+#: moe_out with them once (and again after an abort); a combine built to poll
+#: its experts' outputs instead of their counter (MEGAC_COMBINE_POLL,
+#: moe_routing.cuh) reads its range until no word holds them, then writes them
+#: back for the next step. A NaN payload no arithmetic produces (the GPU's NaN
+#: results are 0x7FFFFFFF), so a real NaN still lands.
+UNLANDED_F32 = 0x7FBADBAD
+
 # Watchdog status buffer: int32[STATUS_WORDS] per launch, zeroed by the host.
 # Every bounded wait polls the abort word; the first wait to time out claims
 # the record, writes and fences it, then raises the abort word to its kind.
@@ -637,6 +645,7 @@ def abi_summary() -> dict:
         "status": {"words": STATUS_WORDS, "abort": STATUS_ABORT, "claim": STATUS_CLAIM,
                    "timeouts": STATUS_TIMEOUTS, "done": STATUS_DONE, "record": STATUS_RECORD},
         "error_record": [name for name, _ in ERROR_FIELDS],
+        "unlanded_f32": UNLANDED_F32,
         "error_kinds": {k.name: int(k) for k in ErrorKind},
         "argmax_record": [list(f) for f in ARGMAX_RECORD],  # (name, ctype, doc)
         "argmax_record_bytes": ARGMAX_RECORD_BYTES,

@@ -101,6 +101,43 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
   return v;
 }
 
+// 1: a combine (not split-K) polls its experts' outputs instead of waiting
+// for the down claims' counter (mk_core.cuh header_waits skips that wait; moe_routing.cuh
+// combine_row_polled):
+// each word of moe_out holds UNLANDED_F32 until a down tile stores it, the
+// combine reads its range until no word does, adds, and writes the bits
+// back for the next step (the host fills moe_out once, and again after an
+// abort). Why: the hop that ends a MoE layer's chain pays, after the last
+// down tile's stores, the claim's fence (its stores acknowledged), the
+// counter's atomic, the combine's poll of it and its acquire, then the
+// slots' and the outputs' loads, each a dependent L2 round trip; here the
+// slots are read while the down tiles run and the outputs' poll is the
+// load. The counter stays (the VM's, the watchdog report's). 0: the wait.
+#ifndef MEGAC_COMBINE_POLL
+#define MEGAC_COMBINE_POLL 0
+#endif
+
+// 16 bytes by one relaxed gpu-scope load (a poll of data another SM
+// stores: each 32-bit element is read whole, with no order between them).
+__device__ __forceinline__ uint4 ld_relaxed_gpu_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// A relaxed gpu-scope store: the write a poll of the data (above) reads.
+__device__ __forceinline__ void st_relaxed_gpu(float* p, float v) {
+  asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_gpu_v4(void* p, uint4 v) {
+  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
 // Acquire gpu-scope load: every read after it in this thread (and, through a
 // CTA barrier, in the threads it synchronises with) sees what the releasing
 // writer made visible before its release.

@@ -346,6 +346,15 @@ __device__ __forceinline__ void store(const float* ys, OutT* __restrict__ y, int
   }
 }
 
+// store<float> by relaxed gpu-scope stores: outputs another SM polls
+// (a down tile's, read by a polled combine: MEGAC_COMBINE_POLL).
+__device__ __forceinline__ void store_relaxed(const float* ys, float* __restrict__ y, int64_t ldy, int rows, int nlen) {
+  for (int i = threadIdx.x; i < rows * nlen; i += blockDim.x) {
+    const int m = i / nlen, c = i % nlen;
+    st_relaxed_gpu(y + m * ldy + c, ys[c * 8 + m]);
+  }
+}
+
 // Gate/up interleaved in chunks of `chunk` rows (0: one chunk, nlen/2), the
 // tile's rows whole chunks from a chunk boundary, the last one possibly
 // shorter (the end of the matrix): [gate | up] per chunk. Feature c of the

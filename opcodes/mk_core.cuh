@@ -123,10 +123,19 @@ __device__ __forceinline__ bool wait_on(const Ctx& c, int32_t counter, int32_t t
 // `resolve_fields(c)` turns the opcode's dynamic fields into values, then
 // TARGET1 is read and WAIT1 waited. False: the watchdog fired or another
 // CTA aborted.
+// A MOE_COMBINE task of a build whose combine polls the down tiles'
+// outputs instead of their counter (not split-K: those sum the up claims'
+// partials, which wait as before). Its WAIT1 is that counter (WAIT0 the
+// route's, whose slots and weights it reads).
+__device__ __forceinline__ bool combine_polls(const int32_t* w) {
+  return MEGAC_COMBINE_POLL && w[H_OPCODE] == OP_MOE_COMBINE && !(w[H_FLAGS] & FLAG_SPLIT_DOWN);
+}
+
 template <class ResolveFields>
 __device__ __forceinline__ bool header_waits(const Ctx& c, ResolveFields resolve_fields) {
   int32_t* w = c.ts->w;
-  if (MEGAC_WAIT_PAIR && w[H_WAIT0] >= 0 && w[H_WAIT1] >= 0 && !is_dyn(w[H_TARGET0]) && !is_dyn(w[H_TARGET1])) {
+  if (MEGAC_WAIT_PAIR && w[H_WAIT0] >= 0 && w[H_WAIT1] >= 0 && !is_dyn(w[H_TARGET0]) && !is_dyn(w[H_TARGET1]) &&
+      !combine_polls(w)) {
     // a field resolved after both waits reads what it would after the first
     const uint32_t* ctr = ptr<const uint32_t>(c.d->counters);
     if (!wait_counters2(ctr + w[H_WAIT0], uint32_t(w[H_TARGET0]), w[H_WAIT0], ctr + w[H_WAIT1],
@@ -138,7 +147,9 @@ __device__ __forceinline__ bool header_waits(const Ctx& c, ResolveFields resolve
   const int32_t t0 = resolve(c.d, w[H_TARGET0]);
   if (!wait_on(c, w[H_WAIT0], t0)) return false;
   resolve_fields(c);
-  if (w[H_WAIT1] >= 0) {
+  // a combine that polls its inputs (moe_routing.cuh MEGAC_COMBINE_POLL)
+  // skips WAIT1, the down claims' counter
+  if (w[H_WAIT1] >= 0 && !combine_polls(w)) {
     const int32_t t1 = resolve(c.d, w[H_TARGET1]);
     if (!wait_on(c, w[H_WAIT1], t1)) return false;
   }

@@ -553,6 +553,105 @@ __device__ __forceinline__ void combine_row(const float* y, const int32_t* slot,
   __syncthreads();
 }
 
+// MEGAC_COMBINE_POLL (common.cuh): a combine that polls its inputs.
+
+__device__ __forceinline__ bool landed4(uint4 v) {
+  return v.x != UNLANDED_F32 && v.y != UNLANDED_F32 && v.z != UNLANDED_F32 && v.w != UNLANDED_F32;
+}
+
+// One CTA-wide round of a bounded poll: 1 once `landed` holds in every
+// thread, 0 to poll again, -1 when the watchdog fired (thread 0 then calls
+// expired(), which writes the report) or another CTA aborted. Thread 0
+// keeps the bound; the second barrier hands its verdict to the CTA.
+template <class Expired>
+__device__ __forceinline__ int poll_round(bool landed, SpinBound& bound, const WaitSite& site, Expired expired) {
+  if (__syncthreads_and(landed)) return 1;
+  int go = 1;
+  if (threadIdx.x == 0 && !bound.keep_going(site)) {
+    go = 0;
+    if (bound.expired) expired();
+  }
+  return __syncthreads_and(go) ? 0 : -1;
+}
+
+// combine_row (the same adds in the same order, so the same bits) over
+// outputs it polls (MEGAC_COMBINE_POLL, common.cuh); false: the watchdog
+// fired, and `expired()` (thread 0) wrote the report. K <= 8 slots: a
+// thread a column of float4 at a time (batch 1: 64 columns a range, one
+// round), summed as soon as its K values have landed, only the sum kept
+// across polls; more slots: the poll checks, then combine_row loads again.
+// (The polled values kept across the loop, or the whole as a call, spilled
+// the megakernel's 255 registers.)
+template <int K, class Expired>
+__device__ __forceinline__ bool combine_row_polled(float* y, const int32_t* slot, const float* w, float* out, int row,
+                                                   int D, int32_t* smem, int64_t ld, int c0, int cols,
+                                                   const WaitSite& site, Expired expired) {
+  if (ld == 0) ld = D;
+  if (cols == 0) cols = D;
+  const uint4 unlanded = make_uint4(UNLANDED_F32, UNLANDED_F32, UNLANDED_F32, UNLANDED_F32);
+  float* ws = reinterpret_cast<float*>(smem + 32);
+  if (threadIdx.x < K) {
+    smem[threadIdx.x] = __ldcg(slot + row * K + threadIdx.x);
+    ws[threadIdx.x] = __ldcg(w + row * K + threadIdx.x);
+  }
+  __syncthreads();
+  const int q0 = c0 / 4, nq = cols / 4;
+  SpinBound bound;
+  if constexpr (K <= 8) {
+    // every thread polls its own columns, bounded on its own: no barrier
+    // between polls; the CTA agrees once at the end
+    bool ok = true;
+    uint32_t polls = 0;
+    for (int i = threadIdx.x; ok && i < nq; i += blockDim.x) {
+      const int c = q0 + i;
+      for (;;) {
+        uint4 u[K];
+#pragma unroll
+        for (int j = 0; j < K; ++j) u[j] = ld_relaxed_gpu_v4(reinterpret_cast<const float4*>(y + smem[j] * ld) + c);
+        bool have = true;
+#pragma unroll
+        for (int j = 0; j < K; ++j) have = have && landed4(u[j]);
+        if (have) {
+          float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int j = 0; j < K; ++j)
+            acc = weighted_add(acc, ws[j],
+                               make_float4(__uint_as_float(u[j].x), __uint_as_float(u[j].y), __uint_as_float(u[j].z),
+                                           __uint_as_float(u[j].w)),
+                               j == 0);
+          reinterpret_cast<float4*>(out + (size_t)row * D)[c] = acc;
+#pragma unroll
+          for (int j = 0; j < K; ++j) st_relaxed_gpu_v4(reinterpret_cast<float4*>(y + smem[j] * ld) + c, unlanded);
+          break;
+        }
+        // the abort flag and the clock every 8th poll: read at every poll,
+        // the flag's round trip would double the poll's period
+        if ((++polls & 7u) == 0u && !bound.keep_going(site)) {
+          ok = false;
+          break;
+        }
+      }
+    }
+    // the first thread whose own deadline passed writes the report (report_error claims it once)
+    if (!ok && bound.expired) expired();
+    if (!__syncthreads_and(ok)) return false;
+  } else {
+    for (;;) {  // poll, then combine_row's loads, then the bits back
+      bool landed = true;
+      for (int i = threadIdx.x; i < K * nq; i += blockDim.x)
+        landed = landed && landed4(ld_relaxed_gpu_v4(reinterpret_cast<const float4*>(y + smem[i / nq] * ld) + q0 + i % nq));
+      const int v = poll_round(landed, bound, site, expired);
+      if (v < 0) return false;
+      if (v > 0) break;
+    }
+    combine_row(y, slot, w, out, row, K, D, smem, ld, c0, cols);
+    for (int i = threadIdx.x; i < K * nq; i += blockDim.x)
+      st_relaxed_gpu_v4(reinterpret_cast<float4*>(y + smem[i / nq] * ld) + q0 + i % nq, unlanded);
+  }
+  __syncthreads();
+  return true;
+}
+
 // Shared bytes combine_tiles stages at most (a chunk of columns at a time).
 constexpr int kCombineStageBytes = 32 * 1024;
 

@@ -497,8 +497,11 @@ __device__ __forceinline__ void moe_down_tile(const Ctx& c) {
   const WeightSpan ws = moe_down_weights<M>(c, c.ts->rec);
   const bf16* x = ptr<const bf16>(d->moe_act) + Lay::moe_act(layer, s0);
   const float* ys = gemm<M>(c, ws, x, M::EXPERT_WIDTH, nr);
-  rows::store<float>(ys, ptr<float>(d->moe_out) + Lay::moe_out(layer, s0) + n0, M::MOE_OUT_TILES * M::HIDDEN, nr,
-                     ws.rows);
+  float* y = ptr<float>(d->moe_out) + Lay::moe_out(layer, s0) + n0;
+  if constexpr (MEGAC_COMBINE_POLL)  // the combine polls these words
+    rows::store_relaxed(ys, y, M::MOE_OUT_TILES * M::HIDDEN, nr, ws.rows);
+  else
+    rows::store<float>(ys, y, M::MOE_OUT_TILES * M::HIDDEN, nr, ws.rows);
 }
 
 }  // namespace mk

@@ -162,7 +162,7 @@ __device__ __forceinline__ void moe_gather(const Ctx& c) {
 }
 
 template <class M>
-__device__ __forceinline__ void moe_combine(const Ctx& c) {
+__device__ __forceinline__ bool moe_combine(const Ctx& c) {
   using Lay = Layout<M>;
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_moe_combine::ROW];
@@ -177,10 +177,22 @@ __device__ __forceinline__ void moe_combine(const Ctx& c) {
     if (c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) {  // every slot's split-K partials summed first
       moe::combine_tiles(y, slot, w, out, row, M::TOP_K, M::HIDDEN, smem, reinterpret_cast<float4*>(c.scratch + 256),
                          M::MOE_OUT_TILES, ld, c0, cols);
-      return;
+      return true;
     }
   }
+  if constexpr (MEGAC_COMBINE_POLL && M::TOP_K > 0) {  // header_waits left the down claims' counter unread
+    // the report names that counter: the wait the poll stands for
+    auto expired = [&]() {
+      const int32_t* hw = c.ts->w;
+      report_error(c.site.status, c.site.task, c.site.opcode, hw[H_WAIT1],
+                   static_cast<int32_t>(ld_relaxed_gpu(ptr<const uint32_t>(d->counters) + hw[H_WAIT1])),
+                   resolve(d, hw[H_TARGET1]), c.site.layer, kErrCounterTimeout);
+    };
+    return moe::combine_row_polled<M::TOP_K>(const_cast<float*>(y), slot, w, out, row, M::HIDDEN, smem, ld, c0, cols,
+                                             c.site, expired);
+  }
   moe::combine_row(y, slot, w, out, row, M::TOP_K, M::HIDDEN, smem, ld, c0, cols);
+  return true;
 }
 
 // Expert records {expert, n_tile, slot0, rows}. Up: waits TASK_WAIT_BASE,

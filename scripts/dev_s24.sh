@@ -359,6 +359,21 @@ case "${1:-tails}" in
     BS=1,8 BT=${BT:-170} bash "$0" bench
     left=$((${AB_END:-570} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TLIST=old35,default#1,old35#1,default#2,old35#2 TB=1 bash "$0" ab | cut -c1-160 ;;
+  prebuild_s38)  # the thirty-eighth session's headers: what s37 needs (the default's checks, bench, old35) and
+                 # the polled combine (cpoll) for its checks and the A/B (s38)
+    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
+    PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py tiny-moe:cpoll tiny-llama:cpoll nmc-slice:cpoll \
+      2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code nmc-old35 \
+      nmc-cpoll 2>&1 | grep -v Warning | tee -a build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s38)  # the polled combine (cpoll) checked as a default would be, then against the default, engines
+        # alternating at bs1 until AB_END s (~9 min). Prebuild: prebuild_s38
+    verify cpoll cpoll 1
+    left=$((${AB_END:-570} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TLIST=${TLIST:-cpoll,default#1,cpoll#1,default#2,cpoll#2,default#3,cpoll#3} TB=${TB:-1} \
+      bash "$0" ab | cut -c1-160 ;;
   s37m)  # the modes probe: one engine timed unmoved, then after its buffers, KV pools, weights move (~3 min)
     timeout ${BT:-400} python3 -m gpu.megakernel_check --run modes --out $OUT/modes.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
     python3 -c "import json; d=json.load(open('$OUT/modes.json/megakernel_check.json'))['modes']; print(d.get('ok'), str(d)[-400:])" ;;

@@ -126,3 +126,22 @@ def test_pack_descriptor_by_name():
         abi.pack_descriptor(missing)
     with pytest.raises(ValueError, match="unknown: w_bogus"):
         abi.pack_descriptor({**values, "w_bogus": 1})
+
+
+def test_unlanded_word_is_a_nan_arithmetic_never_makes():
+    """A polled combine waits while a moe_out word holds UNLANDED_F32, so a
+    value a down tile can store must never have those bits: it is a NaN
+    (reads as one if a bug lets it through), and not the NaN that float
+    arithmetic produces on the GPU (0x7FFFFFFF) or on the host (0x7FC00000,
+    numpy / torch), which a blown-up expert would store and which must land."""
+    import numpy as np
+    import torch
+
+    bits = np.array([abi.UNLANDED_F32], dtype=np.uint32)
+    assert np.isnan(bits.view(np.float32)[0])
+    assert abi.UNLANDED_F32 not in (0x7FFFFFFF, 0x7FC00000, 0xFFC00000, 0xFFFFFFFF)
+    made = torch.tensor([float("inf")]) - torch.tensor([float("inf")])  # a NaN as arithmetic makes one
+    assert int(made.view(torch.int32)[0]) & 0xFFFFFFFF != abi.UNLANDED_F32
+    assert abi.UNLANDED_F32 < 1 << 31  # fills an int32 view as it is (gpu/backend.py _unland)
+    header = abi_header.render_abi_header()
+    assert f"constexpr uint32_t UNLANDED_F32 = {abi.UNLANDED_F32}u;" in header

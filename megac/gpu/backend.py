@@ -155,6 +155,7 @@ class CudaBackend(TorchPrefillMixin):
             if b.dtype == "argmax":
                 shape = shape + (abi.ARGMAX_RECORD_WORDS,)
             self.buf[f.name] = torch.zeros(shape, dtype=getattr(torch, _TORCH_DTYPE[b.dtype]), device=self.dev)
+        self._unland()
         self.tasks = {id(s): (torch.from_numpy(np.ascontiguousarray(s.tasks, dtype=np.int32)).to(self.dev),
                               torch.from_numpy(np.ascontiguousarray(s.task_counts, dtype=np.int32)).to(self.dev))
                       for s in self.schedules.schedules}
@@ -349,6 +350,7 @@ class CudaBackend(TorchPrefillMixin):
         if self.poison:
             for name in self._written:
                 b[name].fill_(float("nan") if b[name].is_floating_point() else abi.INT_POISON)
+            self._unland()  # NaN too, the one a polled combine waits past
             h["targets"][geo.target_words.host_words:] = abi.INT_POISON
         # the step's words up and counters, cursors, status, progress to zero:
         # one asynchronous copy from pinned memory, up to the end of this
@@ -583,8 +585,20 @@ class CudaBackend(TorchPrefillMixin):
         """The last token's fp32 logits, left on the GPU (the engine samples there)."""
         return super().prefill(row, token_ids).float()
 
+    def _unland(self) -> None:
+        """moe_out's words to abi.UNLANDED_F32: what a combine that polls its
+        experts' outputs (MEGAC_COMBINE_POLL) reads as not yet written. Such
+        a combine writes the bits back as it reads, so this is needed once,
+        and again after an abort, which can leave a layer's outputs landed
+        and unread. Harmless for other builds: their combines read moe_out
+        only after the counter says it is written."""
+        out = self.buf.get("moe_out")
+        if out is not None:
+            out.view(_torch().int32).fill_(abi.UNLANDED_F32)  # < 2**31: an int32 as it is
+
     # ------------------------------------------------------------------ the watchdog report
     def _hang(self, sched, status: np.ndarray) -> MegakernelHang:
+        self._unland()  # after the launches queued with the failed one (the callers synchronized)
         rec = dict(zip(("sm", "task", "opcode", "counter", "value", "target", "layer", "kind"),
                        (int(x) for x in status[abi.STATUS_RECORD: abi.STATUS_RECORD + abi.ERROR_WORDS])))
         counters = self.buf["counters"].cpu().numpy().view(np.uint32)[: sched.num_counters].copy()

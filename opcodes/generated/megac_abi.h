@@ -218,6 +218,9 @@ constexpr int SLOT0 = 2;
 constexpr int ROWS = 3;
 }  // namespace rec_moe_down
 
+// The bits of an fp32 moe_out word not yet written this step (megac/abi.py UNLANDED_F32).
+constexpr uint32_t UNLANDED_F32 = 2142952365u;
+
 // Watchdog status buffer (int32 words) and the error record inside it.
 constexpr int STATUS_WORDS = 16;
 constexpr int STATUS_ABORT = 0;

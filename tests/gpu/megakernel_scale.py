@@ -853,6 +853,8 @@ VARIANTS = {
     # (those three are the default since the thirty-sixth session, with TILES s35's tiles and order:
     # the variants above build what the default does) the build before: all three off
     "off35": {"MEGAC_TOPK_WARP": 0, "MEGAC_CLAIM_ONE_READ": 0, "MEGAC_UP_ONE_CLAIM": 0},
+    # the combine polls the down tiles' outputs instead of their counter (common.cuh MEGAC_COMBINE_POLL)
+    "cpoll": {"MEGAC_COMBINE_POLL": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1459,6 +1461,9 @@ TILES = {
     "old35": {"routed_combine_splits": 0, "router_splits": 4, "order": "schedules/experiments/tuned-session35.yaml",
               "variant": "off35", "lm_bn": 256},
     "lm256": {"lm_bn": 256},
+    # the combine polls its inputs (thirty-eighth session): one hop of each MoE layer's chain without
+    # the down claims' fence, atomic and counter poll
+    "cpoll": {"variant": "cpoll"},
     # on the new default: the batch-1 combine over 16 ranges of 4 KB (r16 above: the router over 16 SMs)
     "rcs16": {"routed_combine_splits": 16},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
