@@ -369,11 +369,12 @@ case "${1:-tails}" in
       nmc-cpoll 2>&1 | grep -v Warning | tee -a build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
   s38)  # the polled combine (cpoll) checked as a default would be, then against the default, engines
-        # alternating at bs1 until AB_END s (~9 min). Prebuild: prebuild_s38
+        # alternating at bs1 until AB_END s, then megac bench of the default at bs1 (~9.5 min). Prebuild: prebuild_s38
     verify cpoll cpoll 1
-    left=$((${AB_END:-570} - SECONDS)); echo "ab gets ${left}s"
+    left=$((${AB_END:-420} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TLIST=${TLIST:-cpoll,default#1,cpoll#1,default#2,cpoll#2,default#3,cpoll#3} TB=${TB:-1} \
-      bash "$0" ab | cut -c1-160 ;;
+      bash "$0" ab | cut -c1-160
+    BS=1 BT=$((565 - SECONDS)) bash "$0" bench ;;
   s37m)  # the modes probe: one engine timed unmoved, then after its buffers, KV pools, weights move (~3 min)
     timeout ${BT:-400} python3 -m gpu.megakernel_check --run modes --out $OUT/modes.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
     python3 -c "import json; d=json.load(open('$OUT/modes.json/megakernel_check.json'))['modes']; print(d.get('ok'), str(d)[-400:])" ;;
