@@ -224,21 +224,61 @@ def norm_slot_final(spec: "ModelSpec") -> int:
 # ------------------------------------------------------------------ whole model
 
 
-def _stack(items: Iterable[torch.Tensor], n: int, empty_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _stack(items: Iterable[torch.Tensor], n: int, empty_shape: tuple[int, ...], dtype: torch.dtype,
+           device: torch.device | None = None) -> torch.Tensor:
     """``torch.stack`` of the ``n`` tensors ``items`` yields, filled one at a
-    time into one allocation: a list of interleaved copies plus the stack
-    held North Mini Code's expert weights twice over (72 GB beside the 61 GB
-    canonical copy) and ran the GPU out of memory once the KV pool was
-    large; this way the peak is the result plus one layer."""
+    time into one allocation on ``device`` (default: the first item's): a
+    list of interleaved copies plus the stack held North Mini Code's expert
+    weights twice over (72 GB beside the 61 GB canonical copy) and ran the
+    GPU out of memory once the KV pool was large; this way the peak is the
+    result plus one layer."""
     out = None
     for i, t in enumerate(items):
         if out is None:
-            out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
+            out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device if device is None else device)
         out[i].copy_(t)
         del t
     if out is None:
         return torch.empty((0, *empty_shape), dtype=dtype)
     return out
+
+
+#: GPU memory left free beside a stack allocated from sources still on the
+#: GPU (the allocator's rounding, the LM head's relayout copy, the CUDA
+#: context's own growth)
+STACK_MARGIN_BYTES = 2 << 30
+
+
+def _device_free_bytes(device: torch.device) -> int | None:
+    """Free bytes on ``device`` (None: not a GPU, no limit to plan for).
+    Tests replace it to exercise the staging below without a GPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def _make_room(layers, names: tuple[str, ...], stack_bytes: int, device: torch.device) -> bool:
+    """Before a consumed stack of ``stack_bytes`` is allocated on ``device``
+    beside its own sources: where it does not fit in the free memory (less
+    :data:`STACK_MARGIN_BYTES`), move those sources (``names`` of every layer
+    of ``layers``) to host memory first, so the peak is one copy of them on
+    the GPU, not two. Why: North Mini Code's random weights are drawn in
+    bf16 on the GPU (58 GB); its 26 GB gate/up expert stack beside them does
+    not fit an 80 GB H100, though the model alone does. Returns whether it
+    moved them."""
+    free = _device_free_bytes(device)
+    if free is None or free >= stack_bytes + STACK_MARGIN_BYTES:
+        return False
+    for lw in layers:
+        for name in names:
+            t = getattr(lw, name)
+            if t is not None and t.device == device:
+                setattr(lw, name, t.to("cpu"))
+                del t
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the freed blocks back to the driver: the stack is one allocation
+    return True
 
 
 def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEFAULT_CHUNK,
@@ -260,6 +300,19 @@ def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEF
                     setattr(lw, n, None)
             yield t
 
+    def stack_of(layers, make, names: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The stack of ``make(lw)`` (each ``shape``) over ``layers``, on the
+        device of its sources; with ``consume``, where the stack would not
+        fit there beside them, they wait in host memory first (_make_room)."""
+        first = next((t for lw in layers for n in names if (t := getattr(lw, n)) is not None), None)
+        device = None if first is None else first.device
+        if consume and device is not None:
+            n_bytes = len(layers) * dt.itemsize
+            for x in shape:
+                n_bytes *= x
+            _make_room(layers, names, n_bytes, device)
+        return _stack(taking(layers, make, *names), len(layers), shape, dt, device)
+
     moe_chunk = chunk if moe_chunk is None else moe_chunk
     dt = weights.dtype
     d, L = spec.hidden_size, spec.num_layers
@@ -280,16 +333,15 @@ def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEF
         "w_embed": weights.embed,
         "w_lm_head": weights.lm_head_weight,
         "w_norm": norm,
-        "w_qkv": _stack(taking(weights.layers, lambda lw: torch.cat([lw.q, lw.k, lw.v], dim=0), "q", "k", "v"), L,
-                        (spec.q_width + 2 * spec.kv_width, d), dt),
-        "w_o": _stack(taking(weights.layers, lambda lw: lw.o, "o"), L, (d, spec.q_width), dt),
-        "w_upgate": _stack(taking(dense, lambda lw: interleave_gate_up(lw.gate, lw.up, chunk), "gate", "up"),
-                           len(dense), (2 * dw, d), dt),
-        "w_down": _stack(taking(dense, lambda lw: lw.down, "down"), len(dense), (d, dw), dt),
-        "w_router": _stack(taking(moe, lambda lw: lw.router, "router"), len(moe), (E, d), dt),
-        "w_moe_upgate": _stack(taking(moe, lambda lw: interleave_gate_up(lw.experts_gate, lw.experts_up, moe_chunk),
-                                      "experts_gate", "experts_up"), len(moe), (E, 2 * ew, d), dt),
-        "w_moe_down": _stack(taking(moe, lambda lw: lw.experts_down, "experts_down"), len(moe), (E, d, ew), dt),
+        "w_qkv": stack_of(weights.layers, lambda lw: torch.cat([lw.q, lw.k, lw.v], dim=0), ("q", "k", "v"),
+                          (spec.q_width + 2 * spec.kv_width, d)),
+        "w_o": stack_of(weights.layers, lambda lw: lw.o, ("o",), (d, spec.q_width)),
+        "w_upgate": stack_of(dense, lambda lw: interleave_gate_up(lw.gate, lw.up, chunk), ("gate", "up"), (2 * dw, d)),
+        "w_down": stack_of(dense, lambda lw: lw.down, ("down",), (d, dw)),
+        "w_router": stack_of(moe, lambda lw: lw.router, ("router",), (E, d)),
+        "w_moe_upgate": stack_of(moe, lambda lw: interleave_gate_up(lw.experts_gate, lw.experts_up, moe_chunk),
+                                 ("experts_gate", "experts_up"), (E, 2 * ew, d)),
+        "w_moe_down": stack_of(moe, lambda lw: lw.experts_down, ("experts_down",), (E, d, ew)),
         "layer_slot": layer_slots(spec),
         "rope_inv_freq": rope_inv_freq(spec),
     }

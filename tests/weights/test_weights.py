@@ -468,3 +468,39 @@ def test_a_tile_of_whole_chunks_pairs_gate_and_up_rows_feature_by_feature():
         assert torch.equal(rows[u], rows[g] + 1000.0)
     assert tile_gate_up_rows(width, chunk, 32, 160) is None  # starts inside a chunk
     assert tile_gate_up_rows(width, chunk, 0, 96) is None    # cuts the second chunk
+
+
+def test_consumed_stacks_that_do_not_fit_wait_in_host_memory(monkeypatch):
+    """A decode-only engine builds each stack from sources still on the GPU
+    (random weights are drawn there). Where a stack does not fit beside its
+    sources, they move to host memory first (North Mini Code's expert
+    stacks on an 80 GB H100); the stacks are the same either way, and on
+    the sources' device. The free memory is simulated: the expert stacks
+    are told they do not fit, everything else that it does."""
+    from megac.weights import layout
+
+    spec = load_spec("tiny-moe")
+    ew, d, E = spec.moe.expert_intermediate_size, spec.hidden_size, spec.moe.num_experts
+    nm = len(spec.moe_layers)
+    upgate_bytes = nm * E * 2 * ew * d * 4  # fp32 random weights
+    free = upgate_bytes - 1  # the gate/up stack does not fit, the down stack (half of it) does
+    monkeypatch.setattr(layout, "STACK_MARGIN_BYTES", 0)
+    monkeypatch.setattr(layout, "_device_free_bytes", lambda device: free)
+    calls = []
+    real = layout._make_room
+
+    def spy(layers, names, stack_bytes, device):
+        moved = real(layers, names, stack_bytes, device)
+        calls.append((names, stack_bytes, moved))
+        return moved
+
+    monkeypatch.setattr(layout, "_make_room", spy)
+    want = kernel_weights(random_weights(spec, seed=5), spec)
+    w = random_weights(spec, seed=5)
+    got = kernel_weights(w, spec, consume=True)
+    assert [c for c in calls if c[2]] == [(("experts_gate", "experts_up"), upgate_bytes, True)]
+    assert all(stack_bytes <= free for names, stack_bytes, moved in calls if not moved)
+    for f in KERNEL_WEIGHT_FIELDS:
+        assert torch.equal(got[f], want[f]), f
+        assert got[f].device == want[f].device
+    assert all(lw.experts_gate is None and lw.experts_down is None for lw in (w.layers[i] for i in spec.moe_layers))
