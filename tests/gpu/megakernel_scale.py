@@ -1229,7 +1229,7 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
             use_cubin(eng.backend, variant_cubin(spec, defines[name], order))
         out[name] = {f"bs{b}" + ("" if contexts == (8192,) else f"_ctx{c}"): _step_times(eng, b, c, steps=steps)[
             "kernel_ms"] for c in contexts for b in batches}
-        if bits:
+        if bits and not fresh:  # a decode-only engine cannot prefill
             cubin = variant_cubin(spec, defines.get(name, {}), order)
             got = greedy_bits(eng, cubin)
             ref = ref or got
