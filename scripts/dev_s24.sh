@@ -375,6 +375,18 @@ case "${1:-tails}" in
     [ $left -gt 90 ] && AT=$left TLIST=${TLIST:-cpoll,default#1,cpoll#1,default#2,cpoll#2,default#3,cpoll#3} TB=${TB:-1} \
       bash "$0" ab | cut -c1-160
     BS=1 BT=$((565 - SECONDS)) bash "$0" bench ;;
+  s39)  # the H200 queue on prebuild_s38's cubins: megac bench of the default at bs1 and bs8, then the polled
+        # combine (cpoll, even on the H100) and the default before (old35) against the default, engines
+        # alternating at bs1 until AB_END s (~9.5 min)
+    BS=1,8 BT=${BT:-200} bash "$0" bench
+    left=$((${AB_END:-570} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TLIST=${TLIST:-cpoll,old35,default#1,cpoll#1,old35#1,default#2,cpoll#2} TB=1 \
+      bash "$0" ab | cut -c1-160 ;;
+  s39p)  # one profiled bs1 8K step of the default, its trace kept: the two tails of a sliding layer
+         # (megac trace TRACE --layer 22; perf-notes, thirty-eighth session)
+    MEGAC_PROFILE_CASES=1:8192 timeout ${BT:-400} python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json \
+      2>&1 | grep -v Warning | grep '^{"' | cut -c1-200
+    gzip -q $OUT/*.json 2>/dev/null; ls -la $OUT ;;
   s37m)  # the modes probe: one engine timed unmoved, then after its buffers, KV pools, weights move (~3 min)
     timeout ${BT:-400} python3 -m gpu.megakernel_check --run modes --out $OUT/modes.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-300
     python3 -c "import json; d=json.load(open('$OUT/modes.json/megakernel_check.json'))['modes']; print(d.get('ok'), str(d)[-400:])" ;;
