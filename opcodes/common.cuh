@@ -102,17 +102,18 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
 }
 
 // 1: a combine (not split-K) polls its experts' outputs instead of waiting
-// for the down claims' counter (mk_core.cuh header_waits skips that wait; moe_routing.cuh
-// combine_row_polled):
-// each word of moe_out holds UNLANDED_F32 until a down tile stores it, the
-// combine reads its range until no word does, adds, and writes the bits
-// back for the next step (the host fills moe_out once, and again after an
-// abort). Why: the hop that ends a MoE layer's chain pays, after the last
+// for the down claims' counter (mk_core.cuh header_waits skips that wait;
+// moe_routing.cuh combine_row_polled). Each word of moe_out holds
+// UNLANDED_F32 until a down tile stores it; the combine reads its range
+// until no word does, adds, and writes the bits back for the next step
+// (the host fills moe_out once, and again after an abort). Why: the hop that ends a MoE layer's chain pays, after the last
 // down tile's stores, the claim's fence (its stores acknowledged), the
 // counter's atomic, the combine's poll of it and its acquire, then the
 // slots' and the outputs' loads, each a dependent L2 round trip; here the
 // slots are read while the down tiles run and the outputs' poll is the
 // load. The counter stays (the VM's, the watchdog report's). 0: the wait.
+// Measured (H100, thirty-eighth session, engines alternating, NMC bs1 8K):
+// even (-0.1 %), exact (likely: the attention chain ends the layer as late).
 #ifndef MEGAC_COMBINE_POLL
 #define MEGAC_COMBINE_POLL 0
 #endif

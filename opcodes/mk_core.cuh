@@ -119,10 +119,6 @@ __device__ __forceinline__ bool wait_on(const Ctx& c, int32_t counter, int32_t t
 #define MEGAC_WAIT_PAIR 0
 #endif
 
-// Thread 0: the header waits of the task in c.ts->w; after WAIT0,
-// `resolve_fields(c)` turns the opcode's dynamic fields into values, then
-// TARGET1 is read and WAIT1 waited. False: the watchdog fired or another
-// CTA aborted.
 // A MOE_COMBINE task of a build whose combine polls the down tiles'
 // outputs instead of their counter (not split-K: those sum the up claims'
 // partials, which wait as before). Its WAIT1 is that counter (WAIT0 the
@@ -131,6 +127,10 @@ __device__ __forceinline__ bool combine_polls(const int32_t* w) {
   return MEGAC_COMBINE_POLL && w[H_OPCODE] == OP_MOE_COMBINE && !(w[H_FLAGS] & FLAG_SPLIT_DOWN);
 }
 
+// Thread 0: the header waits of the task in c.ts->w; after WAIT0,
+// `resolve_fields(c)` turns the opcode's dynamic fields into values, then
+// TARGET1 is read and WAIT1 waited. False: the watchdog fired or another
+// CTA aborted.
 template <class ResolveFields>
 __device__ __forceinline__ bool header_waits(const Ctx& c, ResolveFields resolve_fields) {
   int32_t* w = c.ts->w;
@@ -147,8 +147,8 @@ __device__ __forceinline__ bool header_waits(const Ctx& c, ResolveFields resolve
   const int32_t t0 = resolve(c.d, w[H_TARGET0]);
   if (!wait_on(c, w[H_WAIT0], t0)) return false;
   resolve_fields(c);
-  // a combine that polls its inputs (moe_routing.cuh MEGAC_COMBINE_POLL)
-  // skips WAIT1, the down claims' counter
+  // a combine that polls its inputs (MEGAC_COMBINE_POLL) skips WAIT1, the
+  // down claims' counter
   if (w[H_WAIT1] >= 0 && !combine_polls(w)) {
     const int32_t t1 = resolve(c.d, w[H_TARGET1]);
     if (!wait_on(c, w[H_WAIT1], t1)) return false;
@@ -204,6 +204,35 @@ __device__ __forceinline__ void signal(const Ctx& c, int32_t counter) {
 // all, one each, and a claimer that ran one may stop before the head's
 // atomic: no index is taken that no claim runs, and none is left.
 __device__ __forceinline__ bool one_claim_each_covers(int32_t claims) { return claims <= int32_t(gridDim.x); }
+
+// 0: a down claimer takes one record a claim. T > 0: the down queue's first
+// records go two at a time (adjacent tiles of one expert, one GEMM over both),
+// its last T one at a time (ops_moe.cuh DownPairSource), with down tiles
+// half as long (TILES dn128p). Why: at batch 1 the claims taken after the
+// up tiles end are the ones that end a sliding layer (~13 of them, ~10 us
+// each, 3.9 to the first byte; thirty-fourth session's layer 22), while ~19
+// more SMs ask then and find the queue drained; halves spread that tail over
+// twice the SMs, and the early claimers keep whole tiles (128-row tiles for
+// every claim lost ~3 %: each claim pays its start for half the bytes).
+#ifndef MEGAC_DOWN_PAIRS
+#define MEGAC_DOWN_PAIRS 0
+#endif
+
+// How many queue records a claimed record covers (its Offsets' count where
+// it has one: the down claims' under MEGAC_DOWN_PAIRS; else 1).
+template <class Offsets>
+__device__ __forceinline__ auto claim_records_impl(const Offsets& o, const int32_t* rec, int)
+    -> decltype(o.count(rec)) {
+  return o.count(rec);
+}
+template <class Offsets>
+__device__ __forceinline__ int32_t claim_records_impl(const Offsets&, const int32_t*, long) {
+  return 1;
+}
+template <class Offsets>
+__device__ __forceinline__ int32_t claim_records(const Offsets& o, const int32_t* rec) {
+  return claim_records_impl(o, rec, 0);
+}
 
 struct NoEarly {
   static constexpr bool kOn = false;
@@ -266,6 +295,11 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
         if (!defer) MEGAC_MARK(1);  // the claim's own wait
         const int32_t sb = w[signal_base_field];
         ts->claim_signal = sb >= 0 ? sb + so : -1;
+#if MEGAC_DOWN_PAIRS
+        // a claim of two down records signals twice in one add (counter
+        // indices stay below 2^24: the count rides above them)
+        if (sb >= 0) ts->claim_signal |= (claim_records(offsets, ts->rec) - 1) << 24;
+#endif
       }
       ts->claimed = claimed;
       if constexpr (Early::kOn) ts->early = defer;
@@ -298,7 +332,12 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
     run();
     __syncthreads();
     MEGAC_MARK(6);  // the claimed tile's work (its GEMM stamps 2-5 on the way)
+#if MEGAC_DOWN_PAIRS
+    if (threadIdx.x == 0 && ts->claim_signal >= 0)
+      signal_counter(ptr<uint32_t>(c.d->counters) + (ts->claim_signal & 0xffffff), 1u + (ts->claim_signal >> 24));
+#else
     if (threadIdx.x == 0) signal(c, ts->claim_signal);
+#endif
   }
 }
 

@@ -632,7 +632,7 @@ __device__ __forceinline__ bool combine_row_polled(float* y, const int32_t* slot
         }
       }
     }
-    // the first thread whose own deadline passed writes the report (report_error claims it once)
+    // every thread whose own deadline passed reports (report_error keeps the first record)
     if (!ok && bound.expired) expired();
     if (!__syncthreads_and(ok)) return false;
   } else {

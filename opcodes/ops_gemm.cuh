@@ -165,13 +165,27 @@ __device__ __forceinline__ WeightSpan moe_up_weights(const Ctx& c, const int32_t
                  min(nlen_full, 2 * M::EXPERT_WIDTH - n0), M::HIDDEN, M::HIDDEN);
 }
 
+// A claimed down record's N_TILE with this bit covers its tile and the next
+// (MEGAC_DOWN_PAIRS, ops_moe.cuh DownPairSource): one tile twice as long.
+constexpr int32_t kDownPair = 1 << 24;
+
+// The first output feature of a claimed down record, and how many it covers.
+__device__ __forceinline__ int down_n0(const int32_t* rec, int nlen_full) {
+  if constexpr (MEGAC_DOWN_PAIRS > 0) return (rec[rec_moe_down::N_TILE] & (kDownPair - 1)) * nlen_full;
+  return rec[rec_moe_down::N_TILE] * nlen_full;
+}
+__device__ __forceinline__ int down_nlen(const int32_t* rec, int nlen_full) {
+  if constexpr (MEGAC_DOWN_PAIRS > 0) return (rec[rec_moe_down::N_TILE] & kDownPair) ? 2 * nlen_full : nlen_full;
+  return nlen_full;
+}
+
 template <class M>
 __device__ __forceinline__ WeightSpan moe_down_weights(const Ctx& c, const int32_t* rec) {
   const int slot = ptr<const int32_t>(c.d->layer_slot)[c.ts->w[H_LAYER]];
   const int nlen_full = MK_F(moe_down_drain, N_LEN);
-  const int n0 = rec[rec_moe_down::N_TILE] * nlen_full;
+  const int n0 = down_n0(rec, nlen_full);
   return span<M>(ptr<const bf16>(c.d->w_moe_down) + Layout<M>::w_moe_down(slot, rec[rec_moe_down::EXPERT]), n0, 0,
-                 min(nlen_full, M::HIDDEN - n0), M::EXPERT_WIDTH, M::EXPERT_WIDTH);
+                 min(down_nlen(rec, nlen_full), M::HIDDEN - n0), M::EXPERT_WIDTH, M::EXPERT_WIDTH);
 }
 
 // 1: while the task before an O-projection tile runs (its attention split
@@ -493,7 +507,7 @@ __device__ __forceinline__ void moe_down_tile(const Ctx& c) {
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
   const int s0 = c.ts->rec[rec_moe_down::SLOT0], nr = c.ts->rec[rec_moe_down::ROWS];
-  const int n0 = c.ts->rec[rec_moe_down::N_TILE] * MK_F(moe_down_drain, N_LEN);
+  const int n0 = down_n0(c.ts->rec, MK_F(moe_down_drain, N_LEN));
   const WeightSpan ws = moe_down_weights<M>(c, c.ts->rec);
   const bf16* x = ptr<const bf16>(d->moe_act) + Lay::moe_act(layer, s0);
   const float* ys = gemm<M>(c, ws, x, M::EXPERT_WIDTH, nr);

@@ -211,6 +211,51 @@ struct MoeDownOffsets {
     wo = rec[rec_moe_down::EXPERT];
     so = 0;
   }
+  // queue records the claim covers (a pair: MEGAC_DOWN_PAIRS)
+  __device__ int32_t count(const int32_t* rec) const { return (rec[rec_moe_down::N_TILE] & kDownPair) ? 2 : 1; }
+};
+
+// MEGAC_DOWN_PAIRS (mk_core.cuh): claim i of a layer's down queue of `len`
+// records covers records 2i and 2i+1 while i < np = (len - T) / 2 (T
+// rounded up to len's parity), then record i + np alone: one atomic a
+// claim, as before. Two adjacent tiles of one expert (route finalize writes
+// an expert's tiles in order, and an expert has an even number of them at
+// the tile sizes this is used with) run as one tile (the record's N_TILE
+// with kDownPair); two that are not (never seen; checked) run one after the
+// other, the second kept in `pending` for this claimer's next claim.
+struct DownPairSource {
+  const Ctx& c;
+  int32_t* pending;  // thread 0's: a claimed record not yet run (pending[0] < 0: none)
+  int num_layers;
+  bool pairs;  // a pair's tile fits the GEMM's output staging (2 x N_LEN <= MAX_NLEN); else all singles
+  __device__ bool operator()(int32_t* rec) const {
+    if (pending[0] >= 0) {
+      for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) rec[i] = pending[i];
+      pending[0] = -1;
+      return true;
+    }
+    const int32_t* w = c.ts->w;
+    const int32_t layer = w[H_LAYER];
+    const int32_t len = w[f_moe_down_drain::QUEUE_LEN];
+    uint32_t* head = ptr<uint32_t>(c.d->queue_heads) + w[f_moe_down_drain::QUEUE] * num_layers + layer;
+    const int32_t idx = static_cast<int32_t>(atomicAdd(head, 1u));
+    const int32_t singles = min(len, MEGAC_DOWN_PAIRS + ((len - MEGAC_DOWN_PAIRS) & 1));
+    const int32_t np = pairs ? (len - singles) / 2 : 0;
+    if (idx >= np + (pairs ? singles : len)) return false;
+    const int32_t* q = ptr<const int32_t>(c.d->moe_down_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
+    const int32_t r = idx < np ? 2 * idx : idx + np;
+    for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) rec[i] = __ldcg(q + int64_t(r) * QUEUE_RECORD_WORDS + i);
+    if (idx < np) {
+      int32_t b[QUEUE_RECORD_WORDS];
+      for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) b[i] = __ldcg(q + int64_t(r + 1) * QUEUE_RECORD_WORDS + i);
+      if (b[rec_moe_down::EXPERT] == rec[rec_moe_down::EXPERT] && b[rec_moe_down::N_TILE] == rec[rec_moe_down::N_TILE] + 1 &&
+          b[rec_moe_down::SLOT0] == rec[rec_moe_down::SLOT0] && b[rec_moe_down::ROWS] == rec[rec_moe_down::ROWS])
+        rec[rec_moe_down::N_TILE] |= kDownPair;
+      else
+        for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) pending[i] = b[i];
+    }
+    return true;
+  }
 };
 
 // 1: a routed claimer of one row (batch 1) places its K experts by
@@ -568,6 +613,13 @@ __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
     }
     moe_down_tile<M>(c);
   };
+  if constexpr (MEGAC_DOWN_PAIRS > 0) {
+    int32_t pending[QUEUE_RECORD_WORDS] = {-1, 0, 0, 0};
+    return claim_loop(c, DownPairSource{c, pending, M::NUM_LAYERS,
+                                               2 * MK_F(moe_down_drain, N_LEN) <= M::MAX_NLEN}, f_moe_down_drain::TASK_WAIT_BASE,
+                      f_moe_down_drain::TASK_WAIT_TARGET, f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{}, prefetch,
+                      run, DownEarly<M>{c});
+  }
   if constexpr (MEGAC_DOWN_ONE_CLAIM) {
     const QueueSource queue{c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, M::NUM_LAYERS};
     bool taken = false;  // thread 0's: this claimer took a claim

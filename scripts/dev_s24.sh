@@ -375,12 +375,24 @@ case "${1:-tails}" in
     [ $left -gt 90 ] && AT=$left TLIST=${TLIST:-cpoll,default#1,cpoll#1,default#2,cpoll#2,default#3,cpoll#3} TB=${TB:-1} \
       bash "$0" ab | cut -c1-160
     BS=1 BT=$((565 - SECONDS)) bash "$0" bench ;;
-  s39)  # the H200 queue on prebuild_s38's cubins: megac bench of the default at bs1 and bs8, then the polled
-        # combine (cpoll, even on the H100) and the default before (old35) against the default, engines
-        # alternating at bs1 until AB_END s (~9.5 min)
+  prebuild_s39)  # the thirty-eighth session's final headers: what s39, s39p, s37 and s37m need (the default with
+                 # every order, its profiled build, old35), the polled combine (cpoll) and the paired down claims
+                 # (dn128p, dn128p16) with the tiny models and the slice for dpair's checks
+    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
+    PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py tiny-moe:dpair tiny-llama:dpair nmc-slice:dpair \
+      tiny-moe:cpoll tiny-llama:cpoll nmc-slice:cpoll 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code nmc-old35 \
+      nmc-cpoll nmc-dn128p nmc-dn128p16 2>&1 | grep -v Warning | tee -a build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s39)  # the H200 queue (~9.5 min; prebuild_s39): the paired down claims (dn128p) checked as a default would be
+        # (tiny models against the VM, the watchdog, the one-row fp32 slice), megac bench of the default at bs1
+        # and bs8, then dn128p, dn128p16, cpoll (even on the H100) and old35 against the default, engines
+        # alternating at bs1 until AB_END s (the check's bits: every set's greedy tokens equal the default's)
+    verify dpair dpair 1
     BS=1,8 BT=${BT:-200} bash "$0" bench
     left=$((${AB_END:-570} - SECONDS)); echo "ab gets ${left}s"
-    [ $left -gt 90 ] && AT=$left TLIST=${TLIST:-cpoll,old35,default#1,cpoll#1,old35#1,default#2,cpoll#2} TB=1 \
+    [ $left -gt 90 ] && AT=$left TLIST=${TLIST:-dn128p,cpoll,default#1,dn128p16,dn128p#1,old35,default#2,dn128p#2} TB=1 \
       bash "$0" ab | cut -c1-160 ;;
   s39p)  # one profiled bs1 8K step of the default, its trace kept: the two tails of a sliding layer
          # (megac trace TRACE --layer 22; perf-notes, thirty-eighth session)

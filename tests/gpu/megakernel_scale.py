@@ -855,6 +855,9 @@ VARIANTS = {
     "off35": {"MEGAC_TOPK_WARP": 0, "MEGAC_CLAIM_ONE_READ": 0, "MEGAC_UP_ONE_CLAIM": 0},
     # the combine polls the down tiles' outputs instead of their counter (common.cuh MEGAC_COMBINE_POLL)
     "cpoll": {"MEGAC_COMBINE_POLL": 1},
+    # a down claim takes two adjacent records but for the queue's last 26 / 16 (mk_core.cuh MEGAC_DOWN_PAIRS)
+    "dpair": {"MEGAC_DOWN_PAIRS": 26},
+    "dpair16": {"MEGAC_DOWN_PAIRS": 16},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1473,6 +1476,11 @@ TILES = {
     # the combine polls its inputs (thirty-eighth session): one hop of each MoE layer's chain without
     # the down claims' fence, atomic and counter poll
     "cpoll": {"variant": "cpoll"},
+    # 128-row down tiles claimed two at a time but for the queue's last 26 (16): the early claimers keep
+    # 256-row tiles, the ~30 SMs that ask after the up tiles end share the tail in halves (thirty-eighth
+    # session's reading of layer 22); dn128 alone (every claim 128 rows) lost ~3 %
+    "dn128p": {"moe_down_bn": 128, "variant": "dpair"},
+    "dn128p16": {"moe_down_bn": 128, "variant": "dpair16"},
     # on the new default: the batch-1 combine over 16 ranges of 4 KB (r16 above: the router over 16 SMs)
     "rcs16": {"routed_combine_splits": 16},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
