@@ -383,17 +383,24 @@ case "${1:-tails}" in
       tiny-moe:cpoll tiny-llama:cpoll nmc-slice:cpoll 2>&1 | grep -v Warning | tee build/cz-s31/log.txt
     MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
       .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code nmc-old35 \
-      nmc-cpoll nmc-dn128p nmc-dn128p16 2>&1 | grep -v Warning | tee -a build/cz-s31/log.txt
+      nmc-cpoll nmc-dn128p nmc-dn128p16 nmc-dn128p_oa nmc-dn128p_o256_oa 2>&1 | grep -v Warning \
+      | tee -a build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
-  s39)  # the H200 queue (~9.5 min; prebuild_s39): the paired down claims (dn128p) checked as a default would be
-        # (tiny models against the VM, the watchdog, the one-row fp32 slice), megac bench of the default at bs1
-        # and bs8, then dn128p, dn128p16, cpoll (even on the H100) and old35 against the default, engines
-        # alternating at bs1 until AB_END s (the check's bits: every set's greedy tokens equal the default's)
+  s39)  # the H200 queue (~9.5 min; prebuild_s39): the paired down claims (dpair) checked as a default would be
+        # (tiny models against the VM, the watchdog, the one-row fp32 slice), then against the default, engines
+        # alternating at bs1 until AB_END s: dn128p (128-row down tiles, pairs but the last 26), with a sliding
+        # layer's O-projection on its attention SMs (dn128p_oa: two 128-feature tiles each; dn128p_o256_oa: one
+        # of 256), cpoll (even on the H100), old35 (the default before); the check's bits: every set's greedy
+        # tokens equal the default's
     verify dpair dpair 1
-    BS=1,8 BT=${BT:-200} bash "$0" bench
     left=$((${AB_END:-570} - SECONDS)); echo "ab gets ${left}s"
-    [ $left -gt 90 ] && AT=$left TLIST=${TLIST:-dn128p,cpoll,default#1,dn128p16,dn128p#1,old35,default#2,dn128p#2} TB=1 \
+    [ $left -gt 90 ] && AT=$left TB=1 \
+      TLIST=${TLIST:-dn128p,dn128p_oa,dn128p_o256_oa,cpoll,default#1,dn128p#1,dn128p_oa#1,old35,dn128p16,default#2} \
       bash "$0" ab | cut -c1-160 ;;
+  s39b)  # megac bench of the default at bs1 and bs8 (~4 min), then the modes probe while time is left
+    BS=1,8 BT=${BT:-260} bash "$0" bench
+    left=$((570 - SECONDS)); echo "modes gets ${left}s"
+    [ $left -gt 120 ] && BT=$left bash "$0" s37m ;;
   s39p)  # one profiled bs1 8K step of the default, its trace kept: the two tails of a sliding layer
          # (megac trace TRACE --layer 22; perf-notes, thirty-eighth session)
     MEGAC_PROFILE_CASES=1:8192 timeout ${BT:-400} python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json \

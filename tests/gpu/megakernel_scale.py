@@ -1481,6 +1481,11 @@ TILES = {
     # session's reading of layer 22); dn128 alone (every claim 128 rows) lost ~3 %
     "dn128p": {"moe_down_bn": 128, "variant": "dpair"},
     "dn128p16": {"moe_down_bn": 128, "variant": "dpair16"},
+    # and a sliding layer's O-projection on its attention SMs at batch 1 (routed-oproj-on-attn.yaml): two
+    # 128-feature tiles an attention SM, or one of 256, instead of tiles queued behind up claims
+    "dn128p_oa": {"moe_down_bn": 128, "variant": "dpair", "order": "schedules/experiments/routed-oproj-on-attn.yaml"},
+    "dn128p_o256_oa": {"moe_down_bn": 128, "o_proj_bn": 256, "variant": "dpair",
+                       "order": "schedules/experiments/routed-oproj-on-attn.yaml"},
     # on the new default: the batch-1 combine over 16 ranges of 4 KB (r16 above: the router over 16 SMs)
     "rcs16": {"routed_combine_splits": 16},
     "up192_dn256": {"moe_up_bn": 192, "moe_down_bn": 256},
