@@ -264,7 +264,7 @@ def _make_room(layers, names: tuple[str, ...], stack_bytes: int, device: torch.d
     :data:`STACK_MARGIN_BYTES`), move those sources (``names`` of every layer
     of ``layers``) to host memory first, so the peak is one copy of them on
     the GPU, not two. Why: North Mini Code's random weights are drawn in
-    bf16 on the GPU (58 GB); its 26 GB gate/up expert stack beside them does
+    bf16 on the GPU (61 GB); its 39 GB gate/up expert stack beside them does
     not fit an 80 GB H100, though the model alone does. Returns whether it
     moved them."""
     free = _device_free_bytes(device)
