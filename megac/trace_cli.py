@@ -37,7 +37,12 @@ from megac.calibrate_cli import traced_step_options
                    "layer's first run), the opcodes' spans and the tasks that ended last.")
 @click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --layer: draw that layer's per-SM timeline (.png or .svg).")
-def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, json_out, marks, layer, timeline):
+@click.option("--tails", is_flag=True,
+              help="Instead: how every MoE layer's two chains end (the last O-projection tile, the last down "
+                   "claim), the down claims taken after the up claims ended and the O-projection tiles queued "
+                   "behind up claims, with the medians per kind of layer.")
+def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, json_out, marks, layer, timeline,
+              tails):
     """Where the bandwidth of the step in TRACE goes: per layer kind, TB/s by opcode through a layer.
     With --layer N: who did what in layer N, SM by SM."""
     from megac.calibrate_cli import traced_step
@@ -47,6 +52,14 @@ def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, j
     say = lambda m: click.echo(m, err=True)  # noqa: E731
     if timeline is not None and layer is None:
         raise click.UsageError("--timeline draws one layer: pass --layer N too")
+    if tails and layer is not None:
+        raise click.UsageError("--tails reads every layer: pass it without --layer")
+    if tails:
+        from megac.calibrate_cli import read_trace, trace_records
+        from megac.trace_layer import format_tails, step_tails
+
+        click.echo(format_tails(step_tails(trace_records(read_trace(trace, "trace"), trace, "trace"))))
+        return
     if layer is not None:
         _layer(trace, layer, timeline, say)
         return

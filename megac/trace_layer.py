@@ -106,6 +106,88 @@ def format_layer_view(view: LayerView) -> str:
     return "\n".join(lines)
 
 
+#: a task that began within this many µs before its layer's last up claim
+#: ended, or after it, began as the up tiles ended: a down claim then could
+#: not prime ahead of its wait (the router SMs' come ~0.7 µs before)
+LATE_US = 1.0
+#: a down claimer that found the queue drained within this many µs after the
+#: up claims ended was free to share the expert chain's tail
+TAIL_ASK_US = 3.0
+
+
+@dataclass
+class Tails:
+    """How a MoE layer's two chains end (µs from the layer's first run): the
+    attention chain's last O-projection tile and the expert chain's last down
+    claim, and what put them there (``megac trace --tails``)."""
+
+    layer: int
+    kind: str  # "full" (its attention claimed: ATTN_DRAIN) or "sliding"
+    span: float
+    up_end: float  # the last up claim's end
+    oproj_end: float
+    down_end: float  # the last down claimer that ran a claim
+    combine_end: float
+    late_down: int  # down claimers that ran a claim and began as the up claims ended (LATE_US)
+    late_drained: int  # down claimers that began then (up to TAIL_ASK_US after) and found the queue drained
+    oproj_behind_up: int  # O-projection tiles begun then, right after an up claimer that ran a claim on its SM
+
+
+def layer_tails(view: LayerView) -> Tails | None:
+    """The view's Tails; None for a layer without expert claims (dense)."""
+    tasks = [t for ts in view.sms.values() for t in ts]
+    ups = [t for t in tasks if t.op == "MOE_UPGATE_DRAIN" and t.claims > 0]
+    downs = [t for t in tasks if t.op == "MOE_DOWN_DRAIN"]
+    if not ups or not any(t.claims > 0 for t in downs):
+        return None
+    up_end = max(t.end for t in ups)
+    late = [t for t in downs if t.run_from >= up_end - LATE_US]
+    asked = [t for t in late if t.claims == 0 and t.run_from <= up_end + TAIL_ASK_US]
+    behind = sum(1 for ts in view.sms.values() for a, b in zip(ts, ts[1:])
+                 if a.op == "MOE_UPGATE_DRAIN" and a.claims > 0 and b.op == "O_PROJ"
+                 and b.run_from >= up_end - LATE_US)
+    ends = lambda op: max((t.end for t in tasks if t.op == op), default=float("nan"))  # noqa: E731
+    return Tails(view.layer, "full" if any(t.op == "ATTN_DRAIN" for t in tasks) else "sliding", view.span_us, up_end,
+                 ends("O_PROJ"), max(t.end for t in downs if t.claims > 0), ends("MOE_COMBINE"),
+                 sum(1 for t in late if t.claims > 0), len(asked), behind)
+
+
+def step_tails(records) -> list[Tails]:
+    """Every MoE layer's Tails, in layer order."""
+    if not records:
+        raise MegacError("trace: the trace holds no task records")
+    layers = sorted({r["layer"] for r in records if r["layer"] >= 0})
+    out = [layer_tails(layer_view(records, layer)) for layer in layers]
+    tails = [t for t in out if t is not None]
+    if not tails:
+        raise MegacError("trace: no layer of the trace ran expert claims (--tails reads MoE layers)")
+    return tails
+
+
+def format_tails(tails: list[Tails]) -> str:
+    """A line per layer, then the medians per kind of layer."""
+    head = (f"{'layer':>5} {'kind':>8} {'span':>6} {'up end':>7} {'O-proj end':>11} {'down end':>9} "
+            f"{'combine end':>12} {'late down':>10} {'late drained':>13} {'O-proj behind up':>17}")
+    row = lambda t: (f"{t.layer:>5} {t.kind:>8} {t.span:>6.1f} {t.up_end:>7.1f} {t.oproj_end:>11.1f} "  # noqa: E731
+                     f"{t.down_end:>9.1f} {t.combine_end:>12.1f} {t.late_down:>10} {t.late_drained:>13} "
+                     f"{t.oproj_behind_up:>17}")
+    lines = ["how each MoE layer's chains end (us from the layer's first run): the attention chain's last "
+             "O-projection tile, the expert chain's last down claim",
+             f"late down: down claims begun as the up claims ended (from {LATE_US:g} us before); late drained: "
+             f"down claimers that asked then (to {TAIL_ASK_US:g} us after) and found none; O-proj behind up: "
+             "tiles begun then, right after their SM's up claim",
+             "", head] + [row(t) for t in tails] + ["", "median by kind of layer:", head]
+    for kind in ("sliding", "full"):
+        mine = [t for t in tails if t.kind == kind]
+        if mine:
+            med = Tails(len(mine), kind, *(statistics.median(getattr(t, f) for t in mine) for f in
+                                           ("span", "up_end", "oproj_end", "down_end", "combine_end")),
+                        *(round(statistics.median(getattr(t, f) for t in mine)) for f in
+                          ("late_down", "late_drained", "oproj_behind_up")))
+            lines.append(row(med).replace(f"{len(mine):>5}", f"{'x' + str(len(mine)):>5}", 1))
+    return "\n".join(lines)
+
+
 def layer_records(records, view: LayerView) -> list[dict]:
     """The layer's records with times from the layer's first run (for
     megac.plot.plot_measured)."""
@@ -114,4 +196,5 @@ def layer_records(records, view: LayerView) -> list[dict]:
             for r in records if r["layer"] == view.layer]
 
 
-__all__ = ["LayerView", "Task", "format_layer_view", "layer_records", "layer_view"]
+__all__ = ["LayerView", "Tails", "Task", "format_layer_view", "format_tails", "layer_records", "layer_tails",
+           "layer_view", "step_tails"]

@@ -101,3 +101,61 @@ def test_trace_layer_command_prints_and_draws_from_the_records_alone(tmp_path):
     assert r.exit_code != 0 and "--layer" in r.output and not (tmp_path / "x.png").exists()
     r = CliRunner().invoke(main, ["trace", str(path), "--layer", "3", "--timeline", str(tmp_path / "x.gif")])
     assert r.exit_code != 0 and "--timeline" in r.output
+
+
+# layer 5: a MoE layer whose tails are known (µs from its first run, t = 0): the up claims end at 32;
+# SM 0's O-projection tile waits behind its up claim (begins 31: as they end), SM 1 claims down late
+# (32.5), SM 2 asks at 33 and finds the queue drained, SM 3 claimed early (14) and SM 4 asks long after
+# (40: not one that could share the tail). Layer 6 is full (its attention claimed), layer 7 dense.
+TAIL_RECORDS = [
+    _rec(0, 0, "QKV_PROJ", 5, 0.0, 0.0, 8.0),
+    _rec(0, 1, "MOE_UPGATE_DRAIN", 5, 9.0, 10.0, 30.0, claims=1),
+    _rec(0, 2, "O_PROJ", 5, 30.5, 31.0, 40.0),
+    _rec(1, 0, "MOE_UPGATE_DRAIN", 5, 4.0, 5.0, 32.0, claims=1),
+    _rec(1, 1, "MOE_DOWN_DRAIN", 5, 32.2, 32.5, 42.0, claims=1),
+    _rec(2, 0, "ATTN_DECODE", 5, 2.0, 10.0, 20.0),
+    _rec(2, 1, "O_PROJ", 5, 20.5, 21.0, 29.0),
+    _rec(2, 2, "MOE_DOWN_DRAIN", 5, 32.8, 33.0, 34.0, claims=0),
+    _rec(3, 0, "MOE_UPGATE_DRAIN", 5, 10.0, 11.0, 12.0, claims=0),
+    _rec(3, 1, "MOE_DOWN_DRAIN", 5, 13.0, 14.0, 38.0, claims=1),
+    _rec(4, 0, "MOE_DOWN_DRAIN", 5, 39.0, 40.0, 41.0, claims=0),
+    _rec(5, 0, "MOE_COMBINE", 5, 35.0, 42.5, 44.0),
+    _rec(0, 3, "ATTN_DRAIN", 6, 50.0, 50.0, 70.0, claims=2),
+    _rec(1, 2, "MOE_UPGATE_DRAIN", 6, 50.0, 51.0, 80.0, claims=1),
+    _rec(2, 3, "O_PROJ", 6, 71.0, 72.0, 85.0),
+    _rec(3, 2, "MOE_DOWN_DRAIN", 6, 60.0, 61.0, 90.0, claims=1),
+    _rec(0, 4, "QKV_PROJ", 7, 95.0, 95.0, 99.0),
+    _rec(1, 3, "FFN_DOWN", 7, 99.0, 100.0, 110.0),
+]
+
+
+def test_tails_say_which_chain_ends_a_moe_layer_and_why():
+    from megac.trace_layer import format_tails, layer_tails, step_tails
+
+    t = layer_tails(layer_view(TAIL_RECORDS, 5))
+    assert (t.kind, t.span, t.up_end, t.oproj_end, t.down_end, t.combine_end) == ("sliding", 44.0, 32.0, 40.0, 42.0,
+                                                                                   44.0)
+    assert (t.late_down, t.late_drained, t.oproj_behind_up) == (1, 1, 1)
+    tails = step_tails(TAIL_RECORDS)
+    assert [(x.layer, x.kind) for x in tails] == [(5, "sliding"), (6, "full")]  # the dense layer 7 left out
+    full = tails[1]
+    assert (full.up_end, full.oproj_end, full.down_end, full.late_down) == (30.0, 35.0, 40.0, 0)
+    assert full.combine_end != full.combine_end  # no combine in the layer: NaN, not a number made up
+    text = format_tails(tails)
+    rows = [ln.split() for ln in text.splitlines() if ln[:5].strip() in ("5", "x1")]
+    assert rows[0][:2] == ["5", "sliding"] and rows[0][-3:] == ["1", "1", "1"]
+    assert "median by kind of layer:" in text and any(r[:2] == ["x1", "sliding"] for r in rows)
+    with pytest.raises(MegacError, match="no layer of the trace ran expert claims"):
+        step_tails([r for r in TAIL_RECORDS if r["layer"] == 7])
+
+
+def test_trace_tails_command(tmp_path):
+    from megac.cli import main
+
+    path = tmp_path / "step.trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(chrome_trace(TAIL_RECORDS, {"model": "nmc-x", "batch": 1})).encode()))
+    r = CliRunner().invoke(main, ["trace", str(path), "--tails"])
+    assert r.exit_code == 0, r.output
+    assert "late down" in r.output and "median by kind of layer:" in r.output
+    r = CliRunner().invoke(main, ["trace", str(path), "--tails", "--layer", "5"])
+    assert r.exit_code != 0 and "--tails reads every layer" in r.output
