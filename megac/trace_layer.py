@@ -168,23 +168,24 @@ def format_tails(tails: list[Tails]) -> str:
     """A line per layer, then the medians per kind of layer."""
     head = (f"{'layer':>5} {'kind':>8} {'span':>6} {'up end':>7} {'O-proj end':>11} {'down end':>9} "
             f"{'combine end':>12} {'late down':>10} {'late drained':>13} {'O-proj behind up':>17}")
-    row = lambda t: (f"{t.layer:>5} {t.kind:>8} {t.span:>6.1f} {t.up_end:>7.1f} {t.oproj_end:>11.1f} "  # noqa: E731
-                     f"{t.down_end:>9.1f} {t.combine_end:>12.1f} {t.late_down:>10} {t.late_drained:>13} "
-                     f"{t.oproj_behind_up:>17}")
+    def row(t: Tails, label: str) -> str:
+        return (f"{label:>5} {t.kind:>8} {t.span:>6.1f} {t.up_end:>7.1f} {t.oproj_end:>11.1f} {t.down_end:>9.1f} "
+                f"{t.combine_end:>12.1f} {t.late_down:>10} {t.late_drained:>13} {t.oproj_behind_up:>17}")
+
     lines = ["how each MoE layer's chains end (us from the layer's first run): the attention chain's last "
              "O-projection tile, the expert chain's last down claim",
              f"late down: down claims begun as the up claims ended (from {LATE_US:g} us before); late drained: "
              f"down claimers that asked then (to {TAIL_ASK_US:g} us after) and found none; O-proj behind up: "
              "tiles begun then, right after their SM's up claim",
-             "", head] + [row(t) for t in tails] + ["", "median by kind of layer:", head]
+             "", head] + [row(t, str(t.layer)) for t in tails] + ["", "median by kind of layer:", head]
     for kind in ("sliding", "full"):
         mine = [t for t in tails if t.kind == kind]
         if mine:
-            med = Tails(len(mine), kind, *(statistics.median(getattr(t, f) for t in mine) for f in
-                                           ("span", "up_end", "oproj_end", "down_end", "combine_end")),
+            med = Tails(-1, kind, *(statistics.median(getattr(t, f) for t in mine) for f in
+                                    ("span", "up_end", "oproj_end", "down_end", "combine_end")),
                         *(round(statistics.median(getattr(t, f) for t in mine)) for f in
                           ("late_down", "late_drained", "oproj_behind_up")))
-            lines.append(row(med).replace(f"{len(mine):>5}", f"{'x' + str(len(mine)):>5}", 1))
+            lines.append(row(med, f"x{len(mine)}"))  # the label: how many layers the median is of
     return "\n".join(lines)
 
 

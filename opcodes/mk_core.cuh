@@ -346,13 +346,12 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
 struct QueueSource {
   const Ctx& c;
   int queue_field, len_field, num_layers;
-  __device__ bool operator()(int32_t* rec) const {
-    const int32_t* w = c.ts->w;
-    const int32_t layer = w[H_LAYER];
-    const int32_t queue = w[queue_field];
-    uint32_t* head = ptr<uint32_t>(c.d->queue_heads) + queue * num_layers + layer;
-    const uint32_t idx = atomicAdd(head, 1u);
-    if (static_cast<int32_t>(idx) >= w[len_field]) return false;
+  // the layer's queue head: one atomic a claim takes the next index
+  __device__ uint32_t* head(int32_t layer, int32_t queue) const {
+    return ptr<uint32_t>(c.d->queue_heads) + queue * num_layers + layer;
+  }
+  // record idx of the layer's queue into rec
+  __device__ void load(int32_t layer, int32_t queue, uint32_t idx, int32_t* rec) const {
     const int32_t* q;
     if (queue == QUEUE_ATTN)
       q = ptr<const int32_t>(c.d->attn_queue);
@@ -361,6 +360,14 @@ struct QueueSource {
     else
       q = ptr<const int32_t>(c.d->moe_down_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
     for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) rec[i] = __ldcg(q + int64_t(idx) * QUEUE_RECORD_WORDS + i);
+  }
+  __device__ bool operator()(int32_t* rec) const {
+    const int32_t* w = c.ts->w;
+    const int32_t layer = w[H_LAYER];
+    const int32_t queue = w[queue_field];
+    const uint32_t idx = atomicAdd(head(layer, queue), 1u);
+    if (static_cast<int32_t>(idx) >= w[len_field]) return false;
+    load(layer, queue, idx, rec);
     return true;
   }
 };

@@ -224,9 +224,8 @@ struct MoeDownOffsets {
 // with kDownPair); two that are not (never seen; checked) run one after the
 // other, the second kept in `pending` for this claimer's next claim.
 struct DownPairSource {
-  const Ctx& c;
-  int32_t* pending;  // thread 0's: a claimed record not yet run (pending[0] < 0: none)
-  int num_layers;
+  QueueSource queue;  // the down queue's head and records
+  int32_t* pending;   // thread 0's: a claimed record not yet run (pending[0] < 0: none)
   bool pairs;  // a pair's tile fits the GEMM's output staging (2 x N_LEN <= MAX_NLEN); else all singles
   __device__ bool operator()(int32_t* rec) const {
     if (pending[0] >= 0) {
@@ -234,20 +233,16 @@ struct DownPairSource {
       pending[0] = -1;
       return true;
     }
-    const int32_t* w = c.ts->w;
-    const int32_t layer = w[H_LAYER];
-    const int32_t len = w[f_moe_down_drain::QUEUE_LEN];
-    uint32_t* head = ptr<uint32_t>(c.d->queue_heads) + w[f_moe_down_drain::QUEUE] * num_layers + layer;
-    const int32_t idx = static_cast<int32_t>(atomicAdd(head, 1u));
+    const int32_t* w = queue.c.ts->w;
+    const int32_t layer = w[H_LAYER], q = w[f_moe_down_drain::QUEUE], len = w[f_moe_down_drain::QUEUE_LEN];
+    const int32_t idx = static_cast<int32_t>(atomicAdd(queue.head(layer, q), 1u));
     const int32_t singles = min(len, MEGAC_DOWN_PAIRS + ((len - MEGAC_DOWN_PAIRS) & 1));
     const int32_t np = pairs ? (len - singles) / 2 : 0;
-    if (idx >= np + (pairs ? singles : len)) return false;
-    const int32_t* q = ptr<const int32_t>(c.d->moe_down_queue) + int64_t(layer) * c.d->moe_queue_cap * QUEUE_RECORD_WORDS;
-    const int32_t r = idx < np ? 2 * idx : idx + np;
-    for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) rec[i] = __ldcg(q + int64_t(r) * QUEUE_RECORD_WORDS + i);
+    if (idx >= len - np) return false;  // np claims of two, len - 2 np of one
+    queue.load(layer, q, uint32_t(idx < np ? 2 * idx : idx + np), rec);
     if (idx < np) {
       int32_t b[QUEUE_RECORD_WORDS];
-      for (int i = 0; i < QUEUE_RECORD_WORDS; ++i) b[i] = __ldcg(q + int64_t(r + 1) * QUEUE_RECORD_WORDS + i);
+      queue.load(layer, q, uint32_t(2 * idx + 1), b);
       if (b[rec_moe_down::EXPERT] == rec[rec_moe_down::EXPERT] && b[rec_moe_down::N_TILE] == rec[rec_moe_down::N_TILE] + 1 &&
           b[rec_moe_down::SLOT0] == rec[rec_moe_down::SLOT0] && b[rec_moe_down::ROWS] == rec[rec_moe_down::ROWS])
         rec[rec_moe_down::N_TILE] |= kDownPair;
@@ -615,10 +610,10 @@ __device__ __forceinline__ bool moe_down_drain(const Ctx& c) {
   };
   if constexpr (MEGAC_DOWN_PAIRS > 0) {
     int32_t pending[QUEUE_RECORD_WORDS] = {-1, 0, 0, 0};
-    return claim_loop(c, DownPairSource{c, pending, M::NUM_LAYERS,
-                                               2 * MK_F(moe_down_drain, N_LEN) <= M::MAX_NLEN}, f_moe_down_drain::TASK_WAIT_BASE,
-                      f_moe_down_drain::TASK_WAIT_TARGET, f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{}, prefetch,
-                      run, DownEarly<M>{c});
+    const QueueSource queue{c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, M::NUM_LAYERS};
+    return claim_loop(c, DownPairSource{queue, pending, 2 * MK_F(moe_down_drain, N_LEN) <= M::MAX_NLEN},
+                      f_moe_down_drain::TASK_WAIT_BASE, f_moe_down_drain::TASK_WAIT_TARGET,
+                      f_moe_down_drain::TASK_SIGNAL_BASE, MoeDownOffsets{}, prefetch, run, DownEarly<M>{c});
   }
   if constexpr (MEGAC_DOWN_ONE_CLAIM) {
     const QueueSource queue{c, f_moe_down_drain::QUEUE, f_moe_down_drain::QUEUE_LEN, M::NUM_LAYERS};

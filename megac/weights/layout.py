@@ -52,6 +52,7 @@ it. Requirements: ``N % 16 == 0``, ``K % BK == 0``, ``BK % 32 == 0``.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Iterable
 
 import torch
@@ -307,10 +308,7 @@ def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEF
         first = next((t for lw in layers for n in names if (t := getattr(lw, n)) is not None), None)
         device = None if first is None else first.device
         if consume and device is not None:
-            n_bytes = len(layers) * dt.itemsize
-            for x in shape:
-                n_bytes *= x
-            _make_room(layers, names, n_bytes, device)
+            _make_room(layers, names, len(layers) * dt.itemsize * math.prod(shape), device)
         return _stack(taking(layers, make, *names), len(layers), shape, dt, device)
 
     moe_chunk = chunk if moe_chunk is None else moe_chunk
