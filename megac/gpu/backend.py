@@ -102,7 +102,7 @@ class CudaBackend(TorchPrefillMixin):
                  cubin=None, decode_only: bool = False) -> None:
         from megac.codegen.megakernel import ENTRY, THREADS, build_megakernel, largest
         from megac.gpu import launch
-        from megac.weights.layout import LAYOUT_ROW_MAJOR, kernel_weights, relayout_
+        from megac.weights.layout import LAYOUT_ROW_MAJOR, LaidOutWeights, kernel_weights, relayout_
 
         torch = _torch()
         if not torch.cuda.is_available():
@@ -134,13 +134,18 @@ class CudaBackend(TorchPrefillMixin):
         moe_chunk = geo.moe_chunk
         # decode only: the canonical layers are emptied as their kernel copy is
         # made, so the peak is one copy of the model, not two
-        kw = kernel_weights(self.weights, spec, chunk=chunk, moe_chunk=moe_chunk, consume=decode_only)
-        if decode_only:
+        if isinstance(self.weights, LaidOutWeights):  # another engine's, adopted (decode only)
+            kw, have = self.weights.adopt(chunk, moe_chunk), self.weights.layout
             self.weights = None
+        else:
+            kw, have = kernel_weights(self.weights, spec, chunk=chunk, moe_chunk=moe_chunk,
+                                      consume=decode_only), LAYOUT_ROW_MAJOR
+            if decode_only:
+                self.weights = None
         self.kernel_weights = {k: v.to(self.dev).contiguous() for k, v in kw.items()}
         # the GEMM weights as this cubin reads them (use_cubin re-lays them out
         # when a build with another layout is swapped in)
-        relayout_(self.kernel_weights, LAYOUT_ROW_MAJOR, self.layout)
+        relayout_(self.kernel_weights, have, self.layout)
         self.kernel_weights["layer_slot"] = self.kernel_weights["layer_slot"].to(torch.int32)
         self.kernel_weights["rope_inv_freq"] = self.kernel_weights["rope_inv_freq"].to(torch.float32)
         # buffers of the largest key (counters: the most any schedule uses)

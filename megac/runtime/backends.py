@@ -79,6 +79,9 @@ def make_backend(kind: str, spec, weights, kv, *, schedules=None, artifact_dir=N
     ``cuda``. ``decode_only``: the cuda and waves backends consume the
     canonical weights into their kernel layout (see EngineOptions)."""
     kind = resolve_kind(kind)
+    if kind != "cuda" and not hasattr(weights, "layers"):  # megac.weights.layout.LaidOutWeights
+        raise MegacError(f"--backend {kind}: needs the model's weights; another engine's laid-out weights "
+                         "are for the cuda backend only")
     if kind == "reference":
         return ReferenceBackend(spec, weights, kv, max_batch_size=max_batch_size)
     if kind == "graphs":

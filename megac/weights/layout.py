@@ -282,6 +282,19 @@ def _make_room(layers, names: tuple[str, ...], stack_bytes: int, device: torch.d
     return True
 
 
+def _back_on(device: torch.device, make, names: tuple[str, ...]):
+    """``make`` with a layer's sources ``names`` moved back to ``device``
+    first, one layer at a time: staged sources are interleaved there, not by
+    the host's two cores (the stack's peak grows by one layer's sources)."""
+    def on_device(lw):
+        for n in names:
+            t = getattr(lw, n)
+            if t is not None and t.device != device:
+                setattr(lw, n, t.to(device))
+        return make(lw)
+    return on_device
+
+
 def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEFAULT_CHUNK,
                    moe_chunk: int | None = None, consume: bool = False) -> dict[str, torch.Tensor]:
     """The descriptor's weight tensors (:data:`KERNEL_WEIGHT_FIELDS`) for
@@ -307,8 +320,9 @@ def kernel_weights(weights: ModelWeights, spec: "ModelSpec", *, chunk: int = DEF
         fit there beside them, they wait in host memory first (_make_room)."""
         first = next((t for lw in layers for n in names if (t := getattr(lw, n)) is not None), None)
         device = None if first is None else first.device
-        if consume and device is not None:
-            _make_room(layers, names, len(layers) * dt.itemsize * math.prod(shape), device)
+        if consume and device is not None and _make_room(layers, names, len(layers) * dt.itemsize
+                                                         * math.prod(shape), device):
+            make = _back_on(device, make, names)
         return _stack(taking(layers, make, *names), len(layers), shape, dt, device)
 
     moe_chunk = chunk if moe_chunk is None else moe_chunk
@@ -379,11 +393,57 @@ def canonical_from_kernel(kw: dict[str, torch.Tensor], spec: "ModelSpec", *, chu
     )
 
 
+
+class LaidOutWeights:
+    """A decode-only engine's kernel-layout weights handed on whole to the
+    next engine of the same interleave (``chunk``, ``moe_chunk``): what
+    timing several builds of a model that fits the GPU only once needs
+    (North Mini Code on an 80 GB H100), where drawing and laying out the
+    weights afresh took ~95 s an engine and moved them to other addresses.
+    ``layout``: how the GEMM weights are tiled now (``LAYOUT_*``); the
+    adopting backend re-lays them for its cubin. Stands in for
+    :class:`ModelWeights` only where the cuda backend builds its engine."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], layout: int, chunk: int, moe_chunk: int) -> None:
+        self.tensors, self.layout, self.chunk, self.moe_chunk = tensors, layout, chunk, moe_chunk
+        self.dtype = tensors["w_embed"].dtype
+
+    @classmethod
+    def take(cls, backend) -> "LaidOutWeights":
+        """``backend``'s (a CudaBackend's) weights; that backend cannot run after."""
+        geo = backend.big.geometry
+        got = cls(backend.kernel_weights, backend.layout, max(1, geo.upgate_bn // 2), geo.moe_chunk)
+        backend.kernel_weights = None
+        return got
+
+    def to(self, dtype=None, device=None) -> "LaidOutWeights":
+        """Itself: the tensors are already bf16 on the GPU (they never move)."""
+        if dtype is not None and dtype != self.dtype:
+            raise MegacError(f"laid-out weights are {self.dtype}, not {dtype}: they are never cast")
+        return self
+
+    def adopt(self, chunk: int, moe_chunk: int) -> dict[str, torch.Tensor]:
+        """The tensors, for a backend whose interleave is (``chunk``, ``moe_chunk``);
+        this object is empty after."""
+        if (chunk, moe_chunk) != (self.chunk, self.moe_chunk):
+            raise LayoutMismatch(f"laid-out weights interleave gate/up in chunks of {self.chunk} (experts "
+                                 f"{self.moe_chunk}); these schedules read {chunk} ({moe_chunk})")
+        if self.tensors is None:
+            raise MegacError("laid-out weights were already adopted by another engine")
+        got, self.tensors = self.tensors, None
+        return got
+
+
+class LayoutMismatch(MegacError):
+    """Laid-out weights offered to schedules of another gate/up interleave."""
+
 __all__ = [
     "DEFAULT_CHUNK",
     "GEMM_WEIGHT_FIELDS",
     "LAYOUT_ROW_MAJOR",
     "LAYOUT_TILED",
+    "LaidOutWeights",
+    "LayoutMismatch",
     "relayout_",
     "gemm_tileable",
     "KERNEL_WEIGHT_FIELDS",

@@ -56,6 +56,12 @@ PROMPTS = [
 ]
 
 
+def _noise_step(eng):
+    """fp32 logits of one decode step of 2 rows at 100 tokens of seeded KV noise."""
+    scale._noise_kv(eng)
+    return scale.step_logits_per_setup(eng, {"own": lambda: None}, 2, 100)["own"]
+
+
 def _tiny_vs_vm(spec) -> dict:
     """A small model on the GPU against the CPU VM: greedy tokens, logits'
     cosine, repeat and batch invariance (MEGAC_CHECK_VARIANT: that VARIANTS
@@ -63,6 +69,7 @@ def _tiny_vs_vm(spec) -> dict:
     import torch
 
     from megac.weights import random_weights
+    from megac.weights.layout import LaidOutWeights
 
     w = random_weights(spec, seed=7, dtype=torch.bfloat16)
     prompts = [[(17 * i + 3 * j) % spec.vocab_size for j in range(n)] for i, n in enumerate((5, 37, 12))]
@@ -75,6 +82,14 @@ def _tiny_vs_vm(spec) -> dict:
     b = scale.generate_all(gpu, prompts, 8)
     alone = [scale.generate_all(gpu, [p], 8)[0] for p in prompts]
     vm = scale.generate_all(scale.engine(spec, w, "cpu", max_batch_size=8, max_model_len=256), prompts, 8)
+    # an engine that adopts these laid-out weights (LaidOutWeights: how check tiles times builds of a
+    # model that fits the GPU once) steps the same noise rows to the same bits
+    first = _noise_step(gpu)
+    adopter = scale.engine(spec, LaidOutWeights.take(gpu.backend), "cuda", max_batch_size=8, max_model_len=256)
+    if variant:
+        scale.use_cubin(adopter.backend, scale.variant_cubin(spec, scale.VARIANTS[variant]))
+    adopted_equal = bool(torch.equal(first, _noise_step(adopter)))
+    del adopter
     cos, same_tok = [], []
     for g, v in zip(a, vm):
         same_tok.append(g.tokens == v.tokens)
@@ -85,6 +100,7 @@ def _tiny_vs_vm(spec) -> dict:
         "min_cos_vs_vm": min(cos),
         "repeat_bit_identical": all(torch.equal(x, y) for g, h in zip(a, b) for x, y in zip(g.logits, h.logits)),
         "alone_equals_batch": all(torch.equal(x, y) for g, h in zip(a, alone) for x, y in zip(g.logits, h.logits)),
+        "adopted_step_bit_identical": adopted_equal,
         "gpu_tokens": [g.tokens for g in a],
         "vm_tokens": [v.tokens for v in vm],
         "kernel_ms_median": scale.median(gpu.backend.kernel_ms),

@@ -1208,12 +1208,14 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
 
     from megac.decode_bench import pool_blocks
     from megac.weights import random_weights
+    from megac.weights.layout import LaidOutWeights, LayoutMismatch
 
     out = {}
     w = ref = ref1 = None
     orders, defines = orders or {}, defines or {}
     # where the model fits the GPU once but not twice (North Mini Code on an 80 GB H100), each engine
-    # draws the same seeded weights afresh and consumes them into its own layout
+    # adopts the one before's laid-out weights (LaidOutWeights: the same tensors, the same addresses),
+    # or, where its gate/up interleave differs, draws the same seeded weights afresh
     fresh = False
     for name, spec in specs.items():
         if w is None:
@@ -1222,9 +1224,18 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
                 free, _ = torch.cuda.mem_get_info()
                 fresh = free < 1.15 * w.nbytes()
         order = orders.get(name, "tuned")
-        eng = engine(spec, w, max_batch_size=8, max_model_len=max(contexts) + 64,
-                     num_kv_blocks=max(40000, pool_blocks(spec, max(batches), max(contexts) + 64)), order=order,
-                     decode_only=fresh)
+
+        def build(w):
+            return engine(spec, w, max_batch_size=8, max_model_len=max(contexts) + 64,
+                          num_kv_blocks=max(40000, pool_blocks(spec, max(batches), max(contexts) + 64)),
+                          order=order, decode_only=fresh)
+        try:
+            eng = build(w)
+        except LayoutMismatch:
+            w = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            eng = build(random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV))
         if fresh:
             w = None
         _noise_kv(eng)
@@ -1244,6 +1255,8 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
             out[name]["bits_equal_first_1row"] = same_bits(ref1, got1)
         out[name]["addr"] = engine_addresses(eng)
         print(json.dumps({name: out[name]}), flush=True)
+        if fresh:
+            w = LaidOutWeights.take(eng.backend)
         del eng
         gc.collect()
         torch.cuda.empty_cache()

@@ -56,6 +56,7 @@ def test_tiny_models_match_the_vm_and_are_batch_invariant(tmp_path):
         assert all(r["tokens_equal_vm"]), name
         assert r["min_cos_vs_vm"] >= 0.9999, name
         assert r["repeat_bit_identical"] and r["alone_equals_batch"], name
+        assert r["adopted_step_bit_identical"], name
 
 
 def test_broken_schedule_raises_a_hang_naming_the_root_cause(tmp_path):

@@ -504,3 +504,33 @@ def test_consumed_stacks_that_do_not_fit_wait_in_host_memory(monkeypatch):
         assert torch.equal(got[f], want[f]), f
         assert got[f].device == want[f].device
     assert all(lw.experts_gate is None and lw.experts_down is None for lw in (w.layers[i] for i in spec.moe_layers))
+
+
+def test_laid_out_weights_are_handed_on_whole_once_and_only_to_their_interleave():
+    """LaidOutWeights: the next decode-only engine takes the tensors
+    themselves (no copy) where its gate/up interleave is theirs; another
+    interleave, a second taker, a cast or a backend other than cuda gets a
+    one-line error and the tensors stay where they were."""
+    from types import SimpleNamespace
+
+    from megac.runtime.backends import make_backend
+    from megac.weights.layout import LAYOUT_TILED, LaidOutWeights, LayoutMismatch
+
+    spec = load_spec("tiny-moe")
+    kw = kernel_weights(random_weights(spec, seed=3, dtype=torch.bfloat16), spec, chunk=16, moe_chunk=32)
+    geo = SimpleNamespace(upgate_bn=32, moe_chunk=32)
+    donor = SimpleNamespace(kernel_weights=kw, layout=LAYOUT_TILED, big=SimpleNamespace(geometry=geo))
+    laid = LaidOutWeights.take(donor)
+    assert donor.kernel_weights is None  # the donor cannot run on them after
+    assert (laid.chunk, laid.moe_chunk, laid.layout, laid.dtype) == (16, 32, LAYOUT_TILED, torch.bfloat16)
+    assert laid.to(torch.bfloat16, "cuda") is laid
+    with pytest.raises(MegacError, match="never cast"):
+        laid.to(torch.float32)
+    with pytest.raises(LayoutMismatch, match="chunks of 16 .experts 32.; these schedules read 16 .64."):
+        laid.adopt(16, 64)
+    with pytest.raises(MegacError, match="cuda backend only"):
+        make_backend("cpu", spec, laid, kv=None, schedules=[])
+    got = laid.adopt(16, 32)
+    assert all(got[k] is kw[k] for k in kw)  # the very tensors, not copies
+    with pytest.raises(MegacError, match="already adopted"):
+        laid.adopt(16, 32)
