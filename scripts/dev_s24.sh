@@ -398,6 +398,15 @@ case "${1:-tails}" in
     [ $left -gt 90 ] && AT=$left TB=1 \
       TLIST=${TLIST:-dn128p,dn128p_oa,dn128p_o256_oa,cpoll,default#1,dn128p#1,dn128p_oa#1,old35,dn128p16,default#2} \
       bash "$0" ab | cut -c1-160 ;;
+  s39h)  # an H100 (~9 min): the tiny models under dpair (the adopting engine's step now compared before any
+         # request), then dn128p against the default, engines alternating on the same laid-out weights
+         # (LaidOutWeights), bs1 and bs8, with dn128p16 and dn128p_o256_oa between, until AB_END s
+    env MEGAC_CHECK_VARIANT=dpair timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
+      > $OUT/tiny.log 2>&1; echo tiny rc $?
+    python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['min_cos_vs_vm']) for m, r in d['result'].items()})"
+    t=default,dn128p; for i in 1 2 3 4 5 6 7 8 9 10 11; do t=$t,default#$i,dn128p#$i; [ $((i % 3)) = 0 ] && t=$t,dn128p16#$i,dn128p_o256_oa#$i; done
+    left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
+    AT=$left TB=${TB:-1,8} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-70 ;;
   s39b)  # megac bench of the default at bs1 and bs8 (~4 min), then the modes probe while time is left
     BS=1,8 BT=${BT:-260} bash "$0" bench
     left=$((570 - SECONDS)); echo "modes gets ${left}s"

@@ -78,13 +78,14 @@ def _tiny_vs_vm(spec) -> dict:
     variant = os.environ.get("MEGAC_CHECK_VARIANT")  # a VARIANTS build instead of the default
     if variant:
         scale.use_cubin(gpu.backend, scale.variant_cubin(spec, scale.VARIANTS[variant]))
+    # one step over noise before any request (an engine's first: the adopter's below is its first too)
+    first = _noise_step(gpu)
     a = scale.generate_all(gpu, prompts, 8)
     b = scale.generate_all(gpu, prompts, 8)
     alone = [scale.generate_all(gpu, [p], 8)[0] for p in prompts]
     vm = scale.generate_all(scale.engine(spec, w, "cpu", max_batch_size=8, max_model_len=256), prompts, 8)
     # an engine that adopts these laid-out weights (LaidOutWeights: how check tiles times builds of a
     # model that fits the GPU once) steps the same noise rows to the same bits
-    first = _noise_step(gpu)
     adopter = scale.engine(spec, LaidOutWeights.take(gpu.backend), "cuda", max_batch_size=8, max_model_len=256)
     if variant:
         scale.use_cubin(adopter.backend, scale.variant_cubin(spec, scale.VARIANTS[variant]))
