@@ -1725,12 +1725,15 @@ def check_profile() -> dict:
 def rehome(eng, what: str) -> dict:
     """Move one group of an engine's device memory to fresh allocations (the
     new one made before the old is freed, so it cannot land on the same
-    pages): ``buffers`` (step buffers, the uploaded words, the task lists),
-    ``weights`` (every kernel weight that fits twice in what is free), ``kv``
-    (the two pools). Same contents, so the same bits; returns the moved
-    groups' sizes. For the modes probe: engines of one spec at the same
-    virtual addresses run ~2.57 or ~2.67 ms (thirty-second to thirty-sixth
-    sessions); if moving a group flips an engine's mode, placement is why."""
+    pages): ``words`` (the uploaded words and per-step zeroed counters: one
+    buffer), ``buffers`` (the other step buffers), ``tasks`` (the task
+    lists), ``weights`` (every kernel weight that fits twice in what is
+    free), ``kv`` (the two pools); ``none`` moves nothing (the descriptors
+    and step graphs are rebuilt, as after every move). Same contents, so the
+    same bits; returns the moved groups' sizes. For the modes probe: engines
+    of one spec at the same virtual addresses run ~2.57 or ~2.67 ms
+    (thirty-second to thirty-sixth sessions); if moving a group changes an
+    engine's time and moving none does not, placement is why."""
     import torch
 
     be = eng.backend
@@ -1742,13 +1745,17 @@ def rehome(eng, what: str) -> dict:
         return new
 
     if what == "buffers":
-        words = {id(v) for v in be.buf.values() if v.untyped_storage().data_ptr() == be._words.untyped_storage().data_ptr()}
+        words = be._words.untyped_storage().data_ptr()
         for n, t in list(be.buf.items()):
-            if id(t) not in words:
+            if t.untyped_storage().data_ptr() != words:
                 be.buf[n] = fresh(t)
                 moved[n] = t.numel() * t.element_size()
+    elif what == "words":
+        moved["words"] = be._words.numel() * 4
+        be.reserve_counters(int(be.buf["counters"].shape[0]))  # zeroed and restaged every step anyway
+    elif what == "tasks":
         be.tasks = {k: (fresh(a), fresh(b)) for k, (a, b) in be.tasks.items()}
-        be.reserve_counters(int(be.buf["counters"].shape[0]))  # a new words buffer (zeroed each step anyway)
+        moved["tasks"] = sum(a.numel() * 4 for a, _ in be.tasks.values())
     elif what == "weights":
         # smallest first, each old tensor freed (and handed back to the driver) before the next is
         # sized against what is free: a list of the items would hold every old tensor to the end
@@ -1765,7 +1772,7 @@ def rehome(eng, what: str) -> dict:
             t = getattr(eng.kv, n)
             setattr(eng.kv, n, fresh(t))
             moved[n] = t.numel() * t.element_size()
-    else:
+    elif what != "none":
         raise ValueError(what)
     be._desc_cache.clear()
     be._step_graphs = {}
@@ -1774,11 +1781,16 @@ def rehome(eng, what: str) -> dict:
     return moved
 
 
+#: the modes probe's moves (MEGAC_MODE_SEQ: others), each timed twice after it
+MODE_SEQ = ("none", "none", "words", "words", "words", "buffers", "buffers", "buffers", "tasks", "tasks",
+            "kv", "kv", "kv", "weights", "weights", "none", "words", "buffers", "kv")
+
+
 def check_modes() -> dict:
-    """One North Mini Code engine at bs1 8K, timed (20 steps) again and again:
-    unmoved (does an engine keep its mode?), then after each group of its
-    memory moves (``rehome``) in turn, MEGAC_MODE_ROUNDS rounds. Bits: one
-    step's logits over the same KV noise after the moves equal those before."""
+    """One North Mini Code engine at bs1 8K, timed (20 steps) four times
+    unmoved (does an engine keep its mode?), then after each move
+    (``rehome``) of MEGAC_MODE_SEQ in turn. Bits: every move's step logits
+    over the same rows and KV equal the step's just before it."""
     import os
 
     import torch
@@ -1794,13 +1806,6 @@ def check_modes() -> dict:
     eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64,
                  num_kv_blocks=max(40000, pool_blocks(spec, 8, 8192 + 64)), order="tuned", decode_only=decode_only)
     del w
-
-    def step_bits():
-        """One bs1 step's fp32 logits over the seeded KV noise (a decode-only engine cannot prefill)."""
-        _noise_kv(eng)
-        return step_logits_per_setup(eng, {"own": lambda: None}, 1, 8192)["own"]
-
-    bits0 = step_bits()
     _noise_kv(eng)
 
     def ms():
@@ -1808,14 +1813,17 @@ def check_modes() -> dict:
 
     out = {"unmoved": [ms() for _ in range(4)], "moves": []}
     print(json.dumps(out), flush=True)
-    for r in range(int(os.environ.get("MEGAC_MODE_ROUNDS", "4"))):
-        for what in ("buffers", "kv", "weights"):
-            moved = rehome(eng, what)
-            row = {"round": r, "moved": what, "bytes": sum(moved.values()), "tensors": len(moved), "ms": [ms(), ms()]}
-            out["moves"].append(row)
-            print(json.dumps(row), flush=True)
+    seq = os.environ.get("MEGAC_MODE_SEQ")
+    for i, what in enumerate(seq.split(",") if seq else MODE_SEQ):
+        moved = {}
+        got = step_logits_per_setup(eng, {"before": lambda: None,
+                                          "after": lambda: moved.update(rehome(eng, what))}, 1, 8192)
+        row = {"move": i, "moved": what, "bytes": sum(moved.values()), "tensors": len(moved),
+               "bits_equal": bool(torch.equal(got["before"], got["after"])), "ms": [ms(), ms()]}
+        out["moves"].append(row)
+        print(json.dumps(row), flush=True)
     out["free_gb"] = round(torch.cuda.mem_get_info()[0] / 2 ** 30, 1)
-    out["bits_equal_after_moves"] = bool(torch.equal(bits0, step_bits()))
+    out["bits_equal_every_move"] = all(r["bits_equal"] for r in out["moves"])
     return out
 
 
