@@ -407,6 +407,16 @@ case "${1:-tails}" in
     t=default,dn128p; for i in 1 2 3 4 5 6 7 8 9 10 11; do t=$t,default#$i,dn128p#$i; [ $((i % 3)) = 0 ] && t=$t,dn128p16#$i,dn128p_o256_oa#$i; done
     left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
     AT=$left TB=${TB:-1,8} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-70 ;;
+  s39q)  # placement tuning (~8 min): the tiny models against the VM with every engine tuned, then the
+         # placement check (engines on the same weights: placements' ms, before/after at bs1 and bs8, bits),
+         # then megac bench bs1,8 (its engines tuned, 8 trials)
+    MEGAC_PLACEMENT_TRIALS=4 timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
+      > $OUT/tiny.log 2>&1; echo tiny rc $?
+    python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['min_cos_vs_vm']) for m, r in d['result'].items()})"
+    MEGAC_PLACEMENT_ENGINES=${PE:-8} timeout 300 python3 -m gpu.megakernel_check --run placement \
+      --out $OUT/placement.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-330
+    python3 -c "import json; d=json.load(open('$OUT/placement.json/megakernel_check.json'))['placement']; r=d.get('result', d); print(d.get('ok'), {k: v for k, v in r.items() if k != 'engines'})"
+    BS=1,8 BT=$((580 - SECONDS)) bash "$0" bench ;;
   s39b)  # megac bench of the default at bs1 and bs8 (~4 min), then the modes probe while time is left
     BS=1,8 BT=${BT:-260} bash "$0" bench
     left=$((570 - SECONDS)); echo "modes gets ${left}s"

@@ -48,6 +48,9 @@ class EngineOptions:
     #: copy from the canonical weights and drop them as they go (one copy of
     #: the model at the peak, so batch 8 at 128K fits); prefill then raises
     decode_only: bool = False
+    #: cuda only: placements of the task lists and step buffers tried at start, the
+    #: fastest kept (megac.gpu.placement; 0: the first one's). megac serve and bench: 8
+    placement_trials: int = 0
     #: VM only: fast | checked (interleaved SM queues, happens-before checked)
     mode: str = "fast"
     policy: str = "round_robin"
@@ -151,6 +154,8 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
     chunk = opts.prefill_chunk or default_prefill_chunk(kind, bs)
     if chunk < bs or chunk % bs:
         raise MegacError(f"--prefill-chunk {chunk}: must be a positive multiple of the KV block size {bs}")
+    if opts.placement_trials < 0:
+        raise MegacError(f"--placement-trials {opts.placement_trials}: must be >= 0")
     artifact_dir = opts.artifact
     if schedules is None and needs_schedules(kind):
         got = load_or_compile(spec, opts.order, artifact=opts.artifact, progress=progress)
@@ -202,6 +207,13 @@ def build_engine(spec, weights, opts: EngineOptions, *, schedules=None, observer
                          prefill_budget=opts.max_num_batched_tokens or chunk, prefix_caching=opts.prefix_caching,
                          decode_burst=default_decode_burst(kind) if opts.decode_burst is None else opts.decode_burst)
     engine = Engine(backend, econf, observer=observer)
+    if kind == "cuda" and opts.placement_trials:
+        from megac.gpu.placement import tune_engine
+
+        report = tune_engine(engine, opts.placement_trials, progress=progress)
+        backend.placement = report
+        if report is not None:
+            log.info("%s", report.line())
     log.info("KV cache: %d blocks of %d tokens (%s; %.1f full-length requests of %d tokens); prefill chunk %d; "
              "prefix caching %s", num_blocks, bs, str(weights.dtype).replace("torch.", ""), num_blocks / per_request,
              mml, chunk, "on" if engine.prefix_cache.enabled else "off")

@@ -193,6 +193,8 @@ class CudaBackend(TorchPrefillMixin):
 
         self.steps = 0
         self.kernel_ms: list[float] = []
+        #: what placement tuning measured and kept (megac.gpu.placement; None: not tuned)
+        self.placement = None
         #: before each step, NaN into every float buffer the step writes and
         #: abi.INT_POISON into the int ones (as the VM's checked mode does)
         self.poison = False

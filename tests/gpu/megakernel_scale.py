@@ -43,6 +43,9 @@ def engine(spec, weights, backend=None, **kw):
     from megac.engine.build import EngineOptions, build_engine
 
     backend = backend or ("cuda" if DEV == "cuda" else "cpu")
+    # MEGAC_PLACEMENT_TRIALS: every cuda engine's placement tuned (megac.gpu.placement; default off,
+    # as every measurement before the thirty-ninth session)
+    kw.setdefault("placement_trials", int(os.environ.get("MEGAC_PLACEMENT_TRIALS", "0")))
     return build_engine(spec, weights, EngineOptions(backend=backend, **kw))
 
 
@@ -1827,5 +1830,57 @@ def check_modes() -> dict:
     return out
 
 
+def check_placement() -> dict:
+    """Placement tuning (megac.gpu.placement) on North Mini Code, 8K:
+    MEGAC_PLACEMENT_ENGINES engines (default 6) one after the other on the
+    same weights (adopted where the model fits the GPU only once); per
+    engine the ms of every placement tried at bs1, the step re-measured (20
+    steps) at bs1 and bs8 before tuning and after, and one bs1 step's logits
+    over the same rows and KV before and after tuning (bit-identical)."""
+    import gc
+
+    import torch
+
+    from megac.decode_bench import pool_blocks
+    from megac.gpu.placement import tune_engine
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+    from megac.weights.layout import LaidOutWeights
+
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    fresh = DEV == "cuda" and torch.cuda.mem_get_info()[0] < 1.15 * w.nbytes()
+    trials = int(os.environ.get("MEGAC_PLACEMENT_TRIALS_TRIED", "8"))
+    out = {"engines": []}
+    for i in range(int(os.environ.get("MEGAC_PLACEMENT_ENGINES", "6"))):
+        eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, placement_trials=0,
+                     num_kv_blocks=max(40000, pool_blocks(spec, 8, 8192 + 64)), decode_only=fresh)
+        if fresh:
+            w = None
+        _noise_kv(eng)
+
+        def times():
+            return {f"bs{b}": _step_times(eng, b, 8192, steps=20)["kernel_ms"] for b in (1, 8)}
+
+        before, rep = times(), {}
+        got = step_logits_per_setup(eng, {"before": lambda: None,
+                                          "after": lambda: rep.update(tune_engine(eng, trials).to_json())}, 1, 8192)
+        row = {"engine": i, "before": before, "after": times(), "placement": rep,
+               "bits_equal": bool(torch.equal(got["before"], got["after"]))}
+        out["engines"].append(row)
+        print(json.dumps(row), flush=True)
+        if fresh:
+            w = LaidOutWeights.take(eng.backend)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    e = out["engines"]
+    out["bits_equal_every_engine"] = all(r["bits_equal"] for r in e)
+    for b in ("bs1", "bs8"):
+        out[f"median_{b}"] = {k: median([r[k][b] for r in e]) for k in ("before", "after")}
+    return out
+
+
 CHECKS = {"queue_order": check_queue_order, "step_graph": check_step_graph, "pipeline": check_pipeline, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "order_variants": check_order_variants, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
-          "speed": check_speed, "gemm_env": check_gemm_env, "modes": check_modes}
+          "speed": check_speed, "gemm_env": check_gemm_env, "modes": check_modes,
+          "placement": check_placement}
