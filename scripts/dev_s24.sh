@@ -417,6 +417,10 @@ case "${1:-tails}" in
       --out $OUT/placement.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-330
     python3 -c "import json; d=json.load(open('$OUT/placement.json/megakernel_check.json'))['placement']; r=d.get('result', d); print(d.get('ok'), {k: v for k, v in r.items() if k != 'engines'})"
     BS=1,8 BT=$((580 - SECONDS)) bash "$0" bench ;;
+  s39k)  # what the bs1 step's time follows: the timed row's KV block order or the task lists' and buffers'
+         # placement (check kvorder, one engine, ~2 min)
+    timeout ${BT:-400} python3 -m gpu.megakernel_check --run kvorder --out $OUT/kvorder.json 2>&1 | grep -v Warning \
+      | grep '^{"' | cut -c1-200 ;;
   s39b)  # megac bench of the default at bs1 and bs8 (~4 min), then the modes probe while time is left
     BS=1,8 BT=${BT:-260} bash "$0" bench
     left=$((570 - SECONDS)); echo "modes gets ${left}s"

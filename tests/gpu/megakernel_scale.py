@@ -1881,6 +1881,62 @@ def check_placement() -> dict:
     return out
 
 
+#: check kvorder's sequence: a block order for the timed row (asc: lowest ids first, as a fresh pool
+#: hands them out; desc; r<seed>: shuffled) or a move (rehome's group) before the next timing
+KV_ORDER_SEQ = ("asc", "asc", "desc", "desc", "r1", "r1", "r2", "asc", "tasks", "asc", "asc", "tasks", "asc",
+                "buffers", "asc", "desc", "buffers", "desc")
+
+
+def check_kvorder() -> dict:
+    """What the step's time follows at bs1 8K (North Mini Code, one engine):
+    the order of the blocks the timed row's KV lands in (the pool's free
+    list set before each timing: ascending ids, descending, shuffled), or
+    the placement of the task lists and step buffers (rehome), each timing
+    twice (20 steps) on a row allocated afresh in the same order
+    (MEGAC_KV_ORDER_SEQ: another sequence)."""
+    import random as rnd
+
+    import torch
+
+    from megac.decode_bench import pool_blocks
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    decode_only = DEV == "cuda" and torch.cuda.mem_get_info()[0] < 1.15 * w.nbytes()
+    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, placement_trials=0,
+                 num_kv_blocks=max(40000, pool_blocks(spec, 8, 8192 + 64)), decode_only=decode_only)
+    del w
+    _noise_kv(eng)
+    alloc = eng.kv.allocator
+    seq = os.environ.get("MEGAC_KV_ORDER_SEQ")
+    out = {"rows": []}
+    order = "asc"
+    for what in (seq.split(",") if seq else KV_ORDER_SEQ):
+        if what in ("tasks", "buffers", "words", "kv", "none"):
+            rehome(eng, what)
+            row = {"moved": what, "order": order}
+        else:
+            order = what
+            row = {"order": order}
+        ms = []
+        for _ in range(2):
+            free = sorted(alloc._free)
+            if order == "asc":
+                alloc._free = free[::-1]  # pop() gives the lowest id first
+            elif order == "desc":
+                alloc._free = free
+            else:
+                rnd.Random(int(order[1:])).shuffle(free)
+                alloc._free = free
+            ms.append(_step_times(eng, 1, 8192, steps=20)["kernel_ms"])
+        row["ms"] = ms
+        out["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 CHECKS = {"queue_order": check_queue_order, "step_graph": check_step_graph, "pipeline": check_pipeline, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "order_variants": check_order_variants, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
           "speed": check_speed, "gemm_env": check_gemm_env, "modes": check_modes,
-          "placement": check_placement}
+          "placement": check_placement, "kvorder": check_kvorder}
