@@ -17,7 +17,6 @@ import click
 from megac.errors import MegacError
 from megac.runtime.kinds import ROUTINGS
 
-from megac.gpu.placement import DEFAULT_TRIALS as PLACEMENT_TRIALS
 from megac.order_option import ORDERS, OrderType
 
 
@@ -108,12 +107,8 @@ def source_fingerprint() -> str:
 @click.option("--threads", type=click.IntRange(0), default=1, show_default=True,
               help="torch CPU threads (0: torch's default). 1 avoids OpenMP stalls on a busy small CPU "
                    "(--backend cpu: 2 threads measured 346 ms per SmolLM2 step against ~90 with 1).")
-@click.option("--placement-trials", type=click.IntRange(0), default=PLACEMENT_TRIALS, show_default=True,
-              help="--backend cuda: placements of the task lists and step buffers each engine tries at start "
-                   "(batch 1), keeping the fastest; the step time depends on the physical pages they land on "
-                   "(up to ~4 %). 0: the first one's, as any engine got before.")
 def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, routing, steps, warmup, calibration,
-              no_ceiling, json_path, profile_path, plot_path, threads, placement_trials):
+              no_ceiling, json_path, profile_path, plot_path, threads):
     """Decode-only throughput of MODEL: KV noise instead of prefill, median
     step time per batch size and context, bytes per step, TB/s and % of the
     bandwidth ceiling measured in the same run."""
@@ -212,8 +207,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     ceiling, rows = None, []
     for oi, o in enumerate(orders):
         opts = EngineOptions(backend=kind, order=o, max_batch_size=max(batches), max_model_len=longest,
-                             num_kv_blocks=rows_blocks + 16, prefix_caching=False, decode_only=release,
-                             placement_trials=placement_trials)
+                             num_kv_blocks=rows_blocks + 16, prefix_caching=False, decode_only=release)
         if weights is None:
             weights = get_weights()
         engine = build_engine(spec, weights, opts, progress=say)
@@ -239,9 +233,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
 
             got = db.run(engine, cases, steps=steps, warmup=warmup, ceiling=ceiling, calibration=cal,
                          expert_probs=expert_probs, progress=tick)
-        placed = getattr(engine.backend, "placement", None)
-        rows += [{"order": o, "routing": routing, **r, **({"placement": placed.to_json()} if placed else {})}
-                 for r in got]
+        rows += [{"order": o, "routing": routing, **r} for r in got]
         if oi == 0 and (profile_path or plot_path):
             _profile(engine, cases[0], profile_path, plot_path, spec.name, say, order=str(o))
         # the next order's engine needs the GPU memory this one holds (its KV pool, buffers)

@@ -49,7 +49,8 @@ class EngineOptions:
     #: the model at the peak, so batch 8 at 128K fits); prefill then raises
     decode_only: bool = False
     #: cuda only: placements of the task lists and step buffers tried at start, the
-    #: fastest kept (megac.gpu.placement; 0: the first one's). megac serve and bench: 8
+    #: fastest kept (megac.gpu.placement: an experiment whose choice did not hold
+    #: outside its loop; 0, the first one's, everywhere but the GPU checks)
     placement_trials: int = 0
     #: VM only: fast | checked (interleaved SM queues, happens-before checked)
     mode: str = "fast"

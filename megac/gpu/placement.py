@@ -1,26 +1,35 @@
-"""Placement tuning: pick, at engine start, where the step's task lists and
-step buffers live.
+"""Placement tuning (an experiment, off everywhere): try placements of the
+step's task lists and step buffers at engine start and keep the fastest.
 
-Why: the megakernel's step time depends on the physical pages its task
-lists and step buffers land on, by up to ~4 % at North Mini Code batch 1
-(thirty-ninth session, H100, check ``modes``): one engine, timed again and
-again, keeps its time to ~0.2 % while nothing moves, and moving nothing
-(only rebuilding its descriptors and step graphs) or the uploaded words
-changes nothing; moving the task lists (48 MB) or the other step buffers
-(0.3 GB) to fresh allocations changed it from 3.065 to 2.959 ms and back,
-with every step's logits bit-identical. Engines of one spec at the same
-virtual addresses fell in two modes ~4 % apart on the H200 since the
-thirty-second session: the virtual addresses are the same, the physical
-pages behind them are not. Which lines the placement makes slow is not
-known (L2 partition, DRAM bank or TLB reach of a few latency-bound reads on
-the critical chain); what is known is that it is a property of the
-allocation, stable for its life, so it can be chosen.
+Why it was built: the megakernel's step time follows the physical pages its
+task lists and step buffers land on (thirty-ninth session, H100, North Mini
+Code bs1 8K, checks ``modes`` and ``kvorder``): one engine timed again and
+again keeps its time to ~0.3 % while nothing moves; moving nothing (only
+rebuilding descriptors and step graphs), the uploaded words, or the timed
+row's KV block order (ascending, descending, shuffled) changes nothing;
+moving the task lists (48 MB) or the other step buffers (0.3 GB) to fresh
+allocations moves it between ~2.96 and ~3.07 ms and it stays there, every
+step's logits bit-identical. Engines of one spec at the same virtual
+addresses fell in two modes ~4 % apart on the H200 since the thirty-second
+session: same virtual addresses, other physical pages.
+
+What it measured (check ``placement``, 8 engines): the placements tried
+inside the tuning loop spread as widely (2.94-3.07 ms), but the kept one
+did not hold: the engines re-timed after tuning ran as before it (median
+3.006 against 3.0025 ms at bs1, 10.839 against 10.838 at bs8), one engine
+that kept its own first placement included (tuned 2.935, re-timed 3.007),
+and ``megac bench`` on a tuned engine (kept 2.959) measured 3.072. So the
+loop's timings do not predict the time outside it; why (the tuning's
+rows, the losers held meanwhile) is open. Nothing turns it on:
+EngineOptions.placement_trials defaults to 0 and no CLI sets it; the GPU
+checks do with MEGAC_PLACEMENT_TRIALS.
 
 How: time ``steps`` decode steps as placed, then ``trials`` times move both
 groups to fresh allocations (each new one made while the old still holds
 its pages, so they cannot be the same) and time again, keeping the fastest
 placement seen; the others are freed. Contents are copied, so every step's
-bits are the same whichever placement wins (GPU check ``placement``).
+bits are the same whichever placement wins (check ``placement``: equal on
+all 8 engines).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from typing import Callable
 
 from megac.errors import MegacError
 
-#: placements tried after the first (megac serve / bench --placement-trials)
+#: placements tried after the first by check placement
 DEFAULT_TRIALS = 8
 #: decode steps timed per placement (after 3 warm-up steps): a placement's
 #: median is repeatable to ~0.2 %, its spread across placements ~4 %

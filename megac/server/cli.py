@@ -27,7 +27,6 @@ import click
 
 from megac.runtime.kinds import BACKEND_KINDS
 from megac.errors import MegacError
-from megac.gpu.placement import DEFAULT_TRIALS as PLACEMENT_TRIALS
 from megac.order_option import OrderType
 from megac.server.bench_datasets import DATASETS
 from megac.server.config import DEFAULT_MAX_REQUEST_BYTES
@@ -89,9 +88,6 @@ def _setup_logging(level: str) -> None:
               help="Greedy decode steps run back to back while the batch is steady (nothing waiting or "
                    "prefilling, every row plain greedy); on the GPU they are pipelined, hiding the host part "
                    "of a step behind the kernel. 1: off. [default: 4 on a GPU backend, 1 on the CPU]")
-@click.option("--placement-trials", type=click.IntRange(0), default=PLACEMENT_TRIALS, show_default=True,
-              help="--backend cuda: placements of the task lists and step buffers tried at start (batch 1), the "
-                   "fastest kept; the step time depends on the physical pages they land on (up to ~4 %). 0: off.")
 @click.option("--tool-call-parser", default=None, help="Tool-call parser (default: per model family; hermes).")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Jinja chat template file replacing the model's.")
@@ -104,8 +100,8 @@ def _setup_logging(level: str) -> None:
 def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_model_len, served_model_name, api_key,
               metrics_without_key, max_request_bytes, dtype, weights, random_weights, seed, tokenizer, num_kv_blocks, kv_cache_memory_gb,
               gpu_memory_utilization, prefill_chunk,
-              max_num_batched_tokens, no_prefix_caching, decode_burst, placement_trials, tool_call_parser,
-              chat_template, threads, log_stats_interval, log_level):
+              max_num_batched_tokens, no_prefix_caching, decode_burst, tool_call_parser, chat_template, threads,
+              log_stats_interval, log_level):
     """Serve MODEL behind an OpenAI-compatible API (default: SmolLM2-135M-Instruct on the CPU)."""
     import uvicorn
 
@@ -129,7 +125,7 @@ def serve_cmd(model, backend, artifact, order, host, port, max_batch_size, max_m
                       gpu_memory_utilization=gpu_memory_utilization,
                       prefill_chunk=prefill_chunk, max_num_batched_tokens=max_num_batched_tokens,
                       prefix_caching=not no_prefix_caching, decode_burst=decode_burst,
-                      placement_trials=placement_trials, tool_call_parser=tool_call_parser,
+                      tool_call_parser=tool_call_parser,
                       chat_template=chat_template, log_stats_interval=log_stats_interval, log_level=log_level,
                       threads=threads)
     from megac.runtime.backends import check_kind

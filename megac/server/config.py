@@ -45,8 +45,6 @@ class ServeConfig:
     #: greedy decode steps run back to back on a steady batch (EngineConfig.decode_burst);
     #: None: megac.engine.build.default_decode_burst (4 on a GPU backend, 1 on the CPU)
     decode_burst: int | None = None
-    #: cuda: placements of the task lists and step buffers tried at start (megac.gpu.placement)
-    placement_trials: int = 0
     tool_call_parser: str | None = None
     chat_template: str | None = None
     log_stats_interval: float = 10.0

@@ -75,8 +75,7 @@ def build_served_engine(cfg: ServeConfig, loaded: ServedModel, observer=None):
                          num_kv_blocks=cfg.num_kv_blocks, kv_cache_memory_gb=cfg.kv_cache_memory_gb,
                          gpu_memory_utilization=cfg.gpu_memory_utilization,
                          prefill_chunk=cfg.prefill_chunk, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                         prefix_caching=cfg.prefix_caching, decode_burst=cfg.decode_burst,
-                         placement_trials=cfg.placement_trials)
+                         prefix_caching=cfg.prefix_caching, decode_burst=cfg.decode_burst)
     return build(loaded.spec, loaded.weights, opts, observer=observer, progress=lambda msg: log.info("%s", msg))
 
 
