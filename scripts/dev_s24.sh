@@ -421,6 +421,9 @@ case "${1:-tails}" in
          # placement (check kvorder, one engine, ~2 min)
     timeout ${BT:-400} python3 -m gpu.megakernel_check --run kvorder --out $OUT/kvorder.json 2>&1 | grep -v Warning \
       | grep '^{"' | cut -c1-200 ;;
+  s39t)  # why a tuned placement did not hold (check tunehold, one engine, ~2 min)
+    timeout ${BT:-400} python3 -m gpu.megakernel_check --run tunehold --out $OUT/tunehold.json 2>&1 | grep -v Warning \
+      | grep '^{"' | cut -c1-400 ;;
   s39b)  # megac bench of the default at bs1 and bs8 (~4 min), then the modes probe while time is left
     BS=1,8 BT=${BT:-260} bash "$0" bench
     left=$((570 - SECONDS)); echo "modes gets ${left}s"

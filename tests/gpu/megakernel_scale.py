@@ -1881,6 +1881,53 @@ def check_placement() -> dict:
     return out
 
 
+def check_tunehold() -> dict:
+    """Why a tuned placement did not hold (check placement): one North Mini
+    Code engine, bs1 8K, each timing the median of 20 steps on a fresh row
+    (_step_times), twice. Before tuning; tuning with every losing placement
+    freed at once (no graveyard), its loop timed by _step_times itself;
+    right after it; after the allocator's cache is emptied; then the same
+    with the losers kept to the end (the product's tune_engine); and the
+    kept placement timed through tune_engine's own loop (MEGAC_TUNEHOLD_TRIALS
+    placements each)."""
+    import torch
+
+    from megac.decode_bench import pool_blocks
+    from megac.gpu import placement as pl
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    decode_only = DEV == "cuda" and torch.cuda.mem_get_info()[0] < 1.15 * w.nbytes()
+    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, placement_trials=0,
+                 num_kv_blocks=max(40000, pool_blocks(spec, 8, 8192 + 64)), decode_only=decode_only)
+    del w
+    _noise_kv(eng)
+    trials = int(os.environ.get("MEGAC_TUNEHOLD_TRIALS", "6"))
+
+    def ms():
+        return _step_times(eng, 1, 8192, steps=20)["kernel_ms"]
+
+    out = {"before": [ms(), ms()]}
+    print(json.dumps(out), flush=True)
+    got, chosen = pl.tune(eng.backend, ms, trials)  # losers freed at once
+    out["no_graveyard"] = {"loop": got, "chosen": chosen, "right_after": [ms(), ms()]}
+    torch.cuda.empty_cache()
+    out["no_graveyard"]["after_empty_cache"] = [ms(), ms()]
+    print(json.dumps(out["no_graveyard"]), flush=True)
+    got, chosen = pl.tune(eng.backend, ms, trials, free_bytes=lambda: torch.cuda.mem_get_info()[0],
+                          synchronize=torch.cuda.synchronize)
+    out["graveyard"] = {"loop": got, "chosen": chosen, "right_after": [ms(), ms()]}
+    torch.cuda.empty_cache()
+    out["graveyard"]["after_empty_cache"] = [ms(), ms()]
+    print(json.dumps(out["graveyard"]), flush=True)
+    rep = pl.tune_engine(eng, trials)
+    out["tune_engine"] = {**rep.to_json(), "after": [ms(), ms()]}
+    print(json.dumps(out["tune_engine"]), flush=True)
+    return out
+
+
 #: check kvorder's sequence: a block order for the timed row (asc: lowest ids first, as a fresh pool
 #: hands them out; desc; r<seed>: shuffled) or a move (rehome's group) before the next timing
 KV_ORDER_SEQ = ("asc", "asc", "desc", "desc", "r1", "r1", "r2", "asc", "tasks", "asc", "asc", "tasks", "asc",
@@ -1939,4 +1986,5 @@ def check_kvorder() -> dict:
 
 CHECKS = {"queue_order": check_queue_order, "step_graph": check_step_graph, "pipeline": check_pipeline, "tiles": check_tiles, "opcodes": check_opcodes, "variants": check_variants, "profile": check_profile, "splits": check_splits, "order_variants": check_order_variants, "batch": check_batch, "configs": check_configs, "contexts": check_contexts, "nmc_full": check_nmc_full,
           "speed": check_speed, "gemm_env": check_gemm_env, "modes": check_modes,
-          "placement": check_placement, "kvorder": check_kvorder}
+          "placement": check_placement, "kvorder": check_kvorder,
+          "tunehold": check_tunehold}
