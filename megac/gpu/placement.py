@@ -18,9 +18,15 @@ inside the tuning loop spread as widely (2.94-3.07 ms), but the kept one
 did not hold: the engines re-timed after tuning ran as before it (median
 3.006 against 3.0025 ms at bs1, 10.839 against 10.838 at bs8), one engine
 that kept its own first placement included (tuned 2.935, re-timed 3.007),
-and ``megac bench`` on a tuned engine (kept 2.959) measured 3.072. So the
-loop's timings do not predict the time outside it; why (the tuning's
-rows, the losers held meanwhile) is open. Nothing turns it on:
+and ``megac bench`` on a tuned engine (kept 2.959) measured 3.072. Check
+``tunehold`` (one engine, the loop timed exactly as the re-timing) says
+why: re-timing the placement the engine holds repeats to ~0.3 %, but a
+placement put back after a later trial lost does not run as it did when
+it was new (kept at 2.984, 3.049 once restored; at 2.981, 3.035), with
+the losers freed at once or held to the end alike. So the time is not a
+function of these tensors' pages alone: it follows the allocation history
+(every move allocates, copies and frees), a state this module cannot
+pick and keep. Nothing turns it on:
 EngineOptions.placement_trials defaults to 0 and no CLI sets it; the GPU
 checks do with MEGAC_PLACEMENT_TRIALS.
 
