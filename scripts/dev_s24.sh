@@ -424,6 +424,14 @@ case "${1:-tails}" in
   s39t)  # why a tuned placement did not hold (check tunehold, one engine, ~2 min)
     timeout ${BT:-400} python3 -m gpu.megakernel_check --run tunehold --out $OUT/tunehold.json 2>&1 | grep -v Warning \
       | grep '^{"' | cut -c1-400 ;;
+  s40e)  # the engines' spread under two allocator mappings (perf-notes, thirty-ninth session): NE+1 default
+         # engines each at bs1 8K, the caching allocator's segments (every run so far), then expandable
+         # segments (cuMemMap in 2 MB granules); AT s each
+    t=default; for i in $(seq 1 ${NE:-9}); do t=$t,default#$i; done
+    for conf in "" "expandable_segments:True"; do
+      echo "allocator: ${conf:-default}"
+      env ${conf:+PYTORCH_CUDA_ALLOC_CONF=$conf} AT=${AT:-250} TB=1 TLIST=$t bash "$0" ab | cut -c1-60
+    done ;;
   s39b)  # megac bench of the default at bs1 and bs8 (~4 min), then the modes probe while time is left
     BS=1,8 BT=${BT:-260} bash "$0" bench
     left=$((570 - SECONDS)); echo "modes gets ${left}s"
