@@ -424,6 +424,10 @@ case "${1:-tails}" in
   s39t)  # why a tuned placement did not hold (check tunehold, one engine, ~2 min)
     timeout ${BT:-400} python3 -m gpu.megakernel_check --run tunehold --out $OUT/tunehold.json 2>&1 | grep -v Warning \
       | grep '^{"' | cut -c1-400 ;;
+  s40)  # the next H200 call (~9.5 min; build/cz from prebuild_s39 serves it): megac bench of the default at
+        # bs1 and bs8 (the thirty-sixth session's default never benched on the H200), then s40e, 6 engines a side
+    BS=1,8 BT=200 bash "$0" bench
+    NE=5 AT=$(( (570 - SECONDS) / 2 )) bash "$0" s40e ;;
   s40e)  # the engines' spread under two allocator mappings (perf-notes, thirty-ninth session): NE+1 default
          # engines each at bs1 8K, the caching allocator's segments (every run so far), then expandable
          # segments (cuMemMap in 2 MB granules); AT s each
