@@ -107,8 +107,12 @@ def source_fingerprint() -> str:
 @click.option("--threads", type=click.IntRange(0), default=1, show_default=True,
               help="torch CPU threads (0: torch's default). 1 avoids OpenMP stalls on a busy small CPU "
                    "(--backend cpu: 2 threads measured 346 ms per SmolLM2 step against ~90 with 1).")
+@click.option("--engines", type=click.IntRange(1), default=1, show_default=True,
+              help="Engines built one after the other per order, each timing every case; the rows give the "
+                   "median over them and their spread. An engine's step time depends on where its memory "
+                   "landed (about +-2 % at batch 1 on an H100 or H200), so one engine is one draw.")
 def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, routing, steps, warmup, calibration,
-              no_ceiling, json_path, profile_path, plot_path, threads):
+              no_ceiling, json_path, profile_path, plot_path, threads, engines):
     """Decode-only throughput of MODEL: KV noise instead of prefill, median
     step time per batch size and context, bytes per step, TB/s and % of the
     bandwidth ceiling measured in the same run."""
@@ -118,6 +122,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     from megac.loading import load_model
     from megac.routing_skew import ALPHA, check_routing, selection_probs, skew_router
     from megac.runtime.backends import random_weights_placement, resolve_kind, runs_on_gpu
+    from megac.weights.layout import LaidOutWeights, LayoutMismatch
 
     if threads > 0:
         import torch
@@ -208,42 +213,55 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     for oi, o in enumerate(orders):
         opts = EngineOptions(backend=kind, order=o, max_batch_size=max(batches), max_model_len=longest,
                              num_kv_blocks=rows_blocks + 16, prefix_caching=False, decode_only=release)
-        if weights is None:
-            weights = get_weights()
-        engine = build_engine(spec, weights, opts, progress=say)
-        if release:
-            weights = None
+        per_engine = []
+        for ei in range(engines):
+            if weights is None:
+                weights = get_weights()
+            try:
+                engine = build_engine(spec, weights, opts, progress=say)
+            except LayoutMismatch:  # another order's interleave: its weights are drawn afresh
+                weights = None
+                gc.collect()
+                weights = get_weights()
+                engine = build_engine(spec, weights, opts, progress=say)
+            if release:
+                weights = None
+                gc.collect()
+                import torch
+
+                torch.cuda.empty_cache()
+            label = o if engines == 1 else f"{o}, engine {ei + 1} of {engines}"
+            say(f"{label}: ready in {time.perf_counter() - t0:.1f} s; filling the KV cache with noise")
+            db.fill_kv_noise(engine.kv)
+            if oi == 0 and ei == 0 and not no_ceiling:
+                ceiling = db.measure_ceiling("cuda" if on_gpu else "cpu")
+                if ceiling:
+                    say(f"streaming-read ceiling: {ceiling / 1e12:.3f} TB/s")
+            with click.progressbar(length=len(cases) * (steps + warmup), label=f"decoding ({label})",
+                                   file=sys.stderr, show_pos=True) as bar:
+                done = [0]
+
+                def tick(_label, i, _total):
+                    bar.update(i - done[0])
+                    done[0] = i
+
+                per_engine.append(db.run(engine, cases, steps=steps, warmup=warmup, ceiling=ceiling,
+                                         calibration=cal, expert_probs=expert_probs, progress=tick))
+            if oi == 0 and ei == 0 and (profile_path or plot_path):
+                _profile(engine, cases[0], profile_path, plot_path, spec.name, say, order=str(o))
+            if release and kind == "cuda":
+                # the next engine takes these laid-out weights whole (no redraw; the model may fit only once)
+                weights = LaidOutWeights.take(engine.backend)
+            # the next engine needs the GPU memory this one holds (its KV pool, buffers)
+            del engine
             gc.collect()
-            import torch
+            if on_gpu:
+                import torch
 
-            torch.cuda.empty_cache()
-        say(f"{o}: ready in {time.perf_counter() - t0:.1f} s; filling the KV cache with noise")
-        db.fill_kv_noise(engine.kv)
-        if oi == 0 and not no_ceiling:
-            ceiling = db.measure_ceiling("cuda" if on_gpu else "cpu")
-            if ceiling:
-                say(f"streaming-read ceiling: {ceiling / 1e12:.3f} TB/s")
-        with click.progressbar(length=len(cases) * (steps + warmup), label=f"decoding ({o})", file=sys.stderr,
-                               show_pos=True) as bar:
-            done = [0]
-
-            def tick(_label, i, _total):
-                bar.update(i - done[0])
-                done[0] = i
-
-            got = db.run(engine, cases, steps=steps, warmup=warmup, ceiling=ceiling, calibration=cal,
-                         expert_probs=expert_probs, progress=tick)
+                torch.cuda.empty_cache()
+            t0 = time.perf_counter()
+        got = per_engine[0] if engines == 1 else db.merge_engines(per_engine)
         rows += [{"order": o, "routing": routing, **r} for r in got]
-        if oi == 0 and (profile_path or plot_path):
-            _profile(engine, cases[0], profile_path, plot_path, spec.name, say, order=str(o))
-        # the next order's engine needs the GPU memory this one holds (its KV pool, buffers)
-        del engine
-        gc.collect()
-        if on_gpu:
-            import torch
-
-            torch.cuda.empty_cache()
-        t0 = time.perf_counter()
     click.echo(db.table(rows))
     if len(orders) > 1:
         click.echo("\norders, fastest first (ms/step, x the fastest):")
@@ -251,7 +269,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     if json_path is not None:
         facts = {"model": spec.name, "backend": kind, "order": order, "orders": list(orders), "routing": routing,
                  "routing_alpha": ALPHA if routing == "skewed" else None, "random_weights": bool(random_weights),
-                 "steps": steps, "warmup": warmup, "ceiling_bps": ceiling, "calibration": calibration,
+                 "steps": steps, "warmup": warmup, "engines": engines, "ceiling_bps": ceiling, "calibration": calibration,
                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
                  "source": source_fingerprint(), "host": platform.node(), "device": _device_name("cuda" if on_gpu else "cpu")}
         json_path.parent.mkdir(parents=True, exist_ok=True)

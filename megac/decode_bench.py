@@ -180,11 +180,38 @@ def run(engine, cases: Sequence[tuple[int, int]], *, steps: int = 30, warmup: in
     return out
 
 
+def merge_engines(per_engine: list[list[dict]]) -> list[dict]:
+    """One row per case from several engines' :func:`run` rows (the same
+    cases in the same order): the median of their kernel and step times,
+    the figures that follow from them recomputed, and every engine's kernel
+    time kept (``engines_kernel_ms``). Why: an engine's step time depends on
+    where its memory landed, ~+-2 % at batch 1 (perf-notes, thirty-ninth
+    session), so one engine's median is one draw of that."""
+    out = []
+    for rows in zip(*per_engine):
+        first = rows[0]
+        if any((r["batch"], r["context"]) != (first["batch"], first["context"]) for r in rows):
+            raise MegacError("bench: engines timed different cases")
+        k = statistics.median(r["kernel_ms"] for r in rows)
+        st = statistics.median(r["step_ms"] for r in rows)
+        row = {**first, "kernel_ms": round(k, 4), "step_ms": round(st, 4), "tok_s": round(first["batch"] * 1e3 / k, 1),
+               "tok_s_step": round(first["batch"] * 1e3 / st, 1),
+               "host_fraction": round(max(st - k, 0.0) / st, 4),
+               "engines_kernel_ms": [r["kernel_ms"] for r in rows]}
+        if "bytes" in first:
+            tbs = first["bytes"] / (k * 1e-3)
+            row.update(tb_s=round(tbs / 1e12, 3), pct_datasheet=round(100 * tbs / DATASHEET_BPS, 1))
+            if "sol_ms" in first:
+                row["pct_ceiling"] = round(100 * first["sol_ms"] / k, 1)
+        out.append(row)
+    return out
+
+
 def table(rows: list[dict]) -> str:
     cols = [("order", "order"), ("routing", "routing"), ("batch", "batch"), ("context", "context"),
             ("kernel_ms", "ms/step"), ("tok_s", "tok/s"), ("step_ms", "step ms"), ("host_fraction", "host %"),
             ("bytes", "GB"), ("tb_s", "TB/s"), ("pct_ceiling", "% ceiling"), ("pct_datasheet", "% 4.8 TB/s"),
-            ("predicted_ms", "model ms")]
+            ("predicted_ms", "model ms"), ("engines_kernel_ms", "engines ms")]
     cols = [(k, h) for k, h in cols if any(k in r for r in rows)]
     # one order, or uniform routing, is said once in the run's facts, not per row
     if len({r.get("order") for r in rows}) < 2:
@@ -199,6 +226,8 @@ def table(rows: list[dict]) -> str:
             return f"{v / 1e9:.3f}"
         if k == "host_fraction":
             return f"{100 * v:.1f}"
+        if k == "engines_kernel_ms":  # the spread the median is taken over
+            return f"{min(v):.4f}-{max(v):.4f} ({len(v)})"
         return str(v)
 
     cells = [[h for _, h in cols]] + [[fmt(k, r.get(k)) for k, _ in cols] for r in rows]
@@ -223,5 +252,6 @@ def ranking(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["DATASHEET_BPS", "FILL_PIECE", "fill_kv_noise", "measure_ceiling", "pool_blocks", "ranking", "rows_at",
+__all__ = ["DATASHEET_BPS", "FILL_PIECE", "fill_kv_noise", "measure_ceiling", "merge_engines", "pool_blocks", "ranking",
+           "rows_at",
            "run", "step_bytes", "table", "timed_context"]

@@ -425,9 +425,10 @@ case "${1:-tails}" in
     timeout ${BT:-400} python3 -m gpu.megakernel_check --run tunehold --out $OUT/tunehold.json 2>&1 | grep -v Warning \
       | grep '^{"' | cut -c1-400 ;;
   s40)  # the next H200 call (~9.5 min; build/cz from prebuild_s39 serves it): megac bench of the default at
-        # bs1 and bs8 (the thirty-sixth session's default never benched on the H200), then s40e, 6 engines a side
-    BS=1,8 BT=200 bash "$0" bench
-    NE=5 AT=$(( (570 - SECONDS) / 2 )) bash "$0" s40e ;;
+        # bs1 and bs8 over 5 engines (the thirty-sixth session's default never benched on the H200; the median
+        # over engines, not one engine's draw), then s40e, 5 engines a side
+    BS=1,8 ENG=${ENG:-5} BT=260 bash "$0" bench
+    NE=4 AT=$(( (570 - SECONDS) / 2 )) bash "$0" s40e ;;
   s40e)  # the engines' spread under two allocator mappings (perf-notes, thirty-ninth session): NE+1 default
          # engines each at bs1 8K, the caching allocator's segments (every run so far), then expandable
          # segments (cuMemMap in 2 MB granules); AT s each
@@ -450,5 +451,6 @@ case "${1:-tails}" in
     python3 -c "import json; d=json.load(open('$OUT/modes.json/megakernel_check.json'))['modes']; print(d.get('ok'), str(d)[-400:])" ;;
   bench)
     timeout ${BT:-500} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
-      --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --json $OUT/bench.json 2>&1 | grep -v Warning | tail -14 ;;
+      --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --engines ${ENG:-1} --json $OUT/bench.json 2>&1 \
+      | grep -v Warning | tail -14 ;;
 esac

@@ -66,3 +66,48 @@ def test_the_source_fingerprint_changes_with_a_device_header(tmp_path, monkeypat
     assert source_fingerprint() == before
     (copy / "norm.cuh").write_text((copy / "norm.cuh").read_text() + "\n// edited\n")
     assert source_fingerprint() != before
+
+
+def test_several_engines_give_the_median_and_their_spread(tmp_path):
+    """--engines 3: every case timed on three engines built one after the
+    other; the row's time is their median, what follows from it is
+    recomputed from that, and the table shows the spread."""
+    import statistics
+
+    out = tmp_path / "e.json"
+    r = CliRunner().invoke(bench_cmd, ["tiny-moe", "--backend", "cpu", "--random-weights", "--batch-size", "1",
+                                       "--context", "40", "--steps", "2", "--warmup", "1", "--engines", "3",
+                                       "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["run"]["engines"] == 3
+    (row,) = data["rows"]
+    ks = row["engines_kernel_ms"]
+    assert len(ks) == 3 and row["kernel_ms"] == round(statistics.median(ks), 4)
+    assert row["tok_s"] == round(1e3 / row["kernel_ms"], 1)
+    assert row["tb_s"] == round(row["bytes"] / (row["kernel_ms"] * 1e-3) / 1e12, 3)
+    assert "engines ms" in r.output and "(3)" in r.output
+    assert r.output.count("engine 2 of 3") >= 1
+
+
+def test_merge_engines_takes_medians_and_recomputes_what_follows():
+    from megac.decode_bench import merge_engines
+
+    def row(k, s):
+        return {"batch": 2, "context": 8192, "steps": 30, "kernel_ms": k, "step_ms": s, "tok_s": 0.0,
+                "tok_s_step": 0.0, "host_fraction": 0.0, "bytes": 7_000_000_000, "tb_s": 0.0, "pct_datasheet": 0.0,
+                "predicted_ms": 2.9, "pct_ceiling": 0.0, "sol_ms": 2.0}
+
+    (got,) = merge_engines([[row(3.0, 3.1)], [row(2.9, 3.2)], [row(3.1, 3.0)], [row(2.95, 3.05)]])
+    assert got["kernel_ms"] == 2.975 and got["step_ms"] == 3.075  # even count: the middle two's mean
+    assert got["engines_kernel_ms"] == [3.0, 2.9, 3.1, 2.95]
+    assert got["tok_s"] == round(2e3 / 2.975, 1) and got["tok_s_step"] == round(2e3 / 3.075, 1)
+    assert got["host_fraction"] == round(0.1 / 3.075, 4)
+    assert got["tb_s"] == round(7e9 / 2.975e-3 / 1e12, 3)
+    assert got["pct_datasheet"] == round(100 * 7e9 / 2.975e-3 / 4.8e12, 1)
+    assert got["pct_ceiling"] == round(100 * 2.0 / 2.975, 1)
+    assert got["predicted_ms"] == 2.9 and got["sol_ms"] == 2.0
+    other = row(3.0, 3.1)
+    other["context"] = 1024
+    with pytest.raises(MegacError, match="engines timed different cases"):
+        merge_engines([[row(3.0, 3.1)], [other]])
