@@ -1223,9 +1223,8 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
     for name, spec in specs.items():
         if w is None:
             w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-            if not out and DEV == "cuda":
-                free, _ = torch.cuda.mem_get_info()
-                fresh = free < 1.15 * w.nbytes()
+            if not out:
+                fresh = _fits_once(w)
         order = orders.get(name, "tuned")
 
         def build(w):
@@ -1725,6 +1724,36 @@ def check_profile() -> dict:
     return out
 
 
+def _fits_once(w) -> bool:
+    """Whether weights ``w`` fit the GPU beside what is free only once, not
+    twice (North Mini Code on an 80 GB H100): engines there are decode-only
+    and hand their laid-out weights on (LaidOutWeights)."""
+    import torch
+
+    return DEV == "cuda" and torch.cuda.mem_get_info()[0] < 1.15 * w.nbytes()
+
+
+def _nmc_probe_engine(decode_only=None):
+    """One North Mini Code engine for the probes (modes, kvorder, tunehold,
+    placement): the seeded random weights, 8 rows up to 8K + 64, never
+    placement-tuned, KV noise in its pools. ``decode_only`` None: where the
+    weights fit the GPU only once. Returns (engine, whether decode-only)."""
+    import torch
+
+    from megac.decode_bench import pool_blocks
+    from megac.spec import load_spec
+    from megac.weights import random_weights
+
+    spec = load_spec("north-mini-code")
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
+    decode_only = _fits_once(w) if decode_only is None else decode_only
+    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, placement_trials=0,
+                 num_kv_blocks=max(40000, pool_blocks(spec, 8, 8192 + 64)), decode_only=decode_only)
+    del w
+    _noise_kv(eng)
+    return eng, decode_only
+
+
 def rehome(eng, what: str) -> dict:
     """Move one group of an engine's device memory to fresh allocations (the
     new one made before the old is freed, so it cannot land on the same
@@ -1798,18 +1827,7 @@ def check_modes() -> dict:
 
     import torch
 
-    from megac.decode_bench import pool_blocks
-    from megac.spec import load_spec
-    from megac.weights import random_weights
-
-    spec = load_spec("north-mini-code")
-    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-    # where the model fits the GPU only once (an 80 GB H100) the engine is decode-only
-    decode_only = DEV == "cuda" and torch.cuda.mem_get_info()[0] < 1.15 * w.nbytes()
-    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64,
-                 num_kv_blocks=max(40000, pool_blocks(spec, 8, 8192 + 64)), order="tuned", decode_only=decode_only)
-    del w
-    _noise_kv(eng)
+    eng, _ = _nmc_probe_engine()
 
     def ms():
         return _step_times(eng, 1, 8192, steps=20)["kernel_ms"]
@@ -1849,7 +1867,7 @@ def check_placement() -> dict:
 
     spec = load_spec("north-mini-code")
     w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-    fresh = DEV == "cuda" and torch.cuda.mem_get_info()[0] < 1.15 * w.nbytes()
+    fresh = _fits_once(w)
     trials = int(os.environ.get("MEGAC_PLACEMENT_TRIALS_TRIED", "8"))
     out = {"engines": []}
     for i in range(int(os.environ.get("MEGAC_PLACEMENT_ENGINES", "6"))):
@@ -1892,18 +1910,9 @@ def check_tunehold() -> dict:
     placements each)."""
     import torch
 
-    from megac.decode_bench import pool_blocks
     from megac.gpu import placement as pl
-    from megac.spec import load_spec
-    from megac.weights import random_weights
 
-    spec = load_spec("north-mini-code")
-    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-    decode_only = DEV == "cuda" and torch.cuda.mem_get_info()[0] < 1.15 * w.nbytes()
-    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, placement_trials=0,
-                 num_kv_blocks=max(40000, pool_blocks(spec, 8, 8192 + 64)), decode_only=decode_only)
-    del w
-    _noise_kv(eng)
+    eng, _ = _nmc_probe_engine()
     trials = int(os.environ.get("MEGAC_TUNEHOLD_TRIALS", "6"))
 
     def ms():
@@ -1943,19 +1952,7 @@ def check_kvorder() -> dict:
     (MEGAC_KV_ORDER_SEQ: another sequence)."""
     import random as rnd
 
-    import torch
-
-    from megac.decode_bench import pool_blocks
-    from megac.spec import load_spec
-    from megac.weights import random_weights
-
-    spec = load_spec("north-mini-code")
-    w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
-    decode_only = DEV == "cuda" and torch.cuda.mem_get_info()[0] < 1.15 * w.nbytes()
-    eng = engine(spec, w, max_batch_size=8, max_model_len=8192 + 64, placement_trials=0,
-                 num_kv_blocks=max(40000, pool_blocks(spec, 8, 8192 + 64)), decode_only=decode_only)
-    del w
-    _noise_kv(eng)
+    eng, _ = _nmc_probe_engine()
     alloc = eng.kv.allocator
     seq = os.environ.get("MEGAC_KV_ORDER_SEQ")
     out = {"rows": []}
