@@ -132,6 +132,8 @@ class CudaBackend(TorchPrefillMixin):
         # the expert interleave every schedule of these tiles shares (geometry.moe_chunk_rows;
         # the generated MOE_CHUNK, which model_constants checks is every schedule's)
         moe_chunk = geo.moe_chunk
+        #: the gate/up interleave (dense chunk, expert chunk) its kernel weights are laid out in
+        self.interleave = (chunk, moe_chunk)
         # decode only: the canonical layers are emptied as their kernel copy is
         # made, so the peak is one copy of the model, not two
         if isinstance(self.weights, LaidOutWeights):  # another engine's, adopted (decode only)

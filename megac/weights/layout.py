@@ -393,7 +393,6 @@ def canonical_from_kernel(kw: dict[str, torch.Tensor], spec: "ModelSpec", *, chu
     )
 
 
-
 class LaidOutWeights:
     """A decode-only engine's kernel-layout weights handed on whole to the
     next engine of the same interleave (``chunk``, ``moe_chunk``): what
@@ -411,8 +410,7 @@ class LaidOutWeights:
     @classmethod
     def take(cls, backend) -> "LaidOutWeights":
         """``backend``'s (a CudaBackend's) weights; that backend cannot run after."""
-        geo = backend.big.geometry
-        got = cls(backend.kernel_weights, backend.layout, max(1, geo.upgate_bn // 2), geo.moe_chunk)
+        got = cls(backend.kernel_weights, backend.layout, *backend.interleave)
         backend.kernel_weights = None
         return got
 
@@ -436,6 +434,7 @@ class LaidOutWeights:
 
 class LayoutMismatch(MegacError):
     """Laid-out weights offered to schedules of another gate/up interleave."""
+
 
 __all__ = [
     "DEFAULT_CHUNK",

@@ -518,8 +518,7 @@ def test_laid_out_weights_are_handed_on_whole_once_and_only_to_their_interleave(
 
     spec = load_spec("tiny-moe")
     kw = kernel_weights(random_weights(spec, seed=3, dtype=torch.bfloat16), spec, chunk=16, moe_chunk=32)
-    geo = SimpleNamespace(upgate_bn=32, moe_chunk=32)
-    donor = SimpleNamespace(kernel_weights=kw, layout=LAYOUT_TILED, big=SimpleNamespace(geometry=geo))
+    donor = SimpleNamespace(kernel_weights=kw, layout=LAYOUT_TILED, interleave=(16, 32))
     laid = LaidOutWeights.take(donor)
     assert donor.kernel_weights is None  # the donor cannot run on them after
     assert (laid.chunk, laid.moe_chunk, laid.layout, laid.dtype) == (16, 32, LAYOUT_TILED, torch.bfloat16)
