@@ -209,7 +209,7 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
             say(f"predicted column: the cost model calibrated by {auto}")
     rows_blocks = db.pool_blocks(spec, max(batches), longest)
     cases = [(b, c) for b in batches for c in ctxs]
-    ceiling, rows = None, []
+    ceiling, ceiling_read, rows = None, None, []
     for oi, o in enumerate(orders):
         opts = EngineOptions(backend=kind, order=o, max_batch_size=max(batches), max_model_len=longest,
                              num_kv_blocks=rows_blocks + 16, prefix_caching=False, decode_only=release)
@@ -234,9 +234,10 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
             say(f"{label}: ready in {time.perf_counter() - t0:.1f} s; filling the KV cache with noise")
             db.fill_kv_noise(engine.kv)
             if oi == 0 and ei == 0 and not no_ceiling:
-                ceiling = db.measure_ceiling("cuda" if on_gpu else "cpu")
-                if ceiling:
-                    say(f"streaming-read ceiling: {ceiling / 1e12:.3f} TB/s")
+                ceiling_read = db.measure_ceiling("cuda" if on_gpu else "cpu")
+                if ceiling_read is not None:
+                    ceiling = ceiling_read.bps
+                    say(ceiling_read.line())
             with click.progressbar(length=len(cases) * (steps + warmup), label=f"decoding ({label})",
                                    file=sys.stderr, show_pos=True) as bar:
                 done = [0]
@@ -269,7 +270,8 @@ def bench_cmd(model, backend, random_weights, batch_sizes, contexts, order, rout
     if json_path is not None:
         facts = {"model": spec.name, "backend": kind, "order": order, "orders": list(orders), "routing": routing,
                  "routing_alpha": ALPHA if routing == "skewed" else None, "random_weights": bool(random_weights),
-                 "steps": steps, "warmup": warmup, "engines": engines, "ceiling_bps": ceiling, "calibration": calibration,
+                 "steps": steps, "warmup": warmup, "engines": engines, "ceiling_bps": ceiling,
+                 "ceiling": None if ceiling_read is None else ceiling_read.record(), "calibration": calibration,
                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
                  "source": source_fingerprint(), "host": platform.node(), "device": _device_name("cuda" if on_gpu else "cpu")}
         json_path.parent.mkdir(parents=True, exist_ok=True)

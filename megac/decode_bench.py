@@ -88,36 +88,17 @@ def rows_at(kv, batch: int, context: int) -> list[int]:
     return rows
 
 
-def measure_ceiling(device: str, nbytes: int = 4 << 30, repeats: int = 20, warmup_s: float = 1.0) -> float | None:
-    """Streaming-read rate (B/s) of ``device`` on random data much larger
-    than L2: the median of ``repeats`` full reductions of ``nbytes``, after
-    ``warmup_s`` seconds of untimed ones. A fixed handful of warm-up reads
-    was not enough: the same H200 read 3.82-3.83 TB/s right after an
-    engine's build (an idle GPU's clocks still ramping) and 4.3-4.4 minutes
-    later. None on the CPU (no meaningful ceiling for the bytes the VM
-    moves)."""
+def measure_ceiling(device: str, nbytes: int = 4 << 30, repeats: int = 20, warmup_s: float = 1.0):
+    """The streaming-read ceiling of ``device`` (:class:`megac.gpu.ceiling.Ceiling`:
+    the fastest of the read kernel's launch shapes and torch's sum over
+    ``nbytes`` of random data, medians of ``repeats`` passes after
+    ``warmup_s`` s of untimed ones), or None on the CPU (no meaningful
+    ceiling for the bytes the VM moves)."""
     if device != "cuda":
         return None
-    import time
+    from megac.gpu import ceiling
 
-    import torch
-
-    x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warmup_s:
-        x.sum()
-        torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        x.sum()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e-3)
-    del x
-    torch.cuda.empty_cache()
-    return nbytes / statistics.median(out)
+    return ceiling.measure(nbytes=nbytes, repeats=repeats, warmup_s=warmup_s)
 
 
 def step_bytes(schedule, context: int, calibration=None, expert_probs=None) -> tuple[float, float]:

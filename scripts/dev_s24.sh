@@ -429,6 +429,10 @@ case "${1:-tails}" in
         # over engines, not one engine's draw), then s40e, 5 engines a side
     BS=1,8 ENG=${ENG:-5} BT=260 bash "$0" bench
     NE=4 AT=$(( (570 - SECONDS) / 2 )) bash "$0" s40e ;;
+  s40c)  # megac bench's new ceiling (the read kernel's two shapes beside torch's sum; its GPU test first),
+         # then megac bench of the default at bs1 and bs8 over ENG engines against it (~9 min)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ceiling.py 2>&1 | tail -2
+    BS=1,8 ENG=${ENG:-5} BT=$((575 - SECONDS)) bash "$0" bench ;;
   s40e)  # the engines' spread under two allocator mappings (perf-notes, thirty-ninth session): NE+1 default
          # engines each at bs1 8K, the caching allocator's segments (every run so far), then expandable
          # segments (cuMemMap in 2 MB granules); AT s each
@@ -452,5 +456,5 @@ case "${1:-tails}" in
   bench)
     timeout ${BT:-500} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size ${BS:-1,2,4,8} --context 8192 --steps 30 --engines ${ENG:-1} --json $OUT/bench.json 2>&1 \
-      | grep -v Warning | tail -14 ;;
+      | grep -v Warning | tee $OUT/bench.log | tail -14 ;;
 esac

@@ -12,7 +12,8 @@ import pytest
 from megac.gpu import build
 from megac.gpu.build import CudaBuildError, build_cubin, cache_key, parse_ptxas, resources
 
-TEST_SOURCES = sorted((build.OPCODES / "tests").glob("*.cu"))
+# the test kernels, and the product's standalone kernels (megac bench's read ceiling)
+TEST_SOURCES = sorted((build.OPCODES / "tests").glob("*.cu")) + sorted(build.OPCODES.glob("*.cu"))
 
 # file name -> {kernel: allowed spill-store bytes}. Keep empty: a spilling
 # test kernel usually means a register array indexed at run time.

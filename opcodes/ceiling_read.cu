@@ -1,6 +1,8 @@
 // Streaming-read ceiling: read every 16-byte vector of a large random buffer
 // once with non-caching loads and fold it into a 64-bit sum, so the compiler
 // cannot drop a load and the host can check that every byte was read.
+// megac bench's streaming-read ceiling (megac/gpu/ceiling.py) and the battery's
+// ceiling block both read with it.
 //
 // Entry points differ only in the L2 fetch granularity they ask for;
 // the launch configuration (many CTAs, or one 1024-thread CTA per SM) is the
