@@ -20,7 +20,7 @@ def test_line_names_the_best_read_and_the_others() -> None:
                         skipped={})
     line = c.line()
     assert line.startswith("streaming-read ceiling: 4.600 TB/s (16 B nc loads, 1 CTA x 1024")
-    assert "torch.sum 4.280" in line and "4 CTAs x 512 threads per SM 4.590" in line
+    assert "torch.sum (float32) 4.280" in line and "4 CTAs x 512 threads per SM 4.590" in line
     assert "not used" not in line
     rec = c.record()
     assert rec["bps"] == 4.6e12 and rec["reads_bps"][ceiling.TORCH_SUM] == 4.28e12
