@@ -433,6 +433,13 @@ case "${1:-tails}" in
          # then megac bench of the default at bs1 and bs8 over ENG engines against it (~9 min)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ceiling.py 2>&1 | tail -2
     BS=1,8 ENG=${ENG:-5} BT=$((575 - SECONDS)) bash "$0" bench ;;
+  s40h)  # the H200 call (~9.5 min): the ceiling's GPU test, megac bench of the default at bs1 and bs8 over 5
+         # engines against the new ceiling, then one profiled bs1 8K step of the default (s39p) while time is left
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ceiling.py 2>&1 | tail -2
+    BS=1,8 ENG=${ENG:-5} BT=${BT:-300} bash "$0" bench
+    grep -i "ceiling\|not used" $OUT/bench.log
+    left=$((570 - SECONDS)); echo "profile gets ${left}s"
+    [ $left -gt 150 ] && BT=$left bash "$0" s39p ;;
   s40e)  # the engines' spread under two allocator mappings (perf-notes, thirty-ninth session): NE+1 default
          # engines each at bs1 8K, the caching allocator's segments (every run so far), then expandable
          # segments (cuMemMap in 2 MB granules); AT s each
