@@ -19,13 +19,16 @@ reported. Per case:
   sampling on the device, the token ids back; the megakernel pipelines it,
   queuing step i+1 before the host reads step i's tokens), and the host's
   share (``step_ms - kernel_ms``, what the kernel does not hide);
-* ``bytes``: what the step must move by the cost model's accounting of the
-  schedule that ran (weights of the tiles it touches -- the expected active
-  experts at that batch, under uniform routing or the per-expert routing
-  chances given as ``expert_probs`` (``megac.routing_skew``) --, KV read,
-  activations and partials), so ``TB/s = bytes / kernel time`` and the percentages of the
-  streaming ceiling (measured in the same run where there is a GPU) and of
-  the datasheet 4.8 TB/s;
+* ``bytes``: what the step must move (:mod:`megac.sol_bytes`: the weights
+  it touches -- the expected distinct experts at that batch, under uniform
+  routing or the per-expert routing chances given as ``expert_probs``
+  (``megac.routing_skew``) -- plus the KV it reads; ``weight_bytes`` and
+  ``kv_bytes`` apart), so ``TB/s = bytes / kernel time`` and the
+  percentages of the streaming ceiling (measured in the same run where
+  there is a GPU) and of the datasheet 4.8 TB/s;
+* ``model_bytes``: the cost model's bytes for the schedule that ran, which
+  add activations and partials (kept for reference; before the fortieth
+  session these were ``bytes``);
 * ``predicted_ms``: the cost model's step, calibrated when a calibration
   is given (``megac.calibration``).
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Sequence
 
+from megac import sol_bytes
 from megac.errors import MegacError
 
 DATASHEET_BPS = 4.8e12
@@ -150,13 +154,18 @@ def run(engine, cases: Sequence[tuple[int, int]], *, steps: int = 30, warmup: in
                "step_ms": round(step_ms, 4), "tok_s": round(batch * 1e3 / kernel_ms, 1),
                "tok_s_step": round(batch * 1e3 / step_ms, 1),
                "host_fraction": round(max(step_ms - kernel_ms, 0.0) / step_ms, 4)}
-        if sched is not None:
-            nbytes, pred_us = step_bytes(sched, context, calibration, expert_probs)
-            tbs = nbytes / (kernel_ms * 1e-3)
-            row.update(bytes=int(nbytes), tb_s=round(tbs / 1e12, 3), pct_datasheet=round(100 * tbs / DATASHEET_BPS, 1),
-                       predicted_ms=round(pred_us / 1e3, 4))
+        spec = getattr(engine, "spec", None)
+        if spec is not None:
+            must = sol_bytes.step_bytes(spec, batch, context, expert_probs)
+            tbs = must.total / (kernel_ms * 1e-3)
+            row.update(bytes=int(must.total), weight_bytes=int(must.weights), kv_bytes=int(must.kv),
+                       tb_s=round(tbs / 1e12, 3), pct_datasheet=round(100 * tbs / DATASHEET_BPS, 1))
             if ceiling:
-                row.update(pct_ceiling=round(100 * tbs / ceiling, 1), sol_ms=round(nbytes / ceiling * 1e3, 4))
+                row.update(pct_ceiling=round(100 * tbs / ceiling, 1), sol_ms=round(must.total / ceiling * 1e3, 4))
+        if sched is not None:
+            # the cost model's bytes add activations and partials (it times them); kept for reference
+            model_bytes, pred_us = step_bytes(sched, context, calibration, expert_probs)
+            row.update(predicted_ms=round(pred_us / 1e3, 4), model_bytes=int(model_bytes))
         out.append(row)
     return out
 
