@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from megac import abi
-from megac.abi import Flag, Op, Queue
+from megac.abi import Flag, H, Op, Queue
 from megac.errors import BadTaskError
 from megac.ops.base import BF16, BIG, FP32, ClaimerOp, OpDef, SubTasks, at, bound, field, last_of, resolve_dyn, span
 from megac.ops.cpu import cast, idx
@@ -58,6 +58,16 @@ def split_bytes(geo, span_tokens: np.ndarray, splits: np.ndarray) -> np.ndarray:
 
 def _context(geo, params) -> int:
     return int(params.context or geo.context)
+
+
+def layer_splits(w, geo, context: int) -> np.ndarray:
+    """Each task's attention split count at ``context`` as the host writes it
+    (``runtime.step``): ``attn_splits(min(context, window))`` in a windowed
+    layer, ``attn_splits(context)`` in a full one (the fallback of a dynamic
+    split count)."""
+    window = np.asarray(geo.window, dtype=np.int64)[np.clip(w[:, H.LAYER].astype(np.int64), 0, len(geo.window) - 1)]
+    span_tokens = np.where(window > 0, np.minimum(context, window), context)
+    return np.vectorize(geo.attn_splits, otypes=[np.int64])(span_tokens)
 
 
 def split_spans(vm, rows: np.ndarray, splits: np.ndarray, nss: np.ndarray, window: int):
@@ -208,7 +218,9 @@ class AttnDecode(OpDef):
         ctx = _context(geo, params)
         window = field(w, self.op, "WINDOW")
         sp = np.where(window > 0, np.minimum(ctx, window), ctx)
-        ns = resolve_dyn(field(w, self.op, "NUM_SPLITS"), geo.attn_splits(ctx))
+        # a windowed layer's split count is the host's for its window (runtime.step writes
+        # attn_splits(min(n, window)) to the sliding word), not the context's
+        ns = resolve_dyn(field(w, self.op, "NUM_SPLITS"), layer_splits(w, geo, ctx))
         return split_bytes(geo, sp, ns)
 
     def run(self, vm, words):
@@ -346,7 +358,7 @@ class AttnCombine(OpDef):
         acc.add("attn_out", True, ix, at(layer), at(row), (kvh * hpk * hd, (kvh + 1) * hpk * hd))
 
     def task_bytes(self, w, geo, params):
-        ns = resolve_dyn(field(w, self.op, "NUM_SPLITS"), geo.attn_splits(_context(geo, params)))
+        ns = resolve_dyn(field(w, self.op, "NUM_SPLITS"), layer_splits(w, geo, _context(geo, params)))
         return ns * geo.heads_per_kv * (geo.head_dim + 1) * FP32 + geo.heads_per_kv * geo.head_dim * BF16
 
     def run(self, vm, words):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megac import abi
 from megac.abi import Flag, H, Op
 from megac.errors import BadTaskError
-from megac.ops.attention import _context, merge_splits
+from megac.ops.attention import _context, layer_splits, merge_splits
 from megac.ops.base import BF16, BIG, FP32, KV_PIECE, Limits, OpDef, at, bound, field, resolve_dyn, span, summed
 from megac.ops.cpu import as_slice, cast, cols, idx, ranges, rotate
 from megac.ops.norm import norm_in_access, norm_in_input, norm_in_of, norm_in_rules
@@ -379,7 +379,7 @@ class OProj(GemmOp):
 
     def task_bytes(self, w, geo, params):
         ms = field(w, self.op, "MERGE_SPLITS")
-        ns = resolve_dyn(ms, geo.attn_splits(_context(geo, params)))
+        ns = resolve_dyn(ms, layer_splits(w, geo, _context(geo, params)))  # a windowed layer's: its window's
         # a merging tile also reads its KV head's partials (o and lse, fp32)
         merged = np.where(ms != 0, ns * geo.heads_per_kv * (geo.head_dim + 1) * FP32, 0)
         return super().task_bytes(w, geo, params) + merged
