@@ -87,3 +87,18 @@ def test_distinct_experts_match_a_simulated_routing():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="positive"):
         step_bytes(load_spec("tiny-moe"), 0, 8)
+
+
+def test_cost_model_reads_a_sliding_layer_s_whole_window():
+    # the cost model (which times partials and activations too) once took a sliding layer's split count from
+    # the context (16 at 8K) instead of its 4096-token window (8), so it read half of that layer's KV
+    from megac.abi import Op
+    from megac.costmodel import CostParams, simulate
+    from megac.passes.pipeline import compile_one
+
+    sched = compile_one(load_spec("north-mini-code"), order="tuned", rows=1, context=8192)
+    sim = simulate(sched, CostParams(context=8192))
+    kv = 4096 * 128 * 2 * 2  # one KV head's window of K and V
+    per_split = 8 * 128 * 2 + 8 * (128 + 1) * 4  # its 8 query heads in, their partial outputs and LSEs out
+    want = 36 * 4 * (kv + 8 * per_split)  # 36 sliding layers x 4 KV heads, 8 splits each
+    assert sim.nbytes[sim.opcode == int(Op.ATTN_DECODE)].sum() == want
