@@ -438,7 +438,7 @@ case "${1:-tails}" in
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ceiling.py 2>&1 | tail -2
     BS=1,8 ENG=${ENG:-5} BT=${BT:-300} bash "$0" bench
     grep -i "ceiling\|not used" $OUT/bench.log
-    left=$((570 - SECONDS)); echo "profile gets ${left}s"
+    left=$((${END:-570} - SECONDS)); echo "profile gets ${left}s"
     [ $left -gt 150 ] && BT=$left bash "$0" s39p ;;
   s40e)  # the engines' spread under two allocator mappings (perf-notes, thirty-ninth session): NE+1 default
          # engines each at bs1 8K, the caching allocator's segments (every run so far), then expandable
