@@ -195,6 +195,11 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ g
     // weights never depend on the waits: a static GEMM's first chunks stream
     // while thread 0 waits for its inputs
     c.primed = (rows::kEarly || tc::kBulk) && Dispatch::prime(c, ts->w);
+#if MEGAC_QKV_L2
+    // a QKV tile's whole weight span toward L2 behind its prime's copies, while
+    // its waits (the layer's tail) run (ops_gemm.cuh); warp 1: thread 0 waits
+    if (op == OP_QKV_PROJ && threadIdx.x >= 32 && threadIdx.x < 64) Dispatch::qkv_l2(c, ts->w, threadIdx.x & 31);
+#endif
     if (threadIdx.x == 0) {
       ts->task = k;
       ptr<int32_t>(desc->progress)[sm] = k;  // where this CTA is, for the watchdog report

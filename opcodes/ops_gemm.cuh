@@ -207,6 +207,37 @@ __device__ __forceinline__ void oproj_l2(const Ctx& c, const int32_t* w, int lan
     prefetch_l2(s.p + int64_t(rg) * 16 * s.ld, uint32_t(s.cols) * 32u);
 }
 
+// 1: a QKV tile, as it starts (after its prime's copies, before its waits:
+// at batch 1 that is the previous layer's tail, where its SM's down claim or
+// O-projection tile ended), has warp 1 pull its whole weight span into L2
+// (cp.async.bulk.prefetch.L2, one 16-row group a lane); 2: the same with an
+// evict_last policy. Why (fortieth session's H200 trace): a sliding layer's last ~10 us
+// carry under 1 TB/s while its first ~4 us stream the next layer's 21 MB
+// of QKV weights at ~4 TB/s from HBM, on the QKV SMs whose up claims end the
+// up phase; from L2 that head is shorter. Unlike the L2 prefetches that
+// lost (tenth, eleventh, thirteenth, twenty-first sessions), these bytes
+// go out while HBM idles, not beside the critical stream. Weights are
+// read-only during a launch: no effect on any value. 0: off.
+#ifndef MEGAC_QKV_L2
+#define MEGAC_QKV_L2 0
+#endif
+
+// The QKV tile of words `w` (as compiled) into L2, spread over 32 lanes.
+template <class M>
+__device__ __forceinline__ void qkv_l2(const Ctx& c, const int32_t* w, int lane) {
+  const WeightSpan s = qkv_proj_weights<M>(c, w);
+  if (!s.tiled) return;
+  uint64_t policy = 0;
+  if constexpr (MEGAC_QKV_L2 == 2) policy = l2_evict_last_policy();
+  for (int rg = lane; rg < (s.rows + 15) / 16; rg += 32) {
+    if constexpr (MEGAC_QKV_L2 == 2) {
+      prefetch_l2_hint(s.p + int64_t(rg) * 16 * s.ld, uint32_t(s.cols) * 32u, policy);
+    } else {
+      prefetch_l2(s.p + int64_t(rg) * 16 * s.ld, uint32_t(s.cols) * 32u);
+    }
+  }
+}
+
 // Stages per warp a merging O-projection tile (O_PROJ.MERGE_SPLITS) primes
 // before its waits (at most tc::kStages): its merge's small partial loads,
 // issued after the waits, queue behind whatever of its own weight copies is

@@ -387,6 +387,27 @@ case "${1:-tails}" in
       nmc-cpoll nmc-dn128p nmc-dn128p16 nmc-dn128p_oa nmc-dn128p_o256_oa 2>&1 | grep -v Warning \
       | grep -v "(interleaved)\|(attention-first)" | tee -a build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s40)  # the fortieth session's final headers (MEGAC_QKV_L2 added; the default's machine code
+                 # unchanged): the default and its profiled build, the tiny models and the slice under qkvl2
+                 # for its checks, the qkvl2 / qkvl2e sets, dn128p (the H200 read it -0.9 %)
+    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
+    PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py tiny-moe:qkvl2 tiny-llama:qkvl2 nmc-slice:qkvl2 \
+      2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code \
+      nmc-qkvl2 nmc-qkvl2e nmc-dn128p 2>&1 | grep -v Warning \
+      | grep -v "(interleaved)\|(attention-first)" | tee -a build/cz-s31/log.txt
+    .venv/bin/python -c "from megac.gpu.build import build_cubin; from megac.gpu.ceiling import SOURCE; print(build_cubin(SOURCE))" \
+      | tee -a build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s41)  # the next H200 call (~9 min; prebuild_s40): the next layer's QKV weights toward L2 in the tail
+        # (qkvl2) checked as a default would be (tiny models against the VM, the watchdog, the one-row fp32
+        # slice), then qkvl2 / qkvl2e against the default, engines alternating at bs1 until AB_END s, then
+        # bs8 for the better one by hand
+    verify qkvl2 qkvl2 1
+    t=default,qkvl2,qkvl2e; for i in 1 2 3 4 5 6 7; do t=$t,default#$i,qkvl2#$i,qkvl2e#$i; done
+    left=$((${AB_END:-540} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-70 ;;
   s39)  # the H200 queue (~9.5 min; prebuild_s39): the paired down claims (dpair) checked as a default would be
         # (tiny models against the VM, the watchdog, the one-row fp32 slice), then against the default, engines
         # alternating at bs1 until AB_END s: dn128p (128-row down tiles, pairs but the last 26), with a sliding

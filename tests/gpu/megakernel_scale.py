@@ -861,6 +861,10 @@ VARIANTS = {
     # a down claim takes two adjacent records but for the queue's last 26 / 16 (mk_core.cuh MEGAC_DOWN_PAIRS)
     "dpair": {"MEGAC_DOWN_PAIRS": 26},
     "dpair16": {"MEGAC_DOWN_PAIRS": 16},
+    # a QKV tile's weights toward L2 as the task before it (the layer's tail) ends (ops_gemm.cuh
+    # MEGAC_QKV_L2); 2: evict_last
+    "qkvl2": {"MEGAC_QKV_L2": 1},
+    "qkvl2e": {"MEGAC_QKV_L2": 2},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1496,6 +1500,10 @@ TILES = {
     # session's reading of layer 22); dn128 alone (every claim 128 rows) lost ~3 %
     "dn128p": {"moe_down_bn": 128, "variant": "dpair"},
     "dn128p16": {"moe_down_bn": 128, "variant": "dpair16"},
+    # the next layer's QKV weights toward L2 in this layer's tail (fortieth session's H200 trace: the
+    # tail carries under 1 TB/s, the next QKV phase ~4 TB/s from HBM)
+    "qkvl2": {"variant": "qkvl2"},
+    "qkvl2e": {"variant": "qkvl2e"},
     # and a sliding layer's O-projection on its attention SMs at batch 1 (routed-oproj-on-attn.yaml): two
     # 128-feature tiles an attention SM, or one of 256, instead of tiles queued behind up claims
     "dn128p_oa": {"moe_down_bn": 128, "variant": "dpair", "order": "schedules/experiments/routed-oproj-on-attn.yaml"},
