@@ -198,13 +198,27 @@ __device__ __forceinline__ WeightSpan moe_down_weights(const Ctx& c, const int32
 #define MEGAC_OPROJ_L2 0
 #endif
 
+// A tiled weight span into L2, one 16-row group (its K slice: one
+// contiguous run) a lane of 32 at a time; kEvictLast: with an evict_last
+// policy. Untiled spans are left alone.
+template <bool kEvictLast = false>
+__device__ __forceinline__ void tiled_span_l2(const WeightSpan& s, int lane) {
+  if (!s.tiled) return;
+  uint64_t policy = 0;
+  if constexpr (kEvictLast) policy = l2_evict_last_policy();
+  for (int rg = lane; rg < (s.rows + 15) / 16; rg += 32) {
+    if constexpr (kEvictLast) {
+      prefetch_l2_hint(s.p + int64_t(rg) * 16 * s.ld, uint32_t(s.cols) * 32u, policy);
+    } else {
+      prefetch_l2(s.p + int64_t(rg) * 16 * s.ld, uint32_t(s.cols) * 32u);
+    }
+  }
+}
+
 // The O-projection tile of words `w` into L2, spread over 32 lanes.
 template <class M>
 __device__ __forceinline__ void oproj_l2(const Ctx& c, const int32_t* w, int lane) {
-  const WeightSpan s = o_proj_weights<M>(c, w);
-  if (!s.tiled) return;
-  for (int rg = lane; rg < (s.rows + 15) / 16; rg += 32)
-    prefetch_l2(s.p + int64_t(rg) * 16 * s.ld, uint32_t(s.cols) * 32u);
+  tiled_span_l2(o_proj_weights<M>(c, w), lane);
 }
 
 // 1: a QKV tile, as it starts (after its prime's copies, before its waits:
@@ -225,17 +239,7 @@ __device__ __forceinline__ void oproj_l2(const Ctx& c, const int32_t* w, int lan
 // The QKV tile of words `w` (as compiled) into L2, spread over 32 lanes.
 template <class M>
 __device__ __forceinline__ void qkv_l2(const Ctx& c, const int32_t* w, int lane) {
-  const WeightSpan s = qkv_proj_weights<M>(c, w);
-  if (!s.tiled) return;
-  uint64_t policy = 0;
-  if constexpr (MEGAC_QKV_L2 == 2) policy = l2_evict_last_policy();
-  for (int rg = lane; rg < (s.rows + 15) / 16; rg += 32) {
-    if constexpr (MEGAC_QKV_L2 == 2) {
-      prefetch_l2_hint(s.p + int64_t(rg) * 16 * s.ld, uint32_t(s.cols) * 32u, policy);
-    } else {
-      prefetch_l2(s.p + int64_t(rg) * 16 * s.ld, uint32_t(s.cols) * 32u);
-    }
-  }
+  tiled_span_l2<MEGAC_QKV_L2 == 2>(qkv_proj_weights<M>(c, w), lane);
 }
 
 // Stages per warp a merging O-projection tile (O_PROJ.MERGE_SPLITS) primes
