@@ -56,9 +56,19 @@ class Ceiling:
         return {"bps": self.bps, "method": self.method, "reads_bps": dict(self.reads), "skipped": dict(self.skipped)}
 
 
-def _exact_sum(words, chunk: int = 1 << 25) -> int:
-    """The words read as uint32, summed exactly mod 2**64 (int64 chunks of
-    256 MB: a GPU that holds a model has little room to spare)."""
+def random_words(n_words: int, seed: int):
+    """Random int32 words on the GPU (never constant data: it could compress)."""
+    import torch
+
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return torch.randint(-(2**31), 2**31 - 1, (n_words,), dtype=torch.int32, device="cuda", generator=g)
+
+
+def exact_sum(words, chunk: int = 1 << 25) -> int:
+    """The words read as uint32, summed exactly mod 2**64: what the read
+    kernel's sum must equal (int64 chunks of 256 MB: a GPU that holds a model
+    has little room to spare)."""
     import torch
 
     total = 0
@@ -67,9 +77,15 @@ def _exact_sum(words, chunk: int = 1 << 25) -> int:
     return total % (1 << 64)
 
 
-def _median_s(fn, repeats: int, before=None) -> float:
+def _median_s(fn, repeats: int, warmup_s: float, before=None) -> float:
+    """Median seconds of ``fn`` over ``repeats`` timed runs, after
+    ``warmup_s`` seconds of untimed ones (clocks ramp on an idle GPU)."""
     import torch
 
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warmup_s:
+        fn()
+        torch.cuda.synchronize()
     out = []
     for _ in range(repeats):
         if before is not None:
@@ -99,7 +115,7 @@ def _kernel_reads(words, nbytes: int, repeats: int, warmup_s: float) -> tuple[di
     sms = sm_count()
     n_vec = np.uint64(nbytes // 16)
     out = torch.zeros(1, dtype=torch.int64, device="cuda")
-    want = _exact_sum(words)
+    want = exact_sum(words)
     reads, skipped = {}, {}
     for name, per_sm, threads in SHAPES:
         def go(per_sm=per_sm, threads=threads):
@@ -112,11 +128,7 @@ def _kernel_reads(words, nbytes: int, repeats: int, warmup_s: float) -> tuple[di
         if got != want:
             skipped[name] = f"its sum {got} is not the data's {want}: it did not read every byte"
             continue
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < warmup_s:
-            go()
-            torch.cuda.synchronize()
-        reads[name] = nbytes / _median_s(go, repeats, before=out.zero_)
+        reads[name] = nbytes / _median_s(go, repeats, warmup_s, before=out.zero_)
     return reads, skipped
 
 
@@ -128,20 +140,13 @@ def measure(nbytes: int = 4 << 30, repeats: int = 20, warmup_s: float = 1.0, ker
     ``kernel=False`` measures torch's sum alone."""
     import torch
 
-    g = torch.Generator(device="cuda")
-    g.manual_seed(20261206)
-    # random words, never constant data (it could compress)
-    words = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda", generator=g)
+    words = random_words(nbytes // 4, seed=20261206)
     try:
         reads, skipped = _kernel_reads(words, nbytes, repeats, warmup_s) if kernel else ({}, {})
         # torch's sum over the words as float32 (what megac bench read before this kernel: an int32 sum
         # widens to int64 and reads an H100 at 0.59 TB/s); the bits' NaNs cost a float add nothing
         floats = words.view(torch.float32)
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < warmup_s:
-            floats.sum()
-            torch.cuda.synchronize()
-        reads[TORCH_SUM] = nbytes / _median_s(lambda: floats.sum(), repeats)
+        reads[TORCH_SUM] = nbytes / _median_s(lambda: floats.sum(), repeats, warmup_s)
         del floats
     finally:
         del words
@@ -150,4 +155,4 @@ def measure(nbytes: int = 4 << 30, repeats: int = 20, warmup_s: float = 1.0, ker
     return Ceiling(bps=reads[method], method=method, reads=reads, skipped=skipped)
 
 
-__all__ = ["Ceiling", "KERNEL", "SHAPES", "SOURCE", "TORCH_SUM", "measure"]
+__all__ = ["Ceiling", "KERNEL", "SHAPES", "SOURCE", "TORCH_SUM", "exact_sum", "measure", "random_words"]

@@ -14,27 +14,8 @@ import numpy as np
 
 from gpu.battery import bench, block_main, check, speed_target, time_cuda
 from megac.gpu.build import build_cubin, resources
-from megac.gpu.ceiling import SOURCE  # the kernel megac bench's ceiling reads with: one home
-
-
-def random_words(n_words: int, seed: int):
-    """Random int32 words on the GPU (never constant data: it compresses)."""
-    import torch  # noqa: PLC0415
-
-    g = torch.Generator(device="cuda")
-    g.manual_seed(seed)
-    return torch.randint(-(2**31), 2**31 - 1, (n_words,), dtype=torch.int32, device="cuda", generator=g)
-
-
-def uint32_sum(words) -> int:
-    """Sum of the words read as uint32, exact (int64 never overflows here)."""
-    import torch  # noqa: PLC0415
-
-    total = 0
-    chunk = 1 << 27
-    for i in range(0, words.numel(), chunk):
-        total += int((words[i : i + chunk].to(torch.int64) & 0xFFFFFFFF).sum().item())
-    return total
+# the kernel megac bench's ceiling reads with, its data and its check: one home
+from megac.gpu.ceiling import SOURCE, exact_sum, random_words
 
 
 def measure(quick: bool, reps: int | None = None) -> tuple[list[dict], list[dict], float]:
@@ -50,7 +31,7 @@ def measure(quick: bool, reps: int | None = None) -> tuple[list[dict], list[dict
     reps = reps or (30 if quick else 100)
     words = random_words(nbytes // 4, seed=1234)
     n_vec = nbytes // 16
-    want = uint32_sum(words) % (1 << 64)
+    want = exact_sum(words)
     out = torch.zeros(1, dtype=torch.int64, device="cuda")
 
     shapes = [
