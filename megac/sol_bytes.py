@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 #: bytes per weight and per KV element in the kernel's layout (bf16)
 WEIGHT_BYTES = 2
 KV_BYTES = 2
@@ -50,7 +52,7 @@ def expected_distinct_experts(num_experts: int, top_k: int, rows: int,
     chance ``expert_probs[e]``, uniform ``top_k / num_experts``)."""
     if expert_probs is None:
         return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
-    return float(sum(1.0 - (1.0 - float(p)) ** rows for p in expert_probs))
+    return float(np.sum(1.0 - (1.0 - np.asarray(expert_probs, dtype=np.float64)) ** rows))
 
 
 def step_bytes(spec, batch: int, context: int, expert_probs: Sequence[float] | None = None) -> StepBytes:
@@ -58,22 +60,15 @@ def step_bytes(spec, batch: int, context: int, expert_probs: Sequence[float] | N
     move for ``spec`` (a ModelSpec)."""
     if batch < 1 or context < 1:
         raise ValueError(f"batch and context must be positive, got {batch} and {context}")
-    d = spec.hidden_size
-    per_row_kv = 2 * spec.num_kv_heads * spec.head_dim * KV_BYTES  # K and V of one token
-    weights = spec.vocab_size * d + d  # LM head, final norm
-    if not spec.tie_embeddings:
-        weights += batch * d  # the rows' embedding rows
     active = 0.0
     if spec.moe is not None:
         active = expected_distinct_experts(spec.moe.num_experts, spec.moe.top_k, batch, expert_probs)
+    weights = spec.params_read(active)
+    if not spec.tie_embeddings:
+        weights += batch * spec.hidden_size  # the rows' embedding rows
+    per_row_kv = 2 * spec.num_kv_heads * spec.head_dim * KV_BYTES  # K and V of one token
     kv = 0.0
-    norms = (2 if spec.block == "sequential" else 1) * d
     for layer in spec.layers:
-        weights += d * spec.qkv_width + spec.q_width * d + norms
-        if layer.ffn == "dense":
-            weights += 3 * d * (spec.dense_intermediate_size or 0)
-        else:
-            weights += spec.moe.num_experts * d + active * 3 * d * spec.moe.expert_intermediate_size
         span = min(context, layer.window) if layer.attention == "sliding" and layer.window else context
         kv += batch * span * per_row_kv
     return StepBytes(weights=float(weights * WEIGHT_BYTES), kv=float(kv), active_experts=active)

@@ -30,6 +30,7 @@ from megac.abi import Flag, H, Op, Queue
 from megac.errors import BadTaskError, QueueOverflowError
 from megac.ops.base import BF16, BIG, FP32, QUEUE_BUFFER, ClaimerOp, OpDef, SubTasks, at, field, last_of, span
 from megac.ops.cpu import idx
+from megac.sol_bytes import expected_distinct_experts
 from megac.weights.layout import tile_gate_up_rows
 
 
@@ -70,11 +71,7 @@ def expected_active_experts(geo, params) -> int:
     E, k, R = geo.num_experts, geo.top_k, geo.rows
     if not E:
         return 0
-    p = params.expert_probs
-    if p is None:
-        touched = E * (1.0 - (1.0 - k / E) ** R)
-    else:
-        touched = float(np.sum(1.0 - (1.0 - np.asarray(p, dtype=np.float64)) ** R))
+    touched = expected_distinct_experts(E, k, R, params.expert_probs)
     return max(min(k, E), int(round(touched)))
 
 

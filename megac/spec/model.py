@@ -376,6 +376,14 @@ class ModelSpec(BaseModel):
     def num_active_params(self) -> int:
         """Parameters read per token: everything but the unselected experts and
         the embedding table (the LM head matrix is counted once)."""
+        return int(self.params_read(self.moe.top_k if self.moe is not None else 0))
+
+    def params_read(self, experts_per_layer: float) -> float:
+        """Parameters a decode step reads with ``experts_per_layer`` experts of
+        each MoE layer touched (may be fractional: an expected count): every
+        layer's attention, norms, dense FFN or router, those experts, the
+        final norm and the LM head; not the embedding table (its rows only,
+        which the caller adds where they are not the tied LM head)."""
         d = self.hidden_size
         n = self.vocab_size * d + d
         for layer in self.layers:
@@ -384,7 +392,7 @@ class ModelSpec(BaseModel):
                 n += 3 * d * (self.dense_intermediate_size or 0)
             else:
                 assert self.moe is not None
-                n += self.moe.num_experts * d + self.moe.top_k * 3 * d * self.moe.expert_intermediate_size
+                n += self.moe.num_experts * d + experts_per_layer * 3 * d * self.moe.expert_intermediate_size
         return n
 
     def describe(self) -> str:
