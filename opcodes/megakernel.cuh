@@ -47,6 +47,23 @@ __device__ __forceinline__ bool call(F f, const Ctx& c) {
 #ifndef MEGAC_PREFETCH
 #define MEGAC_PREFETCH 0
 #endif
+// The SM's next O-projection tile (within its next kOprojAhead tasks) toward
+// L2 by warp 2, at normal priority (every weight stream is evict_first, so
+// these lines outlast them): 1 as a QKV tile starts (beside MEGAC_QKV_L2's
+// pull: the previous layer's tail, ~10 us under 1 TB/s in the fortieth
+// session's H200 trace), 2 as the task after a QKV tile starts (this layer's
+// routing hole, 4-10 us under 1.5 TB/s). Why: at batch 1 the O-projection
+// tiles that end a layer start behind an up claim at ~34 us and stream their
+// 256 KB after a 3 us merge; from L2 that stream is shorter. The QKV tile
+// itself never reads them, so nothing waits on the pull. Measured beside
+// MEGAC_QKV_L2 (H200, NMC 8K bs1, 8 engines a side against 9 of the
+// default, forty-first session): 1 +3.5 %, 2 +2.4 % (MEGAC_QKV_L2 alone
+// +1.2 %). The bytes pulled into the "idle" spans still slow the latency-
+// bound chains running there. 0: off.
+#ifndef MEGAC_OPROJ_AHEAD
+#define MEGAC_OPROJ_AHEAD 0
+#endif
+constexpr int kOprojAhead = 4;
 
 // ADD_RMSNORM's gamma toward L2 before its waits (ops_norm.cuh's norm_warm,
 // through the warm hook below); defined here too: this header comes first.
@@ -99,6 +116,23 @@ constexpr int kProfileWords = 4 + kProfileMarks;
 // 1 (with MEGAC_DESC_SMEM): the layer-slot and RoPE tables copied as well
 #ifndef MEGAC_DESC_TABLES
 #define MEGAC_DESC_TABLES 1
+#endif
+
+#if MEGAC_OPROJ_AHEAD
+// MEGAC_OPROJ_AHEAD's pull: the first O-projection among tasks k + 1 ..
+// k + kOprojAhead of this CTA's `list` toward L2, one warp. Not inlined:
+// inline in the task loop its scan spilled 88 bytes.
+template <class Dispatch>
+__device__ __noinline__ void oproj_ahead_l2(const LaunchDesc* d, const int32_t* list, int k, int n, int lane) {
+  const Ctx c{d, nullptr, nullptr, 0, WaitSite{nullptr, 0, 0, 0, 0}, false};
+  for (int j = k + 1; j < n && j <= k + kOprojAhead; ++j) {
+    const int32_t* wj = list + int64_t(j) * TASK_WORDS;
+    if (__ldg(wj + H_OPCODE) == OP_O_PROJ) {
+      Dispatch::oproj_l2(c, wj, lane);
+      return;
+    }
+  }
+}
 #endif
 
 template <class M, class Dispatch>
@@ -199,6 +233,14 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ g
     // a QKV tile's whole weight span toward L2 behind its prime's copies, while
     // its waits (the layer's tail) run (ops_gemm.cuh); warp 1: thread 0 waits
     if (op == OP_QKV_PROJ && threadIdx.x >= 32 && threadIdx.x < 64) Dispatch::qkv_l2(c, ts->w, threadIdx.x & 31);
+#endif
+#if MEGAC_OPROJ_AHEAD
+    // the task words come from the list in global memory (read-only in a
+    // launch): nothing more held in registers across the task
+    if (threadIdx.x >= 64 && threadIdx.x < 96 &&
+        (MEGAC_OPROJ_AHEAD == 1 ? op == OP_QKV_PROJ
+                                : k > 0 && __ldg(list + int64_t(k - 1) * TASK_WORDS + H_OPCODE) == OP_QKV_PROJ))
+      oproj_ahead_l2<Dispatch>(desc, list, k, n, threadIdx.x & 31);
 #endif
     if (threadIdx.x == 0) {
       ts->task = k;

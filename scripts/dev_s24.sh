@@ -400,12 +400,43 @@ case "${1:-tails}" in
     .venv/bin/python -c "from megac.gpu.build import build_cubin; from megac.gpu.ceiling import SOURCE; print(build_cubin(SOURCE))" \
       | tee -a build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s41)  # prebuild_s40's set and the O-projection's pull toward L2 beside qkvl2 (MEGAC_OPROJ_AHEAD:
+                 # qkvl2_ot in the tail, qkvl2_oh in the routing hole)
+    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
+    PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py tiny-moe:qkvl2 tiny-llama:qkvl2 nmc-slice:qkvl2 \
+      2>&1 | grep -v Warning | tee build/cz-s31/log.txt
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code \
+      nmc-qkvl2 nmc-qkvl2e nmc-qkvl2_ot nmc-qkvl2_oh 2>&1 | grep -v Warning \
+      | grep -v "(interleaved)\|(attention-first)" | tee -a build/cz-s31/log.txt
+    .venv/bin/python -c "from megac.gpu.build import build_cubin; from megac.gpu.ceiling import SOURCE; print(build_cubin(SOURCE))" \
+      | tee -a build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s41b)  # the split on its own up tiles (split1_own: the twenty-eighth session's -1.5 % at bs1, +1.1 %
+                  # at bs8) on today's code, its fp32 slice, and dn128p
+    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code \
+      nmc-split1_own nmc-slice-split1_own nmc-dn128p 2>&1 | grep -v Warning \
+      | grep -v "(interleaved)\|(attention-first)" | tee -a build/cz-s31/log.txt
+    .venv/bin/python -c "from megac.gpu.build import build_cubin; from megac.gpu.ceiling import SOURCE; print(build_cubin(SOURCE))" \
+      | tee -a build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s41b)  # (prebuild_s41b, ~6 min) split1_own's fp32 slices at one row (split tiles) and two (plain tiles over
+         # 64-row chunks), then default / split1_own / dn128p alternating at bs1 and bs8
+    for r in 1 2; do
+      MEGAC_CHECK_TILES=split1_own MEGAC_CHECK_ROWS=$r timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
+        --out $OUT/slice-own-$r.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
+    done
+    t=default,split1_own,dn128p; for i in 1 2 3 4 5 6 7; do t=$t,default#$i,split1_own#$i,dn128p#$i; done
+    left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
+    AT=$left TB=${TB:-1,8} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-120 ;;
   s41)  # the next H200 call (~9 min; prebuild_s40): the next layer's QKV weights toward L2 in the tail
         # (qkvl2) checked as a default would be (tiny models against the VM, the watchdog, the one-row fp32
         # slice), then qkvl2 / qkvl2e against the default, engines alternating at bs1 until AB_END s, then
         # bs8 for the better one by hand
     verify qkvl2 qkvl2 1
-    t=default,qkvl2,qkvl2e; for i in 1 2 3 4 5 6 7; do t=$t,default#$i,qkvl2#$i,qkvl2e#$i; done
+    t=default,qkvl2,qkvl2_ot,qkvl2_oh,qkvl2e; for i in 1 2 3 4 5 6 7; do t=$t,default#$i,qkvl2#$i,qkvl2_ot#$i,qkvl2_oh#$i; done
     left=$((${AB_END:-540} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-70 ;;
   s39)  # the H200 queue (~9.5 min; prebuild_s39): the paired down claims (dpair) checked as a default would be

@@ -865,6 +865,10 @@ VARIANTS = {
     # MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
     "qkvl2e": {"MEGAC_QKV_L2": 2},
+    # and the SM's next O-projection tile toward L2 (megakernel.cuh MEGAC_OPROJ_AHEAD): as the QKV tile
+    # starts (1: the tail), or as the task after it starts (2: the routing hole)
+    "qkvl2_ot": {"MEGAC_QKV_L2": 1, "MEGAC_OPROJ_AHEAD": 1},
+    "qkvl2_oh": {"MEGAC_QKV_L2": 1, "MEGAC_OPROJ_AHEAD": 2},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1504,6 +1508,8 @@ TILES = {
     # tail carries under 1 TB/s, the next QKV phase ~4 TB/s from HBM)
     "qkvl2": {"variant": "qkvl2"},
     "qkvl2e": {"variant": "qkvl2e"},
+    "qkvl2_ot": {"variant": "qkvl2_ot"},
+    "qkvl2_oh": {"variant": "qkvl2_oh"},
     # and a sliding layer's O-projection on its attention SMs at batch 1 (routed-oproj-on-attn.yaml): two
     # 128-feature tiles an attention SM, or one of 256, instead of tiles queued behind up claims
     "dn128p_oa": {"moe_down_bn": 128, "variant": "dpair", "order": "schedules/experiments/routed-oproj-on-attn.yaml"},
