@@ -431,6 +431,15 @@ case "${1:-tails}" in
     t=default,split1_own,dn128p; for i in 1 2 3 4 5 6 7; do t=$t,default#$i,split1_own#$i,dn128p#$i; done
     left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
     AT=$left TB=${TB:-1,8} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-120 ;;
+  grid)  # today's default over the grid (bs 1,2,4,8 x 1K, 8K, 32K; then 128K), one engine, for the
+         # cost model's refit (megac calibrate TRACE --steps); GT: the first part's timeout
+    timeout ${GT:-330} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
+      --batch-size 1,2,4,8 --context 1024,8192,32768 --steps 30 --json $OUT/grid.json 2>&1 \
+      | grep -v Warning | tee $OUT/grid.log | tail -16
+    left=$((${GRID_END:-585} - SECONDS)); echo "128K gets ${left}s"
+    timeout $left python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
+      --batch-size 1,2,4,8 --context 131072 --steps 20 --json $OUT/grid128k.json 2>&1 \
+      | grep -v Warning | tee $OUT/grid128k.log | tail -8 ;;
   s41)  # the next H200 call (~9 min; prebuild_s40): the next layer's QKV weights toward L2 in the tail
         # (qkvl2) checked as a default would be (tiny models against the VM, the watchdog, the one-row fp32
         # slice), then qkvl2 / qkvl2e against the default, engines alternating at bs1 until AB_END s, then
