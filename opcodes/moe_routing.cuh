@@ -114,8 +114,16 @@ __device__ __forceinline__ unsigned long long order_key(float v, int e) {
 #ifndef MEGAC_TOPK_WARP
 #define MEGAC_TOPK_WARP 1
 #endif
-constexpr int kWarpKeys = 4;    // logits a lane holds: E <= 128
-constexpr int kWarpSplits = 4;  // router partials a key loads at once (16 loads a lane in flight)
+// Router partials a key loads at once (4: 16 loads a lane in flight). At
+// batch 1 the router has 8 splits (router_splits), so 4 is two dependent L2
+// round trips on every MoE layer's path to its first expert byte (the
+// fortieth session's H200 trace: partials summed 1.38 us after a routed
+// claimer's wait); 8 issues all 32 at once.
+#ifndef MEGAC_TOPK_WARP_SPLITS
+#define MEGAC_TOPK_WARP_SPLITS 4
+#endif
+constexpr int kWarpKeys = 4;  // logits a lane holds: E <= 128
+constexpr int kWarpSplits = MEGAC_TOPK_WARP_SPLITS;
 
 __host__ __device__ constexpr bool one_row_warp_fits(int E, int K) {
   return E <= 32 * kWarpKeys && K <= 32 && K <= E;

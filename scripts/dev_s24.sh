@@ -417,18 +417,18 @@ case "${1:-tails}" in
     rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
     MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
       .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code \
-      nmc-split1_own nmc-slice-split1_own nmc-dn128p 2>&1 | grep -v Warning \
+      nmc-split1_own nmc-slice-split1_own nmc-dn128p nmc-rs8 2>&1 | grep -v Warning \
       | grep -v "(interleaved)\|(attention-first)" | tee -a build/cz-s31/log.txt
     .venv/bin/python -c "from megac.gpu.build import build_cubin; from megac.gpu.ceiling import SOURCE; print(build_cubin(SOURCE))" \
       | tee -a build/cz-s31/log.txt
     pack_cubins < build/cz-s31/log.txt ;;
   s41b)  # (prebuild_s41b, ~6 min) split1_own's fp32 slices at one row (split tiles) and two (plain tiles over
-         # 64-row chunks), then default / split1_own / dn128p alternating at bs1 and bs8
+         # 64-row chunks), then default / split1_own / rs8 (dn128p every other round) alternating at bs1 and bs8
     for r in 1 2; do
       MEGAC_CHECK_TILES=split1_own MEGAC_CHECK_ROWS=$r timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
         --out $OUT/slice-own-$r.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
     done
-    t=default,split1_own,dn128p; for i in 1 2 3 4 5 6 7; do t=$t,default#$i,split1_own#$i,dn128p#$i; done
+    t=default,split1_own,rs8,dn128p; for i in 1 2 3 4 5 6 7; do t=$t,default#$i,split1_own#$i,rs8#$i; [ $((i % 2)) = 0 ] && t=$t,dn128p#$i; done
     left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
     AT=$left TB=${TB:-1,8} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-120 ;;
   grid)  # today's default over the grid (bs 1,2,4,8 x 1K, 8K, 32K; then 128K), one engine, for the

@@ -869,6 +869,9 @@ VARIANTS = {
     # starts (1: the tail), or as the task after it starts (2: the routing hole)
     "qkvl2_ot": {"MEGAC_QKV_L2": 1, "MEGAC_OPROJ_AHEAD": 1},
     "qkvl2_oh": {"MEGAC_QKV_L2": 1, "MEGAC_OPROJ_AHEAD": 2},
+    # a routed claimer loads all 8 router partials of its logits at once (moe_routing.cuh
+    # MEGAC_TOPK_WARP_SPLITS; 4: two L2 round trips at batch 1)
+    "rs8": {"MEGAC_TOPK_WARP_SPLITS": 8},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1510,6 +1513,7 @@ TILES = {
     "qkvl2e": {"variant": "qkvl2e"},
     "qkvl2_ot": {"variant": "qkvl2_ot"},
     "qkvl2_oh": {"variant": "qkvl2_oh"},
+    "rs8": {"variant": "rs8"},
     # and a sliding layer's O-projection on its attention SMs at batch 1 (routed-oproj-on-attn.yaml): two
     # 128-feature tiles an attention SM, or one of 256, instead of tiles queued behind up claims
     "dn128p_oa": {"moe_down_bn": 128, "variant": "dpair", "order": "schedules/experiments/routed-oproj-on-attn.yaml"},
