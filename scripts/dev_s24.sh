@@ -443,7 +443,7 @@ case "${1:-tails}" in
   s41c)  # (prebuild_s41b) rs8 against the default, engines alternating at bs1 (~2 min), then grid's two benches
     t=default,rs8; for i in 1 2 3 4 5 6; do t=$t,default#$i,rs8#$i; done
     AT=${AT:-170} TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60
-    GT=$((${GRID_A_END:-400} - SECONDS)) bash "$0" grid ;;
+    GT=$((${GRID_A_END:-400} - SECONDS)) GRID_END=$((585 - SECONDS)) bash "$0" grid ;;
   s41)  # the next H200 call (~9 min; prebuild_s40): the next layer's QKV weights toward L2 in the tail
         # (qkvl2) checked as a default would be (tiny models against the VM, the watchdog, the one-row fp32
         # slice), then qkvl2 / qkvl2e against the default, engines alternating at bs1 until AB_END s, then
