@@ -589,6 +589,11 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
       fill.next(wk, nwarps);
     }
   WalkPos at(wk, 0, warp, nwarps);
+  // thread 0 set up its walk and issued its refills: from mark 2 to here the
+  // call and the walk's setup, from here to mark 3 the first stage's wait
+  // (a primed tile's first stage landed long before; the forty-first
+  // session asks which half the ~1 us between marks 2 and 3 is)
+  MEGAC_MARK(7);
   for (int i = 0; i < wk.total; ++i) {
     if (at.j == 0) zero_acc(acc);
     const uint32_t n = base + i;

@@ -39,7 +39,10 @@ _GEMM_MARKS = ("activations staged", "first stage landed", "stages consumed", "p
 #: stage_x_prime): the hand-off from the claim to its first weight copy; 7 stays the routed
 #: claimer's records
 _HANDOFF_MARKS = ("claim handed to the CTA", "X load returned", "ring stages issued", "weight span known")
-_CLAIM_MARKS = ("head atomic and record", "claim wait", *_GEMM_MARKS, "tile done", "", *_HANDOFF_MARKS)
+#: stamp 7 of a GEMM tile on the tensor cores (gemm_tc.cuh tile_bulk): its walk set up, its refills
+#: issued, before its first stage's wait (a routed claimer's 7 comes first: its records)
+_WALK_MARK = "walk set up"
+_CLAIM_MARKS = ("head atomic and record", "claim wait", *_GEMM_MARKS, "tile done", _WALK_MARK, *_HANDOFF_MARKS)
 #: an attention split on the tensor cores (attn_mma.cuh), stamps 3-5
 _ATTN_MARKS = ("", "first chunk landed", "keys consumed", "merged and written")
 MARK_NAMES = {
@@ -55,9 +58,9 @@ MARK_NAMES = {
     "ATTN_DRAIN": (*_CLAIM_MARKS[:2], *_ATTN_MARKS, "tile done", "", "claim handed to the CTA"),
     "ATTN_DECODE": ("", "", *_ATTN_MARKS),
     # a static GEMM task's tile (stamps 2-5 only)
-    **{op: ("", "", *_GEMM_MARKS) for op in ("QKV_PROJ", "FFN_UPGATE_ACT", "FFN_DOWN", "ROUTER_GEMM", "LM_HEAD")},
+    **{op: ("", "", *_GEMM_MARKS, "", _WALK_MARK) for op in ("QKV_PROJ", "FFN_UPGATE_ACT", "FFN_DOWN", "ROUTER_GEMM", "LM_HEAD")},
     # a merging O-projection tile (ops_gemm.cuh gemm): its stages issued, then its input merged
-    "O_PROJ": ("", "", *_GEMM_MARKS, "", "", "", "", "ring stages issued"),
+    "O_PROJ": ("", "", *_GEMM_MARKS, "", _WALK_MARK, "", "", "ring stages issued"),
 }
 
 
