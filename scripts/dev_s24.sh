@@ -444,12 +444,13 @@ case "${1:-tails}" in
     t=default,rs8; for i in 1 2 3 4 5 6; do t=$t,default#$i,rs8#$i; done
     AT=${AT:-170} TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60
     GT=$((${GRID_A_END:-400} - SECONDS)) GRID_END=$((585 - SECONDS)) bash "$0" grid ;;
-  s41d)  # (prebuild_s41b, the walk-set-up stamp in its profiled build) rs8 against the default, engines
+  s41d)  # (prebuild_s41b, the walk-set-up stamp in its profiled build) rs8 and split1_own (its engines
+          # adopt the default's weights re-interleaved in place) against the default, engines
           # alternating at bs1 (~2 min), one profiled bs1 8K step (s39p: which half of a GEMM tile's ~1 us
           # between its activations staged and its first stage landed is the wait), then, with 250 s left,
           # the grid's corners: bs 1 and 8 at 1K, 8K, 32K, 128K
-    t=default,rs8; for i in 1 2 3 4 5; do t=$t,default#$i,rs8#$i; done
-    AT=${AT:-140} TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60
+    t=default,rs8,split1_own; for i in 1 2 3 4; do t=$t,default#$i,rs8#$i,split1_own#$i; done
+    AT=${AT:-170} TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60
     BT=170 bash "$0" s39p
     left=$((585 - SECONDS)); echo "grid gets ${left}s"
     [ $left -gt 250 ] && timeout $left python3 -c "from megac.cli import main; main()" bench north-mini-code \

@@ -525,11 +525,52 @@ def test_laid_out_weights_are_handed_on_whole_once_and_only_to_their_interleave(
     assert laid.to(torch.bfloat16, "cuda") is laid
     with pytest.raises(MegacError, match="never cast"):
         laid.to(torch.float32)
-    with pytest.raises(LayoutMismatch, match="chunks of 16 .experts 32.; these schedules read 16 .64."):
-        laid.adopt(16, 64)
+    before = {k: v.clone() for k, v in kw.items()}
+    with pytest.raises(LayoutMismatch, match="chunks of 16 .experts 32.; these schedules read 16 .8.*16-row groups"):
+        laid.adopt(16, 8)  # 8-row chunks split a 16-row group: refused, nothing moved
+    assert all(torch.equal(kw[k], before[k]) for k in kw)
     with pytest.raises(MegacError, match="cuda backend only"):
         make_backend("cpu", spec, laid, kv=None, schedules=[])
     got = laid.adopt(16, 32)
     assert all(got[k] is kw[k] for k in kw)  # the very tensors, not copies
     with pytest.raises(MegacError, match="already adopted"):
         laid.adopt(16, 32)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_laid_out_weights_adopted_by_another_interleave_are_re_interleaved_in_place(tiled):
+    """An engine whose expert gate/up chunks differ (a split schedule's 64
+    rows beside the default's 128) adopts the laid-out weights re-interleaved
+    in place: every field equals what kernel_weights lays out for its
+    interleave from the same weights, row-major or tiled, and back again."""
+    from types import SimpleNamespace
+
+    from megac.weights.layout import LAYOUT_ROW_MAJOR, LAYOUT_TILED, LaidOutWeights, tile_gemm_weights
+
+    spec = load_spec("tiny-moe")
+    lay = LAYOUT_TILED if tiled else LAYOUT_ROW_MAJOR
+    width = spec.moe.expert_intermediate_size
+    assert width % 16 == 0 and width > 16  # chunks of 16 move rows against whole ones
+    w = random_weights(spec, seed=11, dtype=torch.bfloat16)
+
+    def laid_out(chunk, moe_chunk):
+        kw = kernel_weights(w, spec, chunk=chunk, moe_chunk=moe_chunk)
+        if tiled:  # the gate/up stacks as the tensor-core tile reads them (the tiny router is too narrow to tile)
+            for f in ("w_upgate", "w_moe_upgate"):
+                if kw[f].numel():
+                    kw[f] = tile_gemm_weights(kw[f], 32)
+        return kw
+
+    kw = laid_out(16, 32)
+    want = laid_out(16, 16)
+    assert not torch.equal(want["w_moe_upgate"], kw["w_moe_upgate"])  # the interleaves differ
+    ptrs = {k: v.data_ptr() for k, v in kw.items()}
+    laid = LaidOutWeights.take(SimpleNamespace(kernel_weights=kw, layout=lay, interleave=(16, 32)))
+    got = laid.adopt(16, 16)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+        assert got[k].data_ptr() == ptrs[k], k  # in place
+    back = LaidOutWeights.take(SimpleNamespace(kernel_weights=got, layout=lay, interleave=(16, 16))).adopt(32, 32)
+    want = laid_out(32, 32)
+    for k in want:
+        assert torch.equal(back[k], want[k]), k
