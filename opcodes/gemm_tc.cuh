@@ -97,13 +97,47 @@ __device__ __forceinline__ void stage_x(const bf16* x, int64_t ldx, int rows, in
 // per warp) whose sums are added in slice order afterwards, so the result
 // does not depend on timing. Item i is row group i % groups of slice
 // i / groups; warp w takes items w, w + nwarps, ...
+// 1: the walk's divisions (Deal, Walk, WalkPos: by the warps, the row
+// groups, the slices, the stages an item) are a shift, and its remainders a
+// mask, wherever the divisor is a power of two (every tile of the bundled
+// models: 2-16 row groups, 1-4 slices, 8 warps), else the division. The
+// same quotients. Why (forty-first session, H100 stamps of the profiled
+// default): a primed static tile spent 0.5-0.8 us between its activations
+// staged and the end of its walk's setup (its first stage landed 0.2 us
+// after that), in tile_bulk's prologue: ~8 dependent 32-bit divisions
+// (I2F, MUFU.RCP, F2I and fix-ups, ~25 instructions each, in the SASS),
+// on every GEMM tile of every hop (router, claims, QKV, O-projection).
+// 0: the divisions.
+#ifndef MEGAC_TC_POW2_DIV
+#define MEGAC_TC_POW2_DIV 0
+#endif
+// a / b and a % b for a >= 0, b > 0 (MEGAC_TC_POW2_DIV)
+__host__ __device__ __forceinline__ int walk_div(int a, int b) {
+#if MEGAC_TC_POW2_DIV
+  if ((b & (b - 1)) == 0) {
+#ifdef __CUDA_ARCH__
+    return a >> (__ffs(b) - 1);
+#else
+    return a >> __builtin_ctz(unsigned(b));
+#endif
+  }
+#endif
+  return a / b;
+}
+__host__ __device__ __forceinline__ int walk_mod(int a, int b) {
+#if MEGAC_TC_POW2_DIV
+  if ((b & (b - 1)) == 0) return a & (b - 1);
+#endif
+  return a % b;
+}
+
 struct Deal {
   int groups, parts, nb;
   __host__ __device__ Deal(int nlen, int klen, int nwarps)
-      : groups(nlen / 16), parts(nlen / 16 >= nwarps ? 1 : nwarps / (nlen / 16)), nb(klen / 32) {}
+      : groups(nlen / 16), parts(nlen / 16 >= nwarps ? 1 : walk_div(nwarps, nlen / 16)), nb(klen / 32) {}
   __host__ __device__ int items() const { return groups * parts; }
-  __host__ __device__ int first_block(int item) const { return (item / groups) * nb / parts; }
-  __host__ __device__ int end_block(int item) const { return (item / groups + 1) * nb / parts; }
+  __host__ __device__ int first_block(int item) const { return walk_div(walk_div(item, groups) * nb, parts); }
+  __host__ __device__ int end_block(int item) const { return walk_div((walk_div(item, groups) + 1) * nb, parts); }
 };
 
 __device__ __forceinline__ void zero_acc(float (&acc)[kAcc][4]) {
@@ -294,14 +328,14 @@ struct Walk : Deal {
   int per_item, total;
   __host__ __device__ Walk(int nlen, int klen, int warp, int nwarps) : Deal(nlen, klen, nwarps) {
     const int all = items();
-    const int mine = warp < all ? (all - warp + nwarps - 1) / nwarps : 0;
-    per_item = ((nb + parts - 1) / parts + kStageBlocks - 1) / kStageBlocks;
+    const int mine = warp < all ? walk_div(all - warp + nwarps - 1, nwarps) : 0;
+    per_item = (walk_div(nb + parts - 1, parts) + kStageBlocks - 1) / kStageBlocks;
     total = mine * per_item;
   }
   // stage i: its item, first block and block count (0: an empty stage)
   __host__ __device__ void stage(int i, int warp, int nwarps, int& item, int& blk0, int& nblk) const {
-    item = warp + (i / per_item) * nwarps;
-    blk0 = first_block(item) + (i % per_item) * kStageBlocks;
+    item = warp + walk_div(i, per_item) * nwarps;
+    blk0 = first_block(item) + walk_mod(i, per_item) * kStageBlocks;
     nblk = max(0, min(kStageBlocks, end_block(item) - blk0));
   }
 };
@@ -331,7 +365,7 @@ struct Walk : Deal {
 struct WalkPos {
   int item, j, b0, b1, grp;  // the item, the stage within it, its blocks [b0, b1), its row group
   __host__ __device__ WalkPos(const Walk& wk, int i, int warp, int nwarps) {
-    const int k = i < wk.per_item ? 0 : i / wk.per_item;
+    const int k = i < wk.per_item ? 0 : walk_div(i, wk.per_item);
     j = i - k * wk.per_item;
     at(wk, warp + k * nwarps);
   }
@@ -344,7 +378,7 @@ struct WalkPos {
     } else {
       b0 = wk.first_block(it);
       b1 = wk.end_block(it);
-      grp = it % wk.groups;
+      grp = walk_mod(it, wk.groups);
     }
   }
   __host__ __device__ int blk0() const { return b0 + j * kStageBlocks; }

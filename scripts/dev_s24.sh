@@ -456,6 +456,15 @@ case "${1:-tails}" in
     [ $left -gt 250 ] && timeout $left python3 -c "from megac.cli import main; main()" bench north-mini-code \
       --backend cuda --random-weights --batch-size 1,8 --context 1024,8192,32768,131072 --steps 20 \
       --json $OUT/grid.json 2>&1 | grep -v Warning | tee $OUT/grid.log | tail -12 ;;
+  prebuild_s41e)  # the GEMM walk's divisions as shifts (p2div), with and without rs8, and the default
+    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+      .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code nmc-p2div nmc-p2div_rs8 nmc-rs8 2>&1 \
+      | grep -v Warning | grep -v "(interleaved)\|(attention-first)\|\[profile\]" | tee -a build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s41e)  # (prebuild_s41e) p2div, p2div_rs8 and rs8 against the default, engines alternating at bs1 until AB_END s
+    t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8; do t=$t,default#$i,p2div#$i,p2div_rs8#$i; done
+    AT=$((${AB_END:-270} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
   s41)  # the next H200 call (~9 min; prebuild_s40): the next layer's QKV weights toward L2 in the tail
         # (qkvl2) checked as a default would be (tiny models against the VM, the watchdog, the one-row fp32
         # slice), then qkvl2 / qkvl2e against the default, engines alternating at bs1 until AB_END s, then

@@ -15,10 +15,15 @@ OPCODES = Path(__file__).resolve().parents[2] / "opcodes"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
-def test_the_stage_cursor_walks_the_stages_walk_stage_computes(tmp_path):
+@pytest.mark.parametrize("pow2_div", [0, 1])
+def test_the_stage_cursor_walks_the_stages_walk_stage_computes(tmp_path, pow2_div):
+    """With the walk's divisions, and with its shifts and masks for powers of
+    two (MEGAC_TC_POW2_DIV): the same fields, quotients and stages as plain
+    integer division gives."""
     exe = tmp_path / "walk_pos_test"
     build = subprocess.run(
-        ["nvcc", "-std=c++17", f"-I{OPCODES}", "-o", str(exe), str(Path(__file__).with_name("walk_pos_test.cu"))],
+        ["nvcc", "-std=c++17", f"-I{OPCODES}", f"-DMEGAC_TC_POW2_DIV={pow2_div}", "-o", str(exe),
+         str(Path(__file__).with_name("walk_pos_test.cu"))],
         capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, build.stderr[-2000:]

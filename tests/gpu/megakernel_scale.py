@@ -872,6 +872,9 @@ VARIANTS = {
     # a routed claimer loads all 8 router partials of its logits at once (moe_routing.cuh
     # MEGAC_TOPK_WARP_SPLITS; 4: two L2 round trips at batch 1)
     "rs8": {"MEGAC_TOPK_WARP_SPLITS": 8},
+    # the GEMM walk's divisions as shifts and masks for powers of two (gemm_tc.cuh MEGAC_TC_POW2_DIV)
+    "p2div": {"MEGAC_TC_POW2_DIV": 1},
+    "p2div_rs8": {"MEGAC_TC_POW2_DIV": 1, "MEGAC_TOPK_WARP_SPLITS": 8},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1514,6 +1517,8 @@ TILES = {
     "qkvl2_ot": {"variant": "qkvl2_ot"},
     "qkvl2_oh": {"variant": "qkvl2_oh"},
     "rs8": {"variant": "rs8"},
+    "p2div": {"variant": "p2div"},
+    "p2div_rs8": {"variant": "p2div_rs8"},
     # and a sliding layer's O-projection on its attention SMs at batch 1 (routed-oproj-on-attn.yaml): two
     # 128-feature tiles an attention SM, or one of 256, instead of tiles queued behind up claims
     "dn128p_oa": {"moe_down_bn": 128, "variant": "dpair", "order": "schedules/experiments/routed-oproj-on-attn.yaml"},
