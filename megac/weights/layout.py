@@ -162,6 +162,13 @@ def upgate_row_map(width: int, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     return torch.tensor(idx, dtype=torch.int64)
 
 
+def _regroupable(t: torch.Tensor, old: int, new: int) -> bool:
+    """Whether :func:`reinterleave_gate_up_` can take ``t`` from chunks of
+    ``old`` rows to chunks of ``new``: nothing to move, or whole 16-row groups
+    (``old``, ``new`` and the width ``W`` of ``[..., 2W, K]`` multiples of 16)."""
+    return old == new or not t.numel() or not (old % 16 or new % 16 or (t.shape[-2] // 2) % 16)
+
+
 def reinterleave_gate_up_(t: torch.Tensor, old: int, new: int) -> torch.Tensor:
     """The stacked fused gate/up matrices ``t`` (``[..., 2W, K]``, row-major
     or tiled: both keep a 16-row group's K row one contiguous run) from
@@ -173,7 +180,7 @@ def reinterleave_gate_up_(t: torch.Tensor, old: int, new: int) -> torch.Tensor:
         return t
     two_w, k = t.shape[-2], t.shape[-1]
     width = two_w // 2
-    if old % 16 or new % 16 or width % 16:
+    if not _regroupable(t, old, new):
         raise LayoutMismatch(f"gate/up rows in chunks of {old} cannot be re-interleaved into chunks of {new} "
                              f"in place (width {width}: every one must be a multiple of 16)")
     # new row r holds cat([gate, up]) row new_map[r], which lies at old row inv_old[new_map[r]]
@@ -455,15 +462,10 @@ class LaidOutWeights:
             raise MegacError("laid-out weights were already adopted by another engine")
         if (chunk, moe_chunk) != (self.chunk, self.moe_chunk):
             fields = (("w_upgate", self.chunk, chunk), ("w_moe_upgate", self.moe_chunk, moe_chunk))
-            try:
-                for f, old, new in fields:  # every one checked before any moves
-                    t = self.tensors[f]
-                    if old != new and t.numel() and (old % 16 or new % 16 or (t.shape[-2] // 2) % 16):
-                        raise LayoutMismatch("")
-            except LayoutMismatch:
+            if not all(_regroupable(self.tensors[f], old, new) for f, old, new in fields):  # before any moves
                 raise LayoutMismatch(f"laid-out weights interleave gate/up in chunks of {self.chunk} (experts "
                                      f"{self.moe_chunk}); these schedules read {chunk} ({moe_chunk}), and "
-                                     "not every chunk is a whole number of 16-row groups") from None
+                                     "not every chunk is a whole number of 16-row groups")
             for f, old, new in fields:
                 reinterleave_gate_up_(self.tensors[f], old, new)
             self.chunk, self.moe_chunk = chunk, moe_chunk
