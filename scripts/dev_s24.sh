@@ -23,6 +23,22 @@ pack_cubins() {  # the cubins a prebuild's log (stdin) names, with their .json, 
   grep -o "/[^ ]*\.cubin" | while read -r c; do cp "$c" "$c.json" build/cz-s31/ 2>/dev/null || cp "$c" build/cz-s31/; done
   rm -f build/cz-s31/log.txt && tar -C build/cz-s31 -cJf build/cz/cubins.tar.xz . && ls -la build/cz
 }
+prebuild_start() {  # an empty build/cz-s31 for the next set (its log.txt: what pack_cubins packs)
+  rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz && : > build/cz-s31/log.txt
+}
+prebuild_specs() {  # megakernel_check --prebuild of these specs into the log (SKIP_RE: the lines not packed,
+                    # by default the interleaved and attention-first orders' builds)
+  MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+    .venv/bin/python -m gpu.megakernel_check --prebuild "$@" 2>&1 | grep -v Warning \
+    | grep -v "${SKIP_RE:-(interleaved)\|(attention-first)}" | tee -a build/cz-s31/log.txt
+}
+prebuild_variants() {  # scripts/prebuild_builds.py's SPEC:VARIANT builds into the log
+  PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py "$@" 2>&1 | grep -v Warning | tee -a build/cz-s31/log.txt
+}
+prebuild_ceiling() {  # megac bench's ceiling read kernel (megac/gpu/ceiling.py) into the log
+  .venv/bin/python -c "from megac.gpu.build import build_cubin; from megac.gpu.ceiling import SOURCE; print(build_cubin(SOURCE))" \
+    | tee -a build/cz-s31/log.txt
+}
 verify() {  # a build checked as a default would be: $1 its VARIANTS name ("": the headers' default), $2 a tag
   # for the files; then the row counts of the North Mini Code slice against fp32. tiny: the tiny models
   # against the VM; hang: the watchdog on its waits
@@ -390,37 +406,23 @@ case "${1:-tails}" in
   prebuild_s40)  # the fortieth session's final headers (MEGAC_QKV_L2 added; the default's machine code
                  # unchanged): the default and its profiled build, the tiny models and the slice under qkvl2
                  # for its checks, the qkvl2 / qkvl2e sets, dn128p (the H200 read it -0.9 %)
-    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
-    PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py tiny-moe:qkvl2 tiny-llama:qkvl2 nmc-slice:qkvl2 \
-      2>&1 | grep -v Warning | tee build/cz-s31/log.txt
-    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
-      .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code \
-      nmc-qkvl2 nmc-qkvl2e nmc-dn128p 2>&1 | grep -v Warning \
-      | grep -v "(interleaved)\|(attention-first)" | tee -a build/cz-s31/log.txt
-    .venv/bin/python -c "from megac.gpu.build import build_cubin; from megac.gpu.ceiling import SOURCE; print(build_cubin(SOURCE))" \
-      | tee -a build/cz-s31/log.txt
+    prebuild_start
+    prebuild_variants tiny-moe:qkvl2 tiny-llama:qkvl2 nmc-slice:qkvl2
+    prebuild_specs tiny-llama tiny-moe nmc-slice north-mini-code nmc-qkvl2 nmc-qkvl2e nmc-dn128p
+    prebuild_ceiling
     pack_cubins < build/cz-s31/log.txt ;;
   prebuild_s41)  # prebuild_s40's set and the O-projection's pull toward L2 beside qkvl2 (MEGAC_OPROJ_AHEAD:
                  # qkvl2_ot in the tail, qkvl2_oh in the routing hole)
-    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
-    PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py tiny-moe:qkvl2 tiny-llama:qkvl2 nmc-slice:qkvl2 \
-      2>&1 | grep -v Warning | tee build/cz-s31/log.txt
-    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
-      .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code \
-      nmc-qkvl2 nmc-qkvl2e nmc-qkvl2_ot nmc-qkvl2_oh 2>&1 | grep -v Warning \
-      | grep -v "(interleaved)\|(attention-first)" | tee -a build/cz-s31/log.txt
-    .venv/bin/python -c "from megac.gpu.build import build_cubin; from megac.gpu.ceiling import SOURCE; print(build_cubin(SOURCE))" \
-      | tee -a build/cz-s31/log.txt
+    prebuild_start
+    prebuild_variants tiny-moe:qkvl2 tiny-llama:qkvl2 nmc-slice:qkvl2
+    prebuild_specs tiny-llama tiny-moe nmc-slice north-mini-code nmc-qkvl2 nmc-qkvl2e nmc-qkvl2_ot nmc-qkvl2_oh
+    prebuild_ceiling
     pack_cubins < build/cz-s31/log.txt ;;
   prebuild_s41b)  # the split on its own up tiles (split1_own: the twenty-eighth session's -1.5 % at bs1, +1.1 %
                   # at bs8) on today's code, its fp32 slice, and dn128p
-    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
-    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
-      .venv/bin/python -m gpu.megakernel_check --prebuild tiny-llama tiny-moe nmc-slice north-mini-code \
-      nmc-split1_own nmc-slice-split1_own nmc-dn128p nmc-rs8 2>&1 | grep -v Warning \
-      | grep -v "(interleaved)\|(attention-first)" | tee -a build/cz-s31/log.txt
-    .venv/bin/python -c "from megac.gpu.build import build_cubin; from megac.gpu.ceiling import SOURCE; print(build_cubin(SOURCE))" \
-      | tee -a build/cz-s31/log.txt
+    prebuild_start
+    prebuild_specs tiny-llama tiny-moe nmc-slice north-mini-code nmc-split1_own nmc-slice-split1_own nmc-dn128p nmc-rs8
+    prebuild_ceiling
     pack_cubins < build/cz-s31/log.txt ;;
   s41b)  # (prebuild_s41b, ~6 min) split1_own's fp32 slices at one row (split tiles) and two (plain tiles over
          # 64-row chunks), then default / split1_own / rs8 (dn128p every other round) alternating at bs1 and bs8
@@ -457,10 +459,8 @@ case "${1:-tails}" in
       --backend cuda --random-weights --batch-size 1,8 --context 1024,8192,32768,131072 --steps 20 \
       --json $OUT/grid.json 2>&1 | grep -v Warning | tee $OUT/grid.log | tail -12 ;;
   prebuild_s41e)  # the GEMM walk's divisions as shifts (p2div), with and without rs8, and the default
-    rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz
-    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
-      .venv/bin/python -m gpu.megakernel_check --prebuild north-mini-code nmc-p2div nmc-p2div_rs8 nmc-rs8 2>&1 \
-      | grep -v Warning | grep -v "(interleaved)\|(attention-first)\|\[profile\]" | tee -a build/cz-s31/log.txt
+    prebuild_start
+    SKIP_RE="(interleaved)\|(attention-first)\|\[profile\]" prebuild_specs north-mini-code nmc-p2div nmc-p2div_rs8 nmc-rs8
     pack_cubins < build/cz-s31/log.txt ;;
   s41e)  # (prebuild_s41e) p2div, p2div_rs8 and rs8 against the default, engines alternating at bs1 until AB_END s
     t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8; do t=$t,default#$i,p2div#$i,p2div_rs8#$i; done
