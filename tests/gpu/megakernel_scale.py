@@ -861,8 +861,8 @@ VARIANTS = {
     # a down claim takes two adjacent records but for the queue's last 26 / 16 (mk_core.cuh MEGAC_DOWN_PAIRS)
     "dpair": {"MEGAC_DOWN_PAIRS": 26},
     "dpair16": {"MEGAC_DOWN_PAIRS": 16},
-    # a QKV tile's weights toward L2 as the task before it (the layer's tail) ends (ops_gemm.cuh
-    # MEGAC_QKV_L2); 2: evict_last
+    # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
+    # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
     "qkvl2e": {"MEGAC_QKV_L2": 2},
     # and the SM's next O-projection tile toward L2 (megakernel.cuh MEGAC_OPROJ_AHEAD): as the QKV tile
