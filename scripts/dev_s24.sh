@@ -462,6 +462,20 @@ case "${1:-tails}" in
     prebuild_start
     SKIP_RE="(interleaved)\|(attention-first)\|\[profile\]" prebuild_specs north-mini-code nmc-p2div nmc-p2div_rs8 nmc-rs8
     pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s42)  # prebuild_s41e's set and what p2div's checks need (the tiny models and the slice under it)
+    prebuild_start
+    prebuild_variants tiny-moe:p2div tiny-llama:p2div nmc-slice:p2div
+    SKIP_RE="(interleaved)\|(attention-first)\|\[profile\]" prebuild_specs tiny-llama tiny-moe nmc-slice \
+      north-mini-code nmc-p2div nmc-p2div_rs8 nmc-rs8
+    prebuild_ceiling
+    pack_cubins < build/cz-s31/log.txt ;;
+  s42)  # (prebuild_s42, ~9.5 min) p2div checked as a default would be (tiny models against the VM, the
+        # watchdog, the one-row fp32 slice), then p2div / p2div_rs8 / rs8 against the default, engines
+        # alternating at bs1 until AB_END s
+    verify p2div p2div 1
+    t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8 9; do t=$t,default#$i,p2div#$i; [ $((i % 3)) = 0 ] && t=$t,p2div_rs8#$i,rs8#$i; done
+    left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TB=${TB:-1} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
   s41e)  # (prebuild_s41e) p2div, p2div_rs8 and rs8 against the default, engines alternating at bs1 until AB_END s
     t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8; do t=$t,default#$i,p2div#$i,p2div_rs8#$i; done
     AT=$((${AB_END:-270} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
