@@ -476,6 +476,18 @@ case "${1:-tails}" in
     t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8 9; do t=$t,default#$i,p2div#$i; [ $((i % 3)) = 0 ] && t=$t,p2div_rs8#$i,rs8#$i; done
     left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=${TB:-1} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
+  sass_div)  # per function of each cubin named: its integer divisions (MUFU.RCP) and instructions
+    for c in "$@"; do
+      echo "== $c"; cuobjdump -sass build/cubin/$c.cubin | awk '/Function :/ {f=$3} /MUFU.RCP/ {r[f]++} /\/\*[0-9a-f]+\*\// {n[f]++}
+        END {for (f in n) printf "%6d instr %3d rcp  %s\n", n[f], r[f], substr(f, 1, 90)}' | sort -k1 -n -r | head -12
+    done ;;
+  s42h)  # (prebuild_s42) an H100: p2div checked as a default would be, the divisions left in its SASS,
+         # then p2div against the default, engines alternating at bs1 until AB_END s
+    verify p2div p2div 1
+    bash "$0" sass_div megakernel-bcee9b0e2ce5ca613d45 megakernel-e001ee485c3e5a24256b megakernel-bfd7c0af619642e2f7af
+    t=default,p2div; for i in 1 2 3 4 5 6 7 8 9 10 11 12; do t=$t,default#$i,p2div#$i; done
+    left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TB=${TB:-1} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
   s41e)  # (prebuild_s41e) p2div, p2div_rs8 and rs8 against the default, engines alternating at bs1 until AB_END s
     t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8; do t=$t,default#$i,p2div#$i,p2div_rs8#$i; done
     AT=$((${AB_END:-270} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
