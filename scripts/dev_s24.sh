@@ -439,7 +439,7 @@ case "${1:-tails}" in
       --batch-size 1,2,4,8 --context 1024,8192,32768 --steps 30 --json $OUT/grid.json 2>&1 \
       | grep -v Warning | tee $OUT/grid.log | tail -16
     left=$((${GRID_END:-585} - SECONDS)); echo "128K gets ${left}s"
-    timeout $left python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
+    [ $left -gt 60 ] && timeout $left python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size 1,2,4,8 --context 131072 --steps 20 --json $OUT/grid128k.json 2>&1 \
       | grep -v Warning | tee $OUT/grid128k.log | tail -8 ;;
   s41c)  # (prebuild_s41b) rs8 against the default, engines alternating at bs1 (~2 min), then grid's two benches
@@ -488,6 +488,16 @@ case "${1:-tails}" in
     t=default,p2div; for i in 1 2 3 4 5 6 7 8 9 10 11 12; do t=$t,default#$i,p2div#$i; done
     left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=${TB:-1} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
+  s42g)  # (prebuild_s42; its checks passed on an H100: s42h) the H200: p2div against the default, engines
+         # alternating at bs1 (p2div_rs8 and rs8 every fourth round) until AB_END s, then the grid's first
+         # part (bs 1-8 x 1K, 8K, 32K) until GRID_A_END s; the 128K part is grid128k's call
+    t=default,p2div; for i in $(seq 1 20); do t=$t,default#$i,p2div#$i; [ $((i % 4)) = 0 ] && t=$t,p2div_rs8#$i,rs8#$i; done
+    AT=$((${AB_END:-230} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60
+    GT=$((${GRID_A_END:-585} - SECONDS)) GRID_END=0 bash "$0" grid ;;
+  grid128k)  # the grid's 128K part alone (GK: its timeout)
+    timeout ${GK:-400} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
+      --batch-size 1,2,4,8 --context 131072 --steps 20 --json $OUT/grid128k.json 2>&1 \
+      | grep -v Warning | tee $OUT/grid128k.log | tail -8 ;;
   s41e)  # (prebuild_s41e) p2div, p2div_rs8 and rs8 against the default, engines alternating at bs1 until AB_END s
     t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8; do t=$t,default#$i,p2div#$i,p2div_rs8#$i; done
     AT=$((${AB_END:-270} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
