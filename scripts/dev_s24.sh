@@ -498,6 +498,19 @@ case "${1:-tails}" in
     timeout ${GK:-400} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
       --batch-size 1,2,4,8 --context 131072 --steps 20 --json $OUT/grid128k.json 2>&1 \
       | grep -v Warning | tee $OUT/grid128k.log | tail -8 ;;
+  prebuild_s42p)  # prebuild_s42's set and the profiled builds of the default and p2div (s42p)
+    prebuild_start
+    prebuild_variants tiny-moe:p2div tiny-llama:p2div nmc-slice:p2div
+    MEGAC_PROFILE_VARIANTS=p2div SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs tiny-llama tiny-moe \
+      nmc-slice north-mini-code nmc-p2div nmc-p2div_rs8 nmc-rs8
+    prebuild_ceiling
+    pack_cubins < build/cz-s31/log.txt ;;
+  s42p)  # (prebuild_s42p, ~4 min) one profiled bs1 8K step of the default and of p2div on one engine: did
+         # the shifts shorten the stamps from activations staged to walk set up (the 0.6-0.8 us)?
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=p2div timeout ${PT:-400} python3 -m gpu.megakernel_check \
+      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-200
+    rm -f $OUT/profile-*bs1-ctx8192*.json.gz; for f in $OUT/*.trace.json; do gzip -q "$f"; done
+    rm -f $OUT/profile-north-mini-code-bs1-ctx8192.json $OUT/profile-north-mini-code-bs1-ctx8192-p2div.json; ls -la $OUT ;;
   s41e)  # (prebuild_s41e) p2div, p2div_rs8 and rs8 against the default, engines alternating at bs1 until AB_END s
     t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8; do t=$t,default#$i,p2div#$i,p2div_rs8#$i; done
     AT=$((${AB_END:-270} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;

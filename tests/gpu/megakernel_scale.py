@@ -1721,8 +1721,11 @@ def check_profile() -> dict:
         w = random_weights(spec, seed=0, dtype=torch.bfloat16, device=DEV)
         # MEGAC_PROFILE_ORDER: a wave order (name or YAML path) for the tile specs' steps
         order = os.environ.get("MEGAC_PROFILE_ORDER", "tuned") if model.startswith("nmc-") else "tuned"
+        # decode-only where the weights fit the GPU only once (North Mini Code on an H100): the
+        # engine consumes them
         eng = engine(spec, w, max_batch_size=8, max_model_len=min(max(ctx, 8192) + 64, spec.max_context),
-                     num_kv_blocks=max(40000, pool_blocks(spec, 8, max(ctx, 8192) + 64)), order=order)
+                     num_kv_blocks=max(40000, pool_blocks(spec, 8, max(ctx, 8192) + 64)), order=order,
+                     decode_only=_fits_once(w))
         _noise_kv(eng)
         be = eng.backend
         for v in ["default", *(extra if spec.moe else [])]:
