@@ -473,11 +473,14 @@ __device__ __forceinline__ void prime_first(const rows::WeightSpan& s, uint8_t* 
                                             int stages = kStages) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   if (lane != 0) return;
+  MEGAC_MARK(12);  // thread 0 inside prime(): the call made
   const W wk(s.rows, s.cols, warp, nwarps);
   const uint64_t policy = l2_evict_first_policy();
   const uint32_t base = st->seq[warp];
   const int n = min(min(kStages, stages), wk.total);
+  MEGAC_MARK_AFTER(13, n + base);  // its walk built (the divisions)
   issue_first(s, wk, n, base, ring, st, warp, nwarps, policy);
+  MEGAC_MARK(14);  // its stages issued (before the call returns)
   st->primed[warp] = n;
 }
 
@@ -603,6 +606,7 @@ __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int ro
 __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16* xs, int rows, float* ys, float* part,
                                           uint8_t* ring, BulkState* st, bool primed) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  MEGAC_MARK(15);  // thread 0 inside tile_bulk: the call made (mark 7: its walk set up)
   const Walk wk(s.rows, s.cols, warp, nwarps);
   const int g = lane >> 2, t = lane & 3;
   const bool token = g < rows;

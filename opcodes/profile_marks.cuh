@@ -19,8 +19,11 @@ namespace megac {
 // 0-7: each opcode's own points (megac/gpu/profile.py MARK_NAMES); 8-11:
 // the hand-off from a claim to its tile's first weight copy, where the
 // profiles showed ~2 us a MoE layer between a routed claimer's records and
-// its staged activations that no mark explained (twenty-second session)
-constexpr int kProfileMarks = 12;
+// its staged activations that no mark explained (twenty-second session);
+// 12-15: inside the GEMM ring's prime() and tile_bulk's prologue (gemm_tc.cuh),
+// where a claim's "ring stages issued" took ~1 us for two bulk copies and
+// a primed tile's walk setup 0.6-0.8 us (forty-second session)
+constexpr int kProfileMarks = 16;
 
 #if MEGAC_PROFILE
 __shared__ unsigned long long profile_marks[kProfileMarks];
@@ -33,8 +36,17 @@ __device__ __forceinline__ void profile_mark(int i) {
   }
 }
 #define MEGAC_MARK(i) ::megac::profile_mark(i)
+// the stamp after `v` is computed: the empty asm takes it as an input, and
+// volatile asms keep their order, so the compiler cannot sink v's
+// arithmetic past the timer's read
+#define MEGAC_MARK_AFTER(i, v)         \
+  do {                                 \
+    asm volatile("" ::"r"(int(v)));    \
+    ::megac::profile_mark(i);          \
+  } while (0)
 #else
 #define MEGAC_MARK(i) ((void)0)
+#define MEGAC_MARK_AFTER(i, v) ((void)0)
 #endif
 
 }  // namespace megac

@@ -30,7 +30,7 @@ from megac.errors import MegacError
 
 SYMBOL = "megakernel_profile"
 #: stamps inside a task (opcodes/profile_marks.cuh kProfileMarks)
-MARKS = 12
+MARKS = 16
 #: uint64 words of a task's record (megakernel.cuh kProfileWords)
 WORDS = 4 + MARKS
 #: what each opcode's marks stand for (the points MEGAC_MARK stands at)
@@ -42,7 +42,11 @@ _HANDOFF_MARKS = ("claim handed to the CTA", "X load returned", "ring stages iss
 #: stamp 7 of a GEMM tile on the tensor cores (gemm_tc.cuh tile_bulk): its walk set up, its refills
 #: issued, before its first stage's wait (a routed claimer's 7 comes first: its records)
 _WALK_MARK = "walk set up"
-_CLAIM_MARKS = ("head atomic and record", "claim wait", *_GEMM_MARKS, "tile done", _WALK_MARK, *_HANDOFF_MARKS)
+#: stamps 12-15 (gemm_tc.cuh): thread 0 inside prime() (the call made, its walk built, its stages
+#: issued) and inside tile_bulk (the call made)
+_PRIME_MARKS = ("prime: call made", "prime: walk built", "prime: stages issued", "tile: call made")
+_CLAIM_MARKS = ("head atomic and record", "claim wait", *_GEMM_MARKS, "tile done", _WALK_MARK, *_HANDOFF_MARKS,
+                *_PRIME_MARKS)
 #: an attention split on the tensor cores (attn_mma.cuh), stamps 3-5
 _ATTN_MARKS = ("", "first chunk landed", "keys consumed", "merged and written")
 MARK_NAMES = {
@@ -53,14 +57,15 @@ MARK_NAMES = {
     # routed claims (ops_moe.cuh): 0 and 1 are the ranking's (router partials summed, rows
     # ranked), 7 the records derived, before the first tile's stamps
     "MOE_UPGATE_DRAIN": ("head atomic and record / routed: partials summed", "claim wait / routed: rows ranked",
-                         *_GEMM_MARKS, "tile done", "routed: records derived", *_HANDOFF_MARKS),
+                         *_GEMM_MARKS, "tile done", "routed: records derived", *_HANDOFF_MARKS, *_PRIME_MARKS),
     "MOE_DOWN_DRAIN": _CLAIM_MARKS,
     "ATTN_DRAIN": (*_CLAIM_MARKS[:2], *_ATTN_MARKS, "tile done", "", "claim handed to the CTA"),
     "ATTN_DECODE": ("", "", *_ATTN_MARKS),
     # a static GEMM task's tile (stamps 2-5 only)
-    **{op: ("", "", *_GEMM_MARKS, "", _WALK_MARK) for op in ("QKV_PROJ", "FFN_UPGATE_ACT", "FFN_DOWN", "ROUTER_GEMM", "LM_HEAD")},
+    **{op: ("", "", *_GEMM_MARKS, "", _WALK_MARK, "", "", "", "", *_PRIME_MARKS)
+       for op in ("QKV_PROJ", "FFN_UPGATE_ACT", "FFN_DOWN", "ROUTER_GEMM", "LM_HEAD")},
     # a merging O-projection tile (ops_gemm.cuh gemm): its stages issued, then its input merged
-    "O_PROJ": ("", "", *_GEMM_MARKS, "", _WALK_MARK, "", "", "ring stages issued"),
+    "O_PROJ": ("", "", *_GEMM_MARKS, "", _WALK_MARK, "", "", "ring stages issued", "", *_PRIME_MARKS),
 }
 
 

@@ -41,7 +41,7 @@ def test_read_summary_and_trace():
                                                             (1, 0, "MOE_UPGATE_DRAIN")]
     assert recs[1]["layer"] == 1 and recs[1]["start_us"] == 5.0 and recs[1]["waited_us"] == 9.0
     assert recs[2]["claims"] == 3 and recs[2]["claim_wait_us"] == 12.0
-    assert recs[2]["marks_us"] == [1.2, None, 2.0, None, None, None, 9.2, None, 1.5, None, None, None]
+    assert recs[2]["marks_us"] == [1.2, None, 2.0, None, None, None, 9.2, None, 1.5] + [None] * (profile.MARKS - 9)
     assert recs[0]["marks_us"] == [None] * profile.MARKS
     # marks from the wait's end (0.2 µs), named per opcode; tasks without marks left out
     m = profile.marks_summary(recs)
@@ -151,3 +151,14 @@ def test_trace_meta_names_the_step_and_its_tiles():
     assert (meta["batch"], meta["context"], meta["schedule_context"]) == (2, 1100, 2048)
     assert (meta["kernel_ms"], meta["profiled_ms"], meta["device"]) == (1.5, 1.6, "H200")
     assert profile.chrome_trace([], meta)["otherData"] == meta
+
+
+def test_marks_match_the_device_header():
+    """The host reads as many stamps a record as the kernel writes
+    (opcodes/profile_marks.cuh kProfileMarks), and names none past them."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "opcodes" / "profile_marks.cuh").read_text()
+    assert profile.MARKS == int(re.search(r"constexpr int kProfileMarks = (\d+);", text).group(1))
+    assert all(len(names) <= profile.MARKS for names in profile.MARK_NAMES.values())
