@@ -511,6 +511,9 @@ case "${1:-tails}" in
       --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-200
     rm -f $OUT/profile-*bs1-ctx8192*.json.gz; for f in $OUT/*.trace.json; do gzip -q "$f"; done
     rm -f $OUT/profile-north-mini-code-bs1-ctx8192.json $OUT/profile-north-mini-code-bs1-ctx8192-p2div.json; ls -la $OUT ;;
+  s42any)  # (prebuild_s42p) whichever card came: an H200 runs s42g (p2div A/B, the grid's first part),
+           # an H100 s42p (the default and p2div profiled, stamps 12-15 inside prime and tile_bulk)
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s42g; else bash "$0" s42p; fi ;;
   s41e)  # (prebuild_s41e) p2div, p2div_rs8 and rs8 against the default, engines alternating at bs1 until AB_END s
     t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8; do t=$t,default#$i,p2div#$i,p2div_rs8#$i; done
     AT=$((${AB_END:-270} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
