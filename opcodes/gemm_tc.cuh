@@ -577,6 +577,22 @@ __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int ro
   __syncthreads();
 }
 
+// 1: a static GEMM task's dispatcher, after prime() and before the task's
+// waits, also runs tile_bulk's prologue (a call with rows < 0: it sets up
+// the walk, reads the ring's state and returns before the first stage's
+// wait, writing nothing), so the prologue's instructions are in the SM's
+// instruction caches when the tile runs after its waits. Why (forty-second
+// session, H100 stamps 15 -> 7 of the profiled default): a primed tile
+// spends 0.74-0.80 us (3,900 QKV tiles: 736-800 ns, nearly all of them)
+// from the call to its walk set up; the divisions' shifts (MEGAC_TC_POW2_DIV)
+// took only ~0.08 us of it, and a cold fetch of the prologue's code from L2
+// while HBM streams is the candidate left (the tenth session's ~0.4 us a
+// KB of code run cold). The test: whether the stamps' gap shrinks. 0: no
+// such call.
+#ifndef MEGAC_TC_WARM
+#define MEGAC_TC_WARM 0
+#endif
+
 // 1: tile_bulk is one function every GEMM opcode calls (one copy of its
 // code, ~1,000 instructions with the walk's divisions, instead of one per
 // opcode; North Mini Code's kernel 25,888 -> 18,216 instructions); 0:
@@ -606,7 +622,11 @@ __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int ro
 __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16* xs, int rows, float* ys, float* part,
                                           uint8_t* ring, BulkState* st, bool primed) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#if MEGAC_TC_WARM
+  if (rows >= 0) MEGAC_MARK(15);  // (a warming call stamps nothing: its task's marks are the tile's)
+#else
   MEGAC_MARK(15);  // thread 0 inside tile_bulk: the call made (mark 7: its walk set up)
+#endif
   const Walk wk(s.rows, s.cols, warp, nwarps);
   const int g = lane >> 2, t = lane & 3;
   const bool token = g < rows;
@@ -627,6 +647,12 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
       fill.next(wk, nwarps);
     }
   WalkPos at(wk, 0, warp, nwarps);
+#if MEGAC_TC_WARM
+  if (rows < 0) {  // the warming call (MEGAC_TC_WARM): the walk's values computed, then back
+    asm volatile("" ::"r"(at.b0), "r"(at.b1), "r"(fill.item), "r"(fill.b1), "r"(xa), "r"(ring_w), "r"(issued));
+    return;
+  }
+#endif
   // thread 0 set up its walk and issued its refills: from mark 2 to here the
   // call and the walk's setup, from here to mark 3 the first stage's wait
   // (a primed tile's first stage landed long before; the forty-first
@@ -657,6 +683,9 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
     at.next(wk, nwarps);
   }
 #else
+#if MEGAC_TC_WARM
+  if (rows < 0) return;  // the warming call (MEGAC_TC_WARM)
+#endif
   if (lane == 0)
     for (int i = issued; i < min(kStages, wk.total); ++i) issue(s, wk, i, base, ring, st, warp, nwarps, policy);
   for (int i = 0; i < wk.total; ++i) {

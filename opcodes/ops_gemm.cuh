@@ -268,6 +268,10 @@ template <class M>
 __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s, int stages = tc::kStages) {
   if constexpr (GemmScratch<M>::kTc && tc::kBulk) {
     tc::prime(s, GemmScratch<M>::tc_ring(c), &c.ts->tc, stages);
+#if MEGAC_TC_WARM
+    // tile_bulk's prologue run once before the waits, its code fetched (gemm_tc.cuh MEGAC_TC_WARM)
+    tc::tile_bulk(s, nullptr, -1, nullptr, nullptr, GemmScratch<M>::tc_ring(c), &c.ts->tc, true);
+#endif
     return true;
   } else if constexpr (GemmScratch<M>::kPiped && rows::kEarly) {
     rows::prime(s, GemmScratch<M>::pipes(c));

@@ -875,6 +875,8 @@ VARIANTS = {
     # the GEMM walk's divisions as shifts and masks for powers of two (gemm_tc.cuh MEGAC_TC_POW2_DIV)
     "p2div": {"MEGAC_TC_POW2_DIV": 1},
     "p2div_rs8": {"MEGAC_TC_POW2_DIV": 1, "MEGAC_TOPK_WARP_SPLITS": 8},
+    # tile_bulk's prologue run before a static GEMM task's waits (gemm_tc.cuh MEGAC_TC_WARM)
+    "tcwarm": {"MEGAC_TC_WARM": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1518,6 +1520,7 @@ TILES = {
     "qkvl2_oh": {"variant": "qkvl2_oh"},
     "rs8": {"variant": "rs8"},
     "p2div": {"variant": "p2div"},
+    "tcwarm": {"variant": "tcwarm"},
     "p2div_rs8": {"variant": "p2div_rs8"},
     # and a sliding layer's O-projection on its attention SMs at batch 1 (routed-oproj-on-attn.yaml): two
     # 128-feature tiles an attention SM, or one of 256, instead of tiles queued behind up claims
