@@ -641,7 +641,10 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
   // lane 0's refill cursor (stage i + kStages at step i) and every lane's
   // consuming one (stage i)
   WalkPos fill(wk, issued, warp, nwarps);
-  if (lane == 0)
+  // (a warming call issues nothing: a task primed with fewer stages than
+  // kStages, a merging O-projection's, would get its refills twice, the
+  // first into the merge's scratch)
+  if (lane == 0 && (!MEGAC_TC_WARM || rows >= 0))
     for (int i = issued; i < min(kStages, wk.total); ++i) {
       issue_at(s, fill, base + i, ring, st, warp, policy);
       fill.next(wk, nwarps);
@@ -684,7 +687,7 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
   }
 #else
 #if MEGAC_TC_WARM
-  if (rows < 0) return;  // the warming call (MEGAC_TC_WARM)
+  if (rows < 0) return;  // the warming call (MEGAC_TC_WARM): before any refill
 #endif
   if (lane == 0)
     for (int i = issued; i < min(kStages, wk.total); ++i) issue(s, wk, i, base, ring, st, warp, nwarps, policy);

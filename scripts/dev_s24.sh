@@ -515,22 +515,22 @@ case "${1:-tails}" in
            # an H100 s42p (the default and p2div profiled, stamps 12-15 inside prime and tile_bulk)
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s42g; else bash "$0" s42p; fi ;;
   prebuild_s42w)  # the profiled builds of the default and tcwarm (tile_bulk's prologue run before the waits),
-                  # tcwarm's plain build and the tiny models and slice under it, for s42w
+                  # tcwarm's plain build (TINY=1: and the tiny models under it), for s42w
     prebuild_start
-    prebuild_variants tiny-moe:tcwarm tiny-llama:tcwarm nmc-slice:tcwarm
-    MEGAC_PROFILE_VARIANTS=tcwarm SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs tiny-llama tiny-moe \
-      nmc-slice north-mini-code nmc-tcwarm
+    [ -n "$TINY" ] && prebuild_variants tiny-moe:tcwarm tiny-llama:tcwarm
+    MEGAC_PROFILE_VARIANTS=tcwarm SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs \
+      ${TINY:+tiny-llama tiny-moe} north-mini-code nmc-tcwarm
     pack_cubins < build/cz-s31/log.txt ;;
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?
     MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=tcwarm timeout ${PT:-300} python3 -m gpu.megakernel_check \
-      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-200
+      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-300
     for f in $OUT/*.trace.json; do gzip -q "$f"; done
     rm -f $OUT/profile-north-mini-code-bs1-ctx8192.json $OUT/profile-north-mini-code-bs1-ctx8192-tcwarm.json; ls -la $OUT
-    MEGAC_CHECK_VARIANT=tcwarm timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
+    [ -n "$TINY" ] && MEGAC_CHECK_VARIANT=tcwarm timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
       > $OUT/tiny.log 2>&1; echo tiny rc $?
-    python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['min_cos_vs_vm']) for m, r in d['result'].items()})" ;;
+    [ -n "$TINY" ] && python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['min_cos_vs_vm']) for m, r in d['result'].items()})"; true ;;
   s41e)  # (prebuild_s41e) p2div, p2div_rs8 and rs8 against the default, engines alternating at bs1 until AB_END s
     t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8; do t=$t,default#$i,p2div#$i,p2div_rs8#$i; done
     AT=$((${AB_END:-270} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
