@@ -642,8 +642,8 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
   // consuming one (stage i)
   WalkPos fill(wk, issued, warp, nwarps);
   // (a warming call issues nothing: a task primed with fewer stages than
-  // kStages, a merging O-projection's, would get its refills twice, the
-  // first into the merge's scratch)
+  // kStages, a merging O-projection's, would get those refills twice, two
+  // arrivals on one mbarrier phase)
   if (lane == 0 && (!MEGAC_TC_WARM || rows >= 0))
     for (int i = issued; i < min(kStages, wk.total); ++i) {
       issue_at(s, fill, base + i, ring, st, warp, policy);
