@@ -583,8 +583,8 @@ __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int ro
 // wait, writing nothing), so the prologue's instructions are in the SM's
 // instruction caches when the tile runs after its waits. Why (forty-second
 // session, H100 stamps 15 -> 7 of the profiled default): a primed tile
-// spends 0.74-0.80 us (3,900 QKV tiles: 736-800 ns, nearly all of them)
-// from the call to its walk set up; the divisions' shifts (MEGAC_TC_POW2_DIV)
+// spends 0.5-0.8 us from the call to its walk set up (736-800 ns in 3,359
+// of 3,920 QKV tiles: a fixed cost); the divisions' shifts (MEGAC_TC_POW2_DIV)
 // took only ~0.08 us of it, and a cold fetch of the prologue's code from L2
 // while HBM streams is the candidate left (the tenth session's ~0.4 us a
 // KB of code run cold). The test: whether the stamps' gap shrinks. 0: no
