@@ -528,9 +528,11 @@ case "${1:-tails}" in
       --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-300
     for f in $OUT/*.trace.json; do gzip -q "$f"; done
     rm -f $OUT/profile-north-mini-code-bs1-ctx8192.json $OUT/profile-north-mini-code-bs1-ctx8192-tcwarm.json; ls -la $OUT
-    [ -n "$TINY" ] && MEGAC_CHECK_VARIANT=tcwarm timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
-      > $OUT/tiny.log 2>&1; echo tiny rc $?
-    [ -n "$TINY" ] && python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['min_cos_vs_vm']) for m, r in d['result'].items()})"; true ;;
+    if [ -n "$TINY" ]; then
+      MEGAC_CHECK_VARIANT=tcwarm timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
+        > $OUT/tiny.log 2>&1; echo tiny rc $?
+      python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['min_cos_vs_vm']) for m, r in d['result'].items()})"
+    fi ;;
   s41e)  # (prebuild_s41e) p2div, p2div_rs8 and rs8 against the default, engines alternating at bs1 until AB_END s
     t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8; do t=$t,default#$i,p2div#$i,p2div_rs8#$i; done
     AT=$((${AB_END:-270} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
