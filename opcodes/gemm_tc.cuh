@@ -622,11 +622,9 @@ __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int ro
 __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16* xs, int rows, float* ys, float* part,
                                           uint8_t* ring, BulkState* st, bool primed) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#if MEGAC_TC_WARM
-  if (rows >= 0) MEGAC_MARK(15);  // (a warming call stamps nothing: its task's marks are the tile's)
-#else
-  MEGAC_MARK(15);  // thread 0 inside tile_bulk: the call made (mark 7: its walk set up)
-#endif
+  // thread 0 inside tile_bulk: the call made (mark 7: its walk set up); a
+  // warming call (MEGAC_TC_WARM) stamps nothing: its task's marks are the tile's
+  if (!MEGAC_TC_WARM || rows >= 0) MEGAC_MARK(15);
   const Walk wk(s.rows, s.cols, warp, nwarps);
   const int g = lane >> 2, t = lane & 3;
   const bool token = g < rows;

@@ -39,6 +39,24 @@ prebuild_ceiling() {  # megac bench's ceiling read kernel (megac/gpu/ceiling.py)
   .venv/bin/python -c "from megac.gpu.build import build_cubin; from megac.gpu.ceiling import SOURCE; print(build_cubin(SOURCE))" \
     | tee -a build/cz-s31/log.txt
 }
+profile_variant() {  # one profiled bs1 8K step of the default and of VARIANTS name $1 on one engine (PT: its
+                     # timeout), their traces gzipped into $OUT
+  MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=$1 timeout ${PT:-300} python3 -m gpu.megakernel_check \
+    --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-300
+  for f in $OUT/*.trace.json; do gzip -q "$f"; done
+  rm -f $OUT/profile-north-mini-code-bs1-ctx8192.json $OUT/profile-north-mini-code-bs1-ctx8192-$1.json; ls -la $OUT
+}
+tiny_variant() {  # the tiny models against the VM under VARIANTS name $1 ("": the headers' default; check
+                  # tiny), one line of results
+  env ${1:+MEGAC_CHECK_VARIANT=$1} timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
+    > $OUT/tiny.log 2>&1; echo tiny rc $?
+  python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['min_cos_vs_vm']) for m, r in d['result'].items()})"
+}
+grid_128k() {  # megac bench of today's default at bs 1-8 x 128K (the grid's second part; GK: its timeout)
+  timeout ${GK:-400} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
+    --batch-size 1,2,4,8 --context 131072 --steps 20 --json $OUT/grid128k.json 2>&1 \
+    | grep -v Warning | tee $OUT/grid128k.log | tail -8
+}
 verify() {  # a build checked as a default would be: $1 its VARIANTS name ("": the headers' default), $2 a tag
   # for the files; then the row counts of the North Mini Code slice against fp32. tiny: the tiny models
   # against the VM; hang: the watchdog on its waits
@@ -439,9 +457,7 @@ case "${1:-tails}" in
       --batch-size 1,2,4,8 --context 1024,8192,32768 --steps 30 --json $OUT/grid.json 2>&1 \
       | grep -v Warning | tee $OUT/grid.log | tail -16
     left=$((${GRID_END:-585} - SECONDS)); echo "128K gets ${left}s"
-    [ $left -gt 60 ] && timeout $left python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
-      --batch-size 1,2,4,8 --context 131072 --steps 20 --json $OUT/grid128k.json 2>&1 \
-      | grep -v Warning | tee $OUT/grid128k.log | tail -8 ;;
+    [ $left -gt 60 ] && GK=$left grid_128k ;;
   s41c)  # (prebuild_s41b) rs8 against the default, engines alternating at bs1 (~2 min), then grid's two benches
     t=default,rs8; for i in 1 2 3 4 5 6; do t=$t,default#$i,rs8#$i; done
     AT=${AT:-170} TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60
@@ -495,9 +511,7 @@ case "${1:-tails}" in
     AT=$((${AB_END:-230} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60
     GT=$((${GRID_A_END:-585} - SECONDS)) GRID_END=0 bash "$0" grid ;;
   grid128k)  # the grid's 128K part alone (GK: its timeout)
-    timeout ${GK:-400} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
-      --batch-size 1,2,4,8 --context 131072 --steps 20 --json $OUT/grid128k.json 2>&1 \
-      | grep -v Warning | tee $OUT/grid128k.log | tail -8 ;;
+    grid_128k ;;
   prebuild_s42p)  # prebuild_s42's set and the profiled builds of the default and p2div (s42p)
     prebuild_start
     prebuild_variants tiny-moe:p2div tiny-llama:p2div nmc-slice:p2div
@@ -507,10 +521,7 @@ case "${1:-tails}" in
     pack_cubins < build/cz-s31/log.txt ;;
   s42p)  # (prebuild_s42p, ~4 min) one profiled bs1 8K step of the default and of p2div on one engine: did
          # the shifts shorten the stamps from activations staged to walk set up (the 0.6-0.8 us)?
-    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=p2div timeout ${PT:-400} python3 -m gpu.megakernel_check \
-      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-200
-    rm -f $OUT/profile-*bs1-ctx8192*.json.gz; for f in $OUT/*.trace.json; do gzip -q "$f"; done
-    rm -f $OUT/profile-north-mini-code-bs1-ctx8192.json $OUT/profile-north-mini-code-bs1-ctx8192-p2div.json; ls -la $OUT ;;
+    PT=${PT:-400} profile_variant p2div ;;
   s42any)  # (prebuild_s42p) whichever card came: an H200 runs s42g (p2div A/B, the grid's first part),
            # an H100 s42p (the default and p2div profiled, stamps 12-15 inside prime and tile_bulk)
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s42g; else bash "$0" s42p; fi ;;
@@ -524,15 +535,8 @@ case "${1:-tails}" in
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?
-    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_VARIANTS=tcwarm timeout ${PT:-300} python3 -m gpu.megakernel_check \
-      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-300
-    for f in $OUT/*.trace.json; do gzip -q "$f"; done
-    rm -f $OUT/profile-north-mini-code-bs1-ctx8192.json $OUT/profile-north-mini-code-bs1-ctx8192-tcwarm.json; ls -la $OUT
-    if [ -n "$TINY" ]; then
-      MEGAC_CHECK_VARIANT=tcwarm timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
-        > $OUT/tiny.log 2>&1; echo tiny rc $?
-      python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['min_cos_vs_vm']) for m, r in d['result'].items()})"
-    fi ;;
+    profile_variant tcwarm
+    if [ -n "$TINY" ]; then tiny_variant tcwarm; fi ;;
   s41e)  # (prebuild_s41e) p2div, p2div_rs8 and rs8 against the default, engines alternating at bs1 until AB_END s
     t=default,p2div,p2div_rs8; for i in 1 2 3 4 5 6 7 8; do t=$t,default#$i,p2div#$i,p2div_rs8#$i; done
     AT=$((${AB_END:-270} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
@@ -567,9 +571,7 @@ case "${1:-tails}" in
   s39q)  # placement tuning (~8 min): the tiny models against the VM with every engine tuned, then the
          # placement check (engines on the same weights: placements' ms, before/after at bs1 and bs8, bits),
          # then megac bench bs1,8 (its engines tuned, 8 trials)
-    MEGAC_PLACEMENT_TRIALS=4 timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
-      > $OUT/tiny.log 2>&1; echo tiny rc $?
-    python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['min_cos_vs_vm']) for m, r in d['result'].items()})"
+    MEGAC_PLACEMENT_TRIALS=4 tiny_variant ""
     MEGAC_PLACEMENT_ENGINES=${PE:-8} timeout 300 python3 -m gpu.megakernel_check --run placement \
       --out $OUT/placement.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-330
     python3 -c "import json; d=json.load(open('$OUT/placement.json/megakernel_check.json'))['placement']; r=d.get('result', d); print(d.get('ok'), {k: v for k, v in r.items() if k != 'engines'})"
