@@ -593,6 +593,23 @@ __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int ro
 #define MEGAC_TC_WARM 0
 #endif
 
+// 1 (profiled builds only): stamps pinned after each step of tile_bulk's
+// prologue, to bisect its ~0.8 us (the forty-third session's H100 stamps:
+// warming its code, MEGAC_TC_WARM, left QKV's 15 -> 7 at 0.80 us, so the
+// instruction fetch is not it): 6 the Walk, 8 the ring's state read past
+// __syncwarp, 11 the L2 policy, 9 the refill cursor, 10 the consuming one.
+// Marks the static GEMM tiles do not use (the claims' 6, 8, 11 and the
+// X-load's 9, 10 come first where they do: a mark keeps its first stamp).
+// 0: none.
+#ifndef MEGAC_TC_BISECT
+#define MEGAC_TC_BISECT 0
+#endif
+#if MEGAC_TC_BISECT
+#define MEGAC_TC_BISECT_MARK(i, v) MEGAC_MARK_AFTER(i, v)
+#else
+#define MEGAC_TC_BISECT_MARK(i, v) ((void)0)
+#endif
+
 // 1: tile_bulk is one function every GEMM opcode calls (one copy of its
 // code, ~1,000 instructions with the walk's divisions, instead of one per
 // opcode; North Mini Code's kernel 25,888 -> 18,216 instructions); 0:
@@ -626,6 +643,7 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
   // warming call (MEGAC_TC_WARM) stamps nothing: its task's marks are the tile's
   if (!MEGAC_TC_WARM || rows >= 0) MEGAC_MARK(15);
   const Walk wk(s.rows, s.cols, warp, nwarps);
+  MEGAC_TC_BISECT_MARK(6, wk.total);
   const int g = lane >> 2, t = lane & 3;
   const bool token = g < rows;
   const uint32_t xa = smem_addr(xs + g * x_pitch(s.cols) + t * 8);
@@ -633,12 +651,15 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
   const uint32_t base = st->seq[warp];
   const int issued = primed ? int(st->primed[warp]) : 0;
   __syncwarp();  // every lane read seq / primed before lane 0 moves them
+  MEGAC_TC_BISECT_MARK(8, base + issued);
   const uint64_t policy = lane == 0 ? l2_evict_first_policy() : 0;
+  MEGAC_TC_BISECT_MARK(11, uint32_t(policy));
   float acc[kAcc][4];
 #if MEGAC_TC_WALK_POS
   // lane 0's refill cursor (stage i + kStages at step i) and every lane's
   // consuming one (stage i)
   WalkPos fill(wk, issued, warp, nwarps);
+  MEGAC_TC_BISECT_MARK(9, fill.b1 + fill.item + fill.grp);
   // (a warming call issues nothing: a task primed with fewer stages than
   // kStages, a merging O-projection's, would get those refills twice, two
   // arrivals on one mbarrier phase)
@@ -648,6 +669,7 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
       fill.next(wk, nwarps);
     }
   WalkPos at(wk, 0, warp, nwarps);
+  MEGAC_TC_BISECT_MARK(10, at.b1 + at.item + at.grp);
 #if MEGAC_TC_WARM
   if (rows < 0) {  // the warming call (MEGAC_TC_WARM): the walk's values computed, then back
     asm volatile("" ::"r"(at.b0), "r"(at.b1), "r"(fill.item), "r"(fill.b1), "r"(xa), "r"(ring_w), "r"(issued));

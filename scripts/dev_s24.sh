@@ -532,6 +532,22 @@ case "${1:-tails}" in
     MEGAC_PROFILE_VARIANTS=tcwarm SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs \
       ${TINY:+tiny-llama tiny-moe} north-mini-code nmc-tcwarm
     pack_cubins < build/cz-s31/log.txt ;;
+  sass_lines_of)  # where each named cubin's machine code comes from (scripts/sass_lines.py): per source file,
+               # per call site in the kernel, per line
+    for c in "$@"; do
+      echo "== $c"; nvdisasm --print-line-info build/cubin/$c.cubin | python3 scripts/sass_lines.py 24 | cut -c1-120
+    done ;;
+  s43)  # (TINY=1 prebuild_s42w) s42w, then where the default's 400 KB of code comes from
+    TINY=$TINY bash "$0" s42w
+    bash "$0" sass_lines_of megakernel-8aa9430340f5eb27eee3 > $OUT/sass_lines.txt 2>&1; head -c 3000 $OUT/sass_lines.txt ;;
+  prebuild_s43b)  # the profiled builds of the default and of tcbisect (stamps through tile_bulk's prologue)
+    prebuild_start
+    MEGAC_PROFILE_VARIANTS=tcbisect SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs north-mini-code
+    pack_cubins < build/cz-s31/log.txt ;;
+  s43b)  # (prebuild_s43b, ~1.5 min) one profiled bs1 8K step of the default and of tcbisect, and the default's
+         # SASS (gzipped into $OUT: read here, where no disassembler is)
+    cuobjdump -sass build/cubin/megakernel-74ec55d787a27c4f602e.cubin | gzip > $OUT/default.sass.gz
+    profile_variant tcbisect ;;
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?

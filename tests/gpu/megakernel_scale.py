@@ -877,6 +877,8 @@ VARIANTS = {
     "p2div_rs8": {"MEGAC_TC_POW2_DIV": 1, "MEGAC_TOPK_WARP_SPLITS": 8},
     # tile_bulk's prologue run before a static GEMM task's waits (gemm_tc.cuh MEGAC_TC_WARM)
     "tcwarm": {"MEGAC_TC_WARM": 1},
+    # stamps pinned through tile_bulk's prologue (gemm_tc.cuh MEGAC_TC_BISECT; profiled builds)
+    "tcbisect": {"MEGAC_TC_BISECT": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1521,6 +1523,7 @@ TILES = {
     "rs8": {"variant": "rs8"},
     "p2div": {"variant": "p2div"},
     "tcwarm": {"variant": "tcwarm"},
+    "tcbisect": {"variant": "tcbisect"},
     "p2div_rs8": {"variant": "p2div_rs8"},
     # and a sliding layer's O-projection on its attention SMs at batch 1 (routed-oproj-on-attn.yaml): two
     # 128-feature tiles an attention SM, or one of 256, instead of tiles queued behind up claims
