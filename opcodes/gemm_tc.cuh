@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <cuda_bf16.h>
+#include <type_traits>
 
 #include "common.cuh"
 #include "profile_marks.cuh"
@@ -133,6 +134,7 @@ __host__ __device__ __forceinline__ int walk_mod(int a, int b) {
 
 struct Deal {
   int groups, parts, nb;
+  Deal() = default;  // uninitialized: a WalkCache slot (MEGAC_TC_WALK_CACHE)
   __host__ __device__ Deal(int nlen, int klen, int nwarps)
       : groups(nlen / 16), parts(nlen / 16 >= nwarps ? 1 : walk_div(nwarps, nlen / 16)), nb(klen / 32) {}
   __host__ __device__ int items() const { return groups * parts; }
@@ -326,6 +328,7 @@ __device__ __forceinline__ void bulk_init(BulkState* st) {
 // slice's last stages may be empty).
 struct Walk : Deal {
   int per_item, total;
+  Walk() = default;
   __host__ __device__ Walk(int nlen, int klen, int warp, int nwarps) : Deal(nlen, klen, nwarps) {
     const int all = items();
     const int mine = warp < all ? walk_div(all - warp + nwarps - 1, nwarps) : 0;
@@ -364,6 +367,7 @@ struct Walk : Deal {
 // keeping the refill cursor in lane 0 alone, made the megakernel spill.)
 struct WalkPos {
   int item, j, b0, b1, grp;  // the item, the stage within it, its blocks [b0, b1), its row group
+  WalkPos() = default;
   __host__ __device__ WalkPos(const Walk& wk, int i, int warp, int nwarps) {
     const int k = i < wk.per_item ? 0 : walk_div(i, wk.per_item);
     j = i - k * wk.per_item;
@@ -390,6 +394,47 @@ struct WalkPos {
     }
   }
 };
+
+// 1 (with MEGAC_TC_WALK_POS): prime() leaves each warp's walk and its two
+// cursors (stage 0, and the first stage it did not issue) in shared memory,
+// and a primed tile_bulk on the same weights takes them from there instead
+// of working them out again. Why (forty-third session, H100 stamps pinned
+// through tile_bulk's prologue, MEGAC_TC_BISECT): of a QKV tile's 0.86 us
+// from its call to its walk set up, the Walk took 0.29, the refill cursor
+// 0.19, the consuming one 0.26 (O-projection 0.22 / 0.10 / on, router
+// 0.22 / 0.16 / 0.16): dependent divisions, after the task's waits, on
+// every primed tile of every hop. A static task primes before its waits,
+// so the work moves off the chain; a claim primes after claiming, and its
+// cursors are worked out after its copies went out, while its X loads
+// are in flight. The same walk: the same bits. Measured (H100, forty-third
+// session): the QKV prologue 0.86 -> 0.51 us (the cached reads still 0.16
+// us each), but the step even: default 3.0285 ms median / 3.0285 mean (14
+// engines alternating), this 3.0346 / 3.0334 (13), +0.2 %; the NMC slice
+// against fp32 min cosine 0.99997, top-1 1.0. A tile's start is not what
+// the chain waits on. 0: worked out in tile_bulk.
+#ifndef MEGAC_TC_WALK_CACHE
+#define MEGAC_TC_WALK_CACHE 0
+#endif
+#if MEGAC_TC_WALK_CACHE && MEGAC_TC_WALK_POS
+struct WalkCache {
+  const bf16* p;  // the weights it was worked out for (tile_bulk checks them)
+  int issued;     // the stages prime() issued: `fill` is that stage
+  Walk wk;
+  WalkPos at, fill;
+};
+__shared__ WalkCache walk_cache[kMaxWarps];
+
+// Lane 0 of each warp, in prime() after its copies went out.
+__device__ __forceinline__ void walk_cache_put(const rows::WeightSpan& s, const Walk& wk, int n, int warp,
+                                               int nwarps) {
+  WalkCache& c = walk_cache[warp];
+  c.p = s.p;
+  c.issued = n;
+  c.wk = wk;
+  c.at = WalkPos(wk, 0, warp, nwarps);
+  c.fill = WalkPos(wk, n, warp, nwarps);
+}
+#endif
 
 // Until stage n of a warp's ring has landed. The copy engine always
 // completes (a wrong address faults the launch): no watchdog on this wait.
@@ -482,6 +527,9 @@ __device__ __forceinline__ void prime_first(const rows::WeightSpan& s, uint8_t* 
   issue_first(s, wk, n, base, ring, st, warp, nwarps, policy);
   MEGAC_MARK(14);  // its stages issued (before the call returns)
   st->primed[warp] = n;
+#if MEGAC_TC_WALK_CACHE && MEGAC_TC_WALK_POS
+  if constexpr (std::is_same<W, Walk>::value) walk_cache_put(s, wk, n, warp, nwarps);
+#endif
 }
 
 // Before a static task's waits: its tile's first stages. The scratch's
@@ -587,8 +635,11 @@ __device__ __forceinline__ void stage_x_prime(const bf16* x, int64_t ldx, int ro
 // of 3,920 QKV tiles: a fixed cost); the divisions' shifts (MEGAC_TC_POW2_DIV)
 // took only ~0.08 us of it, and a cold fetch of the prologue's code from L2
 // while HBM streams is the candidate left (the tenth session's ~0.4 us a
-// KB of code run cold). The test: whether the stamps' gap shrinks. 0: no
-// such call.
+// KB of code run cold). The test: whether the stamps' gap shrinks.
+// Measured (H100, forty-third session, one profiled step each): it did not
+// (QKV 0.80 -> 0.80 us, O-projection 0.70 -> 0.67, router 0.51 -> 0.51):
+// not the fetch; MEGAC_TC_BISECT found the walk's arithmetic. 0: no such
+// call.
 #ifndef MEGAC_TC_WARM
 #define MEGAC_TC_WARM 0
 #endif
@@ -642,7 +693,15 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
   // thread 0 inside tile_bulk: the call made (mark 7: its walk set up); a
   // warming call (MEGAC_TC_WARM) stamps nothing: its task's marks are the tile's
   if (!MEGAC_TC_WARM || rows >= 0) MEGAC_MARK(15);
+#if MEGAC_TC_WALK_CACHE && MEGAC_TC_WALK_POS
+  // prime() worked the walk out for these weights (a warp-uniform test)
+  const WalkCache* wc = &walk_cache[warp];
+  const bool cached = primed && wc->p == s.p && wc->issued == int(st->primed[warp]) &&
+                      wc->wk.groups == s.rows / 16 && wc->wk.nb == s.cols / 32;
+  const Walk wk = cached ? wc->wk : Walk(s.rows, s.cols, warp, nwarps);
+#else
   const Walk wk(s.rows, s.cols, warp, nwarps);
+#endif
   MEGAC_TC_BISECT_MARK(6, wk.total);
   const int g = lane >> 2, t = lane & 3;
   const bool token = g < rows;
@@ -658,7 +717,11 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
 #if MEGAC_TC_WALK_POS
   // lane 0's refill cursor (stage i + kStages at step i) and every lane's
   // consuming one (stage i)
+#if MEGAC_TC_WALK_CACHE
+  WalkPos fill = cached ? wc->fill : WalkPos(wk, issued, warp, nwarps);
+#else
   WalkPos fill(wk, issued, warp, nwarps);
+#endif
   MEGAC_TC_BISECT_MARK(9, fill.b1 + fill.item + fill.grp);
   // (a warming call issues nothing: a task primed with fewer stages than
   // kStages, a merging O-projection's, would get those refills twice, two
@@ -668,7 +731,11 @@ __device__ MEGAC_TC_TILE_FN void tile_bulk(const rows::WeightSpan s, const bf16*
       issue_at(s, fill, base + i, ring, st, warp, policy);
       fill.next(wk, nwarps);
     }
+#if MEGAC_TC_WALK_CACHE
+  WalkPos at = cached ? wc->at : WalkPos(wk, 0, warp, nwarps);
+#else
   WalkPos at(wk, 0, warp, nwarps);
+#endif
   MEGAC_TC_BISECT_MARK(10, at.b1 + at.item + at.grp);
 #if MEGAC_TC_WARM
   if (rows < 0) {  // the warming call (MEGAC_TC_WARM): the walk's values computed, then back

@@ -548,6 +548,22 @@ case "${1:-tails}" in
          # SASS (gzipped into $OUT: read here, where no disassembler is)
     cuobjdump -sass build/cubin/megakernel-74ec55d787a27c4f602e.cubin | gzip > $OUT/default.sass.gz
     profile_variant tcbisect ;;
+  prebuild_s43c)  # what tcwc's checks need (the tiny models and the slice under it), its plain build beside the
+                  # default's, and the profiled builds of the default and of tcwc_bisect
+    prebuild_start
+    prebuild_variants tiny-moe:tcwc tiny-llama:tcwc nmc-slice:tcwc
+    MEGAC_PROFILE_VARIANTS=tcwc_bisect SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs \
+      tiny-llama tiny-moe nmc-slice north-mini-code nmc-tcwc
+    pack_cubins < build/cz-s31/log.txt ;;
+  s43c)  # (prebuild_s43c, ~9 min) tcwc (prime() leaves the walk for tile_bulk) checked as a default would be
+         # (tiny models against the VM, the watchdog, the one-row fp32 slice), one profiled bs1 8K step of
+         # the default and of tcwc_bisect, then tcwc against the default, engines alternating at bs1 until
+         # AB_END s
+    verify tcwc tcwc 1
+    PT=150 profile_variant tcwc_bisect
+    t=default,tcwc; for i in 1 2 3 4 5 6 7 8 9 10 11 12; do t=$t,default#$i,tcwc#$i; done
+    left=$((${AB_END:-500} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?

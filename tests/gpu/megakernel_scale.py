@@ -879,6 +879,9 @@ VARIANTS = {
     "tcwarm": {"MEGAC_TC_WARM": 1},
     # stamps pinned through tile_bulk's prologue (gemm_tc.cuh MEGAC_TC_BISECT; profiled builds)
     "tcbisect": {"MEGAC_TC_BISECT": 1},
+    # prime() leaves the walk and its cursors for tile_bulk (gemm_tc.cuh MEGAC_TC_WALK_CACHE)
+    "tcwc": {"MEGAC_TC_WALK_CACHE": 1},
+    "tcwc_bisect": {"MEGAC_TC_WALK_CACHE": 1, "MEGAC_TC_BISECT": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1524,6 +1527,7 @@ TILES = {
     "p2div": {"variant": "p2div"},
     "tcwarm": {"variant": "tcwarm"},
     "tcbisect": {"variant": "tcbisect"},
+    "tcwc": {"variant": "tcwc"},
     "p2div_rs8": {"variant": "p2div_rs8"},
     # and a sliding layer's O-projection on its attention SMs at batch 1 (routed-oproj-on-attn.yaml): two
     # 128-feature tiles an attention SM, or one of 256, instead of tiles queued behind up claims
