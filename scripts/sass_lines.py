@@ -10,7 +10,8 @@ import collections
 import re
 import sys
 
-LOC = re.compile(r'File "([^"]+)", line (\d+)')
+# `//## File "a.cuh", line 12 inlined at "b.cuh", line 34 ...`: innermost first
+LOC = re.compile(r'"([^"]+)", line (\d+)')
 INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+\S")
 FUNC = re.compile(r"^\s*\.text\.(\S+):|Function : (\S+)")
 
