@@ -564,6 +564,14 @@ case "${1:-tails}" in
     t=default,tcwc; for i in 1 2 3 4 5 6 7 8 9 10 11 12; do t=$t,default#$i,tcwc#$i; done
     left=$((${AB_END:-500} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
+  prebuild_s43h)  # the plain builds of the default and of tcwc, for s43h
+    prebuild_start
+    SKIP_RE="(interleaved)\|(attention-first)\|\[profile\]" prebuild_specs north-mini-code nmc-tcwc
+    pack_cubins < build/cz-s31/log.txt ;;
+  s43h)  # (prebuild_s43h; tcwc's checks passed on an H100: s43c) the H200: tcwc against the default,
+         # engines alternating at bs1 until AB_END s
+    t=default,tcwc; for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14; do t=$t,default#$i,tcwc#$i; done
+    AT=$((${AB_END:-300} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?
