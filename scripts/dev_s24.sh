@@ -10,7 +10,9 @@
 #     load_spec; print(s.variant_cubin(load_spec('tiny-llama'), s.VARIANTS['hops']))"
 # then the cubins they print (but the interleaved / attention-first orders') copied into build/cubin-sel.
 # cubins travel as build/cubin-sel (as built) or build/cz/cubins.tar.xz (a carry holds 64 MiB with the
-# tree; cubins compress ~18x, twenty-eighth session)
+# tree; cubins compress ~18x, twenty-eighth session). Since the forty-second session the tracked profile
+# traces (~51 MB) leave no room for that carry: `bash scripts/traces_aside.sh out` before the call,
+# `... back` after it.
 mkdir -p build/cubin && { cp build/cubin-sel/* build/cubin/ 2>/dev/null; true; }
 [ -f build/cz/cubins.tar.xz ] && tar -C build/cubin -xJf build/cz/cubins.tar.xz
 source scripts/gpu_env.sh
