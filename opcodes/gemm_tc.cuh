@@ -401,8 +401,8 @@ struct WalkPos {
 // of working them out again. Why (forty-third session, H100 stamps pinned
 // through tile_bulk's prologue, MEGAC_TC_BISECT): of a QKV tile's 0.86 us
 // from its call to its walk set up, the Walk took 0.29, the refill cursor
-// 0.19, the consuming one 0.26 (O-projection 0.22 / 0.10 / on, router
-// 0.22 / 0.16 / 0.16): dependent divisions, after the task's waits, on
+// 0.19, the consuming one 0.26 (O-projection 0.22 / 0.10, router 0.22 /
+// 0.16 / 0.16): dependent divisions, after the task's waits, on
 // every primed tile of every hop. A static task primes before its waits,
 // so the work moves off the chain; a claim primes after claiming, and its
 // cursors are worked out after its copies went out, while its X loads
