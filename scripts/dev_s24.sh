@@ -495,7 +495,7 @@ case "${1:-tails}" in
     left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=${TB:-1} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
   sass_div)  # per function of each cubin named: its integer divisions (MUFU.RCP) and instructions
-    for c in "$@"; do
+    for c in "${@:2}"; do  # past the entry's name
       echo "== $c"; cuobjdump -sass build/cubin/$c.cubin | awk '/Function :/ {f=$3} /MUFU.RCP/ {r[f]++} /\/\*[0-9a-f]+\*\// {n[f]++}
         END {for (f in n) printf "%6d instr %3d rcp  %s\n", n[f], r[f], substr(f, 1, 90)}' | sort -k1 -n -r | head -12
     done ;;
@@ -536,7 +536,7 @@ case "${1:-tails}" in
     pack_cubins < build/cz-s31/log.txt ;;
   sass_lines_of)  # where each named cubin's machine code comes from (scripts/sass_lines.py): per source file,
                # per call site in the kernel, per line
-    for c in "$@"; do
+    for c in "${@:2}"; do  # past the entry's name
       echo "== $c"; nvdisasm --print-line-info build/cubin/$c.cubin | python3 scripts/sass_lines.py 24 | cut -c1-120
     done ;;
   s43)  # (TINY=1 prebuild_s42w) s42w, then where the default's 400 KB of code comes from
