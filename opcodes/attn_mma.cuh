@@ -305,6 +305,10 @@ __device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaSt
   static_assert(!kTma || W <= kTmaMaxWarps, "a tensor-copy ring per warp");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
+  // stamps 12-15 (profiled builds): where a split's first chunk goes, which a
+  // full layer's claimed splits wait 5-10 us for after their hand-off
+  // (forty-third session: H100 stamps 8 -> 3, 1.89 -> 12.42 us)
+  MEGAC_MARK(12);  // thread 0 in the split
   // the tensor-copy slots on 1024-byte boundaries
   uint8_t* sm = kTma ? tma_region(sm_in) : sm_in;
   uint8_t* mine = sm + warp * kWarp;
@@ -344,6 +348,7 @@ __device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaSt
     int blk[S];
 #pragma unroll
     for (int i = 0; i < S; ++i) blk[i] = i < count ? chunk_block(key0_of(i)) : 0;
+    MEGAC_MARK_AFTER(13, blk[0]);  // thread 0 has its first chunks' blocks (the page table read)
     if (lane == 0) {
 #pragma unroll
       for (int i = 0; i < S; ++i)
@@ -353,9 +358,11 @@ __device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaSt
     int blk[S];
 #pragma unroll
     for (int i = 0; i < S; ++i) blk[i] = i < count ? entry(key0_of(i)) : 0;
+    MEGAC_MARK_AFTER(13, blk[0]);  // thread 0 has its first chunks' blocks (the page table read)
 #pragma unroll
     for (int i = 0; i < S; ++i) issue<HD, G, THREADS>(a, key0_of(i), blk[i], base + i * kStage, lane, i < count);
   }
+  MEGAC_MARK(14);  // thread 0 issued its first chunks
 
   // Q as the A operand (row gid; rows 8-15 zero), in registers for the split;
   // written by another CTA of this launch: through L2
@@ -371,6 +378,7 @@ __device__ __forceinline__ void split_impl(const Split& a, uint8_t* sm_in, TmaSt
       q[kk][3] = 0u;
     }
   }
+  MEGAC_MARK_AFTER(15, q[0][0]);  // thread 0's Q loaded (through L2)
   const float sl2 = a.scale * attn::kLog2e;
 
   float o[Sh::NT][4];

@@ -49,6 +49,8 @@ _CLAIM_MARKS = ("head atomic and record", "claim wait", *_GEMM_MARKS, "tile done
                 *_PRIME_MARKS)
 #: an attention split on the tensor cores (attn_mma.cuh), stamps 3-5
 _ATTN_MARKS = ("", "first chunk landed", "keys consumed", "merged and written")
+#: and its first chunk's way, stamps 12-15
+_SPLIT_MARKS = ("split: entered", "split: page table read", "split: first chunks issued", "split: Q loaded")
 MARK_NAMES = {
     "ROUTER_TOPK": ("partials summed", "logits ranked", "weights stored"),
     "ROUTE_FINALIZE": ("partials summed", "logits ranked", "weights stored", "slots written"),
@@ -59,8 +61,9 @@ MARK_NAMES = {
     "MOE_UPGATE_DRAIN": ("head atomic and record / routed: partials summed", "claim wait / routed: rows ranked",
                          *_GEMM_MARKS, "tile done", "routed: records derived", *_HANDOFF_MARKS, *_PRIME_MARKS),
     "MOE_DOWN_DRAIN": _CLAIM_MARKS,
-    "ATTN_DRAIN": (*_CLAIM_MARKS[:2], *_ATTN_MARKS, "tile done", "", "claim handed to the CTA"),
-    "ATTN_DECODE": ("", "", *_ATTN_MARKS),
+    "ATTN_DRAIN": (*_CLAIM_MARKS[:2], *_ATTN_MARKS, "tile done", "", "claim handed to the CTA", "", "", "",
+                   *_SPLIT_MARKS),
+    "ATTN_DECODE": ("", "", *_ATTN_MARKS, "", "", "", "", "", "", *_SPLIT_MARKS),
     # a static GEMM task's tile (stamps 2-5 only)
     **{op: ("", "", *_GEMM_MARKS, "", _WALK_MARK, "", "", "", "", *_PRIME_MARKS)
        for op in ("QKV_PROJ", "FFN_UPGATE_ACT", "FFN_DOWN", "ROUTER_GEMM", "LM_HEAD")},
