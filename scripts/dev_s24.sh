@@ -574,6 +574,14 @@ case "${1:-tails}" in
          # engines alternating at bs1 until AB_END s
     t=default,tcwc; for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14; do t=$t,default#$i,tcwc#$i; done
     AT=$((${AB_END:-300} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
+  prebuild_s44p)  # the default's plain and profiled builds (the attention split's stamps 12-15), for s44p
+    prebuild_start
+    SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs north-mini-code
+    pack_cubins < build/cz-s31/log.txt ;;
+  s44p)  # (prebuild_s44p, ~1.5 min, any GPU) one profiled bs1 8K step of the default: where a claimed
+         # attention split's 5-10 us before its first chunk go (ATTN_DRAIN / ATTN_DECODE stamps 12-15)
+    profile_variant ""
+    python3 -c "import json; r=json.load(open('$OUT/profile.json/megakernel_check.json'))['profile']['result']['north-mini-code']['inside_tasks']; [print(k, r[k]) for k in ('ATTN_DRAIN', 'ATTN_DECODE') if k in r]" ;;
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?
