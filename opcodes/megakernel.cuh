@@ -117,6 +117,17 @@ constexpr int kProfileWords = 4 + kProfileMarks;
 #ifndef MEGAC_DESC_TABLES
 #define MEGAC_DESC_TABLES 1
 #endif
+// 1 (with MEGAC_DESC_SMEM): the step's per-row words (seq_pos, row_active:
+// [max_rows] each, written by the host before the launch, read-only in it)
+// copied as well, and the copy's fields pointing at them. Why (forty-third
+// session, H100 profile): a full layer's claimed attention split reaches its
+// first chunk 10.5 us after its hand-off, behind dependent L2 round trips
+// (~1.4 us each while the up claims stream) of which split_keys' read of
+// these words is the first; the QKV epilogue's KV write reads them too.
+// 0: read from global memory. Not yet measured.
+#ifndef MEGAC_DESC_ROWS
+#define MEGAC_DESC_ROWS 0
+#endif
 
 #if MEGAC_OPROJ_AHEAD
 // MEGAC_OPROJ_AHEAD's pull: the first O-projection among tasks k + 1 ..
@@ -152,11 +163,24 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ g
   const float* g_freq = ptr<const float>(gdesc->rope_inv_freq);
   for (int i = threadIdx.x; g_slot != nullptr && i < M::NUM_LAYERS; i += blockDim.x) layer_slot[i] = g_slot[i];
   for (int i = threadIdx.x; g_freq != nullptr && i < M::HEAD_DIM / 2; i += blockDim.x) inv_freq[i] = g_freq[i];
+#if MEGAC_DESC_ROWS
+  __shared__ int32_t seq_pos_s[M::MAX_ROWS], row_active_s[M::MAX_ROWS];
+  const int32_t* g_pos = ptr<const int32_t>(gdesc->seq_pos);
+  const int32_t* g_act = ptr<const int32_t>(gdesc->row_active);
+  for (int i = threadIdx.x; g_pos != nullptr && i < M::MAX_ROWS; i += blockDim.x) seq_pos_s[i] = g_pos[i];
+  for (int i = threadIdx.x; g_act != nullptr && i < M::MAX_ROWS; i += blockDim.x) row_active_s[i] = g_act[i];
+#endif
   __syncthreads();
   if (MEGAC_DESC_TABLES && threadIdx.x == 0) {
     if (g_slot != nullptr) sdesc.layer_slot = reinterpret_cast<uint64_t>(layer_slot);
     if (g_freq != nullptr) sdesc.rope_inv_freq = reinterpret_cast<uint64_t>(inv_freq);
   }
+#if MEGAC_DESC_ROWS
+  if (threadIdx.x == 0) {  // generic pointers into shared memory: every reader's plain loads take them
+    if (g_pos != nullptr) sdesc.seq_pos = reinterpret_cast<uint64_t>(seq_pos_s);
+    if (g_act != nullptr) sdesc.row_active = reinterpret_cast<uint64_t>(row_active_s);
+  }
+#endif
   __syncthreads();
   const LaunchDesc* desc = &sdesc;
 #else

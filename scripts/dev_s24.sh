@@ -574,14 +574,26 @@ case "${1:-tails}" in
          # engines alternating at bs1 until AB_END s
     t=default,tcwc; for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14; do t=$t,default#$i,tcwc#$i; done
     AT=$((${AB_END:-300} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
-  prebuild_s44p)  # the default's plain and profiled builds (the attention split's stamps 12-15), for s44p
+  prebuild_s44p)  # the default's and rowsmem's plain and profiled builds (the attention split's stamps
+                  # 12-15), and what rowsmem's checks need (the tiny models and the slice under it), for s44p
     prebuild_start
-    SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs north-mini-code
+    prebuild_variants tiny-moe:rowsmem tiny-llama:rowsmem nmc-slice:rowsmem
+    MEGAC_PROFILE_VARIANTS=rowsmem SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs \
+      tiny-llama tiny-moe nmc-slice north-mini-code nmc-rowsmem
     pack_cubins < build/cz-s31/log.txt ;;
-  s44p)  # (prebuild_s44p, ~1.5 min, any GPU) one profiled bs1 8K step of the default: where a claimed
-         # attention split's 5-10 us before its first chunk go (ATTN_DRAIN / ATTN_DECODE stamps 12-15)
-    profile_variant ""
-    python3 -c "import json; r=json.load(open('$OUT/profile.json/megakernel_check.json'))['profile']['result']['north-mini-code']['inside_tasks']; [print(k, r[k]) for k in ('ATTN_DRAIN', 'ATTN_DECODE') if k in r]" ;;
+  s44p)  # (prebuild_s44p, ~9 min, any GPU) rowsmem (the step's per-row words in shared memory) checked as a
+         # default would be (tiny models against the VM, the watchdog, the one-row fp32 slice); one profiled
+         # bs1 8K step of the default and of rowsmem: where a claimed attention split's 5-10 us before its
+         # first chunk go (ATTN_DRAIN / ATTN_DECODE stamps 12-15); then rowsmem against the default, engines
+         # alternating at bs1 until AB_END s
+    verify rowsmem rowsmem 1
+    PT=150 profile_variant rowsmem
+    python3 -c "import json; r=json.load(open('$OUT/profile.json/megakernel_check.json'))['profile']['result']
+for m in r:
+    for k in ('ATTN_DRAIN', 'ATTN_DECODE'): print(m, k, r[m]['inside_tasks'].get(k))"
+    t=default,rowsmem; for i in 1 2 3 4 5 6 7 8 9 10 11 12; do t=$t,default#$i,rowsmem#$i; done
+    left=$((${AB_END:-500} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?

@@ -882,6 +882,9 @@ VARIANTS = {
     # prime() leaves the walk and its cursors for tile_bulk (gemm_tc.cuh MEGAC_TC_WALK_CACHE)
     "tcwc": {"MEGAC_TC_WALK_CACHE": 1},
     "tcwc_bisect": {"MEGAC_TC_WALK_CACHE": 1, "MEGAC_TC_BISECT": 1},
+    # the step's per-row words (seq_pos, row_active) copied into shared memory at launch
+    # (megakernel.cuh MEGAC_DESC_ROWS)
+    "rowsmem": {"MEGAC_DESC_ROWS": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1528,6 +1531,7 @@ TILES = {
     "tcwarm": {"variant": "tcwarm"},
     "tcbisect": {"variant": "tcbisect"},
     "tcwc": {"variant": "tcwc"},
+    "rowsmem": {"variant": "rowsmem"},
     "p2div_rs8": {"variant": "p2div_rs8"},
     # and a sliding layer's O-projection on its attention SMs at batch 1 (routed-oproj-on-attn.yaml): two
     # 128-feature tiles an attention SM, or one of 256, instead of tiles queued behind up claims
