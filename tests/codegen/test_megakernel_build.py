@@ -126,14 +126,18 @@ def test_the_hop_switches_and_the_profile_marks_compile(tmp_path):
     # build stamps twelve marks: one build with all of them, without spills,
     # so a GPU session does not find a typo. Whether they are faster is the
     # H200's to say (docs/perf-notes.md); that they give the default's bits,
-    # the GPU check `variants`.
+    # the GPU check `variants`. With them the forty-third session's probes,
+    # off by default: the per-row words in shared memory (megakernel.cuh
+    # MEGAC_DESC_ROWS), the walk left by prime() (gemm_tc.cuh
+    # MEGAC_TC_WALK_CACHE, with the cursor it needs) and its bisect stamps.
     from megac.gpu.build import build_cubin
     from megac.resources import opcodes_dir
 
     spec = load_spec("tiny-moe")
     res = compile_schedules(spec, batch_sizes=[1, 8])
     write_artifact(tmp_path, spec, res.schedules, order="tuned")
-    defines = {"MEGAC_SIGNAL_ACQREL": 1, "MEGAC_ABORT_EVERY": 16, "MEGAC_WAIT_PAIR": 1, "MEGAC_PROFILE": 1}
+    defines = {"MEGAC_SIGNAL_ACQREL": 1, "MEGAC_ABORT_EVERY": 16, "MEGAC_WAIT_PAIR": 1, "MEGAC_PROFILE": 1,
+               "MEGAC_DESC_ROWS": 1, "MEGAC_TC_WALK_POS": 1, "MEGAC_TC_WALK_CACHE": 1, "MEGAC_TC_BISECT": 1}
     cubin = build_cubin(tmp_path / SOURCE, defines=defines, include_dirs=[opcodes_dir(), tmp_path],
                         cache_dir=tmp_path / "cache")
     k = report(cubin)["kernels"]["megakernel"]
