@@ -71,6 +71,22 @@ verify() {  # a build checked as a default would be: $1 its VARIANTS name ("": t
       --out $OUT/slice-$tag-$r.json 2>&1 | grep -v Warning | tail -2 | cut -c1-300
   done
 }
+prebuild_checked() {  # a variant's set: $1 its VARIANTS name under the tiny models and the slice (what verify
+                      # checks), its plain NMC build (TILES nmc-$1) beside the default's, and the profiled builds
+                      # of the default and of $2 (default: $1)
+  prebuild_start
+  prebuild_variants tiny-moe:$1 tiny-llama:$1 nmc-slice:$1
+  MEGAC_PROFILE_VARIANTS=${2:-$1} SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs \
+    tiny-llama tiny-moe nmc-slice north-mini-code nmc-$1
+  pack_cubins < build/cz-s31/log.txt
+}
+ab_vs() {  # VARIANTS name $1 against the default, engines alternating at bs1 ($2 rounds after the first pair)
+           # until AB_END s (default $3), if 90 s or more are left
+  local t=default,$1 i left
+  for i in $(seq 1 $2); do t=$t,default#$i,$1#$i; done
+  left=$((${AB_END:-$3} - SECONDS)); echo "ab gets ${left}s"
+  [ $left -gt 90 ] && AT=$left TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60
+}
 case "${1:-tails}" in
   tails)
     run_orders default tuned,$E/tail-on-oproj.yaml,$E/tail-on-finalize.yaml,tuned 1,8
@@ -552,35 +568,24 @@ case "${1:-tails}" in
     profile_variant tcbisect ;;
   prebuild_s43c)  # what tcwc's checks need (the tiny models and the slice under it), its plain build beside the
                   # default's, and the profiled builds of the default and of tcwc_bisect
-    prebuild_start
-    prebuild_variants tiny-moe:tcwc tiny-llama:tcwc nmc-slice:tcwc
-    MEGAC_PROFILE_VARIANTS=tcwc_bisect SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs \
-      tiny-llama tiny-moe nmc-slice north-mini-code nmc-tcwc
-    pack_cubins < build/cz-s31/log.txt ;;
+    prebuild_checked tcwc tcwc_bisect ;;
   s43c)  # (prebuild_s43c, ~9 min) tcwc (prime() leaves the walk for tile_bulk) checked as a default would be
          # (tiny models against the VM, the watchdog, the one-row fp32 slice), one profiled bs1 8K step of
          # the default and of tcwc_bisect, then tcwc against the default, engines alternating at bs1 until
          # AB_END s
     verify tcwc tcwc 1
     PT=150 profile_variant tcwc_bisect
-    t=default,tcwc; for i in 1 2 3 4 5 6 7 8 9 10 11 12; do t=$t,default#$i,tcwc#$i; done
-    left=$((${AB_END:-500} - SECONDS)); echo "ab gets ${left}s"
-    [ $left -gt 90 ] && AT=$left TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
+    ab_vs tcwc 12 500 ;;
   prebuild_s43h)  # the plain builds of the default and of tcwc, for s43h
     prebuild_start
     SKIP_RE="(interleaved)\|(attention-first)\|\[profile\]" prebuild_specs north-mini-code nmc-tcwc
     pack_cubins < build/cz-s31/log.txt ;;
   s43h)  # (prebuild_s43h; tcwc's checks passed on an H100: s43c) the H200: tcwc against the default,
          # engines alternating at bs1 until AB_END s
-    t=default,tcwc; for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14; do t=$t,default#$i,tcwc#$i; done
-    AT=$((${AB_END:-300} - SECONDS)) TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
+    ab_vs tcwc 14 300 ;;
   prebuild_s44p)  # the default's and rowsmem's plain and profiled builds (the attention split's stamps
                   # 12-15), and what rowsmem's checks need (the tiny models and the slice under it), for s44p
-    prebuild_start
-    prebuild_variants tiny-moe:rowsmem tiny-llama:rowsmem nmc-slice:rowsmem
-    MEGAC_PROFILE_VARIANTS=rowsmem SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs \
-      tiny-llama tiny-moe nmc-slice north-mini-code nmc-rowsmem
-    pack_cubins < build/cz-s31/log.txt ;;
+    prebuild_checked rowsmem ;;
   s44p)  # (prebuild_s44p, ~9 min, any GPU) rowsmem (the step's per-row words in shared memory) checked as a
          # default would be (tiny models against the VM, the watchdog, the one-row fp32 slice); one profiled
          # bs1 8K step of the default and of rowsmem: where a claimed attention split's 5-10 us before its
@@ -591,9 +596,7 @@ case "${1:-tails}" in
     python3 -c "import json; r=json.load(open('$OUT/profile.json/megakernel_check.json'))['profile']['result']
 for m in r:
     for k in ('ATTN_DRAIN', 'ATTN_DECODE'): print(m, k, r[m]['inside_tasks'].get(k))"
-    t=default,rowsmem; for i in 1 2 3 4 5 6 7 8 9 10 11 12; do t=$t,default#$i,rowsmem#$i; done
-    left=$((${AB_END:-500} - SECONDS)); echo "ab gets ${left}s"
-    [ $left -gt 90 ] && AT=$left TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
+    ab_vs rowsmem 12 500 ;;
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?
