@@ -142,6 +142,12 @@ class Flag(enum.IntFlag):
     # the expert's down matrix (a split-K down) into moe_out tile N_TILE; MOE_COMBINE: sum a slot's
     # moe_out tiles (in tile order) before weighting it; no MOE_DOWN_DRAIN
     SPLIT_DOWN = 1 << 10
+    # ROUTER_GEMM: the input is the K range of the new residual of the NORM_* fields (the residual slot,
+    # the O-proj partials and NORM_LAYER's MoE combine, as ADD_RMSNORM with ADD_MOE adds them) times
+    # gamma X_SLOT, not normalised: unnormalised logits, whose ranking is the normalised ones' (1 / rms
+    # > 0). ROUTE_FINALIZE: the logits are such: its weights take the selected logits times 1 / rms of
+    # x_resid slot RESID_SLOT (the norm task's residual). _COMBINE_IN
+    COMBINE_IN = 1 << 11
 
 
 class QkvPart(enum.IntEnum):
@@ -167,6 +173,15 @@ _GEMM = (
 # row itself (the same arithmetic, so the same bits) into its staged input,
 # instead of waiting for the norm task and reading x_norm. The norm task
 # still runs for the residual slot and the slot's other readers.
+#
+# _COMBINE_IN: a ROUTER_GEMM tile flagged COMBINE_IN reads the same NORM_*
+# fields (NORM_FFN_SPLITS 0) and instead of the norm stages, for its K range
+# only, bf16(gamma * x) with x the new residual: the residual slot, the
+# O-proj partials and the MoE combine of layer NORM_LAYER (route_slot,
+# topk_w, moe_out), added as ADD_RMSNORM with ADD_MOE adds them. It needs no
+# other range's values (no 1 / rms), so it waits on the down claims and the
+# O-projection tiles, not on MOE_COMBINE and a norm: two hops less before
+# the up claims rank. The finalize task scales the weights.
 _NORM_IN = (
     ("NORM_LAYER", "NORM_IN: the layer whose partials the folded norm adds"),
     ("NORM_ATTN_SPLITS", "NORM_IN: O-proj partials to add (as ADD_RMSNORM's ATTN_SPLITS; 0: none)"),
@@ -232,6 +247,8 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
                         "(as ROUTER_TOPK, the whole CTA); 0: ROUTER_TOPK tasks wrote topk_ids/topk_w"),
         ("X_SLOT", ">= 0: copy rows 0..NUM_ROWS-1 of this x_norm slot to their routed moe_x slots "
                    "(as MOE_GATHER); -1: MOE_GATHER tasks do"),
+        ("RESID_SLOT", "COMBINE_IN: the x_resid slot whose rows' 1 / rms scales the selected logits "
+                       "before the weights (the router's partials are unnormalised); else unused"),
     ),
     Op.MOE_GATHER: (
         ("ROW", "batch row"),

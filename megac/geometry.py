@@ -229,6 +229,27 @@ DEFAULT_TILES = {
     # works through a token-major view; the CPU VM keeps token-major pools).
     # Not run on the GPU yet (twenty-sixth session: no device)
     "kv_head_major": 0,
+    # 1: in the layers that fold their norm (norm_fold) the router tiles fold
+    # the MoE combine instead (ROUTER_GEMM flag COMBINE_IN): each sums its K
+    # range of the new residual itself (the residual slot, the O-proj
+    # partials, the previous layer's expert outputs score-weighted in k
+    # order) and multiplies gamma * x unnormalised. A range needs no other
+    # range (no 1 / rms), so the router waits on the down claims and the
+    # O-projection, not on MOE_COMBINE and its fold: the ranking (invariant to
+    # the positive 1 / rms) comes two hops sooner. ROUTE_FINALIZE scales the
+    # selected logits by 1 / rms of the norm task's residual for the weights.
+    # Why (fortieth session's H200 trace, sliding layers, µs after the
+    # previous combine ended): the router ends at 6.9, the first expert byte
+    # lands at 12.8, the median claimer's at 16.9; the MoE chain is the
+    # layer's. Not with split_down (moe_out's tiles). Other bits than the
+    # folded norm's logits (bf16(gamma * x) against bf16(gamma * bf16(x / rms))):
+    # the VM computes the same. Batch 1 only, so a row alone and the same row
+    # in a batch differ in their last bits: not the batch invariance
+    # DESIGN.md asks of a default (that needs the unnormalised router, read
+    # from the norm's residual, at every batch size). Measured (H100,
+    # forty-fourth session, NMC 8K bs1, engines alternating): -2.1 % median,
+    # -2.0 % mean (23 / 24 engines); checked as a default would be.
+    "router_combine": 0,
 }
 
 #: The tiles that give the plain batch-1 schedule of the sessions before the
@@ -511,6 +532,9 @@ class Geometry:
     moe_chunk: int = 1
     #: the GPU backends' KV pools are head-major (DEFAULT_TILES' kv_head_major)
     kv_head_major: bool = False
+    #: folded layers' router tiles fold the MoE combine instead (DEFAULT_TILES'
+    #: router_combine; see ``router_combined``)
+    router_combine: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -642,6 +666,9 @@ class Geometry:
             o_proj_merge=o_proj_merge_at(spec, rows, t),
             moe_chunk=moe_chunk,
             kv_head_major=bool(t["kv_head_major"]),
+            # one row: the down claims' count is then known to the compiler (K x down tiles), so the
+            # router's waits are the down claims' and the O-projection's (MoeDownDrain.signal_count)
+            router_combine=bool(t["router_combine"] and experts) and not split and rows == 1,
         )
 
     def with_context(self, context: int) -> "Geometry":
@@ -722,6 +749,12 @@ class Geometry:
         writes their x_norm slot (norm_fold; see DEFAULT_TILES)."""
         return (self.norm_fold and self.block == "parallel" and 2 <= layer < self.num_layers
                 and self.ffn[layer] == "moe" and self.ffn[layer - 1] == "moe")
+
+    def router_combined(self, layer: int) -> bool:
+        """Whether layer ``layer``'s router tiles fold the previous layer's MoE
+        combine (COMBINE_IN, the router_combine tile) instead of its norm: a
+        folded layer (``folded``) of a schedule without split_down."""
+        return self.router_combine and not self.split_down and self.folded(layer)
 
     def resid_in_slot(self, kind: str, layer: int) -> int:
         """x_resid slot the norm of node ``kind`` ("norm" or "norm_attn") on

@@ -104,7 +104,7 @@ def fused_routing_of(spec, routed: bool = False) -> tuple[bool, bool]:
 
 
 def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=(),
-                split_down: bool = False, merged_attn: bool = False) -> nx.DiGraph:
+                split_down: bool = False, merged_attn: bool = False, combined=()) -> nx.DiGraph:
     """The decode graph; ``routed``: with routed claims (the up claims read
     the router partials and x_norm; no top-k, no gather); ``fused_combine``:
     the norm does the MoE combine (schedules of one row:
@@ -115,8 +115,12 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
     (writes ``moe_out``, reads both expert matrices; no ``.moe_down``);
     ``merged_attn``: the O-projection merges the attention splits itself
     (reads the partials; no ``.attn_combine``: schedules of one row,
-    :func:`megac.geometry.o_proj_merge_at`)."""
+    :func:`megac.geometry.o_proj_merge_at`); ``combined``: folded layers
+    whose router folds the previous layer's MoE combine instead of its norm
+    (it reads the combine's inputs, and the finalize the norm's residual:
+    :meth:`megac.geometry.Geometry.router_combined`)."""
     folded = frozenset(folded)
+    combined = frozenset(combined)
     L = spec.num_layers
     D = spec.hidden_size
     R = "rows"
@@ -132,6 +136,7 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
     order: list[str] = []
     last_writer: dict[str, str] = {}
     norm_reads: dict[int, list[str]] = {}  # x_norm slot -> what its norm reads
+    comb_reads: dict[int, list[str]] = {}  # x_norm slot -> its norm's residual inputs, the combine's unsummed
 
     def tensor(name, kind, shape, dtype):
         tensors.setdefault(name, Tensor(name, kind, tuple(shape), dtype))
@@ -192,7 +197,8 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
             ma = tensor(f"moe_act[{l}]", "scratch", (E, R, K, F), "bf16")
             mo = tensor(f"moe_out[{l}]", "scratch", (E, R, K, D), "fp32")
             fpart = tensor(f"ffn_part[{l}]", "scratch", (1, R, D), "fp32")
-            add(p + "router", "router", l, x_src if l in folded else [ffn_in], [rpart], [w("w_router")])
+            r_src = comb_reads[l] if l in combined else x_src if l in folded else [ffn_in]
+            add(p + "router", "router", l, r_src, [rpart], [w("w_router")])
             # the finalize task may rank the rows itself and copy them to their
             # slots: a hop less each (the target's fused_topk / fused_gather)
             fin_reads, fin_writes = [rpart] if fused_topk else [topk], [route]
@@ -203,6 +209,8 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
             if fused_gather:
                 fin_reads.append(ffn_in)
                 fin_writes.append(mx)
+            if l in combined:  # the weights' 1 / rms: the residual of the norm writing x_in
+                fin_reads.append(f"x_resid[{l}]")
             add(p + "route_finalize", "route_finalize", l, fin_reads, fin_writes)
             if not fused_gather and not routed:
                 add(p + "moe_gather", "moe_gather", l, [ffn_in, route], [mx])
@@ -226,6 +234,8 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
         reads = [r_in, *fparts] if seq else [r_in, opart, *fparts]
         add(p + "norm", "norm", l, reads, [r_out, x_next], [w("w_norm")])
         norm_reads[g_next] = reads
+        if not seq and layer.ffn != "dense" and not fused_combine and not split_down:
+            comb_reads[g_next] = [r_in, opart, mo, topk, route]
     tensor("w_lm_head", "weight", (spec.vocab_size, D), "bf16")
     logits = tensor("logits", "scratch", (R, spec.vocab_size), "fp32")
     add("lm_head", "lm_head", L, [f"x_norm[{2 * L}]"], [logits], ["w_lm_head"])

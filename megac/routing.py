@@ -50,11 +50,20 @@ def _ordered_sum(x: torch.Tensor) -> torch.Tensor:
     return tot
 
 
-def topk(logits: torch.Tensor, k: int, *, softmax: bool, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids int64 [..., k], weights fp32 [..., k])`` of fp32 ``logits [..., E]``."""
+def topk(logits: torch.Tensor, k: int, *, softmax: bool, renormalize: bool,
+         scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids int64 [..., k], weights fp32 [..., k])`` of fp32 ``logits [..., E]``.
+    ``scale`` (fp32 ``[...]``, positive): the logits are unnormalised (a
+    router that folds the MoE combine, Flag.COMBINE_IN); the ids are ranked
+    from them as given (a positive scale keeps their order, and the up
+    claimers rank the same unscaled sums), the weights from the selected
+    logits times ``scale`` (one fp32 rounding)."""
     srt = torch.sort(logits, dim=-1, descending=True, stable=True)
     ids = srt.indices[..., :k]
-    sel = srt.values[..., :k].to(torch.float64)
+    sel = srt.values[..., :k]
+    if scale is not None:
+        sel = sel * scale.to(torch.float32)[..., None]
+    sel = sel.to(torch.float64)
     if softmax:
         e = torch.exp(sel - sel[..., :1])
         w = (e / _ordered_sum(e)[..., None]).to(torch.float32)

@@ -60,9 +60,17 @@ __host__ __device__ constexpr int part_bytes(int nwarps) { return nwarps * 16 * 
 // 1: a routed up claimer pulls the layer's x_norm rows into its L1 as its
 // waits pass, so the ranking hides their latency and each claim stages them
 // from L1 (ld.ca) instead of an L2 round trip behind nothing yet (~1.3 us at
-// batch 1); 0: each claim stages them through L2 (ld.cg).
+// batch 1); 0: each claim stages them through L2 (ld.cg). 0 by default in
+// a build with the router that folds the combine (MEGAC_ROUTER_COMBINE,
+// ops_gemm.cuh): there the rows' norm is the claims' own wait, after the
+// ranking, and a pull at the header's acquire could land before the norm's
+// rows.
 #ifndef MEGAC_UP_X_L1
+#if defined(MEGAC_ROUTER_COMBINE) && MEGAC_ROUTER_COMBINE
+#define MEGAC_UP_X_L1 0
+#else
 #define MEGAC_UP_X_L1 1
+#endif
 #endif
 
 // Item i of an X staging (row i / per_row, 16 bytes i % per_row), read

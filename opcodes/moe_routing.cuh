@@ -54,6 +54,12 @@ constexpr unsigned kFullMask = 0xffffffffu;
 #define MEGAC_TOPK_RANK_HALVES 0
 #endif
 
+// COMBINE_IN finalize (rows_inv_rms, the scaled weights): ops_gemm.cuh says
+// what the switch does; the default is its (this header may come first).
+#ifndef MEGAC_ROUTER_COMBINE
+#define MEGAC_ROUTER_COMBINE 0
+#endif
+
 // Router split-K partials whose loads are issued before the first add: the
 // partials come from other SMs through L2, and one split at a time left
 // ROUTER_TOPK at ~10 us on every MoE layer's critical path (a loaded L2
@@ -218,13 +224,50 @@ struct NeverStop {
   static constexpr bool kOn = false;
   __device__ bool operator()() const { return false; }
 };
+// `rinv` (MEGAC_ROUTER_COMBINE; null: none): the logits are unnormalised
+// (COMBINE_IN): ranked as they are (1 / rms > 0 keeps the order, and the
+// routed up claimers rank the same unscaled sums: their ids must agree),
+// and each row's selected logits times rinv[r] (fp32, one rounding) before
+// routing_weight, as megac/routing.py topk's `scale`. In shared memory,
+// written by the caller's other warps before the call (finalize_cta): the
+// call's first barrier shows it to the weighing warps.
 template <bool kWeights = true, class Stop = NeverStop>
 __device__ __forceinline__ bool topk_rows_cta(const float* __restrict__ parts, size_t split_stride,
                                               int num_splits, int rows, int E, int K, int32_t flags,
                                               int32_t* __restrict__ ids_out, float* __restrict__ w_out,
-                                              int32_t* smem, Stop stop = {}) {
+                                              int32_t* smem, Stop stop = {}
+#if MEGAC_ROUTER_COMBINE
+                                              , const float* rinv = nullptr
+#endif
+) {
   int32_t* sel_id = smem;                                       // [rows * K]
   if constexpr (MEGAC_TOPK_WARP) {
+#if MEGAC_ROUTER_COMBINE
+    if constexpr (kWeights && !Stop::kOn) {
+      if (rinv != nullptr && rows == 1 && one_row_warp_fits(E, K)) {
+        // warp 0 ranks as below; the weights wait for the barrier that
+        // shows rinv[0] (the caller's other warps reduce it meanwhile)
+        const int lane = threadIdx.x & 31;
+        int id = 0;
+        float v = 0.f;
+        if (threadIdx.x < 32) {
+          rank_one_row_warp<true>(parts, split_stride, num_splits, E, K, stop, id, v);
+          if (lane < K) sel_id[lane] = id;
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+          const float w = routing_weight(__fmul_rn(v, rinv[0]), K, flags);  // all 32 lanes: it shuffles
+          if (lane < K) {
+            ids_out[lane] = id;
+            w_out[lane] = w;
+          }
+          MEGAC_MARK(2);  // weights and stores
+        }
+        __syncthreads();
+        return true;
+      }
+    }
+#endif
     if (rows == 1 && one_row_warp_fits(E, K)) {
       bool halted = false;  // thread 0's
       if (threadIdx.x < 32) {
@@ -318,7 +361,12 @@ __device__ __forceinline__ bool topk_rows_cta(const float* __restrict__ parts, s
   if constexpr (!kWeights) return true;  // the ids alone (a routed claimer: sel_id is what it needs)
   const int lane = threadIdx.x & 31;
   for (int r = threadIdx.x >> 5; r < rows; r += blockDim.x >> 5) {
+#if MEGAC_ROUTER_COMBINE
+    const float sel = lane < K ? sel_v[r * K + lane] : 0.f;
+    const float logit = rinv != nullptr ? __fmul_rn(sel, rinv[r]) : sel;  // rinv: the sums' barrier showed it
+#else
     const float logit = lane < K ? sel_v[r * K + lane] : 0.f;
+#endif
     const float w = routing_weight(logit, K, flags);  // all 32 lanes: it shuffles
     if (lane < K) {
       ids_out[r * K + lane] = sel_id[r * K + lane];
@@ -354,6 +402,15 @@ struct FinalizeArgs {
   const __nv_bfloat16* x = nullptr;
   __nv_bfloat16* moe_x = nullptr;
   int32_t hidden = 0;
+#if MEGAC_ROUTER_COMBINE
+  // COMBINE_IN (topk_splits > 0): the router partials are unnormalised; the
+  // weights take row r's selected logits times 1 / rms of row r of resid
+  // ([rows, resid_d] fp32: the norm task's residual, rsqrt(mean(x^2) +
+  // eps)); null: the logits as they are
+  const float* resid = nullptr;
+  int32_t resid_d = 0;
+  float eps = 0.f;
+#endif
 };
 
 // Shared memory for finalize_cta, in int32 words (the ranked ids of a
@@ -437,6 +494,60 @@ __device__ __forceinline__ void write_queue(int4* q, int tiles, int nact, const 
   }
 }
 
+#if MEGAC_ROUTER_COMBINE
+// rinv[r] = rsqrt(ss / D + eps) for rows r < rows of x ([rows, D] fp32,
+// written by other CTAs of this launch: coherent loads), ss the row's sum of
+// squares; rinv in shared memory. One row a warp, warps first_warp.. of the
+// CTA (the others return at once). The sum's order is fixed: each lane over
+// its elements (float4 c = lane, lane + 32, ... ascending, a float4's four in
+// order; D % 4 != 0: elements lane, lane + 32, ...), then an xor tree over
+// the lanes (every lane ends with the same bits), so neither timing nor the
+// warp that takes a row changes the bits; they may differ from the VM's mean
+// by the order of the sum (a few ulp, as norm.cuh's inv_rms). Each lane's
+// loads of a row go out at once where D <= 32 * 4 * kRmsAtOnce (one round
+// trip; North Mini Code's 2048).
+constexpr int kRmsAtOnce = 16;
+
+__device__ __forceinline__ void rows_inv_rms(const float* __restrict__ x, int D, float eps, int rows, float* rinv,
+                                             int first_warp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (warp < first_warp) return;
+  for (int r = warp - first_warp; r < rows; r += nwarps - first_warp) {
+    const float* row = x + size_t(r) * D;
+    float ss = 0.f;
+    if (D % 4 == 0) {
+      const float4* p = reinterpret_cast<const float4*>(row);
+      const int n4 = D / 4;
+      for (int c0 = lane; c0 < n4; c0 += 32 * kRmsAtOnce) {
+        float4 q[kRmsAtOnce];
+#pragma unroll
+        for (int j = 0; j < kRmsAtOnce; ++j) {
+          const int c = c0 + 32 * j;
+          q[j] = c < n4 ? __ldcg(p + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < kRmsAtOnce; ++j) {
+          if (c0 + 32 * j < n4) {
+            ss = fmaf(q[j].x, q[j].x, ss);
+            ss = fmaf(q[j].y, q[j].y, ss);
+            ss = fmaf(q[j].z, q[j].z, ss);
+            ss = fmaf(q[j].w, q[j].w, ss);
+          }
+        }
+      }
+    } else {
+      for (int i = lane; i < D; i += 32) {
+        const float v = __ldcg(row + i);
+        ss = fmaf(v, v, ss);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(kFullMask, ss, o);
+    if (lane == 0) rinv[r] = rsqrtf(ss / float(D) + eps);
+  }
+}
+#endif
+
 // ROUTE_FINALIZE, by one whole CTA (any size >= 32). Returns false, having
 // written nothing and raised kErrQueueOverflow (reported as `site`'s task),
 // when a queue would need more than queue_cap records. A ranking finalize
@@ -455,8 +566,21 @@ __device__ __forceinline__ bool finalize_cta(const FinalizeArgs& a, int32_t* sme
     // one hop less per MoE layer: no ROUTER_TOPK tasks, every row's top-k
     // here; the ranked ids stay in shared memory after the finalize's words
     int32_t* ids_s = smem + finalize_smem_words(E, n);
+#if MEGAC_ROUTER_COMBINE
+    // COMBINE_IN: the rows' 1 / rms, by warps 1.. while warp 0 ranks one
+    // row (more rows: before the CTA sums them), into `rank`: free until
+    // the ranking has returned
+    float* rinv = nullptr;
+    if (a.resid != nullptr) {
+      rinv = reinterpret_cast<float*>(rank);
+      rows_inv_rms(a.resid, a.resid_d, a.eps, a.rows, rinv, blockDim.x > 32 ? 1 : 0);
+    }
+    topk_rows_cta(a.router_part, a.split_stride, a.topk_splits, a.rows, E, a.k, a.flags, ids_s, a.topk_w,
+                  ids_s, NeverStop{}, rinv);
+#else
     topk_rows_cta(a.router_part, a.split_stride, a.topk_splits, a.rows, E, a.k, a.flags, ids_s, a.topk_w,
                   ids_s);
+#endif
     ids = ids_s;
   }
   for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;

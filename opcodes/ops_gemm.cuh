@@ -43,6 +43,31 @@ using bf16 = __nv_bfloat16;
 template <class M>
 constexpr bool kTiled = MEGAC_TC_GEMM && M::GEMM_TILED;
 
+// 1: ROUTER_GEMM tiles flagged COMBINE_IN (abi.py _COMBINE_IN, the
+// router_combine tile) stage gamma * x of their K range, x the new residual
+// with the previous layer's MoE combine added, unnormalised (ops_norm.cuh
+// stage_combine_in), and a ranking ROUTE_FINALIZE so flagged scales the
+// selected logits by the row's 1 / rms before the weights (moe_routing.cuh
+// rows_inv_rms). Why: the router then waits on the down claims and the
+// O-projection, not on MOE_COMBINE and a norm: two hops fewer before the up
+// claims rank (geometry.py router_combine). The build exports
+// megakernel_router_combine (end of this file). 0: none of it is compiled
+// and the default build's machine code is the one before it. It has no
+// device check of the flag either: one test of it (a report, or a bare
+// __trap) re-scheduled about half of the kernel's SASS, and a report that
+// drained the primed ring added 31 KB of code; so a host must not load
+// COMBINE_IN tasks into a build without the symbol (such a router would
+// stage x_norm, which nothing ordered before it, and the finalize would
+// leave the weights unscaled: megac/gpu/backend.py use_cubin refuses
+// such a build). Measured (H100, forty-fourth session, TILES rcomb against
+// the default, engines alternating, NMC bs1 8K): -2.1 % median / -2.0 %
+// mean (23 / 24 engines), with the claims waiting on the norm themselves;
+// -1.0 % with that wait in the claimer's header. Batch 1 only: not yet
+// batch invariant (geometry.py router_combine), so off.
+#ifndef MEGAC_ROUTER_COMBINE
+#define MEGAC_ROUTER_COMBINE 0
+#endif
+
 // Where the tensor-core tile's bulk-copy ring starts in the scratch: after
 // the partials, aligned up to MEGAC_TC_RING_ALIGN bytes (the scratch itself
 // is 1024-aligned, mk_core.cuh). The ring's place moved whole steps (its
@@ -472,9 +497,18 @@ __device__ __forceinline__ void router_gemm(const Ctx& c) {
   const int n0 = MK_F(router_gemm, N0), nlen = MK_F(router_gemm, N_LEN), split = MK_F(router_gemm, SPLIT);
   const int xslot = MK_F(router_gemm, X_SLOT);
   const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0) + MK_F(router_gemm, K0);
+#if MEGAC_ROUTER_COMBINE
+  // COMBINE_IN: the MoE combine and the residual folded, gamma * x staged
+  // unnormalised (ops_norm.cuh stage_combine_in); its slots and scores in ys
+  static_assert(2 * M::MAX_ROWS * M::TOP_K * 4 <= GemmScratch<M>::kYBytes, "the combine's slots fit ys");
+  NormIn fold = MK_NORM_IN(router_gemm, xslot);
+  fold.combine = (c.ts->w[H_FLAGS] & FLAG_COMBINE_IN) != 0;
+  const bool folded = (c.ts->w[H_FLAGS] & (FLAG_NORM_IN | FLAG_COMBINE_IN)) != 0;
+#else
   const NormIn fold = MK_NORM_IN(router_gemm, xslot);
-  const float* ys = gemm<M>(c, router_gemm_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows, nullptr,
-                            (c.ts->w[H_FLAGS] & FLAG_NORM_IN) != 0, fold);
+  const bool folded = (c.ts->w[H_FLAGS] & FLAG_NORM_IN) != 0;
+#endif
+  const float* ys = gemm<M>(c, router_gemm_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows, nullptr, folded, fold);
   rows::store<float>(ys, ptr<float>(d->router_part) + Lay::router_part(layer, split, 0) + n0, M::NUM_EXPERTS,
                      d->rows, nlen);
 }
@@ -562,3 +596,12 @@ __device__ __forceinline__ void moe_down_tile(const Ctx& c) {
 
 }  // namespace mk
 }  // namespace megac
+
+#if MEGAC_ROUTER_COMBINE
+// A cubin symbol: this build runs COMBINE_IN tasks (MEGAC_ROUTER_COMBINE).
+// The default build has no such symbol and no check of the flag on the
+// device (a check there would change the default's code: see the switch),
+// so a host that loads COMBINE_IN tasks asks for it, as it reads
+// megakernel_weight_layout.
+extern "C" __device__ const int megakernel_router_combine = 1;
+#endif

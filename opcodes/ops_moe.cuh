@@ -144,6 +144,23 @@ __device__ __forceinline__ bool route_finalize(const Ctx& c) {
     a.moe_x = ptr<__nv_bfloat16>(d->moe_x) + Lay::moe_x(layer, 0);
     a.hidden = M::HIDDEN;
   }
+#if MEGAC_ROUTER_COMBINE
+  if (a.flags & FLAG_COMBINE_IN) {
+    // the router's partials are unnormalised (ops_gemm.cuh MEGAC_ROUTER_COMBINE):
+    // the weights take 1 / rms of the norm task's residual. Only a ranking
+    // finalize writes weights (ROUTER_TOPK's would be unscaled): else a bad
+    // task, reported as the dispatch reports one (never primed: no drain)
+    if (a.topk_splits <= 0) {
+      if (threadIdx.x == 0)
+        report_error(c.site.status, c.site.task, c.site.opcode, -1, a.flags, FLAG_COMBINE_IN, c.site.layer,
+                     kErrBadTask);
+      return false;
+    }
+    a.resid = ptr<const float>(d->x_resid) + Lay::x_resid(c.ts->w[f_route_finalize::RESID_SLOT], 0);
+    a.resid_d = M::HIDDEN;
+    a.eps = d->norm_eps;
+  }
+#endif
   bool ok = true;
   if constexpr (M::NUM_EXPERTS > 0)  // a dense model has no MoE task (and no top-k to size)
     ok = moe::finalize_cta(a, reinterpret_cast<int32_t*>(c.scratch), c.site);
@@ -321,7 +338,8 @@ struct UpDrainedStop {
 // A routed claimer's claim loop, its summary written (and the barrier after
 // it passed): records derived, index p is tile p % UP_TILES of the
 // (p / UP_TILES)-th active expert; the words' TASK_WAIT_BASE is -1 (no
-// claimed-task wait). `idx`: thread 0's first index, taken as it started.
+// claimed-task wait) or, under COMBINE_IN, the norm's counter. `idx`:
+// thread 0's first index, taken as it started.
 template <class M>
 __device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint32_t idx, const int32_t* sum,
                                               const int32_t* rowof, int tiles, int xslot, bool first_issued = false) {
@@ -359,8 +377,11 @@ __device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint
 // the claim loop over the records derived from that (the queue head's atomic
 // as for a queue in memory); no claimed task waits (the router's counter,
 // the claimer's header wait, orders the partials and, through the norm
-// before the router, x_norm). Built where MEGAC_ROUTED_CLAIMS is on, for
-// MoE models only (moe_upgate_drain).
+// before the router, x_norm), but where the router folds the MoE combine
+// (COMBINE_IN: the norm ends after it) the claims wait on the norm that
+// writes x_norm themselves (TASK_WAIT_BASE, after the ranking; no early
+// L1 pull then: gemm_tc.cuh MEGAC_UP_X_L1). Built where MEGAC_ROUTED_CLAIMS
+// is on, for MoE models only (moe_upgate_drain).
 template <class M>
 __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
   using Lay = Layout<M>;

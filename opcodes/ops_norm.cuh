@@ -28,6 +28,12 @@
 #define MEGAC_NORM_VEC 1
 #endif
 
+// COMBINE_IN staging (stage_combine_in): ops_gemm.cuh says what the switch
+// does; the default is its (this header is included before it).
+#ifndef MEGAC_ROUTER_COMBINE
+#define MEGAC_ROUTER_COMBINE 0
+#endif
+
 namespace megac {
 namespace mk {
 
@@ -121,7 +127,96 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
 // to xs + m * pitch; the residual is not written (the norm task does).
 struct NormIn {
   int layer, n_attn, n_ffn, resid, slot, k0;
+#if MEGAC_ROUTER_COMBINE
+  // COMBINE_IN (a ROUTER_GEMM tile): stage_combine_in stages the tile's
+  // input from the same fields instead of the norm
+  bool combine = false;
+#endif
 };
+
+#if MEGAC_ROUTER_COMBINE
+// COMBINE_IN (abi.py's _COMBINE_IN): a ROUTER_GEMM tile that folds the MoE
+// combine of layer f.layer stages, per row m < rows and element i of
+// [k0, k0 + klen), bf16(gamma[i] * x) to xs + m * pitch + i - k0, x the new
+// residual: residual slot f.resid, plus the f.n_attn O-proj partial sets in
+// index order, plus MOE_COMBINE's sum of the row (w_0 * y_0, then + w_j *
+// y_j in k order, product and sum rounded apart: norm::moe_sum's
+// arithmetic), each add rounded once: ADD_RMSNORM's adds with ADD_MOE, in
+// its order, so x has the bits of the residual the norm task writes. gamma:
+// norm slot f.slot. Not normalised: a range needs no other range, so the
+// tile waits on no norm (the finalize scales the weights by 1 / rms). Only
+// the K range's elements are loaded. f.n_ffn is not read (0 under
+// COMBINE_IN: the combine is the FFN's output); at most KV_HEADS partial
+// sets (o_part holds no more).
+//
+// Two dependent L2 round trips for an element: the rows' slots and scores
+// (entry e = m * TOP_K + j on thread e, both loads out at once), then,
+// after the barrier that shares them, the element's residual, partials,
+// gamma and K expert rows together (the SASS issues them as one batch). A
+// thread takes the elements m * klen + tid, + THREADS, ...: one at North
+// Mini Code's folded batch 1 (K ranges of 256); each further one is a round
+// trip more. The simpler shapes tried first (the slots kept in registers
+// across the residual's loads, the elements kNormBatch a thread in arrays,
+// the expert rows in an array) tipped the megakernel, at its 255
+// registers, into spills elsewhere (the attention's MMA loop); this one
+// builds North Mini Code's batch-1 kernel without (its batch 1 and 8
+// kernel keeps one pointer of the dispatch loop in local memory, 8 bytes
+// read once a task). Whole CTA, ends with a barrier (stage_norm_in's
+// contract). `red`: 2 * MAX_ROWS * TOP_K shared words free while staging
+// (the tile's ys: ops_gemm.cuh router_gemm checks). f by value: a pointer
+// would put it in local memory. Checked on an H100 (forty-fourth session):
+// the tiny models' one-row steps against the VM, the one-row NMC slice
+// against fp32 (min cosine 0.99997, top-1 1.0).
+template <class M>
+__device__ __forceinline__ void stage_combine_in(const Ctx& c, const NormIn f, int rows, int klen, __nv_bfloat16* xs,
+                                                 int pitch, float* red) {
+  if constexpr (M::NUM_EXPERTS > 0) {
+    using Lay = Layout<M>;
+    constexpr int K = M::TOP_K, D = M::HIDDEN;
+    constexpr int ld = M::MOE_OUT_TILES * D;  // a slot's row of moe_out; tile 0 (no split_down)
+    static_assert(K >= 1 && K <= norm::kMoeMaxK, "the combine sums 1..kMoeMaxK experts");
+    const LaunchDesc* d = c.d;
+    const int n = rows * K;
+    int32_t* rs = reinterpret_cast<int32_t*>(red);  // [rows * K]: entry m * K + j
+    float* rw = red + M::MAX_ROWS * K;              // [rows * K]
+    // threadIdx.x and blockDim.x read where used: a local copy of them (or
+    // a loop over the entries where one pass does) spilled the megakernel
+    if constexpr (M::MAX_ROWS * K <= M::THREADS) {
+      if (threadIdx.x < n) {  // both loads out before either store
+        const int32_t slot = __ldcg(ptr<const int32_t>(d->route_slot) + Lay::topk(f.layer, 0) + threadIdx.x);
+        const float w = __ldcg(ptr<const float>(d->topk_w) + Lay::topk(f.layer, 0) + threadIdx.x);
+        rs[threadIdx.x] = slot;
+        rw[threadIdx.x] = w;
+      }
+    } else {
+      for (int e = threadIdx.x; e < n; e += blockDim.x) {
+        const int32_t slot = __ldcg(ptr<const int32_t>(d->route_slot) + Lay::topk(f.layer, 0) + e);
+        const float w = __ldcg(ptr<const float>(d->topk_w) + Lay::topk(f.layer, 0) + e);
+        rs[e] = slot;
+        rw[e] = w;
+      }
+    }
+    __syncthreads();
+    const float* xr = ptr<const float>(d->x_resid) + Lay::x_resid(f.resid, 0) + f.k0;
+    const float* pa = ptr<const float>(d->o_part) + Lay::o_part(f.layer, 0, 0) + f.k0;
+    const float* y = ptr<const float>(d->moe_out) + Lay::moe_out(f.layer, 0) + f.k0;
+    const __nv_bfloat16* gamma = ptr<const __nv_bfloat16>(d->w_norm) + Lay::w_norm(f.slot) + f.k0;
+    for (int m = 0; m < rows; ++m)
+      for (int t = threadIdx.x; t < klen; t += blockDim.x) {  // element k0 + t of row m
+        float x = __ldcg(xr + m * D + t);
+#pragma unroll
+        for (int s = 0; s < M::KV_HEADS; ++s)
+          if (s < f.n_attn) x = __fadd_rn(x, __ldcg(pa + s * int(Lay::o_part(0, 1, 0)) + m * D + t));
+        float acc = __fmul_rn(rw[m * K], __ldcg(y + rs[m * K] * ld + t));
+        for (int k = 1; k < K; ++k) acc = __fadd_rn(acc, __fmul_rn(rw[m * K + k], __ldcg(y + rs[m * K + k] * ld + t)));
+        xs[m * pitch + t] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(gamma[t]), __fadd_rn(x, acc)));
+      }
+    __syncthreads();
+  } else {
+    __trap();  // a dense model has no router
+  }
+}
+#endif
 
 // Whole CTA, ends with a barrier. `red`: shared floats free while staging
 // (the tile's ys). Rows of one pass only (D <= kNormBatch per thread, which
@@ -129,6 +224,12 @@ struct NormIn {
 template <class M>
 __device__ __forceinline__ void stage_norm_in(const Ctx& c, const NormIn& f, int rows, int klen, __nv_bfloat16* xs,
                                               int pitch, float* red) {
+#if MEGAC_ROUTER_COMBINE
+  if (f.combine) {  // COMBINE_IN: the MoE combine folded instead of the norm
+    stage_combine_in<M>(c, f, rows, klen, xs, pitch, red);
+    return;
+  }
+#endif
   if constexpr (M::HIDDEN <= norm::kNormBatch * M::THREADS) {
     for (int m = 0; m < rows; ++m) {
       norm::AddNorm a = norm_planes<M>(c.d, f.layer, m, f.resid, f.n_attn, f.n_ffn, f.slot);

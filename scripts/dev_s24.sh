@@ -597,6 +597,27 @@ case "${1:-tails}" in
 for m in r:
     for k in ('ATTN_DRAIN', 'ATTN_DECODE'): print(m, k, r[m]['inside_tasks'].get(k))"
     ab_vs rowsmem 12 500 ;;
+  prebuild_s44r)  # the router that folds the combine (TILES rcomb): the tiny models and the slice under it,
+                  # its plain and profiled NMC builds beside the default's
+    prebuild_start
+    MEGAC_PROFILE_TILES=rcomb SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs \
+      tiny-llama-rcomb tiny-moe-rcomb nmc-slice-rcomb north-mini-code nmc-rcomb
+    pack_cubins < build/cz-s31/log.txt ;;
+  s44r)  # (prebuild_s44r, ~9 min, any GPU) rcomb checked as a default would be (the tiny models against the
+         # VM under it, the one-row fp32 slice), one profiled bs1 8K step of the default and of rcomb, then
+         # rcomb against the default, engines alternating at bs1 until AB_END s
+    MEGAC_TINY_TILES=rcomb timeout 200 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
+      > $OUT/tiny.log 2>&1; echo tiny rc $?
+    python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
+    MEGAC_CHECK_TILES=rcomb MEGAC_CHECK_ROWS=1 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
+      --out $OUT/slice-rcomb-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
+    MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=rcomb timeout ${PT:-150} python3 -m gpu.megakernel_check \
+      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-300
+    for f in $OUT/*.trace.json; do gzip -q "$f"; done
+    rm -f $OUT/profile-*ctx8192*.json
+    t=default,rcomb; for i in $(seq 1 ${ROUNDS:-12}); do t=$t,default#$i,rcomb#$i; done
+    left=$((${AB_END:-500} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?

@@ -38,6 +38,8 @@ ENTRY = "megakernel"
 SMEM_SYMBOL = "megakernel_smem_bytes"
 #: int symbol of the cubin: the device weight layout it reads (megac.weights.layout.LAYOUT_*)
 LAYOUT_SYMBOL = "megakernel_weight_layout"
+#: a build with the router that folds the MoE combine (MEGAC_ROUTER_COMBINE) has this symbol
+COMBINE_SYMBOL = "megakernel_router_combine"
 
 #: opcodes whose task words hold one GEMM tile (N0, N_LEN, K0, K_LEN)
 _GEMM_OPS = (Op.QKV_PROJ, Op.O_PROJ, Op.FFN_UPGATE_ACT, Op.FFN_DOWN, Op.ROUTER_GEMM, Op.LM_HEAD)
@@ -157,9 +159,13 @@ def switch_defaults(schedules) -> list[tuple[str, int]]:
     # The one-row ranking on a warp holds 4 logits a lane in registers: beside the split-K down
     # projection's staged combine the build spills (8 bytes, 255 registers), so split builds rank as before.
     split = any(s.geometry.split_down for s in schedules)
+    # the router that folds the MoE combine (COMBINE_IN) is compiled where a schedule has it: the
+    # default build's code stays the one measured
+    comb = any(s.geometry.router_combine for s in schedules)
     return [("MEGAC_TC_WALK_POS", int(geo.hidden >= WALK_POS_MIN_HIDDEN)),
             ("MEGAC_X_ASYNC", int(geo.num_experts > 0)),
-            ("MEGAC_TOPK_WARP", int(not split))]
+            ("MEGAC_TOPK_WARP", int(not split)),
+            ("MEGAC_ROUTER_COMBINE", int(comb))]
 
 
 # (buffer, Layout<Model> expression per dimension, condition on the model)
@@ -295,5 +301,5 @@ def build_megakernel(artifact_dir: Path, *, force: bool = False) -> Path:
         return built
 
 
-__all__ = ["CUBIN", "ENTRY", "LAYOUT_SYMBOL", "SMEM_SYMBOL", "gemm_tiled", "SOURCE", "THREADS", "build_megakernel", "largest", "model_constants",
+__all__ = ["COMBINE_SYMBOL", "CUBIN", "ENTRY", "LAYOUT_SYMBOL", "SMEM_SYMBOL", "gemm_tiled", "SOURCE", "THREADS", "build_megakernel", "largest", "model_constants",
            "prebuilt_cubin", "render_megakernel", "switch_defaults", "write_megakernel"]

@@ -207,13 +207,18 @@ class CudaBackend(TorchPrefillMixin):
     def use_cubin(self, cubin) -> None:
         """Load (or swap in) a build of the megakernel: its module, the
         shared memory it asks for, its prepared launch."""
-        from megac.codegen.megakernel import LAYOUT_SYMBOL, SMEM_SYMBOL
+        from megac.codegen.megakernel import COMBINE_SYMBOL, LAYOUT_SYMBOL, SMEM_SYMBOL
         from megac.gpu import launch
         from megac.weights.layout import relayout_
 
         self.cubin = cubin
         self.module = launch.load_module(cubin)
         self.smem = int(self._read_symbol(SMEM_SYMBOL))
+        if any(s.geometry.router_combine for s in self.schedules.schedules) and not self._has_symbol(COMBINE_SYMBOL):
+            # its router and finalize would read inputs nothing ordered (ops_gemm.cuh MEGAC_ROUTER_COMBINE)
+            raise MegacError(f"megakernel build {cubin}: the schedules fold the MoE combine into the router "
+                             f"(tile router_combine) but this build has no code for it (MEGAC_ROUTER_COMBINE=0); "
+                             f"rebuild from the schedules' own megakernel.cu")
         layout = int(self._read_symbol(LAYOUT_SYMBOL))
         if getattr(self, "kernel_weights", None) is not None and layout != self.layout:
             relayout_(self.kernel_weights, self.layout, layout)
@@ -289,6 +294,13 @@ class CudaBackend(TorchPrefillMixin):
             self._tmaps = kv_tmaps(self.kv.k_pool, self.kv.v_pool)
             self._tmaps_key = key
         return 0 if self._tmaps is None else self._tmaps.data_ptr()
+
+    def _has_symbol(self, name: str) -> bool:
+        try:
+            self.module.get_global(name)
+        except Exception:  # cupy's CUDADriverError: CUDA_ERROR_NOT_FOUND
+            return False
+        return True
 
     def _read_symbol(self, name: str) -> int:
         cp = __import__("cupy")

@@ -24,7 +24,8 @@ from megac.errors import BadTaskError
 from megac.ops.attention import _context, layer_splits, merge_splits
 from megac.ops.base import BF16, BIG, FP32, KV_PIECE, Limits, OpDef, at, bound, field, resolve_dyn, span, summed
 from megac.ops.cpu import as_slice, cast, cols, idx, ranges, rotate
-from megac.ops.norm import norm_in_access, norm_in_input, norm_in_of, norm_in_rules
+from megac.ops.norm import (combine_in_access, combine_in_input, combine_in_of, norm_in_access, norm_in_input,
+                             norm_in_of, norm_in_rules)
 
 
 class _ColumnStore:
@@ -119,14 +120,17 @@ class GemmOp(OpDef):
                                        f"({vm.st[out].shape[1]} slots)", layer=layer)
                 rngs = [(int(a), int(b)) for a, b in zip(n0, n0 + nl)]
                 fold = norm_in_of(vm, op, words[ti]) if fold_ok else None
+                comb = combine_in_of(vm, op, words[ti]) if fold_ok else None
                 groups.append((layer, k0, kl, split, xs, rngs, W, _ColumnStore(vm.st[out][layer, split],
                                                                                 as_slice(cols(n0, nl)), W.shape[0]),
-                               fold))
+                               fold, comb))
             return groups
 
-        for layer, k0, kl, split, xs, rngs, W, store, fold in vm.plan(op.name, words, build):
+        for layer, k0, kl, split, xs, rngs, W, store, fold, comb in vm.plan(op.name, words, build):
             xb = xbuf
-            if fold is not None:
+            if comb is not None:
+                xb = combine_in_input(vm, xs, comb, k0, kl)
+            elif fold is not None:
                 xb = norm_in_input(vm, xs, fold)
             elif vm.tracking and track_x:
                 vm.tr.read(xbuf, (xs, slice(None), slice(k0, k0 + kl)))
@@ -526,6 +530,8 @@ class RouterGemm(GemmOp):
         return geo.num_experts, geo.hidden
 
     def flags(self, nt, geo):
+        if geo.router_combined(nt.layer):  # the previous layer's MoE combine folded instead (router_combine)
+            return int(Flag.COMBINE_IN)
         return int(Flag.NORM_IN) if geo.folded(nt.layer) else 0
 
     def field_rules(self, lim):
@@ -534,7 +540,7 @@ class RouterGemm(GemmOp):
     def access(self, acc, w, ix, layer, geo):
         n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")
         k0, kl = field(w, self.op, "K0"), field(w, self.op, "K_LEN")
-        norm_in_access(acc, self.op, w, ix, geo, field(w, self.op, "X_SLOT"), k0, kl)
+        combine_in_access(acc, self.op, w, ix, geo, field(w, self.op, "X_SLOT"), k0, kl)
         acc.add("router_part", True, ix, at(layer), at(field(w, self.op, "SPLIT")), span(geo.rows), (n0, n0 + nl))
 
     def run(self, vm, words):

@@ -114,14 +114,26 @@ def _router_flags(geo) -> int:
                | (Flag.RENORMALIZE if geo.router_renormalize else 0))
 
 
+def _inv_rms(vm, slot: int, rows: np.ndarray) -> torch.Tensor:
+    """1 / rms of ``rows`` of x_resid slot ``slot`` (fp32 ``[len(rows)]``):
+    the scale a COMBINE_IN finalize gives the unnormalised logits (the norm
+    task's residual, the norm's statistics: rms_norm's mean of squares)."""
+    x = vm.st["x_resid"][slot][idx(rows)]
+    for r in rows:
+        vm.tr.read("x_resid", (slot, int(r), slice(None)))
+    return torch.rsqrt(x.pow(2).mean(-1) + vm.eps)
+
+
 def _rank_rows(vm, who: str, layer: int, rows: np.ndarray, nsp: int, flags: int,
-               write_ids: bool = True, write_weights: bool = True) -> np.ndarray:
+               write_ids: bool = True, write_weights: bool = True, scale_slot: int | None = None) -> np.ndarray:
     """``topk_ids`` / ``topk_w`` of ``rows``: their router logits (the first
     ``nsp`` split-K partials summed in split order) ranked (megac.routing).
     ROUTER_TOPK per row; or ROUTE_FINALIZE for every row with fused_topk,
     which keeps the ids to itself (``write_ids=False``: nothing after it reads
     them); or a routed up claimer, which writes nothing (``write_weights=False``
-    too). Returns the ids ``[len(rows), K]`` (int64)."""
+    too). ``scale_slot``: the partials are unnormalised (COMBINE_IN routers):
+    the weights take 1 / rms of that x_resid slot's rows (``_inv_rms``).
+    Returns the ids ``[len(rows), K]`` (int64)."""
     st, K = vm.st, vm.geo.top_k
     if not 1 <= nsp <= st["router_part"].shape[1]:
         raise BadTaskError(f"{who}: NUM_SPLITS outside router_part", layer=layer)
@@ -129,8 +141,9 @@ def _rank_rows(vm, who: str, layer: int, rows: np.ndarray, nsp: int, flags: int,
     for r in rows:
         vm.tr.read("router_part", (layer, slice(0, nsp), int(r), slice(None)))
     logit = routing.sum_splits(st["router_part"][layer, :nsp][:, rt])
+    scale = _inv_rms(vm, scale_slot, rows) if scale_slot is not None else None
     ids, wts = routing.topk(logit, K, softmax=bool(flags & Flag.SOFTMAX_ROUTER),
-                            renormalize=bool(flags & Flag.RENORMALIZE))
+                            renormalize=bool(flags & Flag.RENORMALIZE), scale=scale)
     for r in rows:
         if write_ids:
             vm.tr.write("topk_ids", (layer, int(r), slice(None)))
@@ -159,7 +172,10 @@ class RouteFinalize(OpDef):
     device_fn = "route_finalize"
 
     def flags(self, nt, geo):
-        return _router_flags(geo) if geo.fused_topk else 0
+        if not geo.fused_topk:
+            return 0
+        # router_combine: unnormalised logits, the weights scaled here
+        return _router_flags(geo) | (int(Flag.COMBINE_IN) if geo.router_combined(nt.layer) else 0)
 
     def field_rules(self, lim):
         g, tw = lim.geo, lim.tw
@@ -186,6 +202,7 @@ class RouteFinalize(OpDef):
             ("DOWN_QUEUE", *((-1, 0) if g.split_down else (int(Queue.MOE_DOWN), int(Queue.MOE_DOWN) + 1)), False),
             ("NUM_ROWS", 1, g.rows + 1, False),
             ("TOPK_SPLITS", g.finalize_topk_splits, g.finalize_topk_splits + 1, False),
+            ("RESID_SLOT", 0, g.norm_slots, False),
         ]
 
     def access(self, acc, w, ix, layer, geo):
@@ -194,6 +211,8 @@ class RouteFinalize(OpDef):
         if geo.fused_topk:  # ranks the rows first (TOPK_SPLITS: the router's split count)
             acc.add("router_part", False, ix, at(layer), (0, field(w, self.op, "TOPK_SPLITS")), (0, n), span(E))
             acc.add("topk_w", True, ix, at(layer), (0, n), span(K))  # the ids stay in the task
+            c = (w[:, H.FLAGS].astype(np.int64) & Flag.COMBINE_IN) != 0  # the weights' 1 / rms
+            acc.add("x_resid", False, ix[c], at(field(w[c], self.op, "RESID_SLOT")), (0, n[c]), span(geo.hidden))
         else:  # the top-k tasks' output
             acc.add("topk_ids", False, ix, at(layer), (0, n), span(K))
         if geo.fused_gather:  # then copies the rows to their slots (as MOE_GATHER)
@@ -232,8 +251,14 @@ class RouteFinalize(OpDef):
             nsp = int(field(w, op, "TOPK_SPLITS")[0])
             ranked = None
             if nsp:
-                ranked = _rank_rows(vm, "ROUTE_FINALIZE", layer, np.arange(n), nsp, int(w[0, H.FLAGS]),
-                                    write_ids=False)
+                flags = int(w[0, H.FLAGS])
+                scale_slot = None
+                if flags & Flag.COMBINE_IN:
+                    scale_slot = int(field(w, op, "RESID_SLOT")[0])
+                    if not 0 <= scale_slot < vm.geo.norm_slots:
+                        raise BadTaskError("ROUTE_FINALIZE: RESID_SLOT outside the norm slots", layer=layer)
+                ranked = _rank_rows(vm, "ROUTE_FINALIZE", layer, np.arange(n), nsp, flags,
+                                    write_ids=False, scale_slot=scale_slot)
             for word in ((uw, dw) if uw >= 0 else (dw,)):  # uw -1: routed claims, no up queue
                 if not st.tw.host_words <= word < len(vm.targets):
                     raise BadTaskError(f"ROUTE_FINALIZE: count word {word} outside the device target words",
@@ -484,8 +509,11 @@ class MoeUpgateDrain(_ExpertDrain):
             # with the gather inside ROUTE_FINALIZE (fused_gather) the claimer's
             # own wait on the queue length already covers the rows, and a routed
             # claimer's wait on the router covers x_norm: no task wait
+            # (router_combine: the rows' norm is the claims' own wait, not the header's)
             *([("TASK_WAIT_BASE", -1, 0, False), ("TASK_WAIT_TARGET", 0, 1, False)]
-              if g.fused_gather or g.routed_claims else
+              if (g.fused_gather or g.routed_claims) and not g.router_combine else
+              [("TASK_WAIT_BASE", -1, C, False), ("TASK_WAIT_TARGET", 0, BIG, True)]
+              if g.router_combine else
               [("TASK_WAIT_BASE", 0, C, False), ("TASK_WAIT_TARGET", 1, BIG, True)]),
             ("TASK_SIGNAL_BASE", 0, C, False),
             (last_of(self.op, "TASK_SIGNAL_BASE", self.signal_span(g)), 0, C, False),
@@ -502,7 +530,9 @@ class MoeUpgateDrain(_ExpertDrain):
         # where the router folds the norm (NORM_IN) it no longer orders the
         # claims after the norm task that writes their rows: the claimer
         # waits on it itself, a header wait (routed claims have no task wait)
-        f = np.array([geo.folded(int(l)) for l in layer], dtype=bool)
+        # (where the router folds the combine (router_combine) the claims wait on the norm
+        # themselves, after the ranking: the norm ends after the router there)
+        f = np.array([geo.folded(int(l)) and not geo.router_combined(int(l)) for l in layer], dtype=bool)
         if f.any():
             slot = np.array([geo.norm_input_slot(int(l)) for l in layer[f]], dtype=np.int64)
             acc.add("x_norm", False, idx[f], at(slot), span(geo.rows), span(geo.hidden))
@@ -675,8 +705,8 @@ class MoeDownDrain(_ExpertDrain):
         return 1
 
     def signal_count(self, layer, offset, geo):
-        if geo.fused_combine:
-            # one row (fused_combine_at): its top-k experts are the layer's active
+        if geo.fused_combine or geo.router_combine:
+            # one row (fused_combine_at, router_combine): its top-k experts are the layer's active
             # experts, so the count is known here (a waiter then needs no wait on its writer)
             return min(geo.num_experts, geo.top_k) * geo.down_tiles
         return abi.dyn(geo.target_words.moe_down_count(layer))

@@ -265,3 +265,91 @@ NORM_OPS = (AddRmsnorm(),)
 
 __all__ = ["AddRmsnorm", "NORM_IN_FIELDS", "NORM_OPS", "norm_in_access", "norm_in_input", "norm_in_of",
            "norm_in_rules", "rms_norm"]
+
+
+# ---------------------------------------------------------------------------
+# COMBINE_IN: a router tile that folds the previous layer's MoE combine
+# ---------------------------------------------------------------------------
+def combine_in_access(acc, op, w, ix, geo, x_slot, k0, kl) -> None:
+    """A router tile's input reads: as ``norm_in_access``, except that a tile
+    flagged COMBINE_IN reads only its K range ``[k0, k0 + kl)`` of the new
+    residual's planes: the residual slot, the O-proj partials and layer
+    NORM_LAYER's routed expert outputs with their slots and scores (what
+    MOE_COMBINE reads for those features), and no FFN partial."""
+    c = (w[:, H.FLAGS].astype(np.int64) & Flag.COMBINE_IN) != 0
+    norm_in_access(acc, op, w[~c], ix[~c], geo, x_slot[~c], k0[~c], kl[~c])
+    if not c.any():
+        return
+    wc, ixc, a, b = w[c], ix[c], k0[c], k0[c] + kl[c]
+    R = geo.rows
+    nl, na = field(wc, op, "NORM_LAYER"), field(wc, op, "NORM_ATTN_SPLITS")
+    acc.add("x_resid", False, ixc, at(field(wc, op, "NORM_RESID_IN")), span(R), (a, b))
+    h = na > 0
+    acc.add("o_part", False, ixc[h], at(nl[h]), (0, na[h]), span(R), (a[h], b[h]))
+    E, K = max(geo.num_experts, 1), max(geo.top_k, 1)
+    acc.add("moe_out", False, ixc, at(nl), span(E), span(R), span(K), (a, b))
+    acc.add("topk_w", False, ixc, at(nl), span(R), span(K))
+    acc.add("route_slot", False, ixc, at(nl), span(R), span(K))
+
+
+def combine_in_of(vm, op, w) -> tuple[int, int, int] | None:
+    """The folded combine's (layer, attn splits, residual slot) of the tasks
+    ``w`` of one group (all flagged COMBINE_IN or none), or None."""
+    f = (w[:, H.FLAGS].astype(np.int64) & Flag.COMBINE_IN) != 0
+    if not f.any():
+        return None
+    if not f.all():
+        raise BadTaskError(f"{op.name}: the tiles of one input disagree on COMBINE_IN", opcode=int(op))
+    if op != Op.ROUTER_GEMM or (w[:, H.FLAGS].astype(np.int64) & Flag.NORM_IN).any():
+        raise BadTaskError(f"{op.name}: COMBINE_IN is a ROUTER_GEMM input, not with NORM_IN", opcode=int(op))
+    vals = [field(w, op, name) for name in ("NORM_LAYER", "NORM_ATTN_SPLITS", "NORM_FFN_SPLITS", "NORM_RESID_IN")]
+    if any((v != v[0]).any() for v in vals):
+        raise BadTaskError(f"{op.name}: the tiles of one input disagree on the folded combine", opcode=int(op))
+    nl, na, nf, rin = (int(v[0]) for v in vals)
+    st, geo = vm.st, vm.geo
+    if not (0 <= nl < geo.num_layers and geo.ffn[nl] == "moe" and 0 <= na <= st["o_part"].shape[1] and nf == 0
+            and 0 <= rin < geo.norm_slots):
+        raise BadTaskError(f"{op.name}: COMBINE_IN fields out of range (NORM_LAYER a MoE layer, "
+                           f"NORM_FFN_SPLITS 0)", opcode=int(op))
+    return nl, na, rin
+
+
+def combine_in_input(vm, slot: int, comb: tuple[int, int, int], k0: int, kl: int) -> str:
+    """A COMBINE_IN router tile's input for x_norm slot ``slot`` (its gamma):
+    ``bf16(gamma * x)`` with ``x`` the new residual, added as ADD_RMSNORM with
+    ADD_MOE adds it (the residual slot, the O-proj partials in index order,
+    then MOE_COMBINE's sum), not normalised; into the VM's private
+    ``x_comb[slot]`` once a step (every element: they depend on their own
+    feature alone). Reports the reads of columns ``[k0, k0 + kl)``."""
+    nl, na, rin = comb
+    st = vm.st
+    rows = np.arange(vm.R)
+    slots = routed_slots(vm, _COMBINE_IN, nl, rows, "moe_out")
+    if vm.tracking:
+        cs = slice(k0, k0 + kl)
+        for r in range(vm.R):
+            vm.tr.read("x_resid", (rin, r, cs))
+            for sp in range(na):
+                vm.tr.read("o_part", (nl, sp, r, cs))
+            vm.tr.read("route_slot", (nl, r, slice(None)))
+            vm.tr.read("topk_w", (nl, r, slice(None)))
+            vm.tr.read("moe_out", (nl, slots[r], cs))
+    key = ("combine_in", slot)
+    if key not in vm.cache:
+        x = st["x_resid"][rin]
+        for sp in range(na):
+            x = x + st["o_part"][nl, sp]
+        D = vm.geo.hidden
+        x = x + routing.combine(st["topk_w"][nl, idx(rows)], st["moe_out"][nl][idx(slots)][..., :D])
+        st["x_comb"][slot] = cast(st["w_norm"][slot] * x, st.act)
+        vm.cache[key] = True
+    return "x_comb"
+
+
+class _CombineInName:
+    """What routed_slots names in its errors for a folded combine."""
+
+    name = "ROUTER_GEMM (COMBINE_IN)"
+
+
+_COMBINE_IN = _CombineInName()

@@ -96,6 +96,16 @@ def _fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarra
     return {n: np.full_like(like, v) for n, v in zip(NORM_IN_FIELDS, vals)}
 
 
+def _router_fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarray]:
+    """A router tile's NORM_* fields: the folded norm's (``_fold_fields``),
+    or where it folds the combine instead (Geometry.router_combined) the same
+    without the FFN partial: it adds layer ``l - 1``'s expert outputs itself."""
+    f = _fold_fields(geo, l, like)
+    if geo.router_combined(l):
+        f["NORM_FFN_SPLITS"] = np.zeros_like(like)
+    return f
+
+
 def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
     k, l = nt.kind, nt.layer
     R, D, hd = geo.rows, geo.hidden, geo.head_dim
@@ -176,7 +186,7 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         nn0, nlen = _ranges(geo.num_experts, geo.router_bn)
         s, t = _grid(range(geo.router_splits), range(len(nn0)))
         F = dict(N0=nn0[t], N_LEN=nlen[t], K0=b[s], K_LEN=b[s + 1] - b[s], SPLIT=s,
-                 X_SLOT=np.full_like(s, geo.norm_input_slot(l)), **_fold_fields(geo, l, s))
+                 X_SLOT=np.full_like(s, geo.norm_input_slot(l)), **_router_fold_fields(geo, l, s))
         shape, box = (geo.router_splits, geo.num_experts), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
     elif k == "topk":
         row = np.arange(R, dtype=np.int64)
@@ -191,7 +201,9 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
                  DOWN_COUNT_WORD=one * tw.moe_down_count(l),
                  UP_QUEUE=one * int(Queue.MOE_UP),
                  DOWN_QUEUE=one * (-1 if geo.split_down else int(Queue.MOE_DOWN)), NUM_ROWS=one * R,
-                 TOPK_SPLITS=one * geo.finalize_topk_splits, X_SLOT=one * geo.finalize_x_slot(l))
+                 TOPK_SPLITS=one * geo.finalize_topk_splits, X_SLOT=one * geo.finalize_x_slot(l),
+                 # router_combine: the residual whose 1 / rms scales the weights (the norm's slot)
+                 RESID_SLOT=one * (geo.norm_input_slot(l) if geo.router_combined(l) else 0))
         shape, box = (1,), _boxes((0, 1))
     elif k == "moe_combine":  # combine_splits feature ranges per row (split_down), else the whole row
         b = np.asarray(_even_bounds(D, geo.combine_splits, 4), dtype=np.int64)

@@ -167,6 +167,8 @@ class DeviceState:
         # the VM's private input of GEMM tiles that fold their norm (NORM_IN:
         # ops.norm.norm_in_input), shaped as x_norm; not a device buffer
         self.desc["x_fold"] = torch.zeros_like(self.desc["x_norm"])
+        # and of router tiles that fold the MoE combine (COMBINE_IN: ops.norm.combine_in_input)
+        self.desc["x_comb"] = torch.zeros_like(self.desc["x_norm"])
         # the schedule itself
         self.desc["tasks"] = torch.from_numpy(np.ascontiguousarray(schedule.tasks, dtype=np.int32))
         self.desc["task_counts"] = torch.from_numpy(np.ascontiguousarray(schedule.task_counts, dtype=np.int32))

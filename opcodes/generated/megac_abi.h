@@ -61,6 +61,7 @@ enum Flag : int32_t {
   FLAG_ADD_MOE = 256,
   FLAG_NORM_IN = 512,
   FLAG_SPLIT_DOWN = 1024,
+  FLAG_COMBINE_IN = 2048,
 };
 
 // Opcode-specific fields: word index, one namespace per opcode.
@@ -147,6 +148,7 @@ constexpr int DOWN_QUEUE = 13;
 constexpr int NUM_ROWS = 14;
 constexpr int TOPK_SPLITS = 15;
 constexpr int X_SLOT = 16;
+constexpr int RESID_SLOT = 17;
 }  // namespace f_route_finalize
 namespace f_moe_gather {
 constexpr int ROW = 8;

@@ -147,6 +147,32 @@ def test_the_hop_switches_and_the_profile_marks_compile(tmp_path):
                     cache_dir=tmp_path / "cache3")
 
 
+@needs_nvcc
+def test_the_router_combine_switch_compiles(tmp_path):
+    # MEGAC_ROUTER_COMBINE (ops_gemm.cuh): a ROUTER_GEMM tile flagged
+    # COMBINE_IN stages its K range of the residual with the MoE combine
+    # added, gamma * x unnormalised (ops_norm.cuh stage_combine_in), and a
+    # COMBINE_IN finalize scales the selected logits by 1 / rms
+    # (moe_routing.cuh rows_inv_rms). North Mini Code's build must change
+    # with it (a guard that compiled it away would pass unnoticed), say so
+    # to the host (the megakernel_router_combine symbol) and stay free of
+    # spills. Off, the default build's code is the old one.
+    from megac.gpu.build import build_cubin
+    from megac.resources import opcodes_dir
+
+    spec = load_spec("north-mini-code")
+    res = compile_schedules(spec, batch_sizes=[1])
+    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    inc = [opcodes_dir(), tmp_path]
+    on, off = (build_cubin(tmp_path / SOURCE, defines={"MEGAC_ROUTER_COMBINE": v}, include_dirs=inc,
+                           cache_dir=tmp_path / f"router-combine-{v}") for v in (1, 0))
+    k = report(on)["kernels"]["megakernel"]
+    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
+    assert on.read_bytes() != off.read_bytes()
+    assert b"megakernel_router_combine" in on.read_bytes()
+    assert b"megakernel_router_combine" not in off.read_bytes()
+
+
 def test_dispatch_covers_the_registry_and_layout_is_checked():
     spec = load_spec("tiny-moe")
     res = compile_schedules(spec, batch_sizes=[1, 2])

@@ -83,7 +83,11 @@ def _tiny_vs_vm(spec) -> dict:
     a = scale.generate_all(gpu, prompts, 8)
     b = scale.generate_all(gpu, prompts, 8)
     alone = [scale.generate_all(gpu, [p], 8)[0] for p in prompts]
-    vm = scale.generate_all(scale.engine(spec, w, "cpu", max_batch_size=8, max_model_len=256), prompts, 8)
+    vm_eng = scale.engine(spec, w, "cpu", max_batch_size=8, max_model_len=256)
+    vm = scale.generate_all(vm_eng, prompts, 8)
+    # each row alone on the VM too: one-row schedules may differ from the batch's by design (a
+    # tile set for one row, router_combine), and the GPU's must still be the VM's
+    vm_alone = [scale.generate_all(vm_eng, [p], 8)[0] for p in prompts]
     # an engine that adopts these laid-out weights (LaidOutWeights: how check tiles times builds of a
     # model that fits the GPU once) steps the same noise rows to the same bits
     adopter = scale.engine(spec, LaidOutWeights.take(gpu.backend), "cuda", max_batch_size=8, max_model_len=256)
@@ -96,9 +100,12 @@ def _tiny_vs_vm(spec) -> dict:
         same_tok.append(g.tokens == v.tokens)
         for x, y in zip(g.logits, v.logits):
             cos.append(scale.cosine(x, y))
+    alone_cos = [scale.cosine(x, y) for g, v in zip(alone, vm_alone) for x, y in zip(g.logits, v.logits)]
     return {
         "tokens_equal_vm": same_tok,
         "min_cos_vs_vm": min(cos),
+        "alone_tokens_equal_vm": [g.tokens == v.tokens for g, v in zip(alone, vm_alone)],
+        "alone_min_cos_vs_vm": min(alone_cos),
         "repeat_bit_identical": all(torch.equal(x, y) for g, h in zip(a, b) for x, y in zip(g.logits, h.logits)),
         "alone_equals_batch": all(torch.equal(x, y) for g, h in zip(a, alone) for x, y in zip(g.logits, h.logits)),
         "adopted_step_bit_identical": adopted_equal,
@@ -109,10 +116,22 @@ def _tiny_vs_vm(spec) -> dict:
     }
 
 
-def check_tiny() -> dict:
+def tiny_spec(name: str, tiles: str | None = None):
+    """Tiny model ``name``; ``tiles``: a scale.TILES name, that tile set."""
     from megac.spec import load_spec
+    from models import variant
 
-    return {name: _tiny_vs_vm(load_spec(name)) for name in ("tiny-llama", "tiny-moe")}
+    spec = load_spec(name)
+    if not tiles:
+        return spec
+    return variant(spec, f"{name}-{tiles}", target=scale.tile_target(spec, scale.TILES[tiles]))
+
+
+def check_tiny() -> dict:
+    """The tiny models against the VM (_tiny_vs_vm); MEGAC_TINY_TILES (a
+    scale.TILES name): under that tile set."""
+    tiles = os.environ.get("MEGAC_TINY_TILES")
+    return {name: _tiny_vs_vm(tiny_spec(name, tiles)) for name in ("tiny-llama", "tiny-moe")}
 
 
 def fused_spec(name: str, gather: bool = False):
@@ -581,9 +600,10 @@ def prebuild(only: list[str] | None = None) -> None:
 
     full = load_spec("north-mini-code")
     specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
+        *[tiny_spec(n, "rcomb") for n in ("tiny-llama", "tiny-moe")],
         full, slice_spec(), *[slice_spec(n) for n in ("sd8", "sd8_up128", "split8", "merge", "split1_merge", "plain", "plain_nofold",
                                              "plain_unrouted", "nomerge", "plain_merge", "split_nofold",
-                                             "split_unrouted", "split1_own", "kvh")],
+                                             "split_unrouted", "split1_own", "kvh", "rcomb")],
         *scale.config_specs(), *[scale.context_spec(hd) for hd in scale.CONTEXT_HEAD_DIMS], *[scale.split_spec(t, m) for t, m in scale.SPLITS],
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
         *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)],

@@ -1442,6 +1442,10 @@ def check_splits() -> dict:
 #: North Mini Code tile settings compared by check_tiles (target.tiles)
 TILES = {
     "default": {},
+    # the router folds the previous layer's MoE combine (COMBINE_IN) instead of its norm, unnormalised:
+    # its waits are the down claims' and the O-projection's, two hops less before the up claims rank
+    # (forty-fourth session; the finalize scales the weights by 1 / rms)
+    "rcomb": {"router_combine": 1},
     "up96": {"moe_up_bn": 96},  # 16 expert up/gate tiles: 128 claims at batch 1, one per SM
     "up64": {"moe_up_bn": 64},
     "r16": {"router_splits": 16},  # router GEMM over 16 SMs instead of 4
