@@ -40,7 +40,11 @@ import numpy as np
 #    schedules spread a row's combine over combine_splits tasks)
 # 11: O_PROJ.MERGE_SPLITS (> 0: the O-projection tile merges its KV head's attention splits of the
 #     schedule's one row into its input itself, as ATTN_COMBINE would, and there is no ATTN_COMBINE)
-ABI_VERSION = 11
+# 12: COMBINE_IN (a ROUTER_GEMM tile sums its K range of the new residual itself, the MoE combine
+#     included, or with NORM_LAYER -1 reads the norm's residual, and multiplies it unnormalised: the
+#     ranking is the same, and ROUTE_FINALIZE / ROUTER_TOPK, flagged COMBINE_IN, scale their weights
+#     by 1 / rms of x_resid slot RESID_SLOT, a field of both)
+ABI_VERSION = 12
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -146,7 +150,8 @@ class Flag(enum.IntFlag):
     # the O-proj partials and NORM_LAYER's MoE combine, as ADD_RMSNORM with ADD_MOE adds them) times
     # gamma X_SLOT, not normalised: unnormalised logits, whose ranking is the normalised ones' (1 / rms
     # > 0). ROUTE_FINALIZE: the logits are such: its weights take the selected logits times 1 / rms of
-    # x_resid slot RESID_SLOT (the norm task's residual). _COMBINE_IN
+    # x_resid slot RESID_SLOT (the norm task's residual); ROUTER_TOPK the same. With NORM_LAYER -1 the
+    # router's x is that residual slot (NORM_RESID_IN) as the norm wrote it. _COMBINE_IN
     COMBINE_IN = 1 << 11
 
 
@@ -233,6 +238,8 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
     Op.ROUTER_TOPK: (
         ("ROW", "batch row"),
         ("NUM_SPLITS", "router split-K partials to sum, in index order"),
+        ("RESID_SLOT", "COMBINE_IN: the x_resid slot whose row's 1 / rms scales the selected logits "
+                       "before the weights (as ROUTE_FINALIZE.RESID_SLOT); else unused"),
     ),
     Op.ROUTE_FINALIZE: (
         ("UP_TILES", "gate/up tiles per active expert"),

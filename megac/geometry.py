@@ -243,12 +243,14 @@ DEFAULT_TILES = {
     # lands at 12.8, the median claimer's at 16.9; the MoE chain is the
     # layer's. Not with split_down (moe_out's tiles). Other bits than the
     # folded norm's logits (bf16(gamma * x) against bf16(gamma * bf16(x / rms))):
-    # the VM computes the same. Batch 1 only, so a row alone and the same row
-    # in a batch differ in their last bits: not the batch invariance
-    # DESIGN.md asks of a default (that needs the unnormalised router, read
-    # from the norm's residual, at every batch size). Measured (H100,
-    # forty-fourth session, NMC 8K bs1, engines alternating): -2.1 % median,
-    # -2.0 % mean (23 / 24 engines); checked as a default would be.
+    # the VM computes the same. Batch invariant: every router of the model
+    # is unnormalised, and where none folds the combine (more rows, the
+    # layer after a dense one, split_down) it reads the norm's residual
+    # (NORM_LAYER -1), the x the fold sums bit for bit; ROUTER_TOPK scales
+    # its weights as the finalize does. Measured (H100, forty-fourth session,
+    # NMC 8K bs1, engines alternating, the batch-1 form): -2.1 % median,
+    # -2.0 % mean (23 / 24 engines); checked as a default would be at one
+    # row. The batch-invariant form is not yet run on a GPU.
     "router_combine": 0,
 }
 
@@ -666,9 +668,9 @@ class Geometry:
             o_proj_merge=o_proj_merge_at(spec, rows, t),
             moe_chunk=moe_chunk,
             kv_head_major=bool(t["kv_head_major"]),
-            # one row: the down claims' count is then known to the compiler (K x down tiles), so the
-            # router's waits are the down claims' and the O-projection's (MoeDownDrain.signal_count)
-            router_combine=bool(t["router_combine"] and experts) and not split and rows == 1,
+            # the unnormalised router in every schedule of the model (batch invariance); the fold of
+            # the combine where router_combined says
+            router_combine=bool(t["router_combine"] and experts) and spec.block == "parallel",
         )
 
     def with_context(self, context: int) -> "Geometry":
@@ -752,9 +754,13 @@ class Geometry:
 
     def router_combined(self, layer: int) -> bool:
         """Whether layer ``layer``'s router tiles fold the previous layer's MoE
-        combine (COMBINE_IN, the router_combine tile) instead of its norm: a
-        folded layer (``folded``) of a schedule without split_down."""
-        return self.router_combine and not self.split_down and self.folded(layer)
+        combine (COMBINE_IN with NORM_LAYER >= 0, the router_combine tile)
+        instead of its norm: a folded layer (``folded``) of a one-row schedule
+        (the down claims' count is then the compiler's, so the router's waits
+        are the down claims' and the O-projection's) without split_down.
+        Elsewhere a router_combine model's routers read the norm's residual
+        (NORM_LAYER -1): the same unnormalised input, the same bits."""
+        return self.router_combine and self.rows == 1 and not self.split_down and self.folded(layer)
 
     def resid_in_slot(self, kind: str, layer: int) -> int:
         """x_resid slot the norm of node ``kind`` ("norm" or "norm_attn") on

@@ -104,7 +104,8 @@ def fused_routing_of(spec, routed: bool = False) -> tuple[bool, bool]:
 
 
 def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=(),
-                split_down: bool = False, merged_attn: bool = False, combined=()) -> nx.DiGraph:
+                split_down: bool = False, merged_attn: bool = False, combined=(),
+                unnormalised: bool = False) -> nx.DiGraph:
     """The decode graph; ``routed``: with routed claims (the up claims read
     the router partials and x_norm; no top-k, no gather); ``fused_combine``:
     the norm does the MoE combine (schedules of one row:
@@ -118,7 +119,10 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
     :func:`megac.geometry.o_proj_merge_at`); ``combined``: folded layers
     whose router folds the previous layer's MoE combine instead of its norm
     (it reads the combine's inputs, and the finalize the norm's residual:
-    :meth:`megac.geometry.Geometry.router_combined`)."""
+    :meth:`megac.geometry.Geometry.router_combined`); ``unnormalised``: every
+    router of the model multiplies the unnormalised residual (the router_combine
+    tile): where it does not fold the combine it reads the residual the norm
+    wrote, and the rankers read it for the weights' 1 / rms."""
     folded = frozenset(folded)
     combined = frozenset(combined)
     L = spec.num_layers
@@ -197,20 +201,22 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
             ma = tensor(f"moe_act[{l}]", "scratch", (E, R, K, F), "bf16")
             mo = tensor(f"moe_out[{l}]", "scratch", (E, R, K, D), "fp32")
             fpart = tensor(f"ffn_part[{l}]", "scratch", (1, R, D), "fp32")
-            r_src = comb_reads[l] if l in combined else x_src if l in folded else [ffn_in]
+            # (unnormalised: the residual the norm writing ffn_in wrote, x_resid of the same slot)
+            r_src = (comb_reads[l] if l in combined else [ffn_in.replace("x_norm", "x_resid")] if unnormalised
+                     else x_src if l in folded else [ffn_in])
             add(p + "router", "router", l, r_src, [rpart], [w("w_router")])
             # the finalize task may rank the rows itself and copy them to their
             # slots: a hop less each (the target's fused_topk / fused_gather)
             fin_reads, fin_writes = [rpart] if fused_topk else [topk], [route]
+            scale_src = [ffn_in.replace("x_norm", "x_resid")] if unnormalised else []  # the weights' 1 / rms
             if fused_topk:
                 fin_writes.insert(0, topk)
+                fin_reads += scale_src
             else:
-                add(p + "topk", "topk", l, [rpart], [topk])
+                add(p + "topk", "topk", l, [rpart, *scale_src], [topk])
             if fused_gather:
                 fin_reads.append(ffn_in)
                 fin_writes.append(mx)
-            if l in combined:  # the weights' 1 / rms: the residual of the norm writing x_in
-                fin_reads.append(f"x_resid[{l}]")
             add(p + "route_finalize", "route_finalize", l, fin_reads, fin_writes)
             if not fused_gather and not routed:
                 add(p + "moe_gather", "moe_gather", l, [ffn_in, route], [mx])

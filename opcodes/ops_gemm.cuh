@@ -62,8 +62,10 @@ constexpr bool kTiled = MEGAC_TC_GEMM && M::GEMM_TILED;
 // such a build). Measured (H100, forty-fourth session, TILES rcomb against
 // the default, engines alternating, NMC bs1 8K): -2.1 % median / -2.0 %
 // mean (23 / 24 engines), with the claims waiting on the norm themselves;
-// -1.0 % with that wait in the claimer's header. Batch 1 only: not yet
-// batch invariant (geometry.py router_combine), so off.
+// -1.0 % with that wait in the claimer's header. Every router of such a
+// model is unnormalised (NORM_LAYER -1: the norm's residual, where no fold
+// applies), so it is batch invariant; that form is not yet run on a GPU,
+// and the tile is off.
 #ifndef MEGAC_ROUTER_COMBINE
 #define MEGAC_ROUTER_COMBINE 0
 #endif

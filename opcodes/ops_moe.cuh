@@ -101,10 +101,27 @@ __device__ __forceinline__ void router_topk(const Ctx& c) {
     const LaunchDesc* d = c.d;
     const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_router_topk::ROW];
     int32_t* smem = reinterpret_cast<int32_t*>(c.scratch);  // the row's experts end up first, for the prefetch
+#if MEGAC_ROUTER_COMBINE
+    // COMBINE_IN (a router_combine model's rows past the one-row schedule): the
+    // partials are unnormalised, the weights take 1 / rms of the norm's residual
+    // row (as ROUTE_FINALIZE's), reduced by warps 1.. while warp 0 ranks, into
+    // the scratch's last words (the ranking uses its first)
+    float* rinv = nullptr;
+    if (c.ts->w[H_FLAGS] & FLAG_COMBINE_IN) {
+      rinv = reinterpret_cast<float*>(c.scratch + c.scratch_bytes) - 1;
+      moe::rows_inv_rms(ptr<const float>(d->x_resid) + Lay::x_resid(c.ts->w[f_router_topk::RESID_SLOT], row),
+                        M::HIDDEN, d->norm_eps, 1, rinv, blockDim.x > 32 ? 1 : 0);
+    }
+    moe::topk_rows_cta(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, row),
+                       size_t(M::MAX_ROWS) * M::NUM_EXPERTS, c.ts->w[f_router_topk::NUM_SPLITS], 1, M::NUM_EXPERTS,
+                       M::TOP_K, c.ts->w[H_FLAGS], ptr<int32_t>(d->topk_ids) + Lay::topk(layer, row),
+                       ptr<float>(d->topk_w) + Lay::topk(layer, row), smem, moe::NeverStop{}, rinv);
+#else
     moe::topk_rows_cta(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, row),
                        size_t(M::MAX_ROWS) * M::NUM_EXPERTS, c.ts->w[f_router_topk::NUM_SPLITS], 1, M::NUM_EXPERTS,
                        M::TOP_K, c.ts->w[H_FLAGS], ptr<int32_t>(d->topk_ids) + Lay::topk(layer, row),
                        ptr<float>(d->topk_w) + Lay::topk(layer, row), smem);
+#endif
     if constexpr (MEGAC_TOPK_PREFETCH_UP_KB > 0 || MEGAC_TOPK_PREFETCH_DOWN_KB > 0) prefetch_expert_heads<M>(c, smem);
   }
 }

@@ -145,7 +145,9 @@ struct NormIn {
 // its order, so x has the bits of the residual the norm task writes. gamma:
 // norm slot f.slot. Not normalised: a range needs no other range, so the
 // tile waits on no norm (the finalize scales the weights by 1 / rms). Only
-// the K range's elements are loaded. f.n_ffn is not read (0 under
+// the K range's elements are loaded. NORM_LAYER -1 (f.layer < 0: the
+// residual form, where no fold applies): x is residual slot f.resid as the
+// norm task wrote it, the same bits. f.n_ffn is not read (0 under
 // COMBINE_IN: the combine is the FFN's output); at most KV_HEADS partial
 // sets (o_part holds no more).
 //
@@ -176,6 +178,15 @@ __device__ __forceinline__ void stage_combine_in(const Ctx& c, const NormIn f, i
     constexpr int ld = M::MOE_OUT_TILES * D;  // a slot's row of moe_out; tile 0 (no split_down)
     static_assert(K >= 1 && K <= norm::kMoeMaxK, "the combine sums 1..kMoeMaxK experts");
     const LaunchDesc* d = c.d;
+    if (f.layer < 0) {  // the residual form (NORM_LAYER -1): x is the residual slot as the norm wrote it
+      const float* xr = ptr<const float>(d->x_resid) + Lay::x_resid(f.resid, 0) + f.k0;
+      const __nv_bfloat16* gamma = ptr<const __nv_bfloat16>(d->w_norm) + Lay::w_norm(f.slot) + f.k0;
+      for (int m = 0; m < rows; ++m)
+        for (int t = threadIdx.x; t < klen; t += blockDim.x)
+          xs[m * pitch + t] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(gamma[t]), __ldcg(xr + m * D + t)));
+      __syncthreads();
+      return;
+    }
     const int n = rows * K;
     int32_t* rs = reinterpret_cast<int32_t*>(red);  // [rows * K]: entry m * K + j
     float* rw = red + M::MAX_ROWS * K;              // [rows * K]

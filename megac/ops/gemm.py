@@ -530,12 +530,16 @@ class RouterGemm(GemmOp):
         return geo.num_experts, geo.hidden
 
     def flags(self, nt, geo):
-        if geo.router_combined(nt.layer):  # the previous layer's MoE combine folded instead (router_combine)
+        if geo.router_combine:  # unnormalised (router_combine): the combine folded or the norm's residual
             return int(Flag.COMBINE_IN)
         return int(Flag.NORM_IN) if geo.folded(nt.layer) else 0
 
     def field_rules(self, lim):
-        return super().field_rules(lim) + norm_in_rules(lim) if lim.geo.num_experts else None
+        if not lim.geo.num_experts:
+            return None
+        # COMBINE_IN's residual form: NORM_LAYER -1
+        rules = [r if r[0] != "NORM_LAYER" else ("NORM_LAYER", -1, r[2], r[3]) for r in norm_in_rules(lim)]
+        return super().field_rules(lim) + rules
 
     def access(self, acc, w, ix, layer, geo):
         n0, nl = field(w, self.op, "N0"), field(w, self.op, "N_LEN")

@@ -86,15 +86,19 @@ class RouterTopk(OpDef):
     device_fn = "router_topk"
 
     def flags(self, nt, geo):
-        return _router_flags(geo)
+        # router_combine: unnormalised logits, the weights scaled here (as ROUTE_FINALIZE's)
+        return _router_flags(geo) | (int(Flag.COMBINE_IN) if geo.router_combine else 0)
 
     def field_rules(self, lim):
-        return [("ROW", 0, lim.geo.rows, False), ("NUM_SPLITS", 1, BIG, False)]
+        return [("ROW", 0, lim.geo.rows, False), ("NUM_SPLITS", 1, BIG, False),
+                ("RESID_SLOT", 0, lim.geo.norm_slots, False)]
 
     def access(self, acc, w, ix, layer, geo):
         row = field(w, self.op, "ROW")
         E, K = _ek(geo)
         acc.add("router_part", False, ix, at(layer), (0, field(w, self.op, "NUM_SPLITS")), at(row), span(E))
+        c = (w[:, H.FLAGS].astype(np.int64) & Flag.COMBINE_IN) != 0  # the weights' 1 / rms
+        acc.add("x_resid", False, ix[c], at(field(w[c], self.op, "RESID_SLOT")), at(row[c]), span(geo.hidden))
         for buf in ("topk_ids", "topk_w"):
             acc.add(buf, True, ix, at(layer), at(row), span(K))
 
@@ -105,8 +109,13 @@ class RouterTopk(OpDef):
     def run(self, vm, words):
         op = self.op
         vm.require_ffn(words, self)
-        for (layer, nsp, flags), ti in vm.groups(words, op, ("NUM_SPLITS",), flags=True):
-            _rank_rows(vm, "ROUTER_TOPK", layer, field(words[ti], op, "ROW"), nsp, flags)
+        for (layer, nsp, slot, flags), ti in vm.groups(words, op, ("NUM_SPLITS", "RESID_SLOT"), flags=True):
+            scale_slot = None
+            if flags & Flag.COMBINE_IN:
+                if not 0 <= slot < vm.geo.norm_slots:
+                    raise BadTaskError("ROUTER_TOPK: RESID_SLOT outside the norm slots", layer=layer)
+                scale_slot = slot
+            _rank_rows(vm, "ROUTER_TOPK", layer, field(words[ti], op, "ROW"), nsp, flags, scale_slot=scale_slot)
 
 
 def _router_flags(geo) -> int:
@@ -175,7 +184,7 @@ class RouteFinalize(OpDef):
         if not geo.fused_topk:
             return 0
         # router_combine: unnormalised logits, the weights scaled here
-        return _router_flags(geo) | (int(Flag.COMBINE_IN) if geo.router_combined(nt.layer) else 0)
+        return _router_flags(geo) | (int(Flag.COMBINE_IN) if geo.router_combine else 0)
 
     def field_rules(self, lim):
         g, tw = lim.geo, lim.tw
@@ -705,7 +714,7 @@ class MoeDownDrain(_ExpertDrain):
         return 1
 
     def signal_count(self, layer, offset, geo):
-        if geo.fused_combine or geo.router_combine:
+        if geo.fused_combine or (geo.router_combine and geo.rows == 1):
             # one row (fused_combine_at, router_combine): its top-k experts are the layer's active
             # experts, so the count is known here (a waiter then needs no wait on its writer)
             return min(geo.num_experts, geo.top_k) * geo.down_tiles

@@ -275,7 +275,9 @@ def combine_in_access(acc, op, w, ix, geo, x_slot, k0, kl) -> None:
     flagged COMBINE_IN reads only its K range ``[k0, k0 + kl)`` of the new
     residual's planes: the residual slot, the O-proj partials and layer
     NORM_LAYER's routed expert outputs with their slots and scores (what
-    MOE_COMBINE reads for those features), and no FFN partial."""
+    MOE_COMBINE reads for those features), and no FFN partial; with
+    NORM_LAYER -1 (the residual form) the residual slot alone, which the
+    norm writing its x_norm slot wrote."""
     c = (w[:, H.FLAGS].astype(np.int64) & Flag.COMBINE_IN) != 0
     norm_in_access(acc, op, w[~c], ix[~c], geo, x_slot[~c], k0[~c], kl[~c])
     if not c.any():
@@ -284,6 +286,9 @@ def combine_in_access(acc, op, w, ix, geo, x_slot, k0, kl) -> None:
     R = geo.rows
     nl, na = field(wc, op, "NORM_LAYER"), field(wc, op, "NORM_ATTN_SPLITS")
     acc.add("x_resid", False, ixc, at(field(wc, op, "NORM_RESID_IN")), span(R), (a, b))
+    # NORM_LAYER -1 (the residual form): the norm's residual alone
+    m = nl >= 0
+    wc, ixc, a, b, nl, na = wc[m], ixc[m], a[m], b[m], nl[m], na[m]
     h = na > 0
     acc.add("o_part", False, ixc[h], at(nl[h]), (0, na[h]), span(R), (a[h], b[h]))
     E, K = max(geo.num_experts, 1), max(geo.top_k, 1)
@@ -307,10 +312,11 @@ def combine_in_of(vm, op, w) -> tuple[int, int, int] | None:
         raise BadTaskError(f"{op.name}: the tiles of one input disagree on the folded combine", opcode=int(op))
     nl, na, nf, rin = (int(v[0]) for v in vals)
     st, geo = vm.st, vm.geo
-    if not (0 <= nl < geo.num_layers and geo.ffn[nl] == "moe" and 0 <= na <= st["o_part"].shape[1] and nf == 0
-            and 0 <= rin < geo.norm_slots):
-        raise BadTaskError(f"{op.name}: COMBINE_IN fields out of range (NORM_LAYER a MoE layer, "
-                           f"NORM_FFN_SPLITS 0)", opcode=int(op))
+    residual = nl == -1 and na == 0  # the residual form: the norm's residual slot alone
+    if not (residual or (0 <= nl < geo.num_layers and geo.ffn[nl] == "moe" and 0 <= na <= st["o_part"].shape[1])) \
+            or nf != 0 or not 0 <= rin < geo.norm_slots:
+        raise BadTaskError(f"{op.name}: COMBINE_IN fields out of range (NORM_LAYER a MoE layer or -1 with no "
+                           f"partials, NORM_FFN_SPLITS 0)", opcode=int(op))
     return nl, na, rin
 
 
@@ -320,15 +326,19 @@ def combine_in_input(vm, slot: int, comb: tuple[int, int, int], k0: int, kl: int
     ADD_MOE adds it (the residual slot, the O-proj partials in index order,
     then MOE_COMBINE's sum), not normalised; into the VM's private
     ``x_comb[slot]`` once a step (every element: they depend on their own
-    feature alone). Reports the reads of columns ``[k0, k0 + kl)``."""
+    feature alone). NORM_LAYER -1 (the residual form): ``x`` is the residual
+    slot as the norm task wrote it (the same bits). Reports the reads of
+    columns ``[k0, k0 + kl)``."""
     nl, na, rin = comb
     st = vm.st
     rows = np.arange(vm.R)
-    slots = routed_slots(vm, _COMBINE_IN, nl, rows, "moe_out")
+    slots = routed_slots(vm, _COMBINE_IN, nl, rows, "moe_out") if nl >= 0 else None
     if vm.tracking:
         cs = slice(k0, k0 + kl)
         for r in range(vm.R):
             vm.tr.read("x_resid", (rin, r, cs))
+            if nl < 0:  # the residual form
+                continue
             for sp in range(na):
                 vm.tr.read("o_part", (nl, sp, r, cs))
             vm.tr.read("route_slot", (nl, r, slice(None)))
@@ -337,10 +347,11 @@ def combine_in_input(vm, slot: int, comb: tuple[int, int, int], k0: int, kl: int
     key = ("combine_in", slot)
     if key not in vm.cache:
         x = st["x_resid"][rin]
-        for sp in range(na):
-            x = x + st["o_part"][nl, sp]
-        D = vm.geo.hidden
-        x = x + routing.combine(st["topk_w"][nl, idx(rows)], st["moe_out"][nl][idx(slots)][..., :D])
+        if nl >= 0:  # the norm's adds (the residual form: the norm task made them)
+            for sp in range(na):
+                x = x + st["o_part"][nl, sp]
+            D = vm.geo.hidden
+            x = x + routing.combine(st["topk_w"][nl, idx(rows)], st["moe_out"][nl][idx(slots)][..., :D])
         st["x_comb"][slot] = cast(st["w_norm"][slot] * x, st.act)
         vm.cache[key] = True
     return "x_comb"

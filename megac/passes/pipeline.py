@@ -74,7 +74,8 @@ def graph_form(geo: Geometry) -> tuple:
     expert down projection, the attention merge inside the O-projection, the
     layers whose router folds the combine."""
     return (geo.routed_claims, geo.fused_combine, tuple(l for l in range(geo.num_layers) if geo.folded(l)),
-            geo.split_down, geo.o_proj_merge, tuple(l for l in range(geo.num_layers) if geo.router_combined(l)))
+            geo.split_down, geo.o_proj_merge, tuple(l for l in range(geo.num_layers) if geo.router_combined(l)),
+            geo.router_combine)
 
 
 def lower(spec, order_name: str, rows: int, context: int, *, graph=None, check: bool = True,

@@ -99,10 +99,14 @@ def _fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarra
 def _router_fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarray]:
     """A router tile's NORM_* fields: the folded norm's (``_fold_fields``),
     or where it folds the combine instead (Geometry.router_combined) the same
-    without the FFN partial: it adds layer ``l - 1``'s expert outputs itself."""
+    without the FFN partial: it adds layer ``l - 1``'s expert outputs itself;
+    elsewhere in a router_combine model NORM_LAYER -1 and the residual slot
+    the norm writing its x_norm slot writes (COMBINE_IN's residual form)."""
     f = _fold_fields(geo, l, like)
     if geo.router_combined(l):
         f["NORM_FFN_SPLITS"] = np.zeros_like(like)
+    elif geo.router_combine:  # the norm's residual alone (NORM_LAYER -1), unnormalised
+        f = {n: np.full_like(like, v) for n, v in zip(NORM_IN_FIELDS, (-1, 0, 0, geo.norm_input_slot(l)))}
     return f
 
 
@@ -190,7 +194,9 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         shape, box = (geo.router_splits, geo.num_experts), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
     elif k == "topk":
         row = np.arange(R, dtype=np.int64)
-        F = dict(ROW=row, NUM_SPLITS=np.full_like(row, geo.router_splits))
+        F = dict(ROW=row, NUM_SPLITS=np.full_like(row, geo.router_splits),
+                 # router_combine: the residual whose 1 / rms scales the weights (the norm's slot)
+                 RESID_SLOT=np.full_like(row, geo.norm_input_slot(l) if geo.router_combine else 0))
         shape, box = (R,), _boxes((row, row + 1))
     elif k == "route_finalize":
         one = np.ones(1, dtype=np.int64)
@@ -203,7 +209,7 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
                  DOWN_QUEUE=one * (-1 if geo.split_down else int(Queue.MOE_DOWN)), NUM_ROWS=one * R,
                  TOPK_SPLITS=one * geo.finalize_topk_splits, X_SLOT=one * geo.finalize_x_slot(l),
                  # router_combine: the residual whose 1 / rms scales the weights (the norm's slot)
-                 RESID_SLOT=one * (geo.norm_input_slot(l) if geo.router_combined(l) else 0))
+                 RESID_SLOT=one * (geo.norm_input_slot(l) if geo.router_combine else 0))
         shape, box = (1,), _boxes((0, 1))
     elif k == "moe_combine":  # combine_splits feature ranges per row (split_down), else the whole row
         b = np.asarray(_even_bounds(D, geo.combine_splits, 4), dtype=np.int64)

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 11
+#define MEGAC_ABI_VERSION 12
 
 namespace megac {
 
@@ -137,6 +137,7 @@ constexpr int NORM_RESID_IN = 17;
 namespace f_router_topk {
 constexpr int ROW = 8;
 constexpr int NUM_SPLITS = 9;
+constexpr int RESID_SLOT = 10;
 }  // namespace f_router_topk
 namespace f_route_finalize {
 constexpr int UP_TILES = 8;

@@ -50,11 +50,14 @@ def test_folded_routers_carry_the_combine_and_wait_on_its_producers():
         layer = int(w[H.LAYER])
         on = geo.folded(layer)
         assert geo.router_combined(layer) == on
-        assert bool(w[H.FLAGS] & Flag.COMBINE_IN) == on and not w[H.FLAGS] & Flag.NORM_IN, layer
-        if not on:
+        # every router of the model is unnormalised; the folded ones fold the combine
+        assert w[H.FLAGS] & Flag.COMBINE_IN and not w[H.FLAGS] & Flag.NORM_IN, layer
+        f = lambda n: int(w[field_index(Op.ROUTER_GEMM, n)])  # noqa: E731
+        if not on:  # the residual form: the slot the norm writing its x_norm slot writes
+            assert f("NORM_LAYER") == -1 and f("NORM_ATTN_SPLITS") == 0
+            assert f("NORM_RESID_IN") == f("X_SLOT") == geo.norm_input_slot(layer)
             continue
         seen.add(layer)
-        f = lambda n: int(w[field_index(Op.ROUTER_GEMM, n)])  # noqa: E731
         assert f("NORM_LAYER") == layer - 1 and f("NORM_FFN_SPLITS") == 0
         assert f("NORM_ATTN_SPLITS") == geo.kv_heads
         # the down claims and the O-projection, never the combine or a norm task
@@ -71,16 +74,38 @@ def test_folded_routers_carry_the_combine_and_wait_on_its_producers():
             assert tw in norm_signals and not header & norm_signals, layer
         else:
             assert tw == -1, layer
-    for w in _of(comb, Op.ROUTE_FINALIZE):
-        layer = int(w[H.LAYER])
-        assert bool(w[H.FLAGS] & Flag.COMBINE_IN) == (layer in seen)
-        if layer in seen:  # the residual of the norm writing the layer's input
-            assert int(w[field_index(Op.ROUTE_FINALIZE, "RESID_SLOT")]) == geo.norm_input_slot(layer)
-    # the default's routers fold the norm, and two rows fold nothing here
+    for w in _of(comb, Op.ROUTE_FINALIZE):  # every ranking finalize scales (the residual of the norm
+        layer = int(w[H.LAYER])              # writing the layer's input)
+        assert w[H.FLAGS] & Flag.COMBINE_IN
+        assert int(w[field_index(Op.ROUTE_FINALIZE, "RESID_SLOT")]) == geo.norm_input_slot(layer)
+    # the default's routers fold the norm; two rows fold nothing, but stay unnormalised, and
+    # their top-k tasks scale the weights
     assert not (_of(base, Op.ROUTER_GEMM)[:, H.FLAGS] & int(Flag.COMBINE_IN)).any()
     two = compile_one(_spec(1), "tuned", 2, 1024)
-    assert not two.geometry.router_combine
-    assert not (_of(two, Op.ROUTER_GEMM)[:, H.FLAGS] & int(Flag.COMBINE_IN)).any()
+    assert two.geometry.router_combine and not any(two.geometry.router_combined(l) for l in two.geometry.moe_layers)
+    r2 = _of(two, Op.ROUTER_GEMM)
+    assert (r2[:, H.FLAGS] & int(Flag.COMBINE_IN)).all()
+    assert (r2[:, field_index(Op.ROUTER_GEMM, "NORM_LAYER")] == -1).all()
+    t2 = _of(two, Op.ROUTER_TOPK)
+    assert len(t2) and (t2[:, H.FLAGS] & int(Flag.COMBINE_IN)).all()
+
+
+def test_router_combine_is_batch_invariant():
+    """A row alone (the one-row schedule, which folds the combine) and the
+    same row in ragged batches (the residual form): the same tokens and
+    bit-identical logits, in fast and checked mode. The folded router's x is
+    the norm task's residual bit for bit, and both rank and scale alike."""
+    spec = _spec(1)
+    w = random_weights(spec, seed=29)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in (3, 14, 9)]
+    scheds = compile_schedules(spec, batch_sizes=[1, 2, 4], buckets=[1024])
+    for mode in ("fast", "checked"):
+        batch = run(spec, w, scheds, prompts, max_tokens=6, eos_token_ids=[], return_logits=True, mode=mode)
+        for p, b in zip(prompts, batch):
+            alone = run(spec, w, scheds, [p], max_tokens=6, eos_token_ids=[], return_logits=True, mode=mode)[0]
+            assert alone.tokens == b.tokens, mode
+            assert all(torch.equal(x, y) for x, y in zip(alone.logits, b.logits)), mode
 
 
 @pytest.mark.parametrize("top_k", [None, 3])
