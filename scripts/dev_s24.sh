@@ -618,6 +618,11 @@ for m in r:
     t=default,rcomb; for i in $(seq 1 ${ROUNDS:-12}); do t=$t,default#$i,rcomb#$i; done
     left=$((${AB_END:-500} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=1 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-60 ;;
+  s44t)  # (prebuild_s44r, ~1 min, any GPU) the tiny models against the VM under rcomb alone: a row alone
+         # and in a batch must give the same bits (the batch-invariant form)
+    MEGAC_TINY_TILES=rcomb timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
+      > $OUT/tiny.log 2>&1; echo tiny rc $?
+    python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2 ;;
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?
