@@ -211,3 +211,26 @@ def test_combine_is_the_ordered_fp32_sum(k):
             want[r, d] = acc
     assert got.dtype == np.float32
     assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize("softmax,renormalize", MODES)
+def test_a_scale_weighs_the_selected_logits_and_keeps_the_ranking(softmax, renormalize):
+    """``scale`` (COMBINE_IN's 1 / rms of unnormalised logits): the ids are
+    the unscaled logits' ranking, the weights those of the selected logits
+    times the row's scale, rounded once to fp32 (the reference scales in
+    numpy fp32, then weighs in fp64)."""
+    rng = np.random.default_rng(11)
+    raw = (rng.standard_normal((6, 64)) * 30.0).astype(np.float32)  # unnormalised: large
+    scale = rng.uniform(0.01, 0.2, 6).astype(np.float32)
+    ids, w = routing.topk(torch.from_numpy(raw), 8, softmax=softmax, renormalize=renormalize,
+                          scale=torch.from_numpy(scale))
+    for r in range(6):
+        want_ids, _ = ref_topk(raw[r], 8, softmax, renormalize)
+        assert ids[r].tolist() == want_ids
+        sel = raw[r][want_ids] * scale[r]  # fp32 products
+        _, want_w = ref_topk(np.concatenate([sel, np.full(64 - 8, -np.inf, np.float32)]), 8, softmax, renormalize)
+        got = w[r].numpy()
+        assert np.allclose(got, want_w, rtol=2 ** -23, atol=0), (r, got, want_w)
+    # without the scale the weights differ: the scale is applied, not ignored
+    _, w0 = routing.topk(torch.from_numpy(raw), 8, softmax=softmax, renormalize=renormalize)
+    assert not torch.equal(w0, w)
