@@ -623,6 +623,15 @@ for m in r:
     MEGAC_TINY_TILES=rcomb timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
       > $OUT/tiny.log 2>&1; echo tiny rc $?
     python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2 ;;
+  s45h)  # (prebuild_s44r, ~9.5 min, the H200) the batch-invariant rcomb's tiny check (alone_equals_batch must be
+         # true), then rcomb against the default, engines alternating at bs1 and bs8 until AB_END s, then megac bench
+         # of the default at bs1 (the run's ceiling) if BENCH_LEFT s are left
+    bash "$0" s44t
+    t=default,rcomb; for i in $(seq 1 ${ROUNDS:-8}); do t=$t,default#$i,rcomb#$i; done
+    left=$((${AB_END:-420} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TB=1,8 TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-80
+    left=$((${BENCH_END:-585} - SECONDS)); echo "bench gets ${left}s"
+    [ $left -gt 100 ] && BT=$left BS=1 ENG=3 bash "$0" bench ;;
   s42w)  # (prebuild_s42w, ~2 min) one profiled bs1 8K step of the default and of tcwarm on one engine: does
          # the gap from tile_bulk's call to its walk set up (stamps 15 -> 7, 0.74-0.80 us) shrink when its
          # prologue's code ran before the waits?
