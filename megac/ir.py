@@ -201,14 +201,15 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
             ma = tensor(f"moe_act[{l}]", "scratch", (E, R, K, F), "bf16")
             mo = tensor(f"moe_out[{l}]", "scratch", (E, R, K, D), "fp32")
             fpart = tensor(f"ffn_part[{l}]", "scratch", (1, R, D), "fp32")
-            # (unnormalised: the residual the norm writing ffn_in wrote, x_resid of the same slot)
-            r_src = (comb_reads[l] if l in combined else [ffn_in.replace("x_norm", "x_resid")] if unnormalised
+            # unnormalised: the residual the norm writing ffn_in wrote (x_resid of the same slot)
+            resid_in = ffn_in.replace("x_norm", "x_resid")
+            r_src = (comb_reads[l] if l in combined else [resid_in] if unnormalised
                      else x_src if l in folded else [ffn_in])
             add(p + "router", "router", l, r_src, [rpart], [w("w_router")])
             # the finalize task may rank the rows itself and copy them to their
             # slots: a hop less each (the target's fused_topk / fused_gather)
             fin_reads, fin_writes = [rpart] if fused_topk else [topk], [route]
-            scale_src = [ffn_in.replace("x_norm", "x_resid")] if unnormalised else []  # the weights' 1 / rms
+            scale_src = [resid_in] if unnormalised else []  # the weights' 1 / rms
             if fused_topk:
                 fin_writes.insert(0, topk)
                 fin_reads += scale_src

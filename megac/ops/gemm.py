@@ -129,7 +129,7 @@ class GemmOp(OpDef):
         for layer, k0, kl, split, xs, rngs, W, store, fold, comb in vm.plan(op.name, words, build):
             xb = xbuf
             if comb is not None:
-                xb = combine_in_input(vm, xs, comb, k0, kl)
+                xb = combine_in_input(vm, self, xs, comb, k0, kl)
             elif fold is not None:
                 xb = norm_in_input(vm, xs, fold)
             elif vm.tracking and track_x:

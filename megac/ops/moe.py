@@ -110,12 +110,7 @@ class RouterTopk(OpDef):
         op = self.op
         vm.require_ffn(words, self)
         for (layer, nsp, slot, flags), ti in vm.groups(words, op, ("NUM_SPLITS", "RESID_SLOT"), flags=True):
-            scale_slot = None
-            if flags & Flag.COMBINE_IN:
-                if not 0 <= slot < vm.geo.norm_slots:
-                    raise BadTaskError("ROUTER_TOPK: RESID_SLOT outside the norm slots", layer=layer)
-                scale_slot = slot
-            _rank_rows(vm, "ROUTER_TOPK", layer, field(words[ti], op, "ROW"), nsp, flags, scale_slot=scale_slot)
+            _rank_rows(vm, "ROUTER_TOPK", layer, field(words[ti], op, "ROW"), nsp, flags, resid_slot=slot)
 
 
 def _router_flags(geo) -> int:
@@ -134,14 +129,14 @@ def _inv_rms(vm, slot: int, rows: np.ndarray) -> torch.Tensor:
 
 
 def _rank_rows(vm, who: str, layer: int, rows: np.ndarray, nsp: int, flags: int,
-               write_ids: bool = True, write_weights: bool = True, scale_slot: int | None = None) -> np.ndarray:
+               write_ids: bool = True, write_weights: bool = True, resid_slot: int = 0) -> np.ndarray:
     """``topk_ids`` / ``topk_w`` of ``rows``: their router logits (the first
     ``nsp`` split-K partials summed in split order) ranked (megac.routing).
     ROUTER_TOPK per row; or ROUTE_FINALIZE for every row with fused_topk,
     which keeps the ids to itself (``write_ids=False``: nothing after it reads
     them); or a routed up claimer, which writes nothing (``write_weights=False``
-    too). ``scale_slot``: the partials are unnormalised (COMBINE_IN routers):
-    the weights take 1 / rms of that x_resid slot's rows (``_inv_rms``).
+    too). Flagged COMBINE_IN, the partials are unnormalised: the weights
+    take 1 / rms of x_resid slot ``resid_slot``'s rows (``_inv_rms``).
     Returns the ids ``[len(rows), K]`` (int64)."""
     st, K = vm.st, vm.geo.top_k
     if not 1 <= nsp <= st["router_part"].shape[1]:
@@ -150,7 +145,11 @@ def _rank_rows(vm, who: str, layer: int, rows: np.ndarray, nsp: int, flags: int,
     for r in rows:
         vm.tr.read("router_part", (layer, slice(0, nsp), int(r), slice(None)))
     logit = routing.sum_splits(st["router_part"][layer, :nsp][:, rt])
-    scale = _inv_rms(vm, scale_slot, rows) if scale_slot is not None else None
+    scale = None
+    if flags & Flag.COMBINE_IN:
+        if not 0 <= resid_slot < vm.geo.norm_slots:
+            raise BadTaskError(f"{who}: RESID_SLOT outside the norm slots", layer=layer)
+        scale = _inv_rms(vm, resid_slot, rows)
     ids, wts = routing.topk(logit, K, softmax=bool(flags & Flag.SOFTMAX_ROUTER),
                             renormalize=bool(flags & Flag.RENORMALIZE), scale=scale)
     for r in rows:
@@ -260,14 +259,8 @@ class RouteFinalize(OpDef):
             nsp = int(field(w, op, "TOPK_SPLITS")[0])
             ranked = None
             if nsp:
-                flags = int(w[0, H.FLAGS])
-                scale_slot = None
-                if flags & Flag.COMBINE_IN:
-                    scale_slot = int(field(w, op, "RESID_SLOT")[0])
-                    if not 0 <= scale_slot < vm.geo.norm_slots:
-                        raise BadTaskError("ROUTE_FINALIZE: RESID_SLOT outside the norm slots", layer=layer)
-                ranked = _rank_rows(vm, "ROUTE_FINALIZE", layer, np.arange(n), nsp, flags,
-                                    write_ids=False, scale_slot=scale_slot)
+                ranked = _rank_rows(vm, "ROUTE_FINALIZE", layer, np.arange(n), nsp, int(w[0, H.FLAGS]),
+                                    write_ids=False, resid_slot=int(field(w, op, "RESID_SLOT")[0]))
             for word in ((uw, dw) if uw >= 0 else (dw,)):  # uw -1: routed claims, no up queue
                 if not st.tw.host_words <= word < len(vm.targets):
                     raise BadTaskError(f"ROUTE_FINALIZE: count word {word} outside the device target words",
@@ -512,18 +505,19 @@ class MoeUpgateDrain(_ExpertDrain):
                       ("X_SLOT", x_slot, lambda sub: x_slot(sub) + 1, False)]
         else:
             routed = [("QUEUE_LEN", 0, BIG, True), *[(name, 0, 1, False) for name in ROUTED_FIELDS]]
-        return [
-            ("QUEUE", int(Queue.MOE_UP), int(Queue.MOE_UP) + 1, False),
-            *routed,
+        if g.router_combine:  # a combining layer's claims wait on the norm writing their rows (others as below)
+            task_wait = [("TASK_WAIT_BASE", -1, C, False), ("TASK_WAIT_TARGET", 0, BIG, True)]
+        elif g.fused_gather or g.routed_claims:
             # with the gather inside ROUTE_FINALIZE (fused_gather) the claimer's
             # own wait on the queue length already covers the rows, and a routed
             # claimer's wait on the router covers x_norm: no task wait
-            # (router_combine: the rows' norm is the claims' own wait, not the header's)
-            *([("TASK_WAIT_BASE", -1, 0, False), ("TASK_WAIT_TARGET", 0, 1, False)]
-              if (g.fused_gather or g.routed_claims) and not g.router_combine else
-              [("TASK_WAIT_BASE", -1, C, False), ("TASK_WAIT_TARGET", 0, BIG, True)]
-              if g.router_combine else
-              [("TASK_WAIT_BASE", 0, C, False), ("TASK_WAIT_TARGET", 1, BIG, True)]),
+            task_wait = [("TASK_WAIT_BASE", -1, 0, False), ("TASK_WAIT_TARGET", 0, 1, False)]
+        else:
+            task_wait = [("TASK_WAIT_BASE", 0, C, False), ("TASK_WAIT_TARGET", 1, BIG, True)]
+        return [
+            ("QUEUE", int(Queue.MOE_UP), int(Queue.MOE_UP) + 1, False),
+            *routed,
+            *task_wait,
             ("TASK_SIGNAL_BASE", 0, C, False),
             (last_of(self.op, "TASK_SIGNAL_BASE", self.signal_span(g)), 0, C, False),
             ("N_LEN", 1, 2 * g.expert_width + 1, False),

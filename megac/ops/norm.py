@@ -320,7 +320,7 @@ def combine_in_of(vm, op, w) -> tuple[int, int, int] | None:
     return nl, na, rin
 
 
-def combine_in_input(vm, slot: int, comb: tuple[int, int, int], k0: int, kl: int) -> str:
+def combine_in_input(vm, d, slot: int, comb: tuple[int, int, int], k0: int, kl: int) -> str:
     """A COMBINE_IN router tile's input for x_norm slot ``slot`` (its gamma):
     ``bf16(gamma * x)`` with ``x`` the new residual, added as ADD_RMSNORM with
     ADD_MOE adds it (the residual slot, the O-proj partials in index order,
@@ -328,11 +328,11 @@ def combine_in_input(vm, slot: int, comb: tuple[int, int, int], k0: int, kl: int
     ``x_comb[slot]`` once a step (every element: they depend on their own
     feature alone). NORM_LAYER -1 (the residual form): ``x`` is the residual
     slot as the norm task wrote it (the same bits). Reports the reads of
-    columns ``[k0, k0 + kl)``."""
+    columns ``[k0, k0 + kl)``; ``d``: the router's OpDef (its errors' name)."""
     nl, na, rin = comb
     st = vm.st
     rows = np.arange(vm.R)
-    slots = routed_slots(vm, _COMBINE_IN, nl, rows, "moe_out") if nl >= 0 else None
+    slots = routed_slots(vm, d, nl, rows, "moe_out") if nl >= 0 else None
     if vm.tracking:
         cs = slice(k0, k0 + kl)
         for r in range(vm.R):
@@ -355,12 +355,3 @@ def combine_in_input(vm, slot: int, comb: tuple[int, int, int], k0: int, kl: int
         st["x_comb"][slot] = cast(st["w_norm"][slot] * x, st.act)
         vm.cache[key] = True
     return "x_comb"
-
-
-class _CombineInName:
-    """What routed_slots names in its errors for a folded combine."""
-
-    name = "ROUTER_GEMM (COMBINE_IN)"
-
-
-_COMBINE_IN = _CombineInName()

@@ -95,7 +95,7 @@ def test_ring_stages_of_ten_blocks_keep_the_accumulators_in_registers(tmp_path):
 
 
 @needs_nvcc
-def test_the_claimed_attention_prime_and_the_drained_stop_compile(tmp_path):
+def test_the_claimed_attention_prime_the_drained_stop_and_the_router_combine_compile(tmp_path):
     # MEGAC_ATTN_CLAIM_PRIME (ops_attention.cuh AttnEarly): a claimed split
     # primes its tensor-copy ring before its wait. North Mini Code's 128-dim
     # heads take the tensor-copy form, so the switch must change the code
@@ -109,13 +109,20 @@ def test_the_claimed_attention_prime_and_the_drained_stop_compile(tmp_path):
     write_artifact(tmp_path, spec, res.schedules, order="tuned")
     inc = [opcodes_dir(), tmp_path]
     # and MEGAC_UP_DRAINED_STOP (ops_moe.cuh, on by default): a drained routed
-    # up claimer stops before it ranks; each switch on against it off
-    for switch in ("MEGAC_ATTN_CLAIM_PRIME", "MEGAC_UP_DRAINED_STOP"):
+    # up claimer stops before it ranks; and MEGAC_ROUTER_COMBINE (ops_gemm.cuh):
+    # a ROUTER_GEMM tile flagged COMBINE_IN stages its K range of the residual
+    # with the MoE combine added, gamma * x unnormalised (ops_norm.cuh
+    # stage_combine_in), and a COMBINE_IN finalize scales the selected logits
+    # by 1 / rms (moe_routing.cuh rows_inv_rms); its build says so to the host
+    # (the megakernel_router_combine symbol). Each switch on against it off
+    for switch in ("MEGAC_ATTN_CLAIM_PRIME", "MEGAC_UP_DRAINED_STOP", "MEGAC_ROUTER_COMBINE"):
         on, off = (build_cubin(tmp_path / SOURCE, defines={switch: v}, include_dirs=inc,
                                cache_dir=tmp_path / f"{switch}-{v}") for v in (1, 0))
         k = report(on)["kernels"]["megakernel"]
         assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, (switch, k)
         assert on.read_bytes() != off.read_bytes(), switch
+        has_symbol = [b"megakernel_router_combine" in c.read_bytes() for c in (on, off)]
+        assert has_symbol == [switch == "MEGAC_ROUTER_COMBINE", False], switch
 
 
 @needs_nvcc
@@ -145,32 +152,6 @@ def test_the_hop_switches_and_the_profile_marks_compile(tmp_path):
     with pytest.raises(Exception, match="power of two"):
         build_cubin(tmp_path / SOURCE, defines={"MEGAC_ABORT_EVERY": 3}, include_dirs=[opcodes_dir(), tmp_path],
                     cache_dir=tmp_path / "cache3")
-
-
-@needs_nvcc
-def test_the_router_combine_switch_compiles(tmp_path):
-    # MEGAC_ROUTER_COMBINE (ops_gemm.cuh): a ROUTER_GEMM tile flagged
-    # COMBINE_IN stages its K range of the residual with the MoE combine
-    # added, gamma * x unnormalised (ops_norm.cuh stage_combine_in), and a
-    # COMBINE_IN finalize scales the selected logits by 1 / rms
-    # (moe_routing.cuh rows_inv_rms). North Mini Code's build must change
-    # with it (a guard that compiled it away would pass unnoticed), say so
-    # to the host (the megakernel_router_combine symbol) and stay free of
-    # spills. Off, the default build's code is the old one.
-    from megac.gpu.build import build_cubin
-    from megac.resources import opcodes_dir
-
-    spec = load_spec("north-mini-code")
-    res = compile_schedules(spec, batch_sizes=[1])
-    write_artifact(tmp_path, spec, res.schedules, order="tuned")
-    inc = [opcodes_dir(), tmp_path]
-    on, off = (build_cubin(tmp_path / SOURCE, defines={"MEGAC_ROUTER_COMBINE": v}, include_dirs=inc,
-                           cache_dir=tmp_path / f"router-combine-{v}") for v in (1, 0))
-    k = report(on)["kernels"]["megakernel"]
-    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
-    assert on.read_bytes() != off.read_bytes()
-    assert b"megakernel_router_combine" in on.read_bytes()
-    assert b"megakernel_router_combine" not in off.read_bytes()
 
 
 def test_dispatch_covers_the_registry_and_layout_is_checked():
