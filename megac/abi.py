@@ -44,7 +44,9 @@ import numpy as np
 #     included, or with NORM_LAYER -1 reads the norm's residual, and multiplies it unnormalised: the
 #     ranking is the same, and ROUTE_FINALIZE / ROUTER_TOPK, flagged COMBINE_IN, scale their weights
 #     by 1 / rms of x_resid slot RESID_SLOT, a field of both)
-ABI_VERSION = 12
+# 13: ADD_MOE on a QKV_PROJ tile flagged NORM_IN (the folded norm adds NORM_LAYER's expert outputs,
+#     score-weighted in k order, as ADD_RMSNORM with ADD_MOE adds them; NORM_FFN_SPLITS 0)
+ABI_VERSION = 13
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -140,7 +142,9 @@ class Flag(enum.IntFlag):
     SOFTMAX_ROUTER = 1 << 5  # ROUTER_TOPK (or a top-k ranking ROUTE_FINALIZE): softmax weights (else sigmoid)
     RENORMALIZE = 1 << 6  # ROUTER_TOPK (or a top-k ranking ROUTE_FINALIZE): renormalise the top-k weights
     LAST_LAYER = 1 << 7  # ADD_RMSNORM: the final norm of the model
-    ADD_MOE = 1 << 8  # ADD_RMSNORM: add the row's expert outputs, score-weighted in k order (MOE_COMBINE's sum)
+    # ADD_RMSNORM: add the row's expert outputs, score-weighted in k order (MOE_COMBINE's sum); QKV_PROJ
+    # with NORM_IN: the folded norm adds NORM_LAYER's so, not an FFN partial (NORM_FFN_SPLITS 0)
+    ADD_MOE = 1 << 8
     NORM_IN = 1 << 9  # QKV_PROJ / ROUTER_GEMM: the input is the norm of the NORM_* fields, computed here (_NORM_IN)
     # MOE_UPGATE_DRAIN: each claimed up tile also multiplies its SiLU*up features by their columns of
     # the expert's down matrix (a split-K down) into moe_out tile N_TILE; MOE_COMBINE: sum a slot's

@@ -40,6 +40,8 @@ Tiles (one task = one tile)
                    (``split_down_at``); moe_out_tiles: moe_out's tiles per slot
     o_proj_merge   the O-projection tiles merge the attention splits (one row,
                    ``o_proj_merge_at``): no ATTN_COMBINE
+    qkv_combine    folded QKV tiles add the MoE combine themselves (one row,
+                   ``qkv_combined``)
     kv_head_major  the GPU backends' KV pools are [blocks][kv_heads][block_size]
                    [hd] (opcodes/kv_pool.cuh; token-major otherwise)
     lm_bn, lm_tiles            LM head vocab tile
@@ -137,7 +139,9 @@ DEFAULT_TILES = {
     # 1: in schedules of one row (fused_combine_at) the layer's ADD_RMSNORM
     # adds the row's expert outputs, score-weighted in k order, itself
     # (MOE_COMBINE's sum, the same bits), no MOE_COMBINE task: a hop and a
-    # single-CTA task less at the end of every MoE layer
+    # single-CTA task less at the end of every MoE layer. The norm folds
+    # (norm_fold) beside it only where both folding readers add the experts
+    # themselves (router_combine and qkv_combine); elsewhere it does not fold
     "fused_combine": 0,
     # routed claims in schedules of at most this many rows (0: none): every
     # expert up claimer ranks the rows itself from the router partials and
@@ -252,6 +256,17 @@ DEFAULT_TILES = {
     # -2.0 % mean (23 / 24 engines); checked as a default would be at one
     # row. The batch-invariant form is not yet run on a GPU.
     "router_combine": 0,
+    # 1: in the layers that fold their norm (norm_fold) at one row, without
+    # split_down, the QKV tiles' folded norm adds the previous layer's
+    # expert outputs itself (QKV_PROJ flagged NORM_IN and ADD_MOE:
+    # MOE_COMBINE's sum, as the norm task's ADD_MOE adds it) instead of
+    # MOE_COMBINE's partial, so they wait on the down claims and the
+    # O-projection, not on MOE_COMBINE: a hop and a task less at the head of
+    # the attention chain, which router_combine left the longer one. The
+    # same bits as the norm task's x_norm (the same adds, the same vector
+    # path on the device): the logits do not change, at any batch. Not
+    # measured on a GPU yet
+    "qkv_combine": 0,
 }
 
 #: The tiles that give the plain batch-1 schedule of the sessions before the
@@ -344,9 +359,11 @@ def norm_fold_at(spec, rows: int, tiles: dict | None = None) -> bool:
     t = tiles_of(spec, tiles)
     # with routed claims the claimers' own wait on the norm orders the next
     # fold's residual slot; without them (a gather task, a per-row combine)
-    # the next norm would need a third wait
-    return (0 < rows <= t["norm_fold"] and not fused_combine_at(spec, rows, t)
-            and routed_claims_at(spec, rows, t))
+    # the next norm would need a third wait. With the combine inside the norm
+    # only where both folding readers add the experts themselves (router_combine
+    # and qkv_combine): there is no combine partial to fold then
+    combine_ok = not fused_combine_at(spec, rows, t) or bool(t["router_combine"] and t["qkv_combine"])
+    return 0 < rows <= t["norm_fold"] and combine_ok and routed_claims_at(spec, rows, t)
 
 
 #: the automatic split_down (-1) applies to MoE models at least this wide
@@ -537,6 +554,9 @@ class Geometry:
     #: folded layers' router tiles fold the MoE combine instead (DEFAULT_TILES'
     #: router_combine; see ``router_combined``)
     router_combine: bool = False
+    #: the folded QKV tiles add the MoE combine themselves (DEFAULT_TILES'
+    #: qkv_combine; see ``qkv_combined``)
+    qkv_combine: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -671,6 +691,7 @@ class Geometry:
             # the unnormalised router in every schedule of the model (batch invariance); the fold of
             # the combine where router_combined says
             router_combine=bool(t["router_combine"] and experts) and spec.block == "parallel",
+            qkv_combine=bool(t["qkv_combine"] and experts) and spec.block == "parallel",
         )
 
     def with_context(self, context: int) -> "Geometry":
@@ -761,6 +782,14 @@ class Geometry:
         Elsewhere a router_combine model's routers read the norm's residual
         (NORM_LAYER -1): the same unnormalised input, the same bits."""
         return self.router_combine and self.rows == 1 and not self.split_down and self.folded(layer)
+
+    def qkv_combined(self, layer: int) -> bool:
+        """Whether layer ``layer``'s QKV tiles add the previous layer's expert
+        outputs in their folded norm themselves (NORM_IN with ADD_MOE, the
+        qkv_combine tile): a folded layer of a one-row schedule (the down
+        claims' count is the compiler's there) without split_down. Their
+        x_norm has the norm task's bits, so no other schedule changes."""
+        return self.qkv_combine and self.rows == 1 and not self.split_down and self.folded(layer)
 
     def resid_in_slot(self, kind: str, layer: int) -> int:
         """x_resid slot the norm of node ``kind`` ("norm" or "norm_attn") on

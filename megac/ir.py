@@ -105,7 +105,7 @@ def fused_routing_of(spec, routed: bool = False) -> tuple[bool, bool]:
 
 def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=(),
                 split_down: bool = False, merged_attn: bool = False, combined=(),
-                unnormalised: bool = False) -> nx.DiGraph:
+                unnormalised: bool = False, qkv_combined=()) -> nx.DiGraph:
     """The decode graph; ``routed``: with routed claims (the up claims read
     the router partials and x_norm; no top-k, no gather); ``fused_combine``:
     the norm does the MoE combine (schedules of one row:
@@ -122,9 +122,13 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
     :meth:`megac.geometry.Geometry.router_combined`); ``unnormalised``: every
     router of the model multiplies the unnormalised residual (the router_combine
     tile): where it does not fold the combine it reads the residual the norm
-    wrote, and the rankers read it for the weights' 1 / rms."""
+    wrote, and the rankers read it for the weights' 1 / rms; ``qkv_combined``:
+    folded layers whose QKV node adds the previous layer's expert outputs in
+    its fold itself (it reads the combine's inputs instead of its output:
+    :meth:`megac.geometry.Geometry.qkv_combined`)."""
     folded = frozenset(folded)
     combined = frozenset(combined)
+    qkv_combined = frozenset(qkv_combined)
     L = spec.num_layers
     D = spec.hidden_size
     R = "rows"
@@ -174,7 +178,7 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
         opart = tensor(f"o_part[{l}]", "scratch", (spec.num_kv_heads, R, D), "fp32")
         # a folded reader reads what the norm writing x_in reads
         x_src = norm_reads[l] if l in folded else [x_in]
-        add(p + "qkv", "qkv", l, x_src, [q, kv], [w("w_qkv")])
+        add(p + "qkv", "qkv", l, comb_reads[l] if l in qkv_combined else x_src, [q, kv], [w("w_qkv")])
         add(p + "attn", "attn", l, [q, kv, "kv_cache"], [part])
         if merged_attn:  # the O-projection merges the splits itself
             add(p + "o_proj", "o_proj", l, [part], [opart], [w("w_o")])
@@ -241,7 +245,7 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
         reads = [r_in, *fparts] if seq else [r_in, opart, *fparts]
         add(p + "norm", "norm", l, reads, [r_out, x_next], [w("w_norm")])
         norm_reads[g_next] = reads
-        if not seq and layer.ffn != "dense" and not fused_combine and not split_down:
+        if not seq and layer.ffn != "dense" and not split_down:  # (with fused_combine: the norm's reads)
             comb_reads[g_next] = [r_in, opart, mo, topk, route]
     tensor("w_lm_head", "weight", (spec.vocab_size, D), "bf16")
     logits = tensor("logits", "scratch", (R, spec.vocab_size), "fp32")

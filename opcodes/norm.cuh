@@ -238,8 +238,18 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
 }
 
 
-// ADD_RMSNORM's vector form (MEGAC_NORM_VEC, ops_norm.cuh; rows without
-// ADD_MOE whose D is a multiple of 4 and at most kNormBatch per thread):
+// The QKV tile that folds the MoE combine with its norm (MEGAC_QKV_COMBINE,
+// ops_gemm.cuh) adds the row's expert outputs in the vector form below, so
+// that it and the norm task (whose FFN partial is MOE_COMBINE's sum) take
+// one path: the same sum of squares, the same bits. 0: the vector form
+// refuses ADD_MOE (the default build's code, as measured).
+#ifndef MEGAC_QKV_COMBINE
+#define MEGAC_QKV_COMBINE 0
+#endif
+
+// ADD_RMSNORM's vector form (MEGAC_NORM_VEC, ops_norm.cuh; rows whose D is
+// a multiple of 4 and at most kNormBatch per thread, without ADD_MOE unless
+// MEGAC_QKV_COMBINE):
 // each thread owns kNormBatch / 4 runs of 4 consecutive elements and moves
 // them as float4 (the planes) and 4 x bf16 (gamma, the output). Why: the
 // norm's 48 KB of planes take 3.2 us through 32-bit loads, ~15 GB/s (one
@@ -251,14 +261,64 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
 constexpr int kNormVecRuns = kNormBatch / 4;
 
 __device__ __forceinline__ bool vec_fits(const AddNorm& a) {
-  return a.moe == nullptr && a.D % 4 == 0 && a.D <= kNormBatch * int(blockDim.x);
+  return (MEGAC_QKV_COMBINE || a.moe == nullptr) && a.D % 4 == 0 && a.D <= kNormBatch * int(blockDim.x);
 }
+
+#if MEGAC_QKV_COMBINE
+// MOE_COMBINE's sum of this thread's runs (moe_sum's arithmetic per element:
+// w0 * y0, then + wq * yq in k order, product and sum rounded apart) added
+// to v, the last plane; every expert's loads out at once (one L2 round trip).
+// The row's slots and scores in shared memory (rs, rw).
+__device__ __forceinline__ void moe_add_vec(const AddNorm& a, const MoeRow& m, const int32_t* rs, const float* rw,
+                                            float4 (&v)[kNormVecRuns]) {
+  const int n4 = a.D / 4;
+  float4 u[kMoeMaxK][kNormVecRuns];
+#pragma unroll
+  for (int q = 0; q < kMoeMaxK; ++q)
+#pragma unroll
+    for (int j = 0; j < kNormVecRuns; ++j) {
+      const int c = threadIdx.x + j * blockDim.x;
+      u[q][j] = (q < m.k && c < n4) ? __ldcg(reinterpret_cast<const float4*>(m.y + int64_t(rs[q]) * a.D) + c)
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  float4 acc[kNormVecRuns];
+#pragma unroll
+  for (int q = 0; q < kMoeMaxK; ++q)
+    if (q < m.k) {
+      const float w = rw[q];
+#pragma unroll
+      for (int j = 0; j < kNormVecRuns; ++j) {
+        const float4 p = make_float4(__fmul_rn(w, u[q][j].x), __fmul_rn(w, u[q][j].y), __fmul_rn(w, u[q][j].z),
+                                     __fmul_rn(w, u[q][j].w));
+        acc[j] = q == 0 ? p : add_rn(acc[j], p);
+      }
+    }
+#pragma unroll
+  for (int j = 0; j < kNormVecRuns; ++j) v[j] = add_rn(v[j], acc[j]);
+}
+#endif
 
 __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
   const int nsets = a.n0 + a.n1;
   const int n4 = a.D / 4;
   float4 v[kNormVecRuns];
   uint2 g[kNormVecRuns];  // 4 bf16 of gamma per run
+#if MEGAC_QKV_COMBINE
+  // ADD_MOE: the row's slots and scores first, into registers of threads
+  // q < k (their round trip overlaps the planes'), to shared memory after
+  // the planes' adds (add_rmsnorm's order of events)
+  int32_t my_slot = 0;
+  float my_w = 0.f;
+  int32_t* rs = reinterpret_cast<int32_t*>(red + 64);
+  float* rw = red + 64 + kMoeMaxK;
+  if (a.moe != nullptr) {
+    __syncthreads();  // thread 0's MoeRow (written before the call) in view
+    if (int(threadIdx.x) < a.moe->k) {
+      my_slot = __ldcg(a.moe->slot + threadIdx.x);
+      my_w = __ldcg(a.moe->w + threadIdx.x);
+    }
+  }
+#endif
 #pragma unroll
   for (int j = 0; j < kNormVecRuns; ++j) {
     const int c = threadIdx.x + j * blockDim.x;
@@ -266,6 +326,16 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
     v[j] = c < n4 ? __ldcg(reinterpret_cast<const float4*>(a.x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   add_sets(a, nsets, int(threadIdx.x), n4, v);
+#if MEGAC_QKV_COMBINE
+  if (a.moe != nullptr) {  // MOE_COMBINE's plane, the last one added
+    if (int(threadIdx.x) < a.moe->k) {
+      rs[threadIdx.x] = my_slot;
+      rw[threadIdx.x] = my_w;
+    }
+    __syncthreads();
+    moe_add_vec(a, *a.moe, rs, rw, v);
+  }
+#endif
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < kNormVecRuns; ++j) {

@@ -70,6 +70,18 @@ constexpr bool kTiled = MEGAC_TC_GEMM && M::GEMM_TILED;
 #define MEGAC_ROUTER_COMBINE 0
 #endif
 
+// MEGAC_QKV_COMBINE (its default in norm.cuh): 1: QKV_PROJ tiles flagged
+// NORM_IN and ADD_MOE (the qkv_combine tile) add the previous layer's
+// expert outputs in their folded norm themselves (ops_norm.cuh
+// stage_norm_in, norm.cuh moe_add_vec), so they wait on the down claims and
+// the O-projection, not on MOE_COMBINE: a hop and a task less at the head
+// of the attention chain. The same bits as the norm task's x_norm (the
+// same adds, the same vector path). The build exports
+// megakernel_qkv_combine (end of this file); as with the router's switch
+// the default build has no device check of the flag, and the host refuses
+// to load such tasks into a build without the symbol. 0: the default
+// build's machine code is the one before it.
+
 // Where the tensor-core tile's bulk-copy ring starts in the scratch: after
 // the partials, aligned up to MEGAC_TC_RING_ALIGN bytes (the scratch itself
 // is 1024-aligned, mk_core.cuh). The ring's place moved whole steps (its
@@ -432,7 +444,16 @@ __device__ __forceinline__ void qkv_proj(const Ctx& c) {
   const int layer = c.ts->w[H_LAYER], flags = c.ts->w[H_FLAGS];
   const int n0 = MK_F(qkv_proj, N0), nlen = MK_F(qkv_proj, N_LEN);
   const bf16* x = ptr<const bf16>(d->x_norm) + Lay::x_norm(layer, 0) + MK_F(qkv_proj, K0);
+#if MEGAC_QKV_COMBINE
+  // NORM_IN with ADD_MOE: the folded norm adds the MoE combine itself
+  // (ops_norm.cuh stage_norm_in; its slots, scores and MoeRow in ys)
+  static_assert((64 + 2 * norm::kMoeMaxK) * 4 + sizeof(norm::MoeRow) <= GemmScratch<M>::kYBytes,
+                "the folded combine's words fit ys");
+  NormIn fold = MK_NORM_IN(qkv_proj, layer);
+  fold.moe = (flags & FLAG_ADD_MOE) != 0;
+#else
   const NormIn fold = MK_NORM_IN(qkv_proj, layer);
+#endif
   const float* ys = gemm<M>(c, qkv_proj_weights<M>(c, c.ts->w), x, M::HIDDEN, d->rows, nullptr,
                             (flags & FLAG_NORM_IN) != 0, fold);
   rows::QkvOut a;
@@ -606,4 +627,9 @@ __device__ __forceinline__ void moe_down_tile(const Ctx& c) {
 // so a host that loads COMBINE_IN tasks asks for it, as it reads
 // megakernel_weight_layout.
 extern "C" __device__ const int megakernel_router_combine = 1;
+#endif
+#if MEGAC_QKV_COMBINE
+// A cubin symbol: this build runs QKV_PROJ tasks flagged NORM_IN | ADD_MOE
+// (MEGAC_QKV_COMBINE); without it such a tile would add no experts.
+extern "C" __device__ const int megakernel_qkv_combine = 1;
 #endif

@@ -132,6 +132,12 @@ struct NormIn {
   // input from the same fields instead of the norm
   bool combine = false;
 #endif
+#if MEGAC_QKV_COMBINE
+  // NORM_IN with ADD_MOE (a QKV_PROJ tile, abi.py's _NORM_IN): the folded
+  // norm adds layer `layer`'s expert outputs itself (MOE_COMBINE's sum, as
+  // the norm task's ADD_MOE adds it) instead of an FFN partial (n_ffn 0)
+  bool moe = false;
+#endif
 };
 
 #if MEGAC_ROUTER_COMBINE
@@ -244,6 +250,22 @@ __device__ __forceinline__ void stage_norm_in(const Ctx& c, const NormIn& f, int
   if constexpr (M::HIDDEN <= norm::kNormBatch * M::THREADS) {
     for (int m = 0; m < rows; ++m) {
       norm::AddNorm a = norm_planes<M>(c.d, f.layer, m, f.resid, f.n_attn, f.n_ffn, f.slot);
+#if MEGAC_QKV_COMBINE
+      if constexpr (M::NUM_EXPERTS > 0) {
+        if (f.moe) {  // the row's experts (add_rmsnorm's ADD_MOE setup; run_norm's barrier ended the last row)
+          static_assert(M::TOP_K <= norm::kMoeMaxK, "the norm sums at most kMoeMaxK experts");
+          using Lay = Layout<M>;
+          norm::MoeRow* e = reinterpret_cast<norm::MoeRow*>(red + 64 + 2 * norm::kMoeMaxK);
+          if (threadIdx.x == 0) {
+            e->y = ptr<const float>(c.d->moe_out) + Lay::moe_out(f.layer, 0);  // tile 0 (no split_down)
+            e->slot = ptr<const int32_t>(c.d->route_slot) + Lay::topk(f.layer, m);
+            e->w = ptr<const float>(c.d->topk_w) + Lay::topk(f.layer, m);
+            e->k = M::TOP_K;
+          }
+          a.moe = e;
+        }
+      }
+#endif
       a.out = xs + m * pitch;  // the residual is not written (x_out null)
       a.lo = f.k0;
       a.hi = f.k0 + klen;

@@ -603,6 +603,27 @@ for m in r:
     MEGAC_PROFILE_TILES=rcomb SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs \
       tiny-llama-rcomb tiny-moe-rcomb nmc-slice-rcomb north-mini-code nmc-rcomb
     pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s45q)  # the QKV tiles that add the combine beside the router that does (TILES rcqc): the tiny
+                  # models and the slice under rcomb and rcqc, the plain NMC builds of the default, rcomb, rcqc
+    prebuild_start
+    SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs \
+      tiny-llama-rcomb tiny-moe-rcomb tiny-llama-rcqc tiny-moe-rcqc tiny-llama-rcqcfc tiny-moe-rcqcfc nmc-slice-rcqc nmc-slice-rcqcfc \
+      north-mini-code nmc-rcomb nmc-rcqc nmc-rcqcfc
+    pack_cubins < build/cz-s31/log.txt ;;
+  s45q)  # (prebuild_s45q, ~9.8 min, the H200 if it comes) the tiny models against the VM under rcomb (the
+         # batch-invariant form: alone_equals_batch must be true), rcqc and rcqcfc, the one-row fp32 slice under
+         # rcqcfc, then default / rcomb / rcqc / rcqcfc, engines alternating at bs1 until AB_END s
+    bash "$0" s44t
+    for tt in rcqc rcqcfc; do
+      MEGAC_TINY_TILES=$tt timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny-$tt.json \
+        > $OUT/tiny-$tt.log 2>&1; echo tiny $tt rc $?
+      python3 -c "import json; d=json.load(open('$OUT/tiny-$tt.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
+    done
+    MEGAC_CHECK_TILES=rcqcfc MEGAC_CHECK_ROWS=1 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
+      --out $OUT/slice-rcqcfc-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
+    t=default,rcomb,rcqc,rcqcfc; for i in $(seq 1 ${ROUNDS:-10}); do t=$t,default#$i,rcomb#$i,rcqc#$i,rcqcfc#$i; done
+    left=$((${AB_END:-585} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TB=${TB:-1} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-80 ;;
   s44r)  # (prebuild_s44r, ~9 min, any GPU) rcomb checked as a default would be (the tiny models against the
          # VM under it, the one-row fp32 slice), one profiled bs1 8K step of the default and of rcomb, then
          # rcomb against the default, engines alternating at bs1 until AB_END s

@@ -40,6 +40,8 @@ SMEM_SYMBOL = "megakernel_smem_bytes"
 LAYOUT_SYMBOL = "megakernel_weight_layout"
 #: a build with the router that folds the MoE combine (MEGAC_ROUTER_COMBINE) has this symbol
 COMBINE_SYMBOL = "megakernel_router_combine"
+#: a build whose QKV tiles add the MoE combine in their fold (MEGAC_QKV_COMBINE) has this symbol
+QKV_COMBINE_SYMBOL = "megakernel_qkv_combine"
 
 #: opcodes whose task words hold one GEMM tile (N0, N_LEN, K0, K_LEN)
 _GEMM_OPS = (Op.QKV_PROJ, Op.O_PROJ, Op.FFN_UPGATE_ACT, Op.FFN_DOWN, Op.ROUTER_GEMM, Op.LM_HEAD)
@@ -162,10 +164,13 @@ def switch_defaults(schedules) -> list[tuple[str, int]]:
     # the router that folds the MoE combine (COMBINE_IN) is compiled where a schedule has it: the
     # default build's code stays the one measured
     comb = any(s.geometry.router_combine for s in schedules)
+    # and the QKV tiles' fold that adds the combine (NORM_IN with ADD_MOE) likewise
+    qkv_comb = any(s.geometry.qkv_combine for s in schedules)
     return [("MEGAC_TC_WALK_POS", int(geo.hidden >= WALK_POS_MIN_HIDDEN)),
             ("MEGAC_X_ASYNC", int(geo.num_experts > 0)),
             ("MEGAC_TOPK_WARP", int(not split)),
-            ("MEGAC_ROUTER_COMBINE", int(comb))]
+            ("MEGAC_ROUTER_COMBINE", int(comb)),
+            ("MEGAC_QKV_COMBINE", int(qkv_comb))]
 
 
 # (buffer, Layout<Model> expression per dimension, condition on the model)

@@ -131,7 +131,7 @@ class GemmOp(OpDef):
             if comb is not None:
                 xb = combine_in_input(vm, self, xs, comb, k0, kl)
             elif fold is not None:
-                xb = norm_in_input(vm, xs, fold)
+                xb = norm_in_input(vm, xs, fold, self)
             elif vm.tracking and track_x:
                 vm.tr.read(xbuf, (xs, slice(None), slice(k0, k0 + kl)))
             if vm.tracking:
@@ -159,6 +159,8 @@ class QkvProj(GemmOp):
             flags[nt.fields["PART"] != abi.QkvPart.V] = int(f)
         if geo.folded(nt.layer):
             flags |= int(Flag.NORM_IN)
+        if geo.qkv_combined(nt.layer):  # the fold adds the MoE combine itself (qkv_combine)
+            flags |= int(Flag.ADD_MOE)
         return flags
 
     def check_tiles(self, F_, geo):
@@ -282,12 +284,11 @@ class QkvProj(GemmOp):
             runs.append((h, [(int(r[0]), int(r[-1]) + 1) for r in np.split(c, cuts)]))
         return ("part", layer, kl, rope, runs, vm.st.w("w_qkv")[layer], vm.st["q"][layer].view(vm.R, nq, hd))
 
-    @staticmethod
-    def _input(vm, layer: int, fold) -> str:
+    def _input(self, vm, layer: int, fold) -> str:
         """The buffer a layer's tiles read their input from: x_norm, or with
         NORM_IN the folded norm's output (``norm_in_input``)."""
         if fold is not None:
-            return norm_in_input(vm, layer, fold)
+            return norm_in_input(vm, layer, fold, self)
         if vm.tracking:
             vm.tr.read("x_norm", (layer, slice(None), slice(None)))
         return "x_norm"

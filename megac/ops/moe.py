@@ -708,8 +708,8 @@ class MoeDownDrain(_ExpertDrain):
         return 1
 
     def signal_count(self, layer, offset, geo):
-        if geo.fused_combine or (geo.router_combine and geo.rows == 1):
-            # one row (fused_combine_at, router_combine): its top-k experts are the layer's active
+        if geo.fused_combine or ((geo.router_combine or geo.qkv_combine) and geo.rows == 1):
+            # one row (fused_combine_at, router_combine, qkv_combine): its top-k experts are the layer's active
             # experts, so the count is known here (a waiter then needs no wait on its writer)
             return min(geo.num_experts, geo.top_k) * geo.down_tiles
         return abi.dyn(geo.target_words.moe_down_count(layer))

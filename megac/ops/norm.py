@@ -200,7 +200,9 @@ def norm_in_rules(lim) -> list:
 def norm_in_access(acc, op, w, ix, geo, x_slot, k0, kl) -> None:
     """A GEMM tile's input reads: rows ``[k0, k0 + kl)`` of ``x_norm[x_slot]``,
     or, flagged NORM_IN, every row of what the folded norm reads (its
-    residual slot and its partials: the whole row, for the row's scale)."""
+    residual slot and its partials: the whole row, for the row's scale;
+    with ADD_MOE, a QKV tile's, layer NORM_LAYER's routed expert outputs
+    with their slots and scores instead of an FFN partial)."""
     R, D = geo.rows, geo.hidden
     f = (w[:, H.FLAGS].astype(np.int64) & Flag.NORM_IN) != 0
     n = ~f
@@ -214,11 +216,19 @@ def norm_in_access(acc, op, w, ix, geo, x_slot, k0, kl) -> None:
     a, b = na > 0, nf > 0
     acc.add("o_part", False, ixf[a], at(nl[a]), (0, na[a]), span(R), span(D))
     acc.add("ffn_part", False, ixf[b], at(nl[b]), (0, nf[b]), span(R), span(D))
+    m = (wf[:, H.FLAGS].astype(np.int64) & Flag.ADD_MOE) != 0
+    if m.any():
+        E, K = max(geo.num_experts, 1), max(geo.top_k, 1)
+        acc.add("moe_out", False, ixf[m], at(nl[m]), span(E), span(R), span(K), span(D))
+        acc.add("topk_w", False, ixf[m], at(nl[m]), span(R), span(K))
+        acc.add("route_slot", False, ixf[m], at(nl[m]), span(R), span(K))
 
 
-def norm_in_of(vm, op, w) -> tuple[int, int, int, int] | None:
-    """The folded norm's (layer, attn splits, FFN splits, residual slot) of
-    the tasks ``w`` of one group (all flagged NORM_IN or none), or None."""
+def norm_in_of(vm, op, w) -> tuple[int, int, int, int, bool] | None:
+    """The folded norm's (layer, attn splits, FFN splits, residual slot,
+    whether it adds the layer's expert outputs (ADD_MOE)) of the tasks ``w``
+    of one group (all flagged NORM_IN or none), or None. ADD_MOE: QKV_PROJ
+    tiles only, with NORM_FFN_SPLITS 0 and NORM_LAYER a MoE layer."""
     f = (w[:, H.FLAGS].astype(np.int64) & Flag.NORM_IN) != 0
     if not f.any():
         return None
@@ -232,16 +242,28 @@ def norm_in_of(vm, op, w) -> tuple[int, int, int, int] | None:
     if not (0 <= nl < vm.geo.num_layers and 0 <= na <= st["o_part"].shape[1] and 0 <= nf <= st["ffn_part"].shape[1]
             and 0 <= rin < vm.geo.norm_slots):
         raise BadTaskError(f"{op.name}: NORM_* fields out of range", opcode=int(op))
-    return nl, na, nf, rin
+    m = (w[:, H.FLAGS].astype(np.int64) & Flag.ADD_MOE) != 0
+    if m.any() and not m.all():
+        raise BadTaskError(f"{op.name}: the tiles of one input disagree on ADD_MOE", opcode=int(op))
+    moe = bool(m.any())
+    if moe and (op != Op.QKV_PROJ or nf != 0 or vm.geo.ffn[nl] != "moe"):
+        raise BadTaskError(f"{op.name}: ADD_MOE with NORM_IN is a QKV_PROJ input with NORM_FFN_SPLITS 0 and "
+                           f"NORM_LAYER a MoE layer", opcode=int(op))
+    return nl, na, nf, rin, moe
 
 
-def norm_in_input(vm, slot: int, fold: tuple[int, int, int, int]) -> str:
+def norm_in_input(vm, slot: int, fold: tuple[int, int, int, int, bool], d: OpDef | None = None) -> str:
     """The folded norm's output for x_norm slot ``slot`` (ADD_RMSNORM's
     arithmetic on the same planes in the same order, so the bits the norm
-    task writes to ``x_norm[slot]``), into the VM's private ``x_fold[slot]``
-    once a step; returns that buffer's name for ``VM.products``."""
-    nl, na, nf, rin = fold
+    task writes to ``x_norm[slot]``; with ADD_MOE the layer's expert outputs
+    summed as MOE_COMBINE sums them, added last, as the norm adds that
+    task's partial), into the VM's private ``x_fold[slot]`` once a step;
+    returns that buffer's name for ``VM.products``. ``d``: the reader's
+    OpDef (its errors' name)."""
+    nl, na, nf, rin, moe = fold
     st = vm.st
+    rows = np.arange(vm.R)
+    slots = routed_slots(vm, d, nl, rows, "moe_out") if moe else None
     if vm.tracking:
         for r in range(vm.R):
             vm.tr.read("x_resid", (rin, r, slice(None)))
@@ -249,13 +271,20 @@ def norm_in_input(vm, slot: int, fold: tuple[int, int, int, int]) -> str:
                 vm.tr.read("o_part", (nl, sp, r, slice(None)))
             for sp in range(nf):
                 vm.tr.read("ffn_part", (nl, sp, r, slice(None)))
-    key = ("norm_in", slot)
+            if moe:
+                vm.tr.read("route_slot", (nl, r, slice(None)))
+                vm.tr.read("topk_w", (nl, r, slice(None)))
+                vm.tr.read("moe_out", (nl, slots[r], slice(None)))
+    key = ("norm_in", slot, moe)
     if key not in vm.cache:
         x = st["x_resid"][rin]
         for sp in range(na):
             x = x + st["o_part"][nl, sp]
         for sp in range(nf):
             x = x + st["ffn_part"][nl, sp]
+        if moe:
+            D = vm.geo.hidden
+            x = x + routing.combine(st["topk_w"][nl, idx(rows)], st["moe_out"][nl][idx(slots)][..., :D])
         st["x_fold"][slot] = rms_norm(x, st["w_norm"][slot], vm.eps, st.act)
         vm.cache[key] = True
     return "x_fold"

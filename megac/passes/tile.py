@@ -110,6 +110,16 @@ def _router_fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np
     return f
 
 
+def _qkv_fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarray]:
+    """A QKV tile's NORM_* fields: the folded norm's (``_fold_fields``), where
+    it adds the MoE combine itself (Geometry.qkv_combined) without the FFN
+    partial: it adds layer ``l - 1``'s expert outputs instead (ADD_MOE)."""
+    f = _fold_fields(geo, l, like)
+    if geo.qkv_combined(l):
+        f["NORM_FFN_SPLITS"] = np.zeros_like(like)
+    return f
+
+
 def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
     k, l = nt.kind, nt.layer
     R, D, hd = geo.rows, geo.hidden, geo.head_dim
@@ -123,7 +133,7 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         h, sub = _grid(range(nq + 2 * nkv), range(per))
         n0 = h * hd + sub * bn
         F = dict(N0=n0, N_LEN=np.full_like(n0, bn), K0=np.zeros_like(n0), K_LEN=np.full_like(n0, D),
-                 SPLIT=np.zeros_like(n0), PART=part[h], HEAD=head[h], **_fold_fields(geo, l, n0))
+                 SPLIT=np.zeros_like(n0), PART=part[h], HEAD=head[h], **_qkv_fold_fields(geo, l, n0))
         shape, box = (geo.qkv_width,), _boxes((n0, n0 + bn))
     elif k == "attn" and geo.sliding[l]:
         S = geo.sliding_static_splits

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 12
+#define MEGAC_ABI_VERSION 13
 
 namespace megac {
 

@@ -95,7 +95,7 @@ def test_ring_stages_of_ten_blocks_keep_the_accumulators_in_registers(tmp_path):
 
 
 @needs_nvcc
-def test_the_claimed_attention_prime_the_drained_stop_and_the_router_combine_compile(tmp_path):
+def test_the_claimed_attention_prime_the_drained_stop_and_the_combine_folds_compile(tmp_path):
     # MEGAC_ATTN_CLAIM_PRIME (ops_attention.cuh AttnEarly): a claimed split
     # primes its tensor-copy ring before its wait. North Mini Code's 128-dim
     # heads take the tensor-copy form, so the switch must change the code
@@ -114,15 +114,19 @@ def test_the_claimed_attention_prime_the_drained_stop_and_the_router_combine_com
     # with the MoE combine added, gamma * x unnormalised (ops_norm.cuh
     # stage_combine_in), and a COMBINE_IN finalize scales the selected logits
     # by 1 / rms (moe_routing.cuh rows_inv_rms); its build says so to the host
-    # (the megakernel_router_combine symbol). Each switch on against it off
-    for switch in ("MEGAC_ATTN_CLAIM_PRIME", "MEGAC_UP_DRAINED_STOP", "MEGAC_ROUTER_COMBINE"):
+    # (the megakernel_router_combine symbol); and MEGAC_QKV_COMBINE
+    # (ops_gemm.cuh): a QKV tile flagged NORM_IN and ADD_MOE adds the MoE
+    # combine in its fold (norm.cuh moe_add_vec; megakernel_qkv_combine).
+    # Each switch on against it off
+    symbols = {"MEGAC_ROUTER_COMBINE": b"megakernel_router_combine", "MEGAC_QKV_COMBINE": b"megakernel_qkv_combine"}
+    for switch in ("MEGAC_ATTN_CLAIM_PRIME", "MEGAC_UP_DRAINED_STOP", "MEGAC_ROUTER_COMBINE", "MEGAC_QKV_COMBINE"):
         on, off = (build_cubin(tmp_path / SOURCE, defines={switch: v}, include_dirs=inc,
                                cache_dir=tmp_path / f"{switch}-{v}") for v in (1, 0))
         k = report(on)["kernels"]["megakernel"]
         assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, (switch, k)
         assert on.read_bytes() != off.read_bytes(), switch
-        has_symbol = [b"megakernel_router_combine" in c.read_bytes() for c in (on, off)]
-        assert has_symbol == [switch == "MEGAC_ROUTER_COMBINE", False], switch
+        for name, sym in symbols.items():
+            assert [sym in c.read_bytes() for c in (on, off)] == [switch == name, False], (switch, name)
 
 
 @needs_nvcc

@@ -1446,6 +1446,13 @@ TILES = {
     # its waits are the down claims' and the O-projection's, two hops less before the up claims rank
     # (forty-fourth session; the finalize scales the weights by 1 / rms)
     "rcomb": {"router_combine": 1},
+    # and the folded QKV tiles add the MoE combine themselves (NORM_IN with ADD_MOE): they wait on the
+    # down claims and the O-projection, not on MOE_COMBINE (forty-fifth session; the default's bits)
+    "qc": {"qkv_combine": 1},
+    "rcqc": {"router_combine": 1, "qkv_combine": 1},
+    # and the norm sums the experts itself (fused_combine): no MOE_COMBINE at batch 1, the norm that
+    # gates the up claims' rows waits on the down claims directly (the same bits as rcqc)
+    "rcqcfc": {"router_combine": 1, "qkv_combine": 1, "fused_combine": 1},
     "up96": {"moe_up_bn": 96},  # 16 expert up/gate tiles: 128 claims at batch 1, one per SM
     "up64": {"moe_up_bn": 64},
     "r16": {"router_splits": 16},  # router GEMM over 16 SMs instead of 4
