@@ -254,8 +254,10 @@ DEFAULT_TILES = {
     # its weights as the finalize does. Measured (H100, forty-fourth session,
     # NMC 8K bs1, engines alternating, the batch-1 form): -2.1 % median,
     # -2.0 % mean (23 / 24 engines); checked as a default would be at one
-    # row. The batch-invariant form is not yet run on a GPU.
-    "router_combine": 0,
+    # row. The batch-invariant form (forty-fifth session, H100): the tiny
+    # models' rows alone equal the same rows in a batch bit for bit and match
+    # the VM; NMC bs1 8K -2.6 % median / -2.3 % mean (11 / 12 engines)
+    "router_combine": 1,
     # 1: in the layers that fold their norm (norm_fold) at one row, without
     # split_down, the QKV tiles' folded norm adds the previous layer's
     # expert outputs itself (QKV_PROJ flagged NORM_IN and ADD_MOE:
@@ -264,17 +266,26 @@ DEFAULT_TILES = {
     # O-projection, not on MOE_COMBINE: a hop and a task less at the head of
     # the attention chain, which router_combine left the longer one. The
     # same bits as the norm task's x_norm (the same adds, the same vector
-    # path on the device): the logits do not change, at any batch. Not
-    # measured on a GPU yet
-    "qkv_combine": 0,
+    # path on the device): the logits do not change, at any batch. Measured
+    # (forty-fifth session, H100, NMC bs1 8K, engines alternating, beside
+    # router_combine): -0.05 % median / -0.2 % mean against router_combine
+    # alone (11 engines each, one standard error ~0.2 %): even. On by default
+    # beside router_combine because that build keeps nothing in local memory
+    # (router_combine alone spills 8 bytes of the dispatch loop at 255
+    # registers). With fused_combine as well (the norm sums the experts, no
+    # MOE_COMBINE at batch 1) +0.7 %: the norm that gates the up claims'
+    # rows ends later
+    "qkv_combine": 1,
 }
 
 #: The tiles that give the plain batch-1 schedule of the sessions before the
 #: twenty-fifth (no split-K expert down projection, no attention merge in the
 #: O-projection), with the router over 4 SMs, one combine task a row and LM
-#: head tiles of 256 rows: what a recorded trace or step that names no such
-#: key ran.
-PLAIN_TILES = {"split_down": 0, "o_proj_merge": 0, "router_splits": 4, "routed_combine_splits": 0, "lm_bn": 256}
+#: head tiles of 256 rows, and the routers and QKV tiles folding the norm
+#: rather than the MoE combine (the forty-fifth session's defaults): what a
+#: recorded trace or step that names no such key ran.
+PLAIN_TILES = {"split_down": 0, "o_proj_merge": 0, "router_splits": 4, "routed_combine_splits": 0, "lm_bn": 256,
+               "router_combine": 0, "qkv_combine": 0}
 
 #: K ranges of split-K slices are multiples of this (16-byte bf16 vectors).
 K_ALIGN = 8

@@ -610,6 +610,23 @@ for m in r:
       tiny-llama-rcomb tiny-moe-rcomb tiny-llama-rcqc tiny-moe-rcqc tiny-llama-rcqcfc tiny-moe-rcqcfc nmc-slice-rcqc nmc-slice-rcqcfc \
       north-mini-code nmc-rcomb nmc-rcqc nmc-rcqcfc
     pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s45b)  # the new default (router_combine, qkv_combine) plain and profiled, the one before (TILES norc), the
+                  # bench's ceiling kernel
+    prebuild_start
+    prebuild_specs north-mini-code nmc-norc
+    prebuild_ceiling
+    pack_cubins < build/cz-s31/log.txt ;;
+  s45b)  # (prebuild_s45b, ~7 min, any GPU; the H200 for the headline) megac bench of the default (rcqc) at bs1
+         # with ENG engines, then it against the one before (norc), engines alternating at bs8 until AB_END s, then
+         # one profiled bs1 8K step of it
+    BT=${BT:-150} BS=1 ENG=${ENG:-3} bash "$0" bench
+    t=default,norc; for i in $(seq 1 ${ROUNDS:-6}); do t=$t,default#$i,norc#$i; done
+    left=$((${AB_END:-330} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 60 ] && AT=$left TB=${TB:-8} TLIST=${TLIST:-$t} bash "$0" ab | cut -c1-80
+    MEGAC_PROFILE_CASES=1:8192 timeout ${PT:-100} python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json \
+      2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-300
+    for f in $OUT/*.trace.json; do gzip -q "$f"; done
+    rm -f $OUT/profile-*ctx8192*.json ;;
   s45q)  # (prebuild_s45q, ~9.8 min, the H200 if it comes) the tiny models against the VM under rcomb (the
          # batch-invariant form: alone_equals_batch must be true), rcqc and rcqcfc, the one-row fp32 slice under
          # rcqcfc, then default / rcomb / rcqc / rcqcfc, engines alternating at bs1 until AB_END s

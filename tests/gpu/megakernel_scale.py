@@ -1446,6 +1446,7 @@ TILES = {
     # its waits are the down claims' and the O-projection's, two hops less before the up claims rank
     # (forty-fourth session; the finalize scales the weights by 1 / rms)
     "rcomb": {"router_combine": 1},
+    "norc": {"router_combine": 0, "qkv_combine": 0},  # the default before the forty-fifth session
     # and the folded QKV tiles add the MoE combine themselves (NORM_IN with ADD_MOE): they wait on the
     # down claims and the O-projection, not on MOE_COMBINE (forty-fifth session; the default's bits)
     "qc": {"qkv_combine": 1},

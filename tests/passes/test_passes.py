@@ -143,14 +143,29 @@ def test_postconditions(model, rows):
                     assert w[i, F(Op.O_PROJ, "MERGE_SPLITS")] == 0
         # the next layer waits norm[l] (target rows), or where it folds that
         # norm (NORM_IN) what the norm task waits on
-        if nt.op == Op.QKV_PROJ and l > 0 and geo.folded(l):
+        if nt.op == Op.QKV_PROJ and l > 0 and geo.qkv_combined(l):
+            # it adds the combine itself: the norm's waits with the combine's replaced by the
+            # combine's own (the down claims)
+            (comb,) = [m for m in lw.nodes if m.kind == "moe_combine" and m.layer == l - 1]
+            (norm,) = [m for m in lw.nodes if m.kind == "norm" and m.layer == l - 1]
+            pairs = lambda x: {(int(x[c]), int(x[t])) for c, t in ((H.WAIT0, H.TARGET0), (H.WAIT1, H.TARGET1))  # noqa: E731
+                               if x[c] >= 0}
+            cw, nw = comb.words.astype(np.int64)[0], norm.words.astype(np.int64)[0]
+            want = {p for p in pairs(nw) if p[0] != cw[H.SIGNAL]} | pairs(cw)
+            assert all(pairs(x) == want for x in w) and len(want) == 2, (pairs(w[0]), want)
+        elif nt.op == Op.QKV_PROJ and l > 0 and geo.folded(l):
             (norm,) = [m for m in lw.nodes if m.kind == "norm" and m.layer == l - 1]
             nw = norm.words.astype(np.int64)[0]
             assert (w[:, [H.WAIT0, H.TARGET0, H.WAIT1, H.TARGET1]] == nw[[H.WAIT0, H.TARGET0, H.WAIT1, H.TARGET1]]).all()
         elif nt.op == Op.QKV_PROJ and l > 0:
             assert (w[:, H.WAIT0] == names.index(f"norm[{l - 1}]")).all()
             assert (w[:, H.TARGET0] == geo.rows).all() and (w[:, H.WAIT1] == -1).all()
-        if nt.op == Op.MOE_COMBINE:
+        if nt.op == Op.MOE_COMBINE and geo.router_combine and geo.rows == 1 and not geo.split_down:
+            # one row where the router folds the combine: the down count is the compiler's
+            # (the row's top-k experts' tiles), so the combine waits on the down claims alone
+            assert names[w[0, H.WAIT0]] == f"moe_down[{l}]" and w[0, H.WAIT1] == -1
+            assert w[0, H.TARGET0] == min(geo.num_experts, geo.top_k) * geo.down_tiles
+        elif nt.op == Op.MOE_COMBINE:
             assert names[w[0, H.WAIT0]] == f"route[{l}]" and w[0, H.TARGET0] == 1
             # split_down: the up claims write moe_out (no down claims)
             assert names[w[0, H.WAIT1]] == (f"moe_up[{l}]" if geo.split_down else f"moe_down[{l}]")
@@ -160,10 +175,14 @@ def test_postconditions(model, rows):
         if nt.op == Op.MOE_UPGATE_DRAIN and geo.routed_claims:
             # routed claims: the claimers rank the rows from the router's partials (every router task)
             # (where the router folds the norm, the claimer waits on the norm task itself too)
+            # (where it folds the combine instead (router_combined) the claims wait on that norm
+            # themselves, after the ranking: TASK_WAIT_BASE)
             waits = {names[w[0, c]]: w[0, t] for c, t in ((H.WAIT0, H.TARGET0), (H.WAIT1, H.TARGET1)) if w[0, c] >= 0}
-            assert set(waits) == ({f"router[{l}]", f"norm[{l - 1}]"} if geo.folded(l) else {f"router[{l}]"})
+            header_norm = geo.folded(l) and not geo.router_combined(l)
+            assert set(waits) == ({f"router[{l}]", f"norm[{l - 1}]"} if header_norm else {f"router[{l}]"})
             assert waits[f"router[{l}]"] == geo.router_splits * -(-geo.num_experts // geo.router_bn)
-            assert w[0, F(Op.MOE_UPGATE_DRAIN, "TASK_WAIT_BASE")] == -1
+            tw = int(w[0, F(Op.MOE_UPGATE_DRAIN, "TASK_WAIT_BASE")])
+            assert (names[tw] == f"norm[{l - 1}]") if geo.router_combined(l) else tw == -1
         if nt.op == Op.MOE_DOWN_DRAIN:
             base = int(w[0, F(Op.MOE_DOWN_DRAIN, "TASK_WAIT_BASE")])
             assert names[base] == f"moe_up[{l}][0]" and names[base + geo.num_experts - 1] == f"moe_up[{l}][{geo.num_experts - 1}]"

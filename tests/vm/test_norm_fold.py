@@ -21,11 +21,11 @@ from megac.weights import random_weights
 from models import variant
 
 
-def _spec(fold: int, top_k: int | None = None):
+def _spec(fold: int, top_k: int | None = None, **tiles):
     moe = load_spec("tiny-moe")
     over = {"top_k": top_k} if top_k else None
-    return variant(moe, f"nf-{fold}-{top_k}", moe=over, tie_embeddings=False,
-                   target={**moe.target.model_dump(), "tiles": {"norm_fold": fold}})
+    return variant(moe, f"nf-{fold}-{top_k}-{len(tiles)}", moe=over, tie_embeddings=False,
+                   target={**moe.target.model_dump(), "tiles": {"norm_fold": fold, **tiles}})
 
 
 def _tasks(sched, op):
@@ -34,7 +34,9 @@ def _tasks(sched, op):
 
 
 def test_the_qkv_and_router_tiles_carry_their_norm():
-    base, fold = compile_one(_spec(0), "tuned", 1, 1024), compile_one(_spec(1), "tuned", 1, 1024)
+    # the tiles folding the norm, not the combine (router_combine's and qkv_combine's own tests
+    # hold those forms)
+    base, fold = (compile_one(_spec(f, router_combine=0, qkv_combine=0), "tuned", 1, 1024) for f in (0, 1))
     assert fold.num_tasks == base.num_tasks
     geo = fold.geometry
     norms = _tasks(fold, Op.ADD_RMSNORM)
@@ -59,7 +61,7 @@ def test_the_qkv_and_router_tiles_carry_their_norm():
             assert waits == {int(n[H.WAIT0]), int(n[H.WAIT1])} - {-1}, (op, layer)
     assert not (_tasks(base, Op.QKV_PROJ)[:, H.FLAGS] & int(Flag.NORM_IN)).any()
     # more rows than the bound (and than routed claims cover): no fold
-    two = compile_one(_spec(1), "tuned", 2, 1024)
+    two = compile_one(_spec(1, router_combine=0, qkv_combine=0), "tuned", 2, 1024)
     assert not (_tasks(two, Op.ROUTER_GEMM)[:, H.FLAGS] & int(Flag.NORM_IN)).any()
 
 
