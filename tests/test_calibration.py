@@ -551,7 +551,7 @@ def test_calibrate_command_rebuilds_the_traced_tiles(tmp_path, fold19):
     trace.write_bytes(gzip.compress(json.dumps(chrome_trace(recs, meta)).encode()))
     r = _cli(trace)
     said = ("compiling with the trace's tiles (lm_bn -1 -> 256, o_proj_bn 128 -> 64, o_proj_merge -1 -> 0, "
-            "routed_combine_splits 8 -> 0, router_splits 8 -> 4)")
+            "qkv_combine 1 -> 0, routed_combine_splits 8 -> 0, router_combine 1 -> 0, router_splits 8 -> 4)")
     assert r.exit_code == 0 and said in r.output, r.output
     # recorded under an order whose file now holds other waves (here: the waves of tuned before the
     # thirty-sixth session, tuned-session35, under the name attention-first), the waves the trace
