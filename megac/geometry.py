@@ -264,7 +264,7 @@ DEFAULT_TILES = {
     # MOE_COMBINE's sum, as the norm task's ADD_MOE adds it) instead of
     # MOE_COMBINE's partial, so they wait on the down claims and the
     # O-projection, not on MOE_COMBINE: a hop and a task less at the head of
-    # the attention chain, which router_combine left the longer one. The
+    # the attention chain (the guess: router_combine left it the longer one). The
     # same bits as the norm task's x_norm (the same adds, the same vector
     # path on the device): the logits do not change, at any batch. Measured
     # (forty-fifth session, H100, NMC bs1 8K, engines alternating, beside

@@ -241,8 +241,8 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
 // The QKV tile that folds the MoE combine with its norm (MEGAC_QKV_COMBINE,
 // ops_gemm.cuh) adds the row's expert outputs in the vector form below, so
 // that it and the norm task (whose FFN partial is MOE_COMBINE's sum) take
-// one path: the same sum of squares, the same bits. 0: the vector form
-// refuses ADD_MOE (the default build's code, as measured).
+// one path: the same sum of squares, the same bits. 0 (a build without the
+// tile): the vector form refuses ADD_MOE, the code from before it.
 #ifndef MEGAC_QKV_COMBINE
 #define MEGAC_QKV_COMBINE 0
 #endif

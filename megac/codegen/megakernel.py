@@ -161,8 +161,8 @@ def switch_defaults(schedules) -> list[tuple[str, int]]:
     # The one-row ranking on a warp holds 4 logits a lane in registers: beside the split-K down
     # projection's staged combine the build spills (8 bytes, 255 registers), so split builds rank as before.
     split = any(s.geometry.split_down for s in schedules)
-    # the router that folds the MoE combine (COMBINE_IN) is compiled where a schedule has it: the
-    # default build's code stays the one measured
+    # the router that folds the MoE combine (COMBINE_IN) is compiled where a schedule has it (the
+    # default tiles do): a build without it keeps the code from before it
     comb = any(s.geometry.router_combine for s in schedules)
     # and the QKV tiles' fold that adds the combine (NORM_IN with ADD_MOE) likewise
     qkv_comb = any(s.geometry.qkv_combine for s in schedules)
