@@ -328,6 +328,12 @@ struct DownPairSource {
 #ifndef MEGAC_UP_FIRST_EARLY
 #define MEGAC_UP_FIRST_EARLY 0
 #endif
+// Where the router folds the MoE combine the claims wait on the norm that
+// writes their rows (TASK_WAIT_BASE) after the ranking; the early X copies
+// would read those rows before that wait.
+#if MEGAC_UP_FIRST_EARLY && MEGAC_ROUTER_COMBINE
+#error "MEGAC_UP_FIRST_EARLY issues the claim's X before its wait on the norm: not with MEGAC_ROUTER_COMBINE"
+#endif
 
 // 1: a routed up claimer stops after its first claim where the layer's
 // claims (the active experts' tiles) fit one an SM (mk_core.cuh

@@ -133,6 +133,11 @@ def test_the_claimed_attention_prime_the_drained_stop_and_the_combine_folds_comp
         for name, sym in symbols.items():
             want = [True, False] if switch == name else [bool(defaults[name])] * 2
             assert [sym in c.read_bytes() for c in (on, off)] == want, (switch, name)
+    # the claim's early X copies would read its rows before its wait on the norm (ops_moe.cuh): refused
+    assert defaults["MEGAC_ROUTER_COMBINE"]
+    with pytest.raises(Exception, match="MEGAC_UP_FIRST_EARLY"):
+        build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_FIRST_EARLY": 1}, include_dirs=inc,
+                    cache_dir=tmp_path / "first-early")
 
 
 @needs_nvcc

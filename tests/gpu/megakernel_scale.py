@@ -838,7 +838,8 @@ VARIANTS = {
     # placement from them, one barrier (moe_routing.cuh, ops_moe.cuh); MoE models only
     "topk_warp": {"MEGAC_TOPK_WARP": 1},
     # and the first claim's X copies and ring stages issued by the whole CTA before the claim loop
-    # hands the record over (ops_moe.cuh MEGAC_UP_FIRST_EARLY)
+    # hands the record over (ops_moe.cuh MEGAC_UP_FIRST_EARLY; refused beside router_combine, the
+    # default since the forty-fifth session: its claims wait on the norm after the ranking)
     "topk_warp_fe": {"MEGAC_TOPK_WARP": 1, "MEGAC_UP_FIRST_EARLY": 1},
     # a down claimer takes one claim at most while the layer's down claims fit one an SM
     # (ops_moe.cuh MEGAC_DOWN_ONE_CLAIM); and with the one-row ranking on warp 0
