@@ -52,6 +52,31 @@ struct MoeRow {
   int k;
 };
 
+// ADD_MOE: the row's slots and scores, loaded by threads q < k into
+// registers first (`load`, before the planes' loads: their round trip
+// overlaps the planes'), then shared with the CTA (`share`, after the
+// planes' loads are issued) at rs / rw. Both norm forms take this order.
+struct MoeSlots {
+  int32_t slot = 0;
+  float w = 0.f;
+  __device__ __forceinline__ void load(const MoeRow* m) {
+    if (m != nullptr) {
+      __syncthreads();  // thread 0's MoeRow (written before the call) in view
+      if (int(threadIdx.x) < m->k) {
+        slot = __ldcg(m->slot + threadIdx.x);
+        w = __ldcg(m->w + threadIdx.x);
+      }
+    }
+  }
+  __device__ __forceinline__ void share(const MoeRow& m, int32_t* rs, float* rw) const {
+    if (int(threadIdx.x) < m.k) {
+      rs[threadIdx.x] = slot;
+      rw[threadIdx.x] = w;
+    }
+    __syncthreads();
+  }
+};
+
 // Elements a thread sums at once, and partial sets whose loads are issued
 // together before the first add: the partials come from other SMs through
 // L2, and each round of loads costs a loaded L2 round trip on every layer's
@@ -170,20 +195,11 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
       g[j] = i < a.D ? __bfloat162float(a.gamma[i]) : 0.f;
     }
   }
-  // ADD_MOE: the row's slots and scores are loaded first, by threads q < k,
-  // into registers, so their round trip overlaps the residual's and the
-  // partials' loads; they go to shared memory after those loads are issued
-  int32_t my_slot = 0;
-  float my_w = 0.f;
+  // ADD_MOE: the row's slots and scores (MoeSlots: loaded now, shared on the first pass)
   int32_t* rs = reinterpret_cast<int32_t*>(red + 64);
   float* rw = red + 64 + kMoeMaxK;
-  if (a.moe != nullptr) {
-    __syncthreads();  // thread 0's MoeRow (written before the call) in view
-    if (int(threadIdx.x) < a.moe->k) {
-      my_slot = __ldcg(a.moe->slot + threadIdx.x);
-      my_w = __ldcg(a.moe->w + threadIdx.x);
-    }
-  }
+  MoeSlots ms;
+  ms.load(a.moe);
   float ss = 0.f;
   // per element the same adds in the same order as one at a time:
   // x, then parts0[0..n0), then parts1[0..n1); ss over elements in index order
@@ -196,13 +212,7 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
     add_sets(a, nsets, i0, a.D, v);
     if (a.moe != nullptr) {  // MOE_COMBINE's plane, the last one added
       const MoeRow& m = *a.moe;
-      if (i0 == int(threadIdx.x)) {  // first pass: the slots and scores to the CTA
-        if (int(threadIdx.x) < m.k) {
-          rs[threadIdx.x] = my_slot;
-          rw[threadIdx.x] = my_w;
-        }
-        __syncthreads();
-      }
+      if (i0 == int(threadIdx.x)) ms.share(m, rs, rw);  // first pass: the slots and scores to the CTA
       float acc[kNormBatch];
       moe_sum(a, m, rs, rw, i0, acc);
 #pragma unroll
@@ -304,20 +314,11 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
   float4 v[kNormVecRuns];
   uint2 g[kNormVecRuns];  // 4 bf16 of gamma per run
 #if MEGAC_QKV_COMBINE
-  // ADD_MOE: the row's slots and scores first, into registers of threads
-  // q < k (their round trip overlaps the planes'), to shared memory after
-  // the planes' adds (add_rmsnorm's order of events)
-  int32_t my_slot = 0;
-  float my_w = 0.f;
+  // ADD_MOE: the row's slots and scores (MoeSlots, add_rmsnorm's order of events)
   int32_t* rs = reinterpret_cast<int32_t*>(red + 64);
   float* rw = red + 64 + kMoeMaxK;
-  if (a.moe != nullptr) {
-    __syncthreads();  // thread 0's MoeRow (written before the call) in view
-    if (int(threadIdx.x) < a.moe->k) {
-      my_slot = __ldcg(a.moe->slot + threadIdx.x);
-      my_w = __ldcg(a.moe->w + threadIdx.x);
-    }
-  }
+  MoeSlots ms;
+  ms.load(a.moe);
 #endif
 #pragma unroll
   for (int j = 0; j < kNormVecRuns; ++j) {
@@ -328,11 +329,7 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
   add_sets(a, nsets, int(threadIdx.x), n4, v);
 #if MEGAC_QKV_COMBINE
   if (a.moe != nullptr) {  // MOE_COMBINE's plane, the last one added
-    if (int(threadIdx.x) < a.moe->k) {
-      rs[threadIdx.x] = my_slot;
-      rw[threadIdx.x] = my_w;
-    }
-    __syncthreads();
+    ms.share(*a.moe, rs, rw);
     moe_add_vec(a, *a.moe, rs, rw, v);
   }
 #endif
