@@ -56,6 +56,23 @@ class _Rows:
             t[self.rs] = x
 
 
+def _read_experts(vm, layer: int, row: int, row_slots, cols: slice) -> None:
+    """Checked mode: the reads of row ``row``'s MoE combine on layer
+    ``layer`` by a norm or a fold that adds it itself: its slots, scores and
+    columns ``cols`` of its routed slots' (``row_slots``) outputs."""
+    vm.tr.read("route_slot", (layer, row, slice(None)))
+    vm.tr.read("topk_w", (layer, row, slice(None)))
+    vm.tr.read("moe_out", (layer, row_slots, cols))
+
+
+def _experts_sum(vm, layer: int, rows, slots) -> torch.Tensor:
+    """MOE_COMBINE's sum of ``rows`` of layer ``layer`` (``routing.combine``
+    of their routed ``slots``' outputs, tile 0: no split_down where a norm
+    or a fold adds it), the plane a norm adds last."""
+    st = vm.st
+    return routing.combine(st["topk_w"][layer, idx(rows)], st["moe_out"][layer][idx(slots)][..., :vm.geo.hidden])
+
+
 def track(vm, layer: int, gamma: int, resid_in: int, rows: list[int], parts: list[tuple[str, int]],
           slots=None) -> None:
     """ADD_RMSNORM's accesses of ``rows`` (checked mode), in execution order
@@ -67,9 +84,7 @@ def track(vm, layer: int, gamma: int, resid_in: int, rows: list[int], parts: lis
             vm.tr.read(name, (layer, sp, r, slice(None)))
     if slots is not None:
         for j, r in enumerate(rows):
-            vm.tr.read("route_slot", (layer, r, slice(None)))
-            vm.tr.read("topk_w", (layer, r, slice(None)))
-            vm.tr.read("moe_out", (layer, slots[j], slice(0, vm.geo.hidden)))
+            _read_experts(vm, layer, r, slots[j], slice(0, vm.geo.hidden))
     for r in rows:
         vm.tr.write("x_resid", (gamma, r, slice(None)))
         vm.tr.write("x_norm", (gamma, r, slice(None)))
@@ -174,8 +189,7 @@ class AddRmsnorm(OpDef):
             for plane in io.parts:
                 x = x + io.read(plane)
             if moe:  # MOE_COMBINE's sum, then added as its ffn_part plane would be
-                y = st["moe_out"][layer][idx(slots)][..., :vm.geo.hidden]  # tile 0: no split_down with the fold
-                x = x + routing.combine(st["topk_w"][layer, idx(rows)], y)
+                x = x + _experts_sum(vm, layer, rows, slots)
             io.write(io.resid_out, x)
             io.write(io.norm, rms_norm(x, gam, vm.eps, st.act))
 
@@ -218,10 +232,17 @@ def norm_in_access(acc, op, w, ix, geo, x_slot, k0, kl) -> None:
     acc.add("ffn_part", False, ixf[b], at(nl[b]), (0, nf[b]), span(R), span(D))
     m = (wf[:, H.FLAGS].astype(np.int64) & Flag.ADD_MOE) != 0
     if m.any():
-        E, K = max(geo.num_experts, 1), max(geo.top_k, 1)
-        acc.add("moe_out", False, ixf[m], at(nl[m]), span(E), span(R), span(K), span(D))
-        acc.add("topk_w", False, ixf[m], at(nl[m]), span(R), span(K))
-        acc.add("route_slot", False, ixf[m], at(nl[m]), span(R), span(K))
+        _experts_access(acc, ixf[m], nl[m], geo, span(D))
+
+
+def _experts_access(acc, ix, layer, geo, cols) -> None:
+    """The reads of a fold that adds layer ``layer``'s MoE combine itself:
+    columns ``cols`` of every routed slot's output, with the rows' slots and
+    scores (what MOE_COMBINE reads for those features)."""
+    R, E, K = geo.rows, max(geo.num_experts, 1), max(geo.top_k, 1)
+    acc.add("moe_out", False, ix, at(layer), span(E), span(R), span(K), cols)
+    acc.add("topk_w", False, ix, at(layer), span(R), span(K))
+    acc.add("route_slot", False, ix, at(layer), span(R), span(K))
 
 
 def norm_in_of(vm, op, w) -> tuple[int, int, int, int, bool] | None:
@@ -272,9 +293,7 @@ def norm_in_input(vm, slot: int, fold: tuple[int, int, int, int, bool], d: OpDef
             for sp in range(nf):
                 vm.tr.read("ffn_part", (nl, sp, r, slice(None)))
             if moe:
-                vm.tr.read("route_slot", (nl, r, slice(None)))
-                vm.tr.read("topk_w", (nl, r, slice(None)))
-                vm.tr.read("moe_out", (nl, slots[r], slice(None)))
+                _read_experts(vm, nl, r, slots[r], slice(None))
     key = ("norm_in", slot, moe)
     if key not in vm.cache:
         x = st["x_resid"][rin]
@@ -283,8 +302,7 @@ def norm_in_input(vm, slot: int, fold: tuple[int, int, int, int, bool], d: OpDef
         for sp in range(nf):
             x = x + st["ffn_part"][nl, sp]
         if moe:
-            D = vm.geo.hidden
-            x = x + routing.combine(st["topk_w"][nl, idx(rows)], st["moe_out"][nl][idx(slots)][..., :D])
+            x = x + _experts_sum(vm, nl, rows, slots)
         st["x_fold"][slot] = rms_norm(x, st["w_norm"][slot], vm.eps, st.act)
         vm.cache[key] = True
     return "x_fold"
@@ -320,10 +338,7 @@ def combine_in_access(acc, op, w, ix, geo, x_slot, k0, kl) -> None:
     wc, ixc, a, b, nl, na = wc[m], ixc[m], a[m], b[m], nl[m], na[m]
     h = na > 0
     acc.add("o_part", False, ixc[h], at(nl[h]), (0, na[h]), span(R), (a[h], b[h]))
-    E, K = max(geo.num_experts, 1), max(geo.top_k, 1)
-    acc.add("moe_out", False, ixc, at(nl), span(E), span(R), span(K), (a, b))
-    acc.add("topk_w", False, ixc, at(nl), span(R), span(K))
-    acc.add("route_slot", False, ixc, at(nl), span(R), span(K))
+    _experts_access(acc, ixc, nl, geo, (a, b))
 
 
 def combine_in_of(vm, op, w) -> tuple[int, int, int] | None:
@@ -370,17 +385,14 @@ def combine_in_input(vm, d, slot: int, comb: tuple[int, int, int], k0: int, kl: 
                 continue
             for sp in range(na):
                 vm.tr.read("o_part", (nl, sp, r, cs))
-            vm.tr.read("route_slot", (nl, r, slice(None)))
-            vm.tr.read("topk_w", (nl, r, slice(None)))
-            vm.tr.read("moe_out", (nl, slots[r], cs))
+            _read_experts(vm, nl, r, slots[r], cs)
     key = ("combine_in", slot)
     if key not in vm.cache:
         x = st["x_resid"][rin]
         if nl >= 0:  # the norm's adds (the residual form: the norm task made them)
             for sp in range(na):
                 x = x + st["o_part"][nl, sp]
-            D = vm.geo.hidden
-            x = x + routing.combine(st["topk_w"][nl, idx(rows)], st["moe_out"][nl][idx(slots)][..., :D])
+            x = x + _experts_sum(vm, nl, rows, slots)
         st["x_comb"][slot] = cast(st["w_norm"][slot] * x, st.act)
         vm.cache[key] = True
     return "x_comb"
