@@ -34,6 +34,19 @@
 #define MEGAC_ROUTER_COMBINE 0
 #endif
 
+// 1: the residual form of COMBINE_IN (a router tile where no fold applies:
+// every router of a router_combine model past one row) loads an element's
+// rows together before it stores them (stage_combine_in). 0: row by row.
+// Why: the forty-sixth session's H200 run had the router_combine default
+// +1.6 % against the one before at batch 8 (8.541 / 8.407 ms, medians of
+// 8 / 7 engines alternating), where the only tile that changes is this
+// one's staging (8 rows, fp32 residual instead of bf16 x_norm) and the
+// finalize's 1 / rms; row by row a thread's next load waited behind its
+// store to xs (~8 L2 round trips for 8 rows). The same bits either way.
+#ifndef MEGAC_RESID_BATCH
+#define MEGAC_RESID_BATCH 0
+#endif
+
 namespace megac {
 namespace mk {
 
@@ -187,6 +200,38 @@ __device__ __forceinline__ void stage_combine_in(const Ctx& c, const NormIn f, i
     if (f.layer < 0) {  // the residual form (NORM_LAYER -1): x is the residual slot as the norm wrote it
       const float* xr = ptr<const float>(d->x_resid) + Lay::x_resid(f.resid, 0) + f.k0;
       const __nv_bfloat16* gamma = ptr<const __nv_bfloat16>(d->w_norm) + Lay::w_norm(f.slot) + f.k0;
+#if MEGAC_RESID_BATCH
+      // four elements a thread (16-byte loads), two rows at once (both
+      // loads out before either store): where the K range splits the CTA
+      // into whole rows of threads (North Mini Code: 64 a row, 4 rows a
+      // pass), else the scalar loop below
+      const int q = klen >> 2;
+      if ((klen & 3) == 0 && (pitch & 3) == 0 && (f.k0 & 3) == 0 && q > 0 && blockDim.x % q == 0) {
+        const int t = (threadIdx.x % q) * 4, step = blockDim.x / q;
+        const uint2 gw = *reinterpret_cast<const uint2*>(gamma + t);  // its 4 gammas
+        const __nv_bfloat162 g01 = *reinterpret_cast<const __nv_bfloat162*>(&gw.x);
+        const __nv_bfloat162 g23 = *reinterpret_cast<const __nv_bfloat162*>(&gw.y);
+        const float g0 = __low2float(g01), g1 = __high2float(g01), g2 = __low2float(g23), g3 = __high2float(g23);
+        auto put = [&](int m, const float4 v) {
+          uint2 o;
+          __nv_bfloat162 a = __floats2bfloat162_rn(__fmul_rn(g0, v.x), __fmul_rn(g1, v.y));
+          __nv_bfloat162 b = __floats2bfloat162_rn(__fmul_rn(g2, v.z), __fmul_rn(g3, v.w));
+          o.x = *reinterpret_cast<uint32_t*>(&a);
+          o.y = *reinterpret_cast<uint32_t*>(&b);
+          *reinterpret_cast<uint2*>(xs + m * pitch + t) = o;
+        };
+        for (int m = threadIdx.x / q; m < rows; m += 2 * step) {
+          const float4 a = __ldcg(reinterpret_cast<const float4*>(xr + m * D + t));
+          const bool two = m + step < rows;
+          float4 b;
+          if (two) b = __ldcg(reinterpret_cast<const float4*>(xr + (m + step) * D + t));
+          put(m, a);
+          if (two) put(m + step, b);
+        }
+        __syncthreads();
+        return;
+      }
+#endif
       for (int m = 0; m < rows; ++m)
         for (int t = threadIdx.x; t < klen; t += blockDim.x)
           xs[m * pitch + t] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(gamma[t]), __ldcg(xr + m * D + t)));

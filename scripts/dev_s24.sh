@@ -627,6 +627,24 @@ for m in r:
       2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-300
     for f in $OUT/*.trace.json; do gzip -q "$f"; done
     rm -f $OUT/profile-*ctx8192*.json ;;
+  prebuild_s46a)  # the default, the one before (TILES norc) and rbatch (the router's residual form two rows a load,
+                  # ops_norm.cuh MEGAC_RESID_BATCH), plain and the default profiled
+    prebuild_start
+    prebuild_specs north-mini-code nmc-norc nmc-rbatch
+    pack_cubins < build/cz-s31/log.txt ;;
+  s46a)  # (prebuild_s46a, ~8 min, the H200) the default, norc and rbatch engines alternating at bs8 until AB_END s
+         # (is the router_combine default's +1.6 % at bs8 its residual staging?), then the default against rbatch
+         # at bs1 until AB1_END s, then one profiled bs8 8K step of the default
+    t=default,norc,rbatch; for i in $(seq 1 ${ROUNDS:-5}); do t=$t,default#$i,norc#$i,rbatch#$i; done
+    left=$((${AB_END:-270} - SECONDS)); echo "ab bs8 gets ${left}s"
+    [ $left -gt 60 ] && AT=$left TB=8 TLIST=$t bash "$0" ab | cut -c1-80
+    mv $OUT/ab.json $OUT/ab8.json
+    t=default,rbatch; for i in $(seq 1 ${ROUNDS1:-4}); do t=$t,default#$i,rbatch#$i; done
+    left=$((${AB1_END:-400} - SECONDS)); echo "ab bs1 gets ${left}s"
+    [ $left -gt 60 ] && AT=$left TB=1 TLIST=$t bash "$0" ab | cut -c1-80
+    MEGAC_PROFILE_CASES=8:8192 timeout ${PT:-120} python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json \
+      2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-300
+    for f in $OUT/*.trace.json; do gzip -q "$f"; done ;;
   s45q)  # (prebuild_s45q, ~9.8 min, the H200 if it comes) the tiny models against the VM under rcomb (the
          # batch-invariant form: alone_equals_batch must be true), rcqc and rcqcfc, the one-row fp32 slice under
          # rcqcfc, then default / rcomb / rcqc / rcqcfc, engines alternating at bs1 until AB_END s

@@ -886,6 +886,8 @@ VARIANTS = {
     # the step's per-row words (seq_pos, row_active) copied into shared memory at launch
     # (megakernel.cuh MEGAC_DESC_ROWS)
     "rowsmem": {"MEGAC_DESC_ROWS": 1},
+    # the residual form of COMBINE_IN loads an element's rows together (ops_norm.cuh MEGAC_RESID_BATCH)
+    "rbatch": {"MEGAC_RESID_BATCH": 1},
     # ROUTER_TOPK starts the selected experts' first bytes toward L2 (ops_moe.cuh); MoE models only
     "pf_up16": {"MEGAC_TOPK_PREFETCH_UP_KB": 16},
     "pf_up32": {"MEGAC_TOPK_PREFETCH_UP_KB": 32},
@@ -1545,6 +1547,7 @@ TILES = {
     "tcbisect": {"variant": "tcbisect"},
     "tcwc": {"variant": "tcwc"},
     "rowsmem": {"variant": "rowsmem"},
+    "rbatch": {"variant": "rbatch"},
     "p2div_rs8": {"variant": "p2div_rs8"},
     # and a sliding layer's O-projection on its attention SMs at batch 1 (routed-oproj-on-attn.yaml): two
     # 128-feature tiles an attention SM, or one of 256, instead of tiles queued behind up claims
