@@ -46,7 +46,10 @@ import numpy as np
 #     by 1 / rms of x_resid slot RESID_SLOT, a field of both)
 # 13: ADD_MOE on a QKV_PROJ tile flagged NORM_IN (the folded norm adds NORM_LAYER's expert outputs,
 #     score-weighted in k order, as ADD_RMSNORM with ADD_MOE adds them; NORM_FFN_SPLITS 0)
-ABI_VERSION = 13
+# 14: MOE_UPGATE_DRAIN.NORM_* (_NORM_IN) and NORM_IN | ADD_MOE on a routed claimer: its claimed
+#     tiles stage the folded norm's row (the experts added as on a QKV tile) instead of x_norm;
+#     RESID_ONLY (an ADD_RMSNORM whose x_norm slot no task reads writes the residual alone)
+ABI_VERSION = 14
 
 TASK_WORDS = 32
 HEADER_WORDS = 8
@@ -143,9 +146,12 @@ class Flag(enum.IntFlag):
     RENORMALIZE = 1 << 6  # ROUTER_TOPK (or a top-k ranking ROUTE_FINALIZE): renormalise the top-k weights
     LAST_LAYER = 1 << 7  # ADD_RMSNORM: the final norm of the model
     # ADD_RMSNORM: add the row's expert outputs, score-weighted in k order (MOE_COMBINE's sum); QKV_PROJ
-    # with NORM_IN: the folded norm adds NORM_LAYER's so, not an FFN partial (NORM_FFN_SPLITS 0)
+    # (or a routed MOE_UPGATE_DRAIN) with NORM_IN: the folded norm adds NORM_LAYER's so, not an FFN
+    # partial (NORM_FFN_SPLITS 0)
     ADD_MOE = 1 << 8
-    NORM_IN = 1 << 9  # QKV_PROJ / ROUTER_GEMM: the input is the norm of the NORM_* fields, computed here (_NORM_IN)
+    # QKV_PROJ / ROUTER_GEMM: the input is the norm of the NORM_* fields, computed here (_NORM_IN); a
+    # routed MOE_UPGATE_DRAIN (with ADD_MOE, one row): its claimed tiles' rows are that norm's
+    NORM_IN = 1 << 9
     # MOE_UPGATE_DRAIN: each claimed up tile also multiplies its SiLU*up features by their columns of
     # the expert's down matrix (a split-K down) into moe_out tile N_TILE; MOE_COMBINE: sum a slot's
     # moe_out tiles (in tile order) before weighting it; no MOE_DOWN_DRAIN
@@ -157,6 +163,9 @@ class Flag(enum.IntFlag):
     # x_resid slot RESID_SLOT (the norm task's residual); ROUTER_TOPK the same. With NORM_LAYER -1 the
     # router's x is that residual slot (NORM_RESID_IN) as the norm wrote it. _COMBINE_IN
     COMBINE_IN = 1 << 11
+    # ADD_RMSNORM: write the new residual only, no x_norm row (no task reads that slot: the up_combine
+    # tile's layers, where the QKV tiles, the router and the up claims all fold the norm)
+    RESID_ONLY = 1 << 12
 
 
 class QkvPart(enum.IntEnum):
@@ -279,7 +288,8 @@ OP_FIELDS: dict[Op, tuple[tuple[str, str], ...]] = {
         ("NUM_ROWS", "batch rows routed (ROUTE_SPLITS > 0)"),
         ("UP_TILES", "gate/up tiles per active expert (ROUTE_SPLITS > 0)"),
         ("X_SLOT", "x_norm slot the routed rows are read from (ROUTE_SPLITS > 0)"),
-    ),
+    )
+    + _NORM_IN,
     Op.MOE_DOWN_DRAIN: (
         ("QUEUE", "Queue id"),
         ("QUEUE_LEN", "(dyn) records in the queue"),

@@ -42,6 +42,8 @@ Tiles (one task = one tile)
                    ``o_proj_merge_at``): no ATTN_COMBINE
     qkv_combine    folded QKV tiles add the MoE combine themselves (one row,
                    ``qkv_combined``)
+    up_combine     routed up claims stage the norm themselves, the MoE combine
+                   added (one row, ``up_combined``)
     kv_head_major  the GPU backends' KV pools are [blocks][kv_heads][block_size]
                    [hd] (opcodes/kv_pool.cuh; token-major otherwise)
     lm_bn, lm_tiles            LM head vocab tile
@@ -276,6 +278,19 @@ DEFAULT_TILES = {
     # MOE_COMBINE at batch 1) +0.7 %: the norm that gates the up claims'
     # rows ends later
     "qkv_combine": 1,
+    # 1: where the router folds the combine (router_combined) with routed
+    # claims, the up claims fold the norm that writes their rows too: a
+    # claimed tile stages that norm's row itself (MOE_UPGATE_DRAIN flagged
+    # NORM_IN and ADD_MOE: the residual, the O-projection partials and the
+    # experts added as on a qkv_combine tile, then normalised: the norm
+    # task's x_norm bit for bit) instead of reading x_norm. The router's
+    # counter, which the claimer waits on, already orders everything that
+    # norm reads (the router tiles fold the combine), so the claims wait on
+    # nothing: the norm task's hop and run (~2.9 us), and the claims' hop
+    # to it, leave the path from a layer's last down claim to its next
+    # layer's first expert byte; each claim's CTA sums the row instead
+    # (~100 KB of L2 reads, while its ring primes)
+    "up_combine": 0,
 }
 
 #: The tiles that give the plain batch-1 schedule of the sessions before the
@@ -568,6 +583,9 @@ class Geometry:
     #: the folded QKV tiles add the MoE combine themselves (DEFAULT_TILES'
     #: qkv_combine; see ``qkv_combined``)
     qkv_combine: bool = False
+    #: routed up claims fold the norm with the MoE combine (DEFAULT_TILES'
+    #: up_combine; see ``up_combined``)
+    up_combine: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -703,6 +721,7 @@ class Geometry:
             # the combine where router_combined says
             router_combine=bool(t["router_combine"] and experts) and spec.block == "parallel",
             qkv_combine=bool(t["qkv_combine"] and experts) and spec.block == "parallel",
+            up_combine=bool(t["up_combine"] and experts) and spec.block == "parallel",
         )
 
     def with_context(self, context: int) -> "Geometry":
@@ -801,6 +820,16 @@ class Geometry:
         claims' count is the compiler's there) without split_down. Their
         x_norm has the norm task's bits, so no other schedule changes."""
         return self.qkv_combine and self.rows == 1 and not self.split_down and self.folded(layer)
+
+    def up_combined(self, layer: int) -> bool:
+        """Whether layer ``layer``'s routed up claims fold the norm that writes
+        their rows, the previous layer's MoE combine added (MOE_UPGATE_DRAIN
+        flagged NORM_IN and ADD_MOE, the up_combine tile): where the router
+        folds the combine (``router_combined``: its counter, the claimer's
+        header wait, then orders every plane that norm adds) and the claims
+        are routed. The norm task's x_norm bits, so no other schedule
+        changes."""
+        return self.up_combine and self.routed_claims and self.router_combined(layer)
 
     def resid_in_slot(self, kind: str, layer: int) -> int:
         """x_resid slot the norm of node ``kind`` ("norm" or "norm_attn") on

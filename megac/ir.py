@@ -105,7 +105,7 @@ def fused_routing_of(spec, routed: bool = False) -> tuple[bool, bool]:
 
 def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=(),
                 split_down: bool = False, merged_attn: bool = False, combined=(),
-                unnormalised: bool = False, qkv_combined=()) -> nx.DiGraph:
+                unnormalised: bool = False, qkv_combined=(), up_combined=()) -> nx.DiGraph:
     """The decode graph; ``routed``: with routed claims (the up claims read
     the router partials and x_norm; no top-k, no gather); ``fused_combine``:
     the norm does the MoE combine (schedules of one row:
@@ -125,10 +125,12 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
     wrote, and the rankers read it for the weights' 1 / rms; ``qkv_combined``:
     folded layers whose QKV node adds the previous layer's expert outputs in
     its fold itself (it reads the combine's inputs instead of its output:
-    :meth:`megac.geometry.Geometry.qkv_combined`)."""
+    :meth:`megac.geometry.Geometry.qkv_combined`); ``up_combined``: those
+    whose routed up claims do (:meth:`megac.geometry.Geometry.up_combined`)."""
     folded = frozenset(folded)
     combined = frozenset(combined)
     qkv_combined = frozenset(qkv_combined)
+    up_combined = frozenset(up_combined)
     L = spec.num_layers
     D = spec.hidden_size
     R = "rows"
@@ -227,8 +229,9 @@ def build_graph(spec, routed: bool = False, fused_combine: bool = False, folded=
                 add(p + "moe_gather", "moe_gather", l, [ffn_in, route], [mx])
             # split_down: the up claims write their down partials themselves
             up_out, up_w = ([mo], [w("w_moe_upgate"), w("w_moe_down")]) if split_down else ([ma], [w("w_moe_upgate")])
-            if routed:  # each up claimer routes the rows itself
-                add(p + "moe_upgate", "moe_upgate", l, [rpart, ffn_in], up_out, up_w)
+            if routed:  # each up claimer routes the rows itself (and may fold their norm: up_combined)
+                add(p + "moe_upgate", "moe_upgate", l, [rpart, *(comb_reads[l] if l in up_combined else [ffn_in])],
+                    up_out, up_w)
             else:
                 add(p + "moe_upgate", "moe_upgate", l, [mx, route], up_out, up_w)
             if not split_down:

@@ -256,10 +256,17 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
 #ifndef MEGAC_QKV_COMBINE
 #define MEGAC_QKV_COMBINE 0
 #endif
+// The up claims that fold their norm with the combine (MEGAC_UP_COMBINE,
+// ops_gemm.cuh) stage it through the same path.
+#ifndef MEGAC_UP_COMBINE
+#define MEGAC_UP_COMBINE 0
+#endif
+// a fold that adds the experts is built (the vector form's ADD_MOE, NormIn::moe)
+#define MEGAC_FOLD_MOE (MEGAC_QKV_COMBINE || MEGAC_UP_COMBINE)
 
 // ADD_RMSNORM's vector form (MEGAC_NORM_VEC, ops_norm.cuh; rows whose D is
 // a multiple of 4 and at most kNormBatch per thread, without ADD_MOE unless
-// MEGAC_QKV_COMBINE):
+// MEGAC_FOLD_MOE):
 // each thread owns kNormBatch / 4 runs of 4 consecutive elements and moves
 // them as float4 (the planes) and 4 x bf16 (gamma, the output). Why: the
 // norm's 48 KB of planes take 3.2 us through 32-bit loads, ~15 GB/s (one
@@ -271,10 +278,10 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
 constexpr int kNormVecRuns = kNormBatch / 4;
 
 __device__ __forceinline__ bool vec_fits(const AddNorm& a) {
-  return (MEGAC_QKV_COMBINE || a.moe == nullptr) && a.D % 4 == 0 && a.D <= kNormBatch * int(blockDim.x);
+  return (MEGAC_FOLD_MOE || a.moe == nullptr) && a.D % 4 == 0 && a.D <= kNormBatch * int(blockDim.x);
 }
 
-#if MEGAC_QKV_COMBINE
+#if MEGAC_FOLD_MOE
 // MOE_COMBINE's sum of this thread's runs (moe_sum's arithmetic per element:
 // w0 * y0, then + wq * yq in k order, product and sum rounded apart) added
 // to v, the last plane; every expert's loads out at once (one L2 round trip).
@@ -313,7 +320,7 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
   const int n4 = a.D / 4;
   float4 v[kNormVecRuns];
   uint2 g[kNormVecRuns];  // 4 bf16 of gamma per run
-#if MEGAC_QKV_COMBINE
+#if MEGAC_FOLD_MOE
   // ADD_MOE: the row's slots and scores (MoeSlots, add_rmsnorm's order of events)
   int32_t* rs = reinterpret_cast<int32_t*>(red + 64);
   float* rw = red + 64 + kMoeMaxK;
@@ -327,7 +334,7 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
     v[j] = c < n4 ? __ldcg(reinterpret_cast<const float4*>(a.x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   add_sets(a, nsets, int(threadIdx.x), n4, v);
-#if MEGAC_QKV_COMBINE
+#if MEGAC_FOLD_MOE
   if (a.moe != nullptr) {  // MOE_COMBINE's plane, the last one added
     ms.share(*a.moe, rs, rw);
     moe_add_vec(a, *a.moe, rs, rw, v);

@@ -85,6 +85,18 @@ constexpr bool kTiled = MEGAC_TC_GEMM && M::GEMM_TILED;
 // in local memory). 0: a build without the tile has the machine code from
 // before it.
 
+// MEGAC_UP_COMBINE (its default in norm.cuh): 1: a routed up claimer
+// flagged NORM_IN and ADD_MOE (the up_combine tile, one row) has each
+// claimed tile stage the norm that writes its rows itself, the previous
+// layer's experts added (stage_norm_in's QKV path: the norm task's x_norm
+// bits), its ring primed first so the weights stream while the row is
+// summed; no claimed task waits (the router, which folds that combine,
+// waited on every plane the norm adds, and the claimer waits on the
+// router). The norm task's hop and run leave the path to a layer's first
+// expert byte. The build exports megakernel_up_combine; as with the other
+// folds the default build has no device check of the flag, and the host
+// refuses such tasks without the symbol. 0: the code from before it.
+
 // Where the tensor-core tile's bulk-copy ring starts in the scratch: after
 // the partials, aligned up to MEGAC_TC_RING_ALIGN bytes (the scratch itself
 // is 1024-aligned, mk_core.cuh). The ring's place moved whole steps (its
@@ -575,6 +587,32 @@ __device__ __forceinline__ void moe_split_down(const Ctx& c, const float* ys, in
                      int64_t(M::MOE_OUT_TILES) * M::HIDDEN, nr, M::HIDDEN);
 }
 
+#if MEGAC_UP_COMBINE
+// A folding up claim's input (NORM_IN with ADD_MOE on a routed claimer of
+// one row): its ring primed first, so the weights stream while the row is
+// summed, then the norm that writes x_norm slot `xslot` staged into the
+// tile's X by the QKV fold's path (stage_norm_in with the experts of the
+// claimer's NORM_LAYER added: the norm task's bits); the router's counter
+// (the claimer's header wait) ordered every plane it adds. Whole CTA, ends
+// with stage_norm_in's barrier. Not inlined: inlined into the claim loop it
+// pushed the megakernel (255 registers) into 84 bytes of spills; its Ctx
+// rebuilt from pieces (a reference to the caller's would put that in local
+// memory).
+template <class M>
+__device__ __noinline__ void up_fold_stage(const LaunchDesc* d, TaskShared* ts, uint8_t* scratch,
+                                           const rows::WeightSpan s, int xslot, int rows) {
+  const Ctx c{d, ts, scratch, 0, WaitSite{}, false};
+  // the ranking's generic writes to the scratch before the copy engine writes the ring there
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  tc::prime(s, GemmScratch<M>::tc_ring(c), &ts->tc);
+  MEGAC_MARK(10);  // thread 0's ring stages issued
+  NormIn f{ts->w[f_moe_upgate_drain::NORM_LAYER], ts->w[f_moe_upgate_drain::NORM_ATTN_SPLITS],
+           ts->w[f_moe_upgate_drain::NORM_FFN_SPLITS], ts->w[f_moe_upgate_drain::NORM_RESID_IN], xslot, 0};
+  f.moe = true;
+  stage_norm_in<M>(c, f, rows, s.cols, GemmScratch<M>::xs(c), tc::x_pitch(s.cols), GemmScratch<M>::ys(c));
+}
+#endif
+
 // A claimed expert tile: record {expert, n_tile, slot0, rows}; the routed
 // rows are slots slot0 .. slot0 + rows - 1 of moe_x / moe_act / moe_out.
 // A routed claim (MOE_UPGATE_DRAIN with ROUTE_SPLITS > 0, ops_moe.cuh) reads
@@ -592,7 +630,22 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c, const int32_t* rowof =
   MEGAC_MARK(11);  // the claimed tile's weight span known
   const bf16* x = rowof != nullptr ? ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0)
                                    : ptr<const bf16>(d->moe_x) + Lay::moe_x(layer, s0);
+#if MEGAC_UP_COMBINE
+  // NORM_IN with ADD_MOE (a routed claimer of one row, abi.py): the tile
+  // stages the norm that writes x_norm slot xslot itself (up_fold_stage),
+  // then runs as a claim whose X and first stages were issued early
+  Ctx g = c;
+  if constexpr (GemmScratch<M>::kTc && tc::kBulk) {
+    if (rowof != nullptr && (c.ts->w[H_FLAGS] & FLAG_NORM_IN)) {
+      up_fold_stage<M>(c.d, c.ts, c.scratch, ws, xslot, nr);
+      g.primed = true;
+      g.x_issued = true;
+    }
+  }
+  const float* ys = gemm<M>(g, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr);
+#else
   const float* ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr);
+#endif
   if constexpr (GemmScratch<M>::kSplitDown) {
     if (c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) {
       moe_split_down<M>(c, ys, ws.rows, n0, s0, nr);
@@ -630,6 +683,12 @@ __device__ __forceinline__ void moe_down_tile(const Ctx& c) {
 // so a host that loads COMBINE_IN tasks asks for it, as it reads
 // megakernel_weight_layout.
 extern "C" __device__ const int megakernel_router_combine = 1;
+#endif
+#if MEGAC_UP_COMBINE
+// A cubin symbol: this build runs routed MOE_UPGATE_DRAIN tasks flagged
+// NORM_IN | ADD_MOE (MEGAC_UP_COMBINE); without it their claims would read
+// x_norm, which nothing ordered before them.
+extern "C" __device__ const int megakernel_up_combine = 1;
 #endif
 #if MEGAC_QKV_COMBINE
 // A cubin symbol: this build runs QKV_PROJ tasks flagged NORM_IN | ADD_MOE

@@ -114,7 +114,11 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
                                    (flags & FLAG_ADD_FFN) ? c.ts->w[f_add_rmsnorm::FFN_SPLITS] : 0, gamma);
   a.x_out = ptr<float>(d->x_resid) + Lay::x_resid(gamma, row);
   a.out = ptr<__nv_bfloat16>(d->x_norm) + Lay::x_norm(gamma, row);
+#if MEGAC_UP_COMBINE
+  a.hi = (flags & FLAG_RESID_ONLY) ? 0 : M::HIDDEN;  // RESID_ONLY: no output element (its readers fold it)
+#else
   a.hi = M::HIDDEN;
+#endif
   float* red = reinterpret_cast<float*>(c.scratch);
   if constexpr (M::NUM_EXPERTS > 0) {
     if (flags & FLAG_ADD_MOE) {  // MOE_COMBINE's sum here (fused_combine)
@@ -145,10 +149,11 @@ struct NormIn {
   // input from the same fields instead of the norm
   bool combine = false;
 #endif
-#if MEGAC_QKV_COMBINE
-  // NORM_IN with ADD_MOE (a QKV_PROJ tile, abi.py's _NORM_IN): the folded
-  // norm adds layer `layer`'s expert outputs itself (MOE_COMBINE's sum, as
-  // the norm task's ADD_MOE adds it) instead of an FFN partial (n_ffn 0)
+#if MEGAC_FOLD_MOE
+  // NORM_IN with ADD_MOE (a QKV_PROJ tile or a routed up claim, abi.py's
+  // _NORM_IN): the folded norm adds layer `layer`'s expert outputs itself
+  // (MOE_COMBINE's sum, as the norm task's ADD_MOE adds it) instead of an
+  // FFN partial (n_ffn 0)
   bool moe = false;
 #endif
 };
@@ -295,7 +300,7 @@ __device__ __forceinline__ void stage_norm_in(const Ctx& c, const NormIn& f, int
   if constexpr (M::HIDDEN <= norm::kNormBatch * M::THREADS) {
     for (int m = 0; m < rows; ++m) {
       norm::AddNorm a = norm_planes<M>(c.d, f.layer, m, f.resid, f.n_attn, f.n_ffn, f.slot);
-#if MEGAC_QKV_COMBINE
+#if MEGAC_FOLD_MOE
       if constexpr (M::NUM_EXPERTS > 0) {
         if (f.moe) {  // the row's experts (add_rmsnorm's ADD_MOE setup; run_norm's barrier ended the last row)
           static_assert(M::TOP_K <= norm::kMoeMaxK, "the norm sums at most kMoeMaxK experts");

@@ -632,6 +632,24 @@ for m in r:
     prebuild_start
     prebuild_specs north-mini-code nmc-norc nmc-rbatch
     pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s46b)  # the up claims that fold the norm (TILES uc): the tiny models and the slice under it, the plain
+                  # NMC builds of the default and uc; with s46a's set (norc, rbatch) and the bench's ceiling kernel
+    prebuild_start
+    SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs tiny-llama-uc tiny-moe-uc nmc-slice-uc \
+      north-mini-code nmc-uc nmc-norc nmc-rbatch
+    prebuild_ceiling
+    pack_cubins < build/cz-s31/log.txt ;;
+  s46b)  # (prebuild_s46b, ~9 min, the H200) uc checked (the tiny models against the VM: tokens, a row alone
+         # equal to it in a batch, repeat and adopted steps; the one-row NMC slice against fp32), then uc against
+         # the default, engines alternating at bs1 until AB_END s
+    MEGAC_TINY_TILES=uc timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny-uc.json \
+      > $OUT/tiny-uc.log 2>&1; echo tiny uc rc $?
+    python3 -c "import json; d=json.load(open('$OUT/tiny-uc.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
+    MEGAC_CHECK_TILES=uc MEGAC_CHECK_ROWS=1 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
+      --out $OUT/slice-uc-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
+    t=default,uc; for i in $(seq 1 ${ROUNDS:-8}); do t=$t,default#$i,uc#$i; done
+    left=$((${AB_END:-540} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 90 ] && AT=$left TB=1 TLIST=$t bash "$0" ab | cut -c1-80 ;;
   s46a)  # (prebuild_s46a, ~8 min, the H200) the default, norc and rbatch engines alternating at bs8 until AB_END s
          # (is the router_combine default's +1.6 % at bs8 its residual staging?), then the default against rbatch
          # at bs1 until AB1_END s, then one profiled bs8 8K step of the default

@@ -42,6 +42,8 @@ LAYOUT_SYMBOL = "megakernel_weight_layout"
 COMBINE_SYMBOL = "megakernel_router_combine"
 #: a build whose QKV tiles add the MoE combine in their fold (MEGAC_QKV_COMBINE) has this symbol
 QKV_COMBINE_SYMBOL = "megakernel_qkv_combine"
+#: a build whose routed up claims fold the norm with the combine (MEGAC_UP_COMBINE) has this symbol
+UP_COMBINE_SYMBOL = "megakernel_up_combine"
 
 #: opcodes whose task words hold one GEMM tile (N0, N_LEN, K0, K_LEN)
 _GEMM_OPS = (Op.QKV_PROJ, Op.O_PROJ, Op.FFN_UPGATE_ACT, Op.FFN_DOWN, Op.ROUTER_GEMM, Op.LM_HEAD)
@@ -166,11 +168,14 @@ def switch_defaults(schedules) -> list[tuple[str, int]]:
     comb = any(s.geometry.router_combine for s in schedules)
     # and the QKV tiles' fold that adds the combine (NORM_IN with ADD_MOE) likewise
     qkv_comb = any(s.geometry.qkv_combine for s in schedules)
+    # and the up claims' fold (MOE_UPGATE_DRAIN flagged NORM_IN and ADD_MOE) likewise
+    up_comb = any(s.geometry.up_combine for s in schedules)
     return [("MEGAC_TC_WALK_POS", int(geo.hidden >= WALK_POS_MIN_HIDDEN)),
             ("MEGAC_X_ASYNC", int(geo.num_experts > 0)),
             ("MEGAC_TOPK_WARP", int(not split)),
             ("MEGAC_ROUTER_COMBINE", int(comb)),
-            ("MEGAC_QKV_COMBINE", int(qkv_comb))]
+            ("MEGAC_QKV_COMBINE", int(qkv_comb)),
+            ("MEGAC_UP_COMBINE", int(up_comb))]
 
 
 # (buffer, Layout<Model> expression per dimension, condition on the model)

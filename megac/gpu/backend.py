@@ -207,7 +207,8 @@ class CudaBackend(TorchPrefillMixin):
     def use_cubin(self, cubin) -> None:
         """Load (or swap in) a build of the megakernel: its module, the
         shared memory it asks for, its prepared launch."""
-        from megac.codegen.megakernel import COMBINE_SYMBOL, LAYOUT_SYMBOL, QKV_COMBINE_SYMBOL, SMEM_SYMBOL
+        from megac.codegen.megakernel import (COMBINE_SYMBOL, LAYOUT_SYMBOL, QKV_COMBINE_SYMBOL, SMEM_SYMBOL,
+                                              UP_COMBINE_SYMBOL)
         from megac.gpu import launch
         from megac.weights.layout import relayout_
 
@@ -223,6 +224,11 @@ class CudaBackend(TorchPrefillMixin):
             # its QKV tiles would add no experts (ops_gemm.cuh MEGAC_QKV_COMBINE)
             raise MegacError(f"megakernel build {cubin}: the schedules' QKV tiles add the MoE combine in their "
                              f"fold (tile qkv_combine) but this build has no code for it (MEGAC_QKV_COMBINE=0); "
+                             f"rebuild from the schedules' own megakernel.cu")
+        if any(s.geometry.up_combine for s in self.schedules.schedules) and not self._has_symbol(UP_COMBINE_SYMBOL):
+            # its claimed up tiles would read x_norm, which nothing ordered before them (ops_gemm.cuh MEGAC_UP_COMBINE)
+            raise MegacError(f"megakernel build {cubin}: the schedules' up claims fold the norm with the MoE "
+                             f"combine (tile up_combine) but this build has no code for it (MEGAC_UP_COMBINE=0); "
                              f"rebuild from the schedules' own megakernel.cu")
         layout = int(self._read_symbol(LAYOUT_SYMBOL))
         if getattr(self, "kernel_weights", None) is not None and layout != self.layout:

@@ -472,7 +472,14 @@ class MoeUpgateDrain(_ExpertDrain):
     finalize writes to the up queue: ``routing.queue_records`` with UP_TILES
     tiles per active expert), writing nothing but the tiles; a claimed tile
     reads its rows from x_norm slot X_SLOT (the rows of its slots) and waits
-    on nothing (the router's counter orders x_norm: the router read it)."""
+    on nothing (the router's counter orders x_norm: the router read it).
+
+    Flagged NORM_IN and ADD_MOE (the up_combine tile: a routed claimer of
+    one row whose router folds the combine, ``Geometry.up_combined``) a
+    claimed tile stages the norm that writes X_SLOT itself from its NORM_*
+    fields, the experts of NORM_LAYER added (``norm_in_input``: the norm
+    task's bits), and still waits on nothing: the router's counter orders
+    every plane that norm adds (the router's tiles added them)."""
 
     op = Op.MOE_UPGATE_DRAIN
     node_kinds = ("moe_upgate",)
@@ -488,9 +495,12 @@ class MoeUpgateDrain(_ExpertDrain):
 
     def flags(self, nt, geo):
         return ((_router_flags(geo) if geo.routed_claims else 0)
-                | (int(Flag.SPLIT_DOWN) if geo.split_down else 0))
+                | (int(Flag.SPLIT_DOWN) if geo.split_down else 0)
+                | (int(Flag.NORM_IN | Flag.ADD_MOE) if geo.up_combined(nt.layer) else 0))
 
     def field_rules(self, lim):
+        from megac.ops.norm import norm_in_rules
+
         g, C = lim.geo, lim.num_counters
         if not g.num_experts:
             return None
@@ -521,6 +531,7 @@ class MoeUpgateDrain(_ExpertDrain):
             ("TASK_SIGNAL_BASE", 0, C, False),
             (last_of(self.op, "TASK_SIGNAL_BASE", self.signal_span(g)), 0, C, False),
             ("N_LEN", 1, 2 * g.expert_width + 1, False),
+            *norm_in_rules(lim),
         ]
 
     def access(self, acc, w, idx, layer, geo):
@@ -550,7 +561,14 @@ class MoeUpgateDrain(_ExpertDrain):
         half = geo.moe_up_bn // 2
         c0 = n * half
         c1 = np.minimum(n_hi * half, geo.expert_width)
-        if geo.routed_claims:  # the rows where they lie (any of them: the routing picks)
+        if geo.up_combined(sub.layer):  # the planes of the norm it folds (every row: the scale)
+            from megac.ops.norm import _experts_access
+
+            D, nl = geo.hidden, sub.layer - 1
+            acc.add("x_resid", False, t, at(geo.resid_in_slot("norm", nl)), span(R), span(D))
+            acc.add("o_part", False, t, at(np.full(m, nl, dtype=np.int64)), (0, geo.kv_heads), span(R), span(D))
+            _experts_access(acc, t, np.full(m, nl, dtype=np.int64), geo, span(D))
+        elif geo.routed_claims:  # the rows where they lie (any of them: the routing picks)
             acc.add("x_norm", False, t, at(geo.norm_input_slot(sub.layer)), span(R), span(geo.hidden))
         else:
             acc.add("moe_x", False, t, at(layer), at(e), span(R), span(K), span(geo.hidden))
@@ -582,6 +600,21 @@ class MoeUpgateDrain(_ExpertDrain):
         vm.routed_rows[layer] = (xs, rows_of)
         return routing.queue_records(route, tiles).astype(np.int64)
 
+    def _x_of(self, vm, cw, layer: int) -> str:
+        """The buffer a routed claimer's tiles read their rows from: x_norm,
+        or flagged NORM_IN the folded norm's output (``norm_in_input``, its
+        reads tracked; with ADD_MOE only, and one row: the device stages the
+        tile's rows 0.. of that norm, which are its routed rows only then)."""
+        from megac.ops.norm import norm_in_input, norm_in_of
+
+        fold = norm_in_of(vm, self.op, cw[None, :])
+        if fold is None:
+            return "x_norm"
+        if not fold[4] or int(cw[abi.field_index(self.op, "NUM_ROWS")]) != 1:
+            raise BadTaskError("MOE_UPGATE_DRAIN: NORM_IN on a routed claimer needs ADD_MOE and NUM_ROWS 1",
+                               layer=layer)
+        return norm_in_input(vm, int(cw[abi.field_index(self.op, "X_SLOT")]), fold, self)
+
     def signal_span(self, geo):
         return 1 if geo.split_down else max(geo.num_experts, 1)
 
@@ -602,6 +635,9 @@ class MoeUpgateDrain(_ExpertDrain):
         layer = int(cw[H.LAYER])
         vm.require_ffn(cw[None, :], self)
         routed = int(cw[abi.field_index(self.op, "ROUTE_SPLITS")]) > 0
+        if not routed and int(cw[H.FLAGS]) & Flag.NORM_IN:
+            raise BadTaskError("MOE_UPGATE_DRAIN: NORM_IN on a claimer of the queue (only routed claims fold "
+                               "the norm)", layer=layer)
         if routed and layer not in vm.routed_rows:
             raise BadTaskError("MOE_UPGATE_DRAIN: a routed record claimed before its claimer ranked the rows",
                                layer=layer)
@@ -621,6 +657,7 @@ class MoeUpgateDrain(_ExpertDrain):
         D, out = geo.hidden, st["moe_out"]
         e, t, s0, nr = self.records(vm, records, layer)
         act = st["moe_act"]
+        xbuf = self._x_of(vm, cw, layer) if routed else "moe_x"
         for i in range(len(records)):
             n0 = int(t[i]) * nlen
             n1 = min(n0 + nlen, 2 * ew)
@@ -637,13 +674,14 @@ class MoeUpgateDrain(_ExpertDrain):
                 xs, rows_of = vm.routed_rows[layer]
                 if int(s0[i] + nr[i]) > len(rows_of):
                     raise BadTaskError("MOE_UPGATE_DRAIN: routed record past the routed slots", layer=layer)
-                for s in slots:
-                    vm.tr.read("x_norm", (xs, int(rows_of[s]), slice(None)))
+                if xbuf == "x_norm":  # (a folded norm's reads: _x_of)
+                    for s in slots:
+                        vm.tr.read("x_norm", (xs, int(rows_of[s]), slice(None)))
             else:
                 vm.tr.read("moe_x", (layer, slice(int(s0[i]), int(s0[i] + nr[i])), slice(None)))
             for s in slots:
                 if routed:
-                    y = vm.slot_product(("moe_up", layer, int(e[i]), s), "x_norm", xs, int(rows_of[s]),
+                    y = vm.slot_product(("moe_up", layer, int(e[i]), s), xbuf, xs, int(rows_of[s]),
                                         W[int(e[i])])
                 else:
                     y = vm.slot_product(("moe_up", layer, int(e[i]), s), "moe_x", layer, s, W[int(e[i])])

@@ -74,9 +74,10 @@ def _experts_sum(vm, layer: int, rows, slots) -> torch.Tensor:
 
 
 def track(vm, layer: int, gamma: int, resid_in: int, rows: list[int], parts: list[tuple[str, int]],
-          slots=None) -> None:
+          slots=None, normed: bool = True) -> None:
     """ADD_RMSNORM's accesses of ``rows`` (checked mode), in execution order
-    (``slots``: the rows' routed slots where the norm does the MoE combine)."""
+    (``slots``: the rows' routed slots where the norm does the MoE combine;
+    ``normed`` False: RESID_ONLY, no x_norm row written)."""
     for r in rows:
         vm.tr.read("x_resid", (resid_in, r, slice(None)))
     for name, sp in parts:
@@ -87,7 +88,8 @@ def track(vm, layer: int, gamma: int, resid_in: int, rows: list[int], parts: lis
             _read_experts(vm, layer, r, slots[j], slice(0, vm.geo.hidden))
     for r in rows:
         vm.tr.write("x_resid", (gamma, r, slice(None)))
-        vm.tr.write("x_norm", (gamma, r, slice(None)))
+        if normed:
+            vm.tr.write("x_norm", (gamma, r, slice(None)))
 
 
 class AddRmsnorm(OpDef):
@@ -107,6 +109,8 @@ class AddRmsnorm(OpDef):
             f = (f & ~Flag.ADD_FFN) | Flag.ADD_MOE  # the combine's sum here, no MOE_COMBINE task
         if nt.kind == "norm" and nt.layer == geo.num_layers - 1:
             f |= Flag.LAST_LAYER
+        if nt.kind == "norm" and nt.layer + 1 < geo.num_layers and geo.up_combined(nt.layer + 1):
+            f |= Flag.RESID_ONLY  # every reader of its x_norm slot folds it (QKV, router, up claims)
         return int(f)
 
     def check_tiles(self, F_, geo):
@@ -142,13 +146,15 @@ class AddRmsnorm(OpDef):
             acc.add("topk_w", False, ix[m], at(layer[m]), at(row[m]), span(K))
             acc.add("route_slot", False, ix[m], at(layer[m]), at(row[m]), span(K))
         acc.add("x_resid", True, ix, at(field(w, op, "GAMMA")), at(row), span(D))
-        acc.add("x_norm", True, ix, at(field(w, op, "GAMMA")), at(row), span(D))
+        n = (flags & abi.Flag.RESID_ONLY) == 0
+        acc.add("x_norm", True, ix[n], at(field(w[n], op, "GAMMA")), at(row[n]), span(D))
 
     def task_bytes(self, w, geo, params):
         D = geo.hidden
         splits = field(w, self.op, "ATTN_SPLITS") + field(w, self.op, "FFN_SPLITS")
         moe = (w[:, H.FLAGS].astype(np.int64) & Flag.ADD_MOE) != 0
-        return D * (FP32 * 2 + BF16 * 2) + splits * D * FP32 + moe * max(geo.top_k, 1) * D * FP32
+        normed = (w[:, H.FLAGS].astype(np.int64) & Flag.RESID_ONLY) == 0  # gamma read, x_norm written
+        return D * FP32 * 2 + normed * D * BF16 * 2 + splits * D * FP32 + moe * max(geo.top_k, 1) * D * FP32
 
     def run(self, vm, words):
         op, st, geo = self.op, vm.st, vm.geo
@@ -175,23 +181,24 @@ class AddRmsnorm(OpDef):
                 if moe and geo.ffn[layer] != "moe":
                     raise BadTaskError(f"ADD_RMSNORM with ADD_MOE on layer {layer}, which has no MoE FFN",
                                        layer=layer)
-                groups.append((layer, gamma, rin, [int(r) for r in rows], parts, moe,
+                groups.append((layer, gamma, rin, [int(r) for r in rows], parts, moe, bool(flags & Flag.RESID_ONLY),
                                _Rows(as_slice(rows), st["x_resid"][rin], st["x_resid"][gamma], st["x_norm"][gamma],
                                      [st[name][layer, sp] for name, sp in parts]),
                                st["w_norm"][gamma]))
             return groups
 
-        for layer, gamma, rin, rows, parts, moe, io, gam in vm.plan(op.name, words, build):
+        for layer, gamma, rin, rows, parts, moe, resid_only, io, gam in vm.plan(op.name, words, build):
             slots = routed_slots(vm, self, layer, np.asarray(rows), "moe_out") if moe else None
             if vm.tracking:
-                track(vm, layer, gamma, rin, rows, parts, slots)
+                track(vm, layer, gamma, rin, rows, parts, slots, normed=not resid_only)
             x = io.read(io.resid_in)
             for plane in io.parts:
                 x = x + io.read(plane)
             if moe:  # MOE_COMBINE's sum, then added as its ffn_part plane would be
                 x = x + _experts_sum(vm, layer, rows, slots)
             io.write(io.resid_out, x)
-            io.write(io.norm, rms_norm(x, gam, vm.eps, st.act))
+            if not resid_only:
+                io.write(io.norm, rms_norm(x, gam, vm.eps, st.act))
 
 
 # ---------------------------------------------------------------------------
@@ -249,7 +256,8 @@ def norm_in_of(vm, op, w) -> tuple[int, int, int, int, bool] | None:
     """The folded norm's (layer, attn splits, FFN splits, residual slot,
     whether it adds the layer's expert outputs (ADD_MOE)) of the tasks ``w``
     of one group (all flagged NORM_IN or none), or None. ADD_MOE: QKV_PROJ
-    tiles only, with NORM_FFN_SPLITS 0 and NORM_LAYER a MoE layer."""
+    tiles and routed up claimers only, with NORM_FFN_SPLITS 0 and NORM_LAYER
+    a MoE layer."""
     f = (w[:, H.FLAGS].astype(np.int64) & Flag.NORM_IN) != 0
     if not f.any():
         return None
@@ -267,9 +275,9 @@ def norm_in_of(vm, op, w) -> tuple[int, int, int, int, bool] | None:
     if m.any() and not m.all():
         raise BadTaskError(f"{op.name}: the tiles of one input disagree on ADD_MOE", opcode=int(op))
     moe = bool(m.any())
-    if moe and (op != Op.QKV_PROJ or nf != 0 or vm.geo.ffn[nl] != "moe"):
-        raise BadTaskError(f"{op.name}: ADD_MOE with NORM_IN is a QKV_PROJ input with NORM_FFN_SPLITS 0 and "
-                           f"NORM_LAYER a MoE layer", opcode=int(op))
+    if moe and (op not in (Op.QKV_PROJ, Op.MOE_UPGATE_DRAIN) or nf != 0 or vm.geo.ffn[nl] != "moe"):
+        raise BadTaskError(f"{op.name}: ADD_MOE with NORM_IN is a QKV_PROJ or MOE_UPGATE_DRAIN input with "
+                           f"NORM_FFN_SPLITS 0 and NORM_LAYER a MoE layer", opcode=int(op))
     return nl, na, nf, rin, moe
 
 

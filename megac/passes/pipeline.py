@@ -73,11 +73,12 @@ def graph_form(geo: Geometry) -> tuple:
     combine inside the norm, the layers that fold their norm, the split-K
     expert down projection, the attention merge inside the O-projection, the
     layers whose router folds the combine, whether every router is
-    unnormalised, the layers whose QKV tiles add the combine in their fold."""
+    unnormalised, the layers whose QKV tiles add the combine in their fold,
+    the layers whose up claims do."""
     L = range(geo.num_layers)
     return (geo.routed_claims, geo.fused_combine, tuple(l for l in L if geo.folded(l)),
             geo.split_down, geo.o_proj_merge, tuple(l for l in L if geo.router_combined(l)),
-            geo.router_combine, tuple(l for l in L if geo.qkv_combined(l)))
+            geo.router_combine, tuple(l for l in L if geo.qkv_combined(l)), tuple(l for l in L if geo.up_combined(l)))
 
 
 def lower(spec, order_name: str, rows: int, context: int, *, graph=None, check: bool = True,

@@ -120,6 +120,17 @@ def _qkv_fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.nd
     return f
 
 
+def _up_fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarray]:
+    """An up claimer's NORM_* fields: where its claims fold the norm with the
+    MoE combine (Geometry.up_combined) the QKV tiles' (``_qkv_fold_fields``:
+    layer ``l - 1``'s experts added, no FFN partial), else zeros."""
+    if geo.up_combined(l):
+        f = _fold_fields(geo, l, like)
+        f["NORM_FFN_SPLITS"] = np.zeros_like(like)
+        return f
+    return {n: np.zeros_like(like) for n in NORM_IN_FIELDS}
+
+
 def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
     k, l = nt.kind, nt.layer
     R, D, hd = geo.rows, geo.hidden, geo.head_dim
@@ -161,9 +172,10 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         if queue == Queue.MOE_UP and geo.routed_claims:
             # the claimer ranks the rows and derives the queue itself: no queue length to read
             F.update(QUEUE_LEN=0 * one, ROUTE_SPLITS=one * geo.router_splits, NUM_ROWS=one * geo.rows,
-                     UP_TILES=one * geo.up_tiles, X_SLOT=one * geo.norm_input_slot(l))
+                     UP_TILES=one * geo.up_tiles, X_SLOT=one * geo.norm_input_slot(l), **_up_fold_fields(geo, l, one))
         elif queue == Queue.MOE_UP:  # records from the queue ROUTE_FINALIZE writes
-            F.update(ROUTE_SPLITS=0 * one, NUM_ROWS=0 * one, UP_TILES=0 * one, X_SLOT=0 * one)
+            F.update(ROUTE_SPLITS=0 * one, NUM_ROWS=0 * one, UP_TILES=0 * one, X_SLOT=0 * one,
+                     **_up_fold_fields(geo, l, one))
         shape, box = (1,), _boxes((0, 1))
     elif k == "attn_combine":
         row, kvh = _grid(range(R), range(geo.kv_heads))

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MEGAC_ABI_VERSION 13
+#define MEGAC_ABI_VERSION 14
 
 namespace megac {
 
@@ -62,6 +62,7 @@ enum Flag : int32_t {
   FLAG_NORM_IN = 512,
   FLAG_SPLIT_DOWN = 1024,
   FLAG_COMBINE_IN = 2048,
+  FLAG_RESID_ONLY = 4096,
 };
 
 // Opcode-specific fields: word index, one namespace per opcode.
@@ -166,6 +167,10 @@ constexpr int ROUTE_SPLITS = 14;
 constexpr int NUM_ROWS = 15;
 constexpr int UP_TILES = 16;
 constexpr int X_SLOT = 17;
+constexpr int NORM_LAYER = 18;
+constexpr int NORM_ATTN_SPLITS = 19;
+constexpr int NORM_FFN_SPLITS = 20;
+constexpr int NORM_RESID_IN = 21;
 }  // namespace f_moe_upgate_drain
 namespace f_moe_down_drain {
 constexpr int QUEUE = 8;

@@ -1457,6 +1457,9 @@ TILES = {
     # and the norm sums the experts itself (fused_combine): no MOE_COMBINE at batch 1, the norm that
     # gates the up claims' rows waits on the down claims directly (the same bits as rcqc)
     "rcqcfc": {"router_combine": 1, "qkv_combine": 1, "fused_combine": 1},
+    # and the routed up claims fold the norm with the combine themselves (NORM_IN with ADD_MOE on the
+    # claimer, forty-sixth session): no claim waits on the norm, whose x_norm nothing reads then
+    "uc": {"up_combine": 1},
     "up96": {"moe_up_bn": 96},  # 16 expert up/gate tiles: 128 claims at batch 1, one per SM
     "up64": {"moe_up_bn": 64},
     "r16": {"router_splits": 16},  # router GEMM over 16 SMs instead of 4
