@@ -116,15 +116,19 @@ def test_the_claimed_attention_prime_the_drained_stop_and_the_combine_folds_comp
     # by 1 / rms (moe_routing.cuh rows_inv_rms); its build says so to the host
     # (the megakernel_router_combine symbol); and MEGAC_QKV_COMBINE
     # (ops_gemm.cuh): a QKV tile flagged NORM_IN and ADD_MOE adds the MoE
-    # combine in its fold (norm.cuh moe_add_vec; megakernel_qkv_combine).
+    # combine in its fold (norm.cuh moe_add_vec; megakernel_qkv_combine); and
+    # MEGAC_UP_COMBINE (ops_gemm.cuh up_fold_stage): a routed up claim flagged
+    # NORM_IN and ADD_MOE stages the norm itself (megakernel_up_combine).
     # Each switch on against it off; the folds' symbols follow their switch (the
     # schedules' default where another switch is toggled: codegen's
     # switch_defaults)
     from megac.codegen.megakernel import switch_defaults
 
     defaults = dict(switch_defaults(res.schedules))
-    symbols = {"MEGAC_ROUTER_COMBINE": b"megakernel_router_combine", "MEGAC_QKV_COMBINE": b"megakernel_qkv_combine"}
-    for switch in ("MEGAC_ATTN_CLAIM_PRIME", "MEGAC_UP_DRAINED_STOP", "MEGAC_ROUTER_COMBINE", "MEGAC_QKV_COMBINE"):
+    symbols = {"MEGAC_ROUTER_COMBINE": b"megakernel_router_combine", "MEGAC_QKV_COMBINE": b"megakernel_qkv_combine",
+               "MEGAC_UP_COMBINE": b"megakernel_up_combine"}
+    for switch in ("MEGAC_ATTN_CLAIM_PRIME", "MEGAC_UP_DRAINED_STOP", "MEGAC_ROUTER_COMBINE", "MEGAC_QKV_COMBINE",
+                   "MEGAC_UP_COMBINE"):
         on, off = (build_cubin(tmp_path / SOURCE, defines={switch: v}, include_dirs=inc,
                                cache_dir=tmp_path / f"{switch}-{v}") for v in (1, 0))
         k = report(on)["kernels"]["megakernel"]
