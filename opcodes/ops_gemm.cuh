@@ -632,17 +632,25 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c, const int32_t* rowof =
                                    : ptr<const bf16>(d->moe_x) + Lay::moe_x(layer, s0);
 #if MEGAC_UP_COMBINE
   // NORM_IN with ADD_MOE (a routed claimer of one row, abi.py): the tile
-  // stages the norm that writes x_norm slot xslot itself (up_fold_stage),
-  // then runs as a claim whose X and first stages were issued early
-  Ctx g = c;
+  // stages the norm that writes x_norm slot xslot itself; on the bulk-copy
+  // ring through up_fold_stage, then as a claim whose X and first stages
+  // were issued early; else through gemm()'s folded staging
+  const bool folded = rowof != nullptr && (c.ts->w[H_FLAGS] & FLAG_NORM_IN) != 0;
+  const float* ys;
   if constexpr (GemmScratch<M>::kTc && tc::kBulk) {
-    if (rowof != nullptr && (c.ts->w[H_FLAGS] & FLAG_NORM_IN)) {
+    Ctx g = c;
+    if (folded) {
       up_fold_stage<M>(c.d, c.ts, c.scratch, ws, xslot, nr);
       g.primed = true;
       g.x_issued = true;
     }
+    ys = gemm<M>(g, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr);
+  } else {
+    NormIn fold{MK_F(moe_upgate_drain, NORM_LAYER), MK_F(moe_upgate_drain, NORM_ATTN_SPLITS),
+                MK_F(moe_upgate_drain, NORM_FFN_SPLITS), MK_F(moe_upgate_drain, NORM_RESID_IN), xslot, 0};
+    fold.moe = true;
+    ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr, folded, fold);
   }
-  const float* ys = gemm<M>(g, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr);
 #else
   const float* ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr);
 #endif

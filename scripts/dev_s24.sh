@@ -650,6 +650,24 @@ for m in r:
     t=default,uc; for i in $(seq 1 ${ROUNDS:-8}); do t=$t,default#$i,uc#$i; done
     left=$((${AB_END:-540} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=1 TLIST=$t bash "$0" ab | cut -c1-80 ;;
+  prebuild_s46c)  # rbatch's checks (the tiny models and the slice under it), the fixed uc's tiny models, the
+                  # default and norc profiled (their bs8 steps), the bench's ceiling kernel
+    prebuild_start
+    prebuild_variants tiny-moe:rbatch tiny-llama:rbatch nmc-slice:rbatch
+    MEGAC_PROFILE_TILES=norc prebuild_specs tiny-moe-uc north-mini-code nmc-norc nmc-rbatch
+    prebuild_ceiling
+    pack_cubins < build/cz-s31/log.txt ;;
+  s46c)  # (prebuild_s46c, ~6 min, any GPU) rbatch checked as a default would be (tiny models against the VM,
+         # the watchdog, the two-row fp32 slice: the router's residual form runs past one row); the tiny MoE
+         # model under uc (its claims' fold on the plain GEMM path); one profiled bs8 8K step of the default
+         # and of norc (where the router_combine default's bs8 time goes)
+    verify rbatch rbatch 2
+    MEGAC_TINY_TILES=uc timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny-uc.json \
+      > $OUT/tiny-uc.log 2>&1; echo tiny uc rc $?
+    python3 -c "import json; d=json.load(open('$OUT/tiny-uc.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
+    MEGAC_PROFILE_CASES=8:8192 MEGAC_PROFILE_TILES=norc timeout ${PT:-200} python3 -m gpu.megakernel_check --run profile \
+      --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-200
+    for f in $OUT/*.trace.json; do gzip -q "$f"; done ;;
   s46a)  # (prebuild_s46a, ~8 min, the H200) the default, norc and rbatch engines alternating at bs8 until AB_END s
          # (is the router_combine default's +1.6 % at bs8 its residual staging?), then the default against rbatch
          # at bs1 until AB1_END s, then one profiled bs8 8K step of the default
