@@ -289,7 +289,11 @@ DEFAULT_TILES = {
     # nothing: the norm task's hop and run (~2.9 us), and the claims' hop
     # to it, leave the path from a layer's last down claim to its next
     # layer's first expert byte; each claim's CTA sums the row instead
-    # (~100 KB of L2 reads, while its ring primes)
+    # (~100 KB of L2 reads, while its ring primes). Measured (forty-sixth
+    # session, H100, NMC bs1 8K, engines alternating): +7.0 % (3.1926 /
+    # 2.9836 ms, 9 / 10 engines): the norm did not gate the claims (the
+    # router and the ranking take as long), and each claim's staging of the
+    # row (~4 us) delays its stream by more than its primed ring holds. Off
     "up_combine": 0,
 }
 
