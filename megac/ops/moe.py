@@ -30,6 +30,8 @@ from megac.abi import Flag, H, Op, Queue
 from megac.errors import BadTaskError, QueueOverflowError
 from megac.ops.base import BF16, BIG, FP32, QUEUE_BUFFER, ClaimerOp, OpDef, SubTasks, at, field, last_of, span
 from megac.ops.cpu import idx
+from megac.ops.norm import experts_access, norm_in_input, norm_in_of, norm_in_rules
+from megac.ops.routed import routed_slots
 from megac.sol_bytes import expected_distinct_experts
 from megac.weights.layout import tile_gate_up_rows
 
@@ -49,15 +51,6 @@ def _queue_buffer(q: int) -> str:
         return QUEUE_BUFFER[Queue(int(q))]
     except ValueError:
         raise BadTaskError(f"unknown queue id {q}") from None
-
-
-def routed_slots(vm, d: OpDef, layer: int, rows: np.ndarray, buffer: str) -> np.ndarray:
-    """The routed slots ``[rows, K]`` of ``rows`` (ROUTE_FINALIZE's
-    ``route_slot``), each inside ``buffer``'s slots."""
-    slots = vm.st.np["route_slot"][layer, rows].astype(np.int64)
-    if ((slots < 0) | (slots >= vm.st[buffer].shape[1])).any():
-        raise BadTaskError(f"{d.name}: routed slot out of range", layer=layer, buffer="route_slot")
-    return slots
 
 
 def expected_active_experts(geo, params) -> int:
@@ -499,8 +492,6 @@ class MoeUpgateDrain(_ExpertDrain):
                 | (int(Flag.NORM_IN | Flag.ADD_MOE) if geo.up_combined(nt.layer) else 0))
 
     def field_rules(self, lim):
-        from megac.ops.norm import norm_in_rules
-
         g, C = lim.geo, lim.num_counters
         if not g.num_experts:
             return None
@@ -562,12 +553,10 @@ class MoeUpgateDrain(_ExpertDrain):
         c0 = n * half
         c1 = np.minimum(n_hi * half, geo.expert_width)
         if geo.up_combined(sub.layer):  # the planes of the norm it folds (every row: the scale)
-            from megac.ops.norm import _experts_access
-
             D, nl = geo.hidden, sub.layer - 1
             acc.add("x_resid", False, t, at(geo.resid_in_slot("norm", nl)), span(R), span(D))
             acc.add("o_part", False, t, at(np.full(m, nl, dtype=np.int64)), (0, geo.kv_heads), span(R), span(D))
-            _experts_access(acc, t, np.full(m, nl, dtype=np.int64), geo, span(D))
+            experts_access(acc, t, np.full(m, nl, dtype=np.int64), geo, span(D))
         elif geo.routed_claims:  # the rows where they lie (any of them: the routing picks)
             acc.add("x_norm", False, t, at(geo.norm_input_slot(sub.layer)), span(R), span(geo.hidden))
         else:
@@ -605,8 +594,6 @@ class MoeUpgateDrain(_ExpertDrain):
         or flagged NORM_IN the folded norm's output (``norm_in_input``, its
         reads tracked; with ADD_MOE only, and one row: the device stages the
         tile's rows 0.. of that norm, which are its routed rows only then)."""
-        from megac.ops.norm import norm_in_input, norm_in_of
-
         fold = norm_in_of(vm, self.op, cw[None, :])
         if fold is None:
             return "x_norm"

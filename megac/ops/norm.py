@@ -22,7 +22,7 @@ from megac.abi import Flag, H, Op
 from megac.errors import BadTaskError
 from megac.ops.base import BF16, BIG, FP32, OpDef, at, field, span
 from megac.ops.cpu import as_slice, cast, idx
-from megac.ops.moe import routed_slots
+from megac.ops.routed import routed_slots
 
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, act: torch.dtype) -> torch.Tensor:
@@ -239,10 +239,10 @@ def norm_in_access(acc, op, w, ix, geo, x_slot, k0, kl) -> None:
     acc.add("ffn_part", False, ixf[b], at(nl[b]), (0, nf[b]), span(R), span(D))
     m = (wf[:, H.FLAGS].astype(np.int64) & Flag.ADD_MOE) != 0
     if m.any():
-        _experts_access(acc, ixf[m], nl[m], geo, span(D))
+        experts_access(acc, ixf[m], nl[m], geo, span(D))
 
 
-def _experts_access(acc, ix, layer, geo, cols) -> None:
+def experts_access(acc, ix, layer, geo, cols) -> None:
     """The reads of a fold that adds layer ``layer``'s MoE combine itself:
     columns ``cols`` of every routed slot's output, with the rows' slots and
     scores (what MOE_COMBINE reads for those features)."""
@@ -318,8 +318,8 @@ def norm_in_input(vm, slot: int, fold: tuple[int, int, int, int, bool], d: OpDef
 
 NORM_OPS = (AddRmsnorm(),)
 
-__all__ = ["AddRmsnorm", "NORM_IN_FIELDS", "NORM_OPS", "norm_in_access", "norm_in_input", "norm_in_of",
-           "norm_in_rules", "rms_norm"]
+__all__ = ["AddRmsnorm", "NORM_IN_FIELDS", "NORM_OPS", "experts_access", "norm_in_access", "norm_in_input",
+           "norm_in_of", "norm_in_rules", "rms_norm"]
 
 
 # ---------------------------------------------------------------------------
@@ -346,7 +346,7 @@ def combine_in_access(acc, op, w, ix, geo, x_slot, k0, kl) -> None:
     wc, ixc, a, b, nl, na = wc[m], ixc[m], a[m], b[m], nl[m], na[m]
     h = na > 0
     acc.add("o_part", False, ixc[h], at(nl[h]), (0, na[h]), span(R), (a[h], b[h]))
-    _experts_access(acc, ixc, nl, geo, (a, b))
+    experts_access(acc, ixc, nl, geo, (a, b))
 
 
 def combine_in_of(vm, op, w) -> tuple[int, int, int] | None:
