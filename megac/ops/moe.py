@@ -590,17 +590,18 @@ class MoeUpgateDrain(_ExpertDrain):
         return routing.queue_records(route, tiles).astype(np.int64)
 
     def _x_of(self, vm, cw, layer: int) -> str:
-        """The buffer a routed claimer's tiles read their rows from: x_norm,
-        or flagged NORM_IN the folded norm's output (``norm_in_input``, its
-        reads tracked; with ADD_MOE only, and one row: the device stages the
-        tile's rows 0.. of that norm, which are its routed rows only then)."""
+        """The buffer a routed claimer's tiles read their rows from (the
+        claimer has ranked: ``vm.routed_rows``): x_norm, or flagged NORM_IN
+        the folded norm's output for its X_SLOT (``norm_in_input``, its reads
+        tracked; with ADD_MOE only, and one row: the device stages the tile's
+        rows 0.. of that norm, which are its routed rows only then)."""
         fold = norm_in_of(vm, self.op, cw[None, :])
         if fold is None:
             return "x_norm"
         if not fold[4] or int(cw[abi.field_index(self.op, "NUM_ROWS")]) != 1:
             raise BadTaskError("MOE_UPGATE_DRAIN: NORM_IN on a routed claimer needs ADD_MOE and NUM_ROWS 1",
                                layer=layer)
-        return norm_in_input(vm, int(cw[abi.field_index(self.op, "X_SLOT")]), fold, self)
+        return norm_in_input(vm, vm.routed_rows[layer][0], fold, self)
 
     def signal_span(self, geo):
         return 1 if geo.split_down else max(geo.num_experts, 1)
@@ -661,7 +662,7 @@ class MoeUpgateDrain(_ExpertDrain):
                 xs, rows_of = vm.routed_rows[layer]
                 if int(s0[i] + nr[i]) > len(rows_of):
                     raise BadTaskError("MOE_UPGATE_DRAIN: routed record past the routed slots", layer=layer)
-                if xbuf == "x_norm":  # (a folded norm's reads: _x_of)
+                if xbuf == "x_norm":  # (a folded norm's reads were tracked by _x_of)
                     for s in slots:
                         vm.tr.read("x_norm", (xs, int(rows_of[s]), slice(None)))
             else:
