@@ -118,7 +118,9 @@ def test_the_claimed_attention_prime_the_drained_stop_and_the_combine_folds_comp
     # (ops_gemm.cuh): a QKV tile flagged NORM_IN and ADD_MOE adds the MoE
     # combine in its fold (norm.cuh moe_add_vec; megakernel_qkv_combine); and
     # MEGAC_UP_COMBINE (ops_gemm.cuh up_fold_stage): a routed up claim flagged
-    # NORM_IN and ADD_MOE stages the norm itself (megakernel_up_combine).
+    # NORM_IN and ADD_MOE stages the norm itself (megakernel_up_combine); and
+    # MEGAC_RESID_BATCH (ops_norm.cuh): the router's residual form loads an
+    # element's rows together.
     # Each switch on against it off; the folds' symbols follow their switch (the
     # schedules' default where another switch is toggled: codegen's
     # switch_defaults)
@@ -128,7 +130,7 @@ def test_the_claimed_attention_prime_the_drained_stop_and_the_combine_folds_comp
     symbols = {"MEGAC_ROUTER_COMBINE": b"megakernel_router_combine", "MEGAC_QKV_COMBINE": b"megakernel_qkv_combine",
                "MEGAC_UP_COMBINE": b"megakernel_up_combine"}
     for switch in ("MEGAC_ATTN_CLAIM_PRIME", "MEGAC_UP_DRAINED_STOP", "MEGAC_ROUTER_COMBINE", "MEGAC_QKV_COMBINE",
-                   "MEGAC_UP_COMBINE"):
+                   "MEGAC_UP_COMBINE", "MEGAC_RESID_BATCH"):
         on, off = (build_cubin(tmp_path / SOURCE, defines={switch: v}, include_dirs=inc,
                                cache_dir=tmp_path / f"{switch}-{v}") for v in (1, 0))
         k = report(on)["kernels"]["megakernel"]
