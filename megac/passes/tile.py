@@ -84,15 +84,18 @@ def _norm_params(geo: Geometry, kind: str, l: int) -> tuple[int, int, int]:
     return (2 * L if l == L - 1 else l + 1), a_splits, f_splits
 
 
-def _fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarray]:
-    """The NORM_* fields of layer ``l``'s QKV / router tiles: the parameters
-    of the norm that writes their x_norm slot (layer ``l - 1``'s "norm", a
-    parallel block) where they fold it (Geometry.folded), else zeros."""
+def _fold_fields(geo: Geometry, l: int, like: np.ndarray, combined: bool = False) -> dict[str, np.ndarray]:
+    """The NORM_* fields of layer ``l``'s QKV / router tiles (or up claimer):
+    the parameters of the norm that writes their x_norm slot (layer
+    ``l - 1``'s "norm", a parallel block) where they fold it
+    (Geometry.folded), else zeros. ``combined``: the reader adds layer
+    ``l - 1``'s expert outputs itself (the MoE combine folded too: ADD_MOE /
+    COMBINE_IN), so no FFN partial (NORM_FFN_SPLITS 0)."""
     vals = (0, 0, 0, 0)
     if geo.folded(l):
         gamma, a_splits, f_splits = _norm_params(geo, "norm", l - 1)
         assert gamma == geo.norm_input_slot(l)
-        vals = (l - 1, a_splits, f_splits, geo.resid_in_slot("norm", l - 1))
+        vals = (l - 1, a_splits, 0 if combined else f_splits, geo.resid_in_slot("norm", l - 1))
     return {n: np.full_like(like, v) for n, v in zip(NORM_IN_FIELDS, vals)}
 
 
@@ -102,32 +105,17 @@ def _router_fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np
     without the FFN partial: it adds layer ``l - 1``'s expert outputs itself;
     elsewhere in a router_combine model NORM_LAYER -1 and the residual slot
     the norm writing its x_norm slot writes (COMBINE_IN's residual form)."""
-    f = _fold_fields(geo, l, like)
-    if geo.router_combined(l):
-        f["NORM_FFN_SPLITS"] = np.zeros_like(like)
-    elif geo.router_combine:  # the norm's residual alone (NORM_LAYER -1), unnormalised
-        f = {n: np.full_like(like, v) for n, v in zip(NORM_IN_FIELDS, (-1, 0, 0, geo.norm_input_slot(l)))}
-    return f
-
-
-def _qkv_fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarray]:
-    """A QKV tile's NORM_* fields: the folded norm's (``_fold_fields``), where
-    it adds the MoE combine itself (Geometry.qkv_combined) without the FFN
-    partial: it adds layer ``l - 1``'s expert outputs instead (ADD_MOE)."""
-    f = _fold_fields(geo, l, like)
-    if geo.qkv_combined(l):
-        f["NORM_FFN_SPLITS"] = np.zeros_like(like)
-    return f
+    if geo.router_combine and not geo.router_combined(l):  # the norm's residual alone, unnormalised
+        return {n: np.full_like(like, v) for n, v in zip(NORM_IN_FIELDS, (-1, 0, 0, geo.norm_input_slot(l)))}
+    return _fold_fields(geo, l, like, geo.router_combined(l))
 
 
 def _up_fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.ndarray]:
     """An up claimer's NORM_* fields: where its claims fold the norm with the
-    MoE combine (Geometry.up_combined) the QKV tiles' (``_qkv_fold_fields``:
-    layer ``l - 1``'s experts added, no FFN partial), else zeros."""
+    MoE combine (Geometry.up_combined) the folded norm's without the FFN
+    partial (as a qkv_combine QKV tile's), else zeros."""
     if geo.up_combined(l):
-        f = _fold_fields(geo, l, like)
-        f["NORM_FFN_SPLITS"] = np.zeros_like(like)
-        return f
+        return _fold_fields(geo, l, like, combined=True)
     return {n: np.zeros_like(like) for n in NORM_IN_FIELDS}
 
 
@@ -144,7 +132,7 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         h, sub = _grid(range(nq + 2 * nkv), range(per))
         n0 = h * hd + sub * bn
         F = dict(N0=n0, N_LEN=np.full_like(n0, bn), K0=np.zeros_like(n0), K_LEN=np.full_like(n0, D),
-                 SPLIT=np.zeros_like(n0), PART=part[h], HEAD=head[h], **_qkv_fold_fields(geo, l, n0))
+                 SPLIT=np.zeros_like(n0), PART=part[h], HEAD=head[h], **_fold_fields(geo, l, n0, geo.qkv_combined(l)))
         shape, box = (geo.qkv_width,), _boxes((n0, n0 + bn))
     elif k == "attn" and geo.sliding[l]:
         S = geo.sliding_static_splits
