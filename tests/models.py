@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from megac.abi import TASK_WORDS, H
 from megac.spec import ModelSpec, load_spec
 from megac.weights.canonical import ModelWeights
 from megac.weights.hf import build_hf_model
@@ -21,8 +22,9 @@ from megac.weights.random import random_weights
 
 
 def variant(spec: ModelSpec | str, name: str | None = None, *, moe: dict | None = None,
-            layers: list[dict] | None = None, **fields) -> ModelSpec:
-    """``spec`` (or a bundled name) with fields replaced (``moe`` entries merged)."""
+            layers: list[dict] | None = None, tiles: dict | None = None, **fields) -> ModelSpec:
+    """``spec`` (or a bundled name) with fields replaced (``moe`` entries
+    merged; ``tiles``: its target's tile settings, replaced)."""
     if isinstance(spec, str):
         spec = load_spec(spec)
     data = spec.model_dump()
@@ -34,7 +36,16 @@ def variant(spec: ModelSpec | str, name: str | None = None, *, moe: dict | None 
         data["layers"] = layers
         data["num_layers"] = len(layers)
     data.update(fields)
+    if tiles is not None:
+        data["target"] = {**data["target"], "tiles": tiles}
     return ModelSpec.model_validate(data)
+
+
+def tasks_of(sched, op):
+    """The task words ``[n, TASK_WORDS]`` of opcode ``op`` in schedule
+    ``sched`` (every SM's list in order)."""
+    t = sched.tasks.reshape(-1, TASK_WORDS)
+    return t[t[:, H.OPCODE] == int(op)]
 
 
 def hf_model(spec: ModelSpec, weights: ModelWeights | None = None, *, seed: int = 0,

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from engines import assert_same_bits_as
-from megac.abi import TASK_WORDS, Flag, H, Op, field_index
+from megac.abi import Flag, H, Op, field_index
 from megac.passes.pipeline import compile_one
 from megac.spec import load_spec
 from megac.weights import random_weights
-from models import variant
+from models import tasks_of, variant
 
 
 def _spec(fold: int, top_k: int | None = None, **tiles):
@@ -28,22 +28,17 @@ def _spec(fold: int, top_k: int | None = None, **tiles):
                    target={**moe.target.model_dump(), "tiles": {"norm_fold": fold, **tiles}})
 
 
-def _tasks(sched, op):
-    t = sched.tasks.reshape(-1, TASK_WORDS)
-    return t[t[:, H.OPCODE] == int(op)]
-
-
 def test_the_qkv_and_router_tiles_carry_their_norm():
     # the tiles folding the norm, not the combine (router_combine's and qkv_combine's own tests
     # hold those forms)
     base, fold = (compile_one(_spec(f, router_combine=0, qkv_combine=0), "tuned", 1, 1024) for f in (0, 1))
     assert fold.num_tasks == base.num_tasks
     geo = fold.geometry
-    norms = _tasks(fold, Op.ADD_RMSNORM)
+    norms = tasks_of(fold, Op.ADD_RMSNORM)
     by_slot = {int(w[field_index(Op.ADD_RMSNORM, "GAMMA")]): w for w in norms}
     norm_signals = {int(w[H.SIGNAL]) for w in norms}
     for op in (Op.QKV_PROJ, Op.ROUTER_GEMM):
-        for w in _tasks(fold, op):
+        for w in tasks_of(fold, op):
             layer = int(w[H.LAYER])
             # layer 0 reads the seed, layer 1 the norm after the dense layer 0
             folded = layer >= 2 and geo.ffn[layer] == "moe" and geo.ffn[layer - 1] == "moe"
@@ -59,10 +54,10 @@ def test_the_qkv_and_router_tiles_carry_their_norm():
             # it waits on the norm's producers, never on a norm task
             assert waits and not waits & norm_signals, (op, layer)
             assert waits == {int(n[H.WAIT0]), int(n[H.WAIT1])} - {-1}, (op, layer)
-    assert not (_tasks(base, Op.QKV_PROJ)[:, H.FLAGS] & int(Flag.NORM_IN)).any()
+    assert not (tasks_of(base, Op.QKV_PROJ)[:, H.FLAGS] & int(Flag.NORM_IN)).any()
     # more rows than the bound (and than routed claims cover): no fold
     two = compile_one(_spec(1, router_combine=0, qkv_combine=0), "tuned", 2, 1024)
-    assert not (_tasks(two, Op.ROUTER_GEMM)[:, H.FLAGS] & int(Flag.NORM_IN)).any()
+    assert not (tasks_of(two, Op.ROUTER_GEMM)[:, H.FLAGS] & int(Flag.NORM_IN)).any()
 
 
 @pytest.mark.parametrize("top_k", [None, 3])

@@ -15,23 +15,17 @@ import torch
 
 from engines import assert_same_bits_as
 from megac import abi
-from megac.abi import TASK_WORDS, H, Op, field_index
+from megac.abi import H, Op, field_index
 from megac.passes.pipeline import compile_one
 from megac.spec import load_spec
 from megac.weights import random_weights
-from models import variant
+from models import tasks_of, variant
 
 
 def _spec(name: str, merge: bool, **tiles):
     base = load_spec(name)
     t = {**({"o_proj_merge": 1} if merge else {}), **tiles}
-    return variant(base, f"opm-{name}-{int(merge)}-{sorted(t.items())}", tie_embeddings=False,
-                   target={**base.target.model_dump(), "tiles": t})
-
-
-def _tasks(s, op):
-    t = s.tasks.reshape(-1, TASK_WORDS)
-    return t[t[:, H.OPCODE] == int(op)]
+    return variant(base, f"opm-{name}-{int(merge)}-{sorted(t.items())}", tie_embeddings=False, tiles=t)
 
 
 def test_one_row_has_no_combine_tasks_and_each_o_proj_tile_waits_on_its_heads_splits():
@@ -42,7 +36,7 @@ def test_one_row_has_no_combine_tasks_and_each_o_proj_tile_waits_on_its_heads_sp
     geo = merged.geometry
     tw = geo.target_words
     ms = field_index(Op.O_PROJ, "MERGE_SPLITS")
-    o = _tasks(merged, Op.O_PROJ)
+    o = tasks_of(merged, Op.O_PROJ)
     for w in o:
         layer = int(w[H.LAYER])
         word = tw.attn_splits_sliding(0) if geo.sliding[layer] else tw.attn_splits_full(0)
@@ -52,11 +46,11 @@ def test_one_row_has_no_combine_tasks_and_each_o_proj_tile_waits_on_its_heads_sp
         name = merged.counters[int(w[H.WAIT0])].name
         split = int(w[field_index(Op.O_PROJ, "SPLIT")])
         assert name.startswith("combine[") and name.endswith(f"[0][{split}]"), name
-    assert (_tasks(base, Op.O_PROJ)[:, ms] == 0).all()
+    assert (tasks_of(base, Op.O_PROJ)[:, ms] == 0).all()
     # more rows: the splits' counters are per (row, KV head), the combine stays a task
     two = compile_one(_spec("tiny-moe", True), "tuned", 2, 1024)
     assert two.tasks_per_opcode["ATTN_COMBINE"] > 0
-    assert (_tasks(two, Op.O_PROJ)[:, ms] == 0).all()
+    assert (tasks_of(two, Op.O_PROJ)[:, ms] == 0).all()
 
 
 @pytest.mark.parametrize("name, tiles", [("tiny-moe", {}), ("tiny-moe", {"split_down": 1}), ("tiny-llama", {})])
@@ -75,4 +69,4 @@ def test_merging_o_projection_gives_the_default_schedules_bits(name, tiles):
 def test_o_proj_merge_is_zero_or_one():
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="o_proj_merge"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"o_proj_merge": 2}})
+        variant(moe, "bad", tiles={"o_proj_merge": 2})

@@ -17,24 +17,18 @@ import pytest
 import torch
 
 from engines import assert_same_bits_as
-from megac.abi import TASK_WORDS, Flag, H, Op, field_index
+from megac.abi import Flag, H, Op, field_index
 from megac.errors import BadTaskError
 from megac.passes.pipeline import compile_one
 from megac.spec import load_spec
 from megac.weights import random_weights
-from models import variant
+from models import tasks_of, variant
 
 
 def _spec(on: int, router: int = 0, fused: int = 0):
     moe = load_spec("tiny-moe")
     tiles = {"qkv_combine": on, "router_combine": router, "fused_combine": fused}
-    return variant(moe, f"qc-{on}-{router}-{fused}", tie_embeddings=False,
-                   target={**moe.target.model_dump(), "tiles": tiles})
-
-
-def _of(sched, op):
-    t = sched.tasks.reshape(-1, TASK_WORDS)
-    return t[t[:, H.OPCODE] == int(op)]
+    return variant(moe, f"qc-{on}-{router}-{fused}", tie_embeddings=False, tiles=tiles)
 
 
 @pytest.mark.parametrize("router", [0, 1])
@@ -42,10 +36,10 @@ def test_folded_qkv_tiles_add_the_combine_and_wait_on_its_producers(router):
     base, comb = compile_one(_spec(0, router), "tuned", 1, 1024), compile_one(_spec(1, router), "tuned", 1, 1024)
     assert comb.tasks_per_opcode == base.tasks_per_opcode  # the combine still runs (the norm reads it)
     geo = comb.geometry
-    combine_signals = {int(w[H.SIGNAL]) for w in _of(comb, Op.MOE_COMBINE)}
-    norm_signals = {int(w[H.SIGNAL]) for w in _of(comb, Op.ADD_RMSNORM)}
+    combine_signals = {int(w[H.SIGNAL]) for w in tasks_of(comb, Op.MOE_COMBINE)}
+    norm_signals = {int(w[H.SIGNAL]) for w in tasks_of(comb, Op.ADD_RMSNORM)}
     seen = set()
-    for w, b in zip(_of(comb, Op.QKV_PROJ), _of(base, Op.QKV_PROJ)):
+    for w, b in zip(tasks_of(comb, Op.QKV_PROJ), tasks_of(base, Op.QKV_PROJ)):
         layer = int(w[H.LAYER])
         f = lambda n: int(w[field_index(Op.QKV_PROJ, n)])  # noqa: E731
         if not geo.qkv_combined(layer):
@@ -93,7 +87,7 @@ def test_with_both_folds_the_norm_sums_the_experts_and_no_combine_runs():
     one = compile_one(on, "tuned", 1, 1024)
     geo = one.geometry
     assert geo.fused_combine and geo.norm_fold and "MOE_COMBINE" not in one.tasks_per_opcode
-    norms = _of(one, Op.ADD_RMSNORM)
+    norms = tasks_of(one, Op.ADD_RMSNORM)
     assert sum(bool(w[H.FLAGS] & Flag.ADD_MOE) for w in norms) == len(geo.moe_layers)
     assert any(geo.qkv_combined(l) and geo.router_combined(l) for l in geo.moe_layers)
     assert not compile_one(_spec(0, 1, 1), "tuned", 1, 1024).geometry.norm_fold
@@ -132,4 +126,4 @@ def test_add_moe_on_a_qkv_tile_needs_no_ffn_partial():
 def test_qkv_combine_is_zero_or_one():
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="qkv_combine"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"qkv_combine": 2}})
+        variant(moe, "bad", tiles={"qkv_combine": 2})

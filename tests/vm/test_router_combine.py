@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from engines import run
-from megac.abi import TASK_WORDS, Flag, H, Op, field_index
+from megac.abi import Flag, H, Op, field_index
 from megac.passes.pipeline import compile_one, compile_schedules
 from megac.spec import load_spec
 from megac.weights import random_weights
-from models import assert_steps_match_hf, hf_model, variant
+from models import assert_steps_match_hf, hf_model, tasks_of, variant
 
 
 def _spec(on: int, top_k: int | None = None):
@@ -33,18 +33,13 @@ def _spec(on: int, top_k: int | None = None):
                    target={**moe.target.model_dump(), "tiles": {"router_combine": on}})
 
 
-def _of(sched, op):
-    t = sched.tasks.reshape(-1, TASK_WORDS)
-    return t[t[:, H.OPCODE] == int(op)]
-
-
 def test_folded_routers_carry_the_combine_and_wait_on_its_producers():
     base, comb = compile_one(_spec(0), "tuned", 1, 1024), compile_one(_spec(1), "tuned", 1, 1024)
     assert comb.tasks_per_opcode == base.tasks_per_opcode  # the combine and the norm still run
     geo = comb.geometry
-    combine_signals = {int(w[H.SIGNAL]) for w in _of(comb, Op.MOE_COMBINE)}
-    norm_signals = {int(w[H.SIGNAL]) for w in _of(comb, Op.ADD_RMSNORM)}
-    routers = _of(comb, Op.ROUTER_GEMM)
+    combine_signals = {int(w[H.SIGNAL]) for w in tasks_of(comb, Op.MOE_COMBINE)}
+    norm_signals = {int(w[H.SIGNAL]) for w in tasks_of(comb, Op.ADD_RMSNORM)}
+    routers = tasks_of(comb, Op.ROUTER_GEMM)
     seen = set()
     for w in routers:
         layer = int(w[H.LAYER])
@@ -66,7 +61,7 @@ def test_folded_routers_carry_the_combine_and_wait_on_its_producers():
     assert seen and seen == {l for l in geo.moe_layers if geo.folded(l)}
     # the up claims of such a layer wait on the norm writing their rows themselves (after the
     # ranking), the claimer's header on the router alone: the norm ends after the router now
-    for w in _of(comb, Op.MOE_UPGATE_DRAIN):
+    for w in tasks_of(comb, Op.MOE_UPGATE_DRAIN):
         layer = int(w[H.LAYER])
         tw = int(w[field_index(Op.MOE_UPGATE_DRAIN, "TASK_WAIT_BASE")])
         header = {int(w[H.WAIT0]), int(w[H.WAIT1])} - {-1}
@@ -74,19 +69,19 @@ def test_folded_routers_carry_the_combine_and_wait_on_its_producers():
             assert tw in norm_signals and not header & norm_signals, layer
         else:
             assert tw == -1, layer
-    for w in _of(comb, Op.ROUTE_FINALIZE):  # every ranking finalize scales (the residual of the norm
-        layer = int(w[H.LAYER])              # writing the layer's input)
+    for w in tasks_of(comb, Op.ROUTE_FINALIZE):  # every ranking finalize scales (the residual of the norm
+        layer = int(w[H.LAYER])                   # writing the layer's input)
         assert w[H.FLAGS] & Flag.COMBINE_IN
         assert int(w[field_index(Op.ROUTE_FINALIZE, "RESID_SLOT")]) == geo.norm_input_slot(layer)
     # the default's routers fold the norm; two rows fold nothing, but stay unnormalised, and
     # their top-k tasks scale the weights
-    assert not (_of(base, Op.ROUTER_GEMM)[:, H.FLAGS] & int(Flag.COMBINE_IN)).any()
+    assert not (tasks_of(base, Op.ROUTER_GEMM)[:, H.FLAGS] & int(Flag.COMBINE_IN)).any()
     two = compile_one(_spec(1), "tuned", 2, 1024)
     assert two.geometry.router_combine and not any(two.geometry.router_combined(l) for l in two.geometry.moe_layers)
-    r2 = _of(two, Op.ROUTER_GEMM)
+    r2 = tasks_of(two, Op.ROUTER_GEMM)
     assert (r2[:, H.FLAGS] & int(Flag.COMBINE_IN)).all()
     assert (r2[:, field_index(Op.ROUTER_GEMM, "NORM_LAYER")] == -1).all()
-    t2 = _of(two, Op.ROUTER_TOPK)
+    t2 = tasks_of(two, Op.ROUTER_TOPK)
     assert len(t2) and (t2[:, H.FLAGS] & int(Flag.COMBINE_IN)).all()
 
 

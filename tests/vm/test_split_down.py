@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from engines import run
-from megac.abi import TASK_WORDS, Flag, H, Op, field_index
+from megac.abi import Flag, H, Op, field_index
 from megac.passes.pipeline import compile_one, compile_schedules
 from megac.spec import load_spec
 from megac.weights import random_weights
-from models import assert_steps_match_hf, hf_model, variant
+from models import assert_steps_match_hf, hf_model, tasks_of, variant
 
 
 def _spec(bound: int, **tiles):
@@ -34,11 +34,6 @@ def _spec(bound: int, **tiles):
                                                                 "split_up_bn": 0, **tiles}})
 
 
-def _of(sched, op):
-    t = sched.tasks.reshape(-1, TASK_WORDS)
-    return t[t[:, H.OPCODE] == int(op)]
-
-
 def test_split_schedules_have_no_down_claims_up_to_the_bound():
     spec = _spec(2)
     base = compile_one(_spec(0), "tuned", 2, 1024)
@@ -46,13 +41,13 @@ def test_split_schedules_have_no_down_claims_up_to_the_bound():
         s = compile_one(spec, "tuned", rows, 1024)
         assert "MOE_DOWN_DRAIN" not in s.tasks_per_opcode
         assert s.geometry.split_down and s.geometry.moe_out_tiles == s.geometry.up_tiles > 1
-        up, comb = _of(s, Op.MOE_UPGATE_DRAIN), _of(s, Op.MOE_COMBINE)
+        up, comb = tasks_of(s, Op.MOE_UPGATE_DRAIN), tasks_of(s, Op.MOE_COMBINE)
         assert len(up) and (up[:, H.FLAGS] & int(Flag.SPLIT_DOWN)).all()
         assert len(comb) and (comb[:, H.FLAGS] & int(Flag.SPLIT_DOWN)).all()
     assert compile_one(spec, "tuned", 2, 1024).num_counters < base.num_counters
     # the combine of a row spread over combine_splits feature ranges that tile the row
     two = compile_one(spec, "tuned", 2, 1024)
-    comb, D, S = _of(two, Op.MOE_COMBINE), two.geometry.hidden, two.geometry.combine_splits
+    comb, D, S = tasks_of(two, Op.MOE_COMBINE), two.geometry.hidden, two.geometry.combine_splits
     assert S > 1 and len(comb) == 2 * S * len(two.geometry.moe_layers)
     for (layer, row) in {(int(w[H.LAYER]), int(w[field_index(Op.MOE_COMBINE, "ROW")])) for w in comb}:
         mine = comb[(comb[:, H.LAYER] == layer) & (comb[:, field_index(Op.MOE_COMBINE, "ROW")] == row)]
@@ -64,7 +59,7 @@ def test_split_schedules_have_no_down_claims_up_to_the_bound():
     three = compile_one(spec, "tuned", 3, 1024)
     assert three.tasks_per_opcode["MOE_DOWN_DRAIN"] > 0 and not three.geometry.split_down
     assert three.geometry.moe_out_tiles == three.geometry.up_tiles
-    assert not (_of(three, Op.MOE_COMBINE)[:, H.FLAGS] & int(Flag.SPLIT_DOWN)).any()
+    assert not (tasks_of(three, Op.MOE_COMBINE)[:, H.FLAGS] & int(Flag.SPLIT_DOWN)).any()
 
 
 @pytest.mark.parametrize("routed", [None, 0])

@@ -21,24 +21,18 @@ import pytest
 import torch
 
 from engines import assert_same_bits_as
-from megac.abi import TASK_WORDS, Flag, H, Op, field_index
+from megac.abi import Flag, H, Op, field_index
 from megac.errors import BadTaskError
 from megac.passes.pipeline import compile_one
 from megac.spec import load_spec
 from megac.weights import random_weights
-from models import variant
+from models import tasks_of, variant
 
 
 def _spec(on: int, router: int = 1, qkv: int = 1):
     moe = load_spec("tiny-moe")
     tiles = {"up_combine": on, "router_combine": router, "qkv_combine": qkv}
-    return variant(moe, f"uc-{on}-{router}-{qkv}", tie_embeddings=False,
-                   target={**moe.target.model_dump(), "tiles": tiles})
-
-
-def _of(sched, op):
-    t = sched.tasks.reshape(-1, TASK_WORDS)
-    return t[t[:, H.OPCODE] == int(op)]
+    return variant(moe, f"uc-{on}-{router}-{qkv}", tie_embeddings=False, tiles=tiles)
 
 
 def test_folding_claimers_carry_the_norm_and_their_claims_wait_on_nothing():
@@ -46,7 +40,7 @@ def test_folding_claimers_carry_the_norm_and_their_claims_wait_on_nothing():
     assert comb.tasks_per_opcode == base.tasks_per_opcode  # the norm still runs (the residual)
     geo = comb.geometry
     seen = set()
-    for w, b in zip(_of(comb, Op.MOE_UPGATE_DRAIN), _of(base, Op.MOE_UPGATE_DRAIN)):
+    for w, b in zip(tasks_of(comb, Op.MOE_UPGATE_DRAIN), tasks_of(base, Op.MOE_UPGATE_DRAIN)):
         layer = int(w[H.LAYER])
         f = lambda n: int(w[field_index(Op.MOE_UPGATE_DRAIN, n)])  # noqa: E731
         if not geo.up_combined(layer):
@@ -62,10 +56,10 @@ def test_folding_claimers_carry_the_norm_and_their_claims_wait_on_nothing():
         assert (w[H.WAIT0], w[H.WAIT1]) == (b[H.WAIT0], b[H.WAIT1]), layer
     assert seen and seen == {l for l in geo.moe_layers if geo.router_combined(l)}
     # the norms whose x_norm slot those claims fold write the residual alone
-    for w in _of(comb, Op.ADD_RMSNORM):
+    for w in tasks_of(comb, Op.ADD_RMSNORM):
         nxt = int(w[H.LAYER]) + 1
         assert bool(w[H.FLAGS] & Flag.RESID_ONLY) == (nxt < geo.num_layers and geo.up_combined(nxt)), nxt - 1
-    assert not any(w[H.FLAGS] & Flag.RESID_ONLY for w in _of(base, Op.ADD_RMSNORM))
+    assert not any(w[H.FLAGS] & Flag.RESID_ONLY for w in tasks_of(base, Op.ADD_RMSNORM))
 
 
 def test_up_combine_needs_the_router_fold_and_one_row():
@@ -134,4 +128,4 @@ def test_add_moe_on_a_claimer_needs_no_ffn_partial():
 def test_up_combine_is_zero_or_one():
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="up_combine"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"up_combine": 2}})
+        variant(moe, "bad", tiles={"up_combine": 2})
