@@ -592,6 +592,16 @@ __device__ __forceinline__ void moe_split_down(const Ctx& c, const float* ys, in
 }
 
 #if MEGAC_UP_COMBINE
+// The norm a folding up claimer's tiles stage (its words `w`): its NORM_*
+// fields, x_norm slot `xslot`, the whole row (an expert tile's K), the
+// experts of NORM_LAYER added.
+__device__ __forceinline__ NormIn up_fold_of(const int32_t* w, int xslot) {
+  NormIn f{w[f_moe_upgate_drain::NORM_LAYER], w[f_moe_upgate_drain::NORM_ATTN_SPLITS],
+           w[f_moe_upgate_drain::NORM_FFN_SPLITS], w[f_moe_upgate_drain::NORM_RESID_IN], xslot, 0};
+  f.moe = true;
+  return f;
+}
+
 // A folding up claim's input (NORM_IN with ADD_MOE on a routed claimer of
 // one row): its ring primed first, so the weights stream while the row is
 // summed, then the norm that writes x_norm slot `xslot` staged into the
@@ -610,10 +620,8 @@ __device__ __noinline__ void up_fold_stage(const LaunchDesc* d, TaskShared* ts, 
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   tc::prime(s, GemmScratch<M>::tc_ring(c), &ts->tc);
   MEGAC_MARK(10);  // thread 0's ring stages issued
-  NormIn f{ts->w[f_moe_upgate_drain::NORM_LAYER], ts->w[f_moe_upgate_drain::NORM_ATTN_SPLITS],
-           ts->w[f_moe_upgate_drain::NORM_FFN_SPLITS], ts->w[f_moe_upgate_drain::NORM_RESID_IN], xslot, 0};
-  f.moe = true;
-  stage_norm_in<M>(c, f, rows, s.cols, GemmScratch<M>::xs(c), tc::x_pitch(s.cols), GemmScratch<M>::ys(c));
+  stage_norm_in<M>(c, up_fold_of(ts->w, xslot), rows, s.cols, GemmScratch<M>::xs(c), tc::x_pitch(s.cols),
+                   GemmScratch<M>::ys(c));
 }
 #endif
 
@@ -650,10 +658,8 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c, const int32_t* rowof =
     }
     ys = gemm<M>(g, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr);
   } else {
-    NormIn fold{MK_F(moe_upgate_drain, NORM_LAYER), MK_F(moe_upgate_drain, NORM_ATTN_SPLITS),
-                MK_F(moe_upgate_drain, NORM_FFN_SPLITS), MK_F(moe_upgate_drain, NORM_RESID_IN), xslot, 0};
-    fold.moe = true;
-    ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr, folded, fold);
+    ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr, folded,
+                 up_fold_of(c.ts->w, xslot));
   }
 #else
   const float* ys = gemm<M>(c, ws, x, M::HIDDEN, nr, rowof != nullptr ? rowof + s0 : nullptr);
