@@ -44,3 +44,29 @@ def assert_same_bits_as(base, other, weights, prompts, label, *, batch_sizes=(1,
         for a, b in zip(ref, got):
             assert a.tokens == b.tokens, (label, mode)
             assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), (label, mode)
+
+
+def edited_step(spec, edit, *, seed: int, prompt: list[int]):
+    """One VM decode step of ``spec``'s one-row schedule (random weights of
+    ``seed``, after ``prompt``'s prefill) whose task words ``edit`` changed
+    in place first; returns a callable that runs it (a bad word's error
+    raises there)."""
+    import dataclasses
+
+    import torch
+
+    from megac.kv import PagedKVCache
+    from megac.passes.pipeline import compile_one
+    from megac.prefill import prefill
+    from megac.vm import DecodeStep, DeviceState, VMWeights
+    from megac.weights import random_weights
+
+    w = random_weights(spec, seed=seed)
+    sched = compile_one(spec, "tuned", 1, 128)
+    kv = PagedKVCache(spec, max_rows=1, num_blocks=64, dtype=torch.float32)
+    kv_rows, lg = prefill(w, spec, kv, [prompt])
+    tasks = sched.tasks.copy()
+    edit(tasks)
+    step = DecodeStep(DeviceState(dataclasses.replace(sched, tasks=tasks),
+                                  VMWeights.from_weights(w, spec, sched.geometry)))
+    return lambda: step(kv, kv_rows, lg.argmax(-1).tolist())

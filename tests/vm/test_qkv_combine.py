@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines import assert_same_bits_as
+from engines import assert_same_bits_as, edited_step
 from megac.abi import Flag, H, Op, field_index
 from megac.errors import BadTaskError
 from megac.passes.pipeline import compile_one
@@ -102,25 +102,14 @@ def test_add_moe_on_a_qkv_tile_needs_no_ffn_partial():
     """A QKV tile flagged ADD_MOE whose NORM_FFN_SPLITS is not 0 (the
     combine added twice) is refused with a clear error naming the task, not
     run."""
-    import dataclasses
+    def edit(tasks):
+        q = (tasks[..., H.OPCODE] == int(Op.QKV_PROJ)) & ((tasks[..., H.FLAGS] & int(Flag.ADD_MOE)) != 0)
+        assert q.any()
+        tasks[..., field_index(Op.QKV_PROJ, "NORM_FFN_SPLITS")][q] = 1
 
-    from megac.kv import PagedKVCache
-    from megac.prefill import prefill
-    from megac.vm import DecodeStep, DeviceState, VMWeights
-
-    spec = _spec(1)
-    w = random_weights(spec, seed=3)
-    sched = compile_one(spec, "tuned", 1, 128)
-    kv = PagedKVCache(spec, max_rows=1, num_blocks=64, dtype=torch.float32)
-    kv_rows, lg = prefill(w, spec, kv, [[3, 1, 4, 1, 5]])
-    tasks = sched.tasks.copy()
-    q = (tasks[..., H.OPCODE] == int(Op.QKV_PROJ)) & ((tasks[..., H.FLAGS] & int(Flag.ADD_MOE)) != 0)
-    assert q.any()
-    tasks[..., field_index(Op.QKV_PROJ, "NORM_FFN_SPLITS")][q] = 1
-    step = DecodeStep(DeviceState(dataclasses.replace(sched, tasks=tasks), VMWeights.from_weights(w, spec,
-                                                                                                  sched.geometry)))
+    step = edited_step(_spec(1), edit, seed=3, prompt=[3, 1, 4, 1, 5])
     with pytest.raises(BadTaskError, match="QKV_PROJ.*NORM_FFN_SPLITS 0"):
-        step(kv, kv_rows, lg.argmax(-1).tolist())
+        step()
 
 
 def test_qkv_combine_is_zero_or_one():

@@ -15,12 +15,10 @@ would leave the experts out of the expert input."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from engines import assert_same_bits_as
+from engines import assert_same_bits_as, edited_step
 from megac.abi import Flag, H, Op, field_index
 from megac.errors import BadTaskError
 from megac.passes.pipeline import compile_one
@@ -87,22 +85,6 @@ def test_up_combine_gives_the_default_logits_bit_for_bit(qkv):
         assert_same_bits_as(base, spec, w, ps, (qkv, len(ps)))
 
 
-def _step(spec, edit):
-    from megac.kv import PagedKVCache
-    from megac.prefill import prefill
-    from megac.vm import DecodeStep, DeviceState, VMWeights
-
-    w = random_weights(spec, seed=5)
-    sched = compile_one(spec, "tuned", 1, 128)
-    kv = PagedKVCache(spec, max_rows=1, num_blocks=64, dtype=torch.float32)
-    kv_rows, lg = prefill(w, spec, kv, [[2, 7, 1, 8, 2]])
-    tasks = sched.tasks.copy()
-    edit(tasks)
-    step = DecodeStep(DeviceState(dataclasses.replace(sched, tasks=tasks), VMWeights.from_weights(w, spec,
-                                                                                                  sched.geometry)))
-    return lambda: step(kv, kv_rows, lg.argmax(-1).tolist())
-
-
 def test_a_folding_claimer_without_add_moe_is_refused():
     """NORM_IN without ADD_MOE on a claimer (the combine's partial would be
     needed, which nothing orders before the claims) is a clear error naming
@@ -113,7 +95,7 @@ def test_a_folding_claimer_without_add_moe_is_refused():
         tasks[..., H.FLAGS][u] &= ~int(Flag.ADD_MOE)
 
     with pytest.raises(BadTaskError, match="MOE_UPGATE_DRAIN: NORM_IN on a routed claimer needs ADD_MOE"):
-        _step(_spec(1), edit)()
+        edited_step(_spec(1), edit, seed=5, prompt=[2, 7, 1, 8, 2])()
 
 
 def test_add_moe_on_a_claimer_needs_no_ffn_partial():
@@ -122,7 +104,7 @@ def test_add_moe_on_a_claimer_needs_no_ffn_partial():
         tasks[..., field_index(Op.MOE_UPGATE_DRAIN, "NORM_FFN_SPLITS")][u] = 1
 
     with pytest.raises(BadTaskError, match="MOE_UPGATE_DRAIN.*NORM_FFN_SPLITS 0"):
-        _step(_spec(1), edit)()
+        edited_step(_spec(1), edit, seed=5, prompt=[2, 7, 1, 8, 2])()
 
 
 def test_up_combine_is_zero_or_one():
