@@ -650,6 +650,18 @@ for m in r:
     t=default,uc; for i in $(seq 1 ${ROUNDS:-8}); do t=$t,default#$i,uc#$i; done
     left=$((${AB_END:-540} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=1 TLIST=$t bash "$0" ab | cut -c1-80 ;;
+  prebuild_s47a)  # (after prebuild_s46c, adds to its set) the up and attention tile sets s47a times
+    prebuild_specs nmc-up128 nmc-up192 nmc-a256 nmc-up128_a256 nmc-qkv32 nmc-qkv32_up128 nmc-qkv32_rf \
+      nmc-qkv32_up128_rf
+    MEGAC_PROFILE_TILES=qkv32,qkv32_rf prebuild_specs nmc-qkv32 nmc-qkv32_rf
+    pack_cubins < build/cz-s31/log.txt ;;
+  s47a)  # (prebuild_s46c and prebuild_s47a, the H200) default / up128 / up192 / a256 / up128_a256, engines
+         # alternating at bs1 8K until AB_END s (the expert chain's up phase and the attention chain shortened;
+         # QKV tiles that fit the primed ring)
+    t=${SETS:-default,up128,up192,a256,up128_a256,qkv32,qkv32_up128,qkv32_rf,qkv32_up128_rf}; t0=$t
+    for i in $(seq 1 ${ROUNDS:-4}); do t=$t,$(echo $t0 | sed "s/\([^,]*\)/\1#$i/g"); done
+    left=$((${AB_END:-560} - SECONDS)); echo "ab gets ${left}s"
+    [ $left -gt 60 ] && AT=$left TB=${TB:-1} TLIST=$t bash "$0" ab | cut -c1-80 ;;
   prebuild_s46c)  # rbatch's checks (the tiny models and the slice under it), the fixed uc's tiny models, the
                   # default and norc profiled (their bs8 steps), the bench's ceiling kernel
     prebuild_start
@@ -665,8 +677,8 @@ for m in r:
     MEGAC_TINY_TILES=uc timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny-uc.json \
       > $OUT/tiny-uc.log 2>&1; echo tiny uc rc $?
     python3 -c "import json; d=json.load(open('$OUT/tiny-uc.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
-    MEGAC_PROFILE_CASES=8:8192 MEGAC_PROFILE_TILES=norc timeout ${PT:-200} python3 -m gpu.megakernel_check --run profile \
-      --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-200
+    MEGAC_PROFILE_CASES=${PCASES:-8:8192} MEGAC_PROFILE_TILES=${PTILES:-norc} timeout ${PT:-200} python3 -m gpu.megakernel_check \
+      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-200
     for f in $OUT/*.trace.json; do gzip -q "$f"; done ;;
   s46a)  # (prebuild_s46a, ~8 min, the H200) the default, norc and rbatch engines alternating at bs8 until AB_END s
          # (is the router_combine default's +1.6 % at bs8 its residual staging?), then the default against rbatch

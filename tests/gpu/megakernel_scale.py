@@ -1586,6 +1586,15 @@ TILES = {
     # chain ended the split layers)
     "sd8_up128_a256": {"split_down": 8, "moe_up_bn": 128, "attn_split_tokens": 256},
     "a256": {"attn_split_tokens": 256},
+    # both chains shorter at once (forty-seventh session): smaller up claims end the expert chain's up
+    # phase sooner, smaller attention splits the attention chain's
+    "up128_a256": {"moe_up_bn": 128, "attn_split_tokens": 256},
+    # QKV tiles of 128 KB (160 at batch 1, on more SMs than 80): each fits its SM's primed ring whole, so
+    # it streams in the layer before's tail and its SM is free for the up claims sooner
+    "qkv32_up128": {"qkv_bn": 32, "moe_up_bn": 128},
+    # and the routing waves before the QKV tiles (the router first on its SMs)
+    "qkv32_rf": {"qkv_bn": 32, "order": "schedules/experiments/router-first.yaml"},
+    "qkv32_up128_rf": {"qkv_bn": 32, "moe_up_bn": 128, "order": "schedules/experiments/router-first.yaml"},
     # O-projection tiles of 256 features (32 of 512 KB: one per attention SM of a sliding layer at
     # batch 1, for orders that put the O-projection there)
     "sd8_up128_o256": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256},
