@@ -650,6 +650,17 @@ for m in r:
     t=default,uc; for i in $(seq 1 ${ROUNDS:-8}); do t=$t,default#$i,uc#$i; done
     left=$((${AB_END:-540} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=1 TLIST=$t bash "$0" ab | cut -c1-80 ;;
+  prebuild_s47b)  # (adds to prebuild_s46c's and prebuild_s47a's set) the up-free orders and up-free's profiled build
+    prebuild_specs nmc-upfirstb
+    MEGAC_PROFILE_TILES=upfree MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml prebuild_specs nmc-upfree
+    pack_cubins < build/cz-s31/log.txt ;;
+  s47b)  # (prebuild_s47b, any GPU) default / upfree / upfirstb, engines alternating at bs1 8K until AB_END s,
+         # then one profiled bs1 8K step of upfree (and the default's, same engine set-up)
+    SETS=default,upfree,upfirstb AB_END=${AB_END:-330} bash "$0" s47a
+    MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml PCASES=1:8192 PTILES=upfree \
+      MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=upfree timeout ${PT:-200} python3 -m gpu.megakernel_check \
+      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-200
+    rm -f $OUT/profile-*.json; for f in $OUT/*.trace.json; do gzip -q "$f"; done; rm -rf $OUT/profile.json ;;
   prebuild_s47a)  # (after prebuild_s46c, adds to its set) the up and attention tile sets s47a times
     prebuild_specs nmc-up128 nmc-up192 nmc-a256 nmc-up128_a256 nmc-qkv32 nmc-qkv32_up128 nmc-qkv32_rf \
       nmc-qkv32_up128_rf
