@@ -655,9 +655,9 @@ for m in r:
     MEGAC_PROFILE_TILES=upfree MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml prebuild_specs nmc-upfree
     pack_cubins < build/cz-s31/log.txt ;;
   s47b)  # (prebuild_s47b, any GPU) default / upfree / upfirstb, engines alternating at bs1 8K until AB_END s,
-         # then one profiled bs1 8K step of upfree (and the default's, same engine set-up)
+         # then one profiled bs1 8K step of upfree
     SETS=default,upfree,upfirstb AB_END=${AB_END:-330} bash "$0" s47a
-    MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml PCASES=1:8192 PTILES=upfree \
+    MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml MEGAC_PROFILE_TILES_ONLY=1 \
       MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=upfree timeout ${PT:-200} python3 -m gpu.megakernel_check \
       --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-200
     rm -f $OUT/profile-*.json; for f in $OUT/*.trace.json; do gzip -q "$f"; done; rm -rf $OUT/profile.json ;;

@@ -1750,6 +1750,8 @@ def check_profile() -> dict:
     # too, at each North Mini Code case (a spec named nmc-NAME)
     tiles = [n for n in os.environ.get("MEGAC_PROFILE_TILES", "").split(",") if n]
     models += [(f"nmc-{n}", b, ctx) for n in tiles for m, b, ctx in list(models) if m == "north-mini-code"]
+    if os.environ.get("MEGAC_PROFILE_TILES_ONLY"):  # the tile sets' steps alone (the default's profiled before)
+        models = [m for m in models if m[0] != "north-mini-code"]
     from megac.decode_bench import pool_blocks
 
     seen: dict[str, int] = {}
