@@ -653,7 +653,7 @@ for m in r:
   s48a)  # (prebuild_s47b's pack: s46c's, s47a's and s47b's cubins; any GPU, the H200 first) the two-row NMC slice
          # under rbatch (s46c's file did not come back: a call returns 8 files), then s47b (AB_END, PT)
     MEGAC_CHECK_VARIANT=rbatch MEGAC_CHECK_ROWS=2 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
-      --out $OUT/slice-rbatch-2.json 2>&1 | grep -v Warning | grep -i "cos\|top\|ok\|error" | cut -c1-300
+      --out $OUT/slice-rbatch-2.json 2>&1 | grep -v Warning | grep -i "cos\|top\|ok\|error" | head -8 | cut -c1-300
     bash "$0" s47b ;;
   prebuild_s47b)  # (adds to prebuild_s46c's and prebuild_s47a's set) the up-free orders and up-free's profiled build
     prebuild_specs nmc-upfirstb
