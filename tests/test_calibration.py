@@ -59,8 +59,8 @@ def traced(model: str):
     from models import variant
 
     spec = load_spec(model)
-    return variant(spec, spec.name, target={**spec.target.model_dump(), "tiles": {
-        **(spec.target.tiles or {}), **O_PROJ_64, **geometry.PLAIN_TILES}})
+    return variant(spec, spec.name, tiles={
+        **(spec.target.tiles or {}), **O_PROJ_64, **geometry.PLAIN_TILES})
 
 
 #: the expert tiles every trace and step up to the twelfth session ran
@@ -80,8 +80,8 @@ def unfolded(model: str):
     from models import variant
 
     spec = load_spec(model)
-    return variant(spec, spec.name, target={**spec.target.model_dump(), "tiles": {
-        **(spec.target.tiles or {}), **O_PROJ_64, **UNFOLDED, **geometry.PLAIN_TILES}})
+    return variant(spec, spec.name, tiles={
+        **(spec.target.tiles or {}), **O_PROJ_64, **UNFOLDED, **geometry.PLAIN_TILES})
 
 
 def whole_heads(model: str, **tiles):
@@ -94,7 +94,7 @@ def whole_heads(model: str, **tiles):
     spec = load_spec(model)
     tiles = {**(spec.target.tiles or {}), "qkv_bn": spec.head_dim, **O_PROJ_64, **UNFOLDED, **geometry.PLAIN_TILES,
              **tiles}
-    return variant(spec, spec.name, target={**spec.target.model_dump(), "tiles": tiles})
+    return variant(spec, spec.name, tiles=tiles)
 
 
 def tiles128(model: str, **tiles):

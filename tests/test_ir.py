@@ -247,9 +247,9 @@ def test_lm_head_tiles_are_automatic_unless_named():
     smol = load_spec("smollm2-135m")
     assert Geometry.from_spec(smol, 1, 1024).lm_bn == 256
     nmc = load_spec("north-mini-code")
-    named = variant(nmc, "nmc-lm", target={**nmc.target.model_dump(), "tiles": {"lm_bn": 512}})
+    named = variant(nmc, "nmc-lm", tiles={"lm_bn": 512})
     assert Geometry.from_spec(named, 1, 1024).lm_bn == 512
-    split = variant(nmc, "nmc-split", target={**nmc.target.model_dump(), "tiles": {"split_down": 8, "moe_up_bn": 128}})
+    split = variant(nmc, "nmc-split", tiles={"split_down": 8, "moe_up_bn": 128})
     assert Geometry.from_spec(split, 8, 1024).lm_bn == 256
     with pytest.raises(ValueError, match="lm_bn"):
-        variant(nmc, "nmc-bad", target={**nmc.target.model_dump(), "tiles": {"lm_bn": -2}})
+        variant(nmc, "nmc-bad", tiles={"lm_bn": -2})

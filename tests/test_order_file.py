@@ -99,7 +99,7 @@ def test_the_experiment_orders_compile_and_verify():
     # their moe_split waves too: tiny-moe with the expert down projection split-K in the up
     # claims at one row (two split-K partials per expert; tests/vm/test_split_down.py)
     split = variant(moe, "tiny-moe-split", moe={"expert_intermediate_size": 64},
-                    target={**moe.target.model_dump(), "tiles": {"split_down": 1, "moe_up_bn": 64}})
+                    tiles={"split_down": 1, "moe_up_bn": 64})
     for f in files:
         sched = compile_one(moe, order=str(f), rows=2, context=256)
         assert sched.num_tasks > 0, f
@@ -144,8 +144,7 @@ def _nmc_8k(order: str, rows: int):
     from models import variant
 
     spec = load_spec("north-mini-code")
-    plain = variant(spec, spec.name, target={**spec.target.model_dump(),
-                                             "tiles": {**(spec.target.tiles or {}), **PLAIN_TILES}})
+    plain = variant(spec, spec.name, tiles={**(spec.target.tiles or {}), **PLAIN_TILES})
     return compile_one(plain, order=order, rows=rows, context=8192)
 
 
@@ -347,7 +346,7 @@ def test_the_rest_of_a_split_claimer_wave_after_a_wave_the_graph_leaves_out(tmp_
 
     spec = load_spec("north-mini-code")
     fused = variant(spec, "nmc-fused-combine",
-                    target={**spec.target.model_dump(), "tiles": {**(spec.target.tiles or {}), "fused_combine": 1}})
+                    tiles={**(spec.target.tiles or {}), "fused_combine": 1})
     doc = yaml.safe_load(SPLIT.read_text())
     doc["layers"]["moe"][5] = {"wave": "attn", "share": 0.5, "rest_after": "moe_combine"}
     f = tmp_path / "after-combine.yaml"
@@ -403,7 +402,7 @@ def test_split_schedules_take_the_kinds_split_waves():
     from models import variant
 
     spec = load_spec("north-mini-code")
-    split = variant(spec, "nmc-split1", target={**spec.target.model_dump(), "tiles": {"split_down": -1}})
+    split = variant(spec, "nmc-split1", tiles={"split_down": -1})
     one = compile_one(split, order="tuned", rows=1, context=8192)
     two = compile_one(split, order="tuned", rows=2, context=8192)
     assert one.geometry.split_down and not two.geometry.split_down

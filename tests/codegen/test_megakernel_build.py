@@ -50,7 +50,7 @@ def test_head_major_kv_build_has_no_spills(tmp_path):
     from models import variant
 
     llama = load_spec("tiny-llama")
-    spec = variant(llama, "llama-kvh", target={**llama.target.model_dump(), "tiles": {"kv_head_major": 1}})
+    spec = variant(llama, "llama-kvh", tiles={"kv_head_major": 1})
     res = compile_schedules(spec, batch_sizes=[1, 8])
     write_artifact(tmp_path, spec, res.schedules, order="tuned")
     k = report(build_megakernel(tmp_path))["kernels"]["megakernel"]
@@ -66,8 +66,7 @@ def test_split_down_build_has_no_spills(tmp_path):
     from models import variant
 
     nmc = load_spec("north-mini-code")
-    spec = variant(nmc, "nmc-split", target={**nmc.target.model_dump(),
-                                             "tiles": {"split_down": 8, "moe_up_bn": 128}})
+    spec = variant(nmc, "nmc-split", tiles={"split_down": 8, "moe_up_bn": 128})
     res = compile_schedules(spec, batch_sizes=[1, 8])
     write_artifact(tmp_path, spec, res.schedules, order="tuned")
     k = report(build_megakernel(tmp_path))["kernels"]["megakernel"]
@@ -252,7 +251,7 @@ def test_a_folded_norm_needs_a_row_in_one_pass(tmp_path):
     from models import variant
 
     moe = load_spec("tiny-moe")
-    wide = variant(moe, "wide-fold", hidden_size=2056, target={**moe.target.model_dump(), "tiles": {"norm_fold": 1}})
+    wide = variant(moe, "wide-fold", hidden_size=2056, tiles={"norm_fold": 1})
     res = compile_schedules(wide, batch_sizes=[1], buckets=[1024])
     assert res.schedules[0].geometry.norm_fold
     m = write_artifact(tmp_path, wide, res.schedules, order="tuned")

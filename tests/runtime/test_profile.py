@@ -137,7 +137,7 @@ def test_trace_meta_names_the_step_and_its_tiles():
     from models import variant
 
     spec = load_spec("tiny-moe")
-    mine = variant(spec, "tiny-moe-r2", target={**spec.target.model_dump(), "tiles": {"router_splits": 2}})
+    mine = variant(spec, "tiny-moe-r2", tiles={"router_splits": 2})
     got = {"records": [], "kernel_ms": 1.5, "profiled_ms": 1.6, "schedule_context": 2048}
     meta = profile.trace_meta(got, model="tiny-moe", spec=mine, batch=2, context=1100,
                               order=Path("schedules/experiments/full-up-first.yaml"), device="H200")

@@ -12,7 +12,7 @@ from models import variant
 
 def _with_tiles(tiles):
     spec = load_spec("tiny-moe")
-    return variant(spec, "tiny-moe-tiles", target={**spec.target.model_dump(), "tiles": tiles})
+    return variant(spec, "tiny-moe-tiles", tiles=tiles)
 
 
 def test_tiles_reach_the_geometry_and_the_task_count():

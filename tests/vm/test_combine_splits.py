@@ -25,7 +25,7 @@ def _spec(splits: int | None, routed: int | None = 0):
     tiles = {} if splits is None else {"combine_splits": splits}
     if routed is not None:
         tiles["routed_combine_splits"] = routed
-    return variant(moe, f"cs-{splits}-{routed}", target={**moe.target.model_dump(), "tiles": tiles})
+    return variant(moe, f"cs-{splits}-{routed}", tiles=tiles)
 
 
 def _combines(sched):
@@ -84,6 +84,6 @@ def test_combine_splits_is_checked():
     moe = load_spec("tiny-moe")
     for bad in (0, -2):
         with pytest.raises(ValueError, match="combine_splits"):
-            variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"combine_splits": bad}})
+            variant(moe, "bad", tiles={"combine_splits": bad})
     with pytest.raises(ValueError, match="routed_combine_splits is 0..65536"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"routed_combine_splits": -1}})
+        variant(moe, "bad", tiles={"routed_combine_splits": -1})

@@ -27,7 +27,7 @@ def _spec(fused: bool, top_k: int | None = None, routed: int | None = None, bloc
     over = {"top_k": top_k} if top_k else None
     extra = {"block": block} if block else {}
     return variant(moe, f"fc-{int(fused)}-{top_k}-{routed}-{block}", moe=over, tie_embeddings=False,
-                   target={**moe.target.model_dump(), "tiles": tiles}, **extra)
+                   tiles=tiles, **extra)
 
 
 def test_the_schedule_has_no_combine_tasks_and_the_norm_adds_the_experts():
@@ -73,4 +73,4 @@ def test_fused_combine_gives_the_default_schedules_bits(top_k, routed):
 def test_fused_combine_is_zero_or_one():
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="fused_combine"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"fused_combine": 2}})
+        variant(moe, "bad", tiles={"fused_combine": 2})

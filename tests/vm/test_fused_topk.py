@@ -26,7 +26,7 @@ def _spec(router: str, fused: bool, gather: bool = False):
             "softmax": {"router": "softmax", "renormalize": False, "top_k": 3}}[router]
     tiles = {**({"fused_topk": 1} if fused else {}), **({"fused_gather": 1} if gather else {})}
     return variant(moe, f"fused-{router}-{int(fused)}{int(gather)}", moe=over or None, tie_embeddings=False,
-                   target={**moe.target.model_dump(), "tiles": tiles})
+                   tiles=tiles)
 
 
 def test_the_schedule_has_no_topk_tasks_and_finalize_ranks_every_row():
@@ -75,4 +75,4 @@ def test_fused_routing_gives_the_default_schedules_bits(router, fused, gather):
 def test_fused_topk_is_zero_or_one(value):
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="fused_topk"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"fused_topk": value}})
+        variant(moe, "bad", tiles={"fused_topk": value})

@@ -23,7 +23,7 @@ from models import variant
 
 def _head_major(name="tiny-moe"):
     spec = load_spec(name)
-    return variant(spec, f"{name}-kvh", target={**spec.target.model_dump(), "tiles": {"kv_head_major": 1}})
+    return variant(spec, f"{name}-kvh", tiles={"kv_head_major": 1})
 
 
 def test_prefill_and_vm_decode_over_a_head_major_pool_give_the_same_bits():
@@ -66,4 +66,4 @@ def test_the_megakernel_and_the_engines_follow_the_tile():
 def test_the_tile_is_zero_or_one(value):
     spec = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="kv_head_major is 0 or 1"):
-        variant(spec, "bad", target={**spec.target.model_dump(), "tiles": {"kv_head_major": value}})
+        variant(spec, "bad", tiles={"kv_head_major": value})

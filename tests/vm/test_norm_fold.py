@@ -25,7 +25,7 @@ def _spec(fold: int, top_k: int | None = None, **tiles):
     moe = load_spec("tiny-moe")
     over = {"top_k": top_k} if top_k else None
     return variant(moe, f"nf-{fold}-{top_k}-{len(tiles)}", moe=over, tie_embeddings=False,
-                   target={**moe.target.model_dump(), "tiles": {"norm_fold": fold, **tiles}})
+                   tiles={"norm_fold": fold, **tiles})
 
 
 def test_the_qkv_and_router_tiles_carry_their_norm():
@@ -75,4 +75,4 @@ def test_the_fold_gives_the_default_schedules_bits(top_k):
 def test_norm_fold_is_a_row_bound():
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="norm_fold"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"norm_fold": -1}})
+        variant(moe, "bad", tiles={"norm_fold": -1})

@@ -28,7 +28,7 @@ def _spec(qkv_bn: int | None, name: str = "qkv"):
     moe = load_spec("tiny-moe")
     tiles = {"qkv_bn": qkv_bn} if qkv_bn else {}
     return variant(moe, f"{name}-{qkv_bn}", head_dim=32, q_width=moe.num_heads * 32, tie_embeddings=False,
-                   target={**moe.target.model_dump(), "tiles": tiles})
+                   tiles=tiles)
 
 
 def _qkv_words(sched) -> np.ndarray:
@@ -88,8 +88,8 @@ def test_half_style_rope_keeps_whole_heads():
     llama = load_spec("tiny-llama")
     with pytest.raises((MegacError, ValueError), match="half-style RoPE"):
         variant(llama, "llama-qkv", head_dim=32, q_width=llama.num_heads * 32,
-                target={**llama.target.model_dump(), "tiles": {"qkv_bn": 16}})
+                tiles={"qkv_bn": 16})
     # at or above head_dim the tile is the whole head: accepted
     ok = variant(llama, "llama-qkv", head_dim=32, q_width=llama.num_heads * 32,
-                 target={**llama.target.model_dump(), "tiles": {"qkv_bn": 64}})
+                 tiles={"qkv_bn": 64})
     assert compile_one(ok, rows=1, context=1024).geometry.qkv_bn == 32

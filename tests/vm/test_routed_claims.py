@@ -28,7 +28,7 @@ def _spec(router: str, bound: int):
             "softmax": {"router": "softmax", "renormalize": False, "top_k": 3}}[router]
     tiles = {"routed_claims": bound} if bound else {}
     return variant(moe, f"routed-{router}-{bound}", moe=over or None, tie_embeddings=False,
-                   target={**moe.target.model_dump(), "tiles": tiles})
+                   tiles=tiles)
 
 
 def _ops(sched) -> np.ndarray:
@@ -84,4 +84,4 @@ def test_routed_claims_give_the_default_schedules_bits(router):
 def test_routed_claims_is_a_row_bound(value):
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="routed_claims"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"routed_claims": value}})
+        variant(moe, "bad", tiles={"routed_claims": value})

@@ -30,7 +30,7 @@ def _spec(on: int, top_k: int | None = None):
     moe = load_spec("tiny-moe")
     over = {"top_k": top_k} if top_k else None
     return variant(moe, f"rc-{on}-{top_k}", moe=over, tie_embeddings=False,
-                   target={**moe.target.model_dump(), "tiles": {"router_combine": on}})
+                   tiles={"router_combine": on})
 
 
 def test_folded_routers_carry_the_combine_and_wait_on_its_producers():
@@ -142,4 +142,4 @@ def test_router_combine_logits_differ_from_the_fold_only_in_rounding():
 def test_router_combine_is_zero_or_one():
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="router_combine"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"router_combine": 2}})
+        variant(moe, "bad", tiles={"router_combine": 2})

@@ -30,8 +30,8 @@ def _spec(bound: int, **tiles):
     moe = load_spec("tiny-moe")
     return variant(moe, f"sd-{bound}-{'-'.join(f'{k}{v}' for k, v in tiles.items())}", tie_embeddings=False,
                    moe={"expert_intermediate_size": 64},
-                   target={**moe.target.model_dump(), "tiles": {"split_down": bound, "moe_up_bn": 64,
-                                                                "split_up_bn": 0, **tiles}})
+                   tiles={"split_down": bound, "moe_up_bn": 64,
+                                                                "split_up_bn": 0, **tiles})
 
 
 def test_split_schedules_have_no_down_claims_up_to_the_bound():
@@ -92,7 +92,7 @@ def test_split_down_excludes_the_combine_in_the_norm():
 def test_split_down_is_a_row_bound():
     moe = load_spec("tiny-moe")
     with pytest.raises(ValueError, match="split_down"):
-        variant(moe, "bad", target={**moe.target.model_dump(), "tiles": {"split_down": -2}})
+        variant(moe, "bad", tiles={"split_down": -2})
 
 
 def test_automatic_split_is_batch_one_of_large_moe_models_with_their_own_tiles():
@@ -107,17 +107,17 @@ def test_automatic_split_is_batch_one_of_large_moe_models_with_their_own_tiles()
     assert (DEFAULT_TILES["split_down"], DEFAULT_TILES["split_up_bn"], DEFAULT_TILES["split_o_proj_bn"]) == (0, 0, 256)
     tiles = {"split_down": -1, "moe_up_bn": 128}
     tiny = load_spec("tiny-moe")
-    tiny_auto = variant(tiny, "tiny-auto", target={**tiny.target.model_dump(), "tiles": tiles})
+    tiny_auto = variant(tiny, "tiny-auto", tiles=tiles)
     assert split_down_bound(tiny_auto) == 0 and not Geometry.from_spec(tiny, 1, 1024).o_proj_merge
     nmc = load_spec("north-mini-code")
-    auto = variant(nmc, "nmc-auto", target={**nmc.target.model_dump(), "tiles": tiles})
+    auto = variant(nmc, "nmc-auto", tiles=tiles)
     assert split_down_bound(auto) == 1 and split_down_bound(nmc) == 0
     one, two = Geometry.from_spec(auto, 1, 8192), Geometry.from_spec(auto, 2, 8192)
     assert (one.split_down, one.moe_up_bn, one.o_proj_bn, one.o_proj_merge) == (True, 128, 256, True)
     plain = Geometry.from_spec(nmc, 1, 8192)
     assert (two.split_down, two.moe_up_bn, two.o_proj_bn, two.o_proj_merge) == (False, 128, plain.o_proj_bn, False)
     assert not plain.split_down and plain.o_proj_merge and plain.moe_up_bn == 256 and plain.o_proj_bn == 128
-    none = variant(nmc, "nmc-plain", target={**nmc.target.model_dump(), "tiles": PLAIN_TILES})
+    none = variant(nmc, "nmc-plain", tiles=PLAIN_TILES)
     assert not Geometry.from_spec(none, 1, 8192).o_proj_merge
     assert one.moe_out_tiles == two.moe_out_tiles == 2 * 768 // 128
     assert plain.moe_out_tiles == 1
@@ -133,7 +133,7 @@ def test_split_down_needs_up_tiles_that_slice_the_down_matrix(up_bn, width, why)
 
     nmc = load_spec("north-mini-code")
     spec = variant(nmc, f"sd-bad-{up_bn}", moe={"expert_intermediate_size": width} if width else None,
-                   target={**nmc.target.model_dump(), "tiles": {"split_down": 1, "moe_up_bn": up_bn, "split_up_bn": 0}})
+                   tiles={"split_down": 1, "moe_up_bn": up_bn, "split_up_bn": 0})
     with pytest.raises(ValueError, match=why):
         Geometry.from_spec(spec, 1, 1024)
 
@@ -148,7 +148,7 @@ def test_split_up_tiles_of_their_own_share_one_interleave():
 
     nmc = load_spec("north-mini-code")
     assert Geometry.from_spec(nmc, 1, 8192).moe_chunk == 128  # no split: moe_up_bn / 2
-    own = variant(nmc, "sd-own", target={**nmc.target.model_dump(), "tiles": {"split_down": -1, "split_up_bn": 128}})
+    own = variant(nmc, "sd-own", tiles={"split_down": -1, "split_up_bn": 128})
     assert split_down_bound(own) == 1
     one, two = Geometry.from_spec(own, 1, 8192), Geometry.from_spec(own, 2, 8192)
     assert (one.split_down, one.moe_up_bn, one.moe_chunk) == (True, 128, 64)
