@@ -651,7 +651,8 @@ for m in r:
     left=$((${AB_END:-540} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=1 TLIST=$t bash "$0" ab | cut -c1-80 ;;
   s48a)  # (prebuild_s47b's pack: s46c's, s47a's and s47b's cubins; any GPU, the H200 first) the two-row NMC slice
-         # under rbatch (s46c's file did not come back: a call returns 8 files), then s47b (AB_END, PT)
+         # under rbatch (s46c's file did not come back: a call returns 8 files), then s47b; AB_END=250 PT=120 keeps
+         # the call under its 10 minutes (the slice ~1.5 min, the A/B, the profile ~1.5 min)
     MEGAC_CHECK_VARIANT=rbatch MEGAC_CHECK_ROWS=2 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
       --out $OUT/slice-rbatch-2.json 2>&1 | grep -v Warning | grep -i "cos\|top\|ok\|error" | head -8 | cut -c1-300
     bash "$0" s47b ;;
