@@ -525,12 +525,33 @@ def _step_times(eng, batch: int, context: int, steps: int = 30) -> dict:
         t0 = time.perf_counter()
         be.decode(rows, [(11 * i + r) % 1000 for r in rows])  # advances the rows
         wall.append((time.perf_counter() - t0) * 1e3)
+    touched = _experts_touched(be, rows, getattr(be, "spec", None))
     for r in rows:
         kv.free_row(r)
     k = median(be.kernel_ms[5:])
     s = median(wall[5:])
-    return {"batch": batch, "context": context, "kernel_ms": round(k, 4), "step_ms": round(s, 4),
-            "tok_s_kernel": round(batch * 1e3 / k, 1), "tok_s_step": round(batch * 1e3 / s, 1)}
+    out = {"batch": batch, "context": context, "kernel_ms": round(k, 4), "step_ms": round(s, 4),
+           "tok_s_kernel": round(batch * 1e3 / k, 1), "tok_s_step": round(batch * 1e3 / s, 1)}
+    if touched is not None:
+        out["experts_touched"] = touched
+    return out
+
+
+def _experts_touched(be, rows: list[int], spec) -> int | None:
+    """The (expert, layer) pairs the last step's rows routed to (``topk_ids``,
+    MoE layers only), past one row, else None. Why: two builds with other
+    bits decode other tokens, so at batch > 1 their rows share other experts
+    and their steps move other bytes (forty-seventh session: +0.9 % expert
+    bytes between the default and norc at batch 8); A/B timings there are
+    read against this count."""
+    import torch
+
+    ids = getattr(be, "buf", {}).get("topk_ids")
+    if ids is None or spec is None or spec.moe is None or len(rows) < 2:
+        return None
+    moe_layers = [i for i, ls in enumerate(spec.layers) if ls.ffn == "moe"]
+    got = ids[moe_layers][:, rows, :].to(torch.int64).cpu()
+    return int(sum(torch.unique(got[i]).numel() for i in range(len(moe_layers))))
 
 
 def engine_addresses(eng) -> dict:
@@ -1270,8 +1291,14 @@ def _kernel_ms_of(specs: dict, steps: int = 15, batches=(1, 8), bits: bool = Fal
         _noise_kv(eng)
         if defines.get(name):  # another build of the same source (VARIANTS switches)
             use_cubin(eng.backend, variant_cubin(spec, defines[name], order))
-        out[name] = {f"bs{b}" + ("" if contexts == (8192,) else f"_ctx{c}"): _step_times(eng, b, c, steps=steps)[
-            "kernel_ms"] for c in contexts for b in batches}
+        out[name] = {}
+        for c in contexts:
+            for b in batches:
+                key = f"bs{b}" + ("" if contexts == (8192,) else f"_ctx{c}")
+                got = _step_times(eng, b, c, steps=steps)
+                out[name][key] = got["kernel_ms"]
+                if "experts_touched" in got:  # past one row: the routing's bytes differ between builds
+                    out[name][f"{key}_experts"] = got["experts_touched"]
         if bits and not fresh:  # a decode-only engine cannot prefill
             cubin = variant_cubin(spec, defines.get(name, {}), order)
             got = greedy_bits(eng, cubin)
