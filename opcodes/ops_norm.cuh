@@ -44,8 +44,10 @@
 // finalize's 1 / rms; row by row a thread's next load waited behind its
 // store to xs (~8 L2 round trips for 8 rows). The same bits either way.
 // Measured (H100, forty-sixth session, engines alternating, NMC 8K): bs8
-// -0.24 % against the default (11.1238 / 11.1502 ms, 6 / 7 engines; norc
-// 11.0536: a quarter of the gap), bs1 even (+0.04 % median, -0.25 % mean).
+// -0.24 % against the default (11.1238 / 11.1502 ms, 6 / 7 engines; the same
+// bits, so the same experts), bs1 even (+0.04 % median, -0.25 % mean). norc's
+// 11.0536 is no gap to close: its other bits route to other experts, 0.9 %
+// fewer expert bytes at bs8 (forty-seventh session's profiles).
 #ifndef MEGAC_RESID_BATCH
 #define MEGAC_RESID_BATCH 0
 #endif

@@ -48,6 +48,14 @@ profile_variant() {  # one profiled bs1 8K step of the default and of VARIANTS n
   for f in $OUT/*.trace.json; do gzip -q "$f"; done
   rm -f $OUT/profile-north-mini-code-bs1-ctx8192.json $OUT/profile-north-mini-code-bs1-ctx8192-$1.json; ls -la $OUT
 }
+profile_tiles() {  # one profiled step of North Mini Code at cases $1 ("B:CTX,...") and of TILES sets $2 (PT: its
+                  # timeout; MEGAC_PROFILE_ORDER / MEGAC_PROFILE_TILES_ONLY pass through), the traces gzipped into
+                  # $OUT, the raw records dropped (a call returns 8 files; the traces hold what megac trace reads)
+  MEGAC_PROFILE_CASES=$1 MEGAC_PROFILE_TILES=$2 timeout ${PT:-200} python3 -m gpu.megakernel_check --run profile \
+    --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-200
+  for f in $OUT/*.trace.json; do gzip -q "$f"; done
+  rm -rf $OUT/profile-*.json $OUT/profile.json
+}
 tiny_variant() {  # the tiny models against the VM under VARIANTS name $1 ("": the headers' default; check
                   # tiny), one line of results
   env ${1:+MEGAC_CHECK_VARIANT=$1} timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny.json \
@@ -650,7 +658,7 @@ for m in r:
     t=default,uc; for i in $(seq 1 ${ROUNDS:-8}); do t=$t,default#$i,uc#$i; done
     left=$((${AB_END:-540} - SECONDS)); echo "ab gets ${left}s"
     [ $left -gt 90 ] && AT=$left TB=1 TLIST=$t bash "$0" ab | cut -c1-80 ;;
-  s48a)  # (prebuild_s47b's pack: s46c's, s47a's and s47b's cubins; any GPU, the H200 first) the two-row NMC slice
+  s48a)  # (prebuild_s46c, then prebuild_s47b; any GPU, the H200 first) the two-row NMC slice
          # under rbatch (s46c's file did not come back: a call returns 8 files), then s47b; AB_END=250 PT=120 keeps
          # the call under its 10 minutes (the slice ~1.5 min, the A/B, the profile ~1.5 min)
     MEGAC_CHECK_VARIANT=rbatch MEGAC_CHECK_ROWS=2 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
@@ -663,14 +671,11 @@ for m in r:
   s47b)  # (prebuild_s47b, any GPU) default / upfree / upfirstb, engines alternating at bs1 8K until AB_END s,
          # then one profiled bs1 8K step of upfree
     SETS=default,upfree,upfirstb AB_END=${AB_END:-330} bash "$0" s47a
-    MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml MEGAC_PROFILE_TILES_ONLY=1 \
-      MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=upfree timeout ${PT:-200} python3 -m gpu.megakernel_check \
-      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-200
-    rm -f $OUT/profile-*.json; for f in $OUT/*.trace.json; do gzip -q "$f"; done; rm -rf $OUT/profile.json ;;
+    MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml MEGAC_PROFILE_TILES_ONLY=1 profile_tiles 1:8192 upfree ;;
   prebuild_s47a)  # (after prebuild_s46c, adds to its set) the up and attention tile sets s47a times
     prebuild_specs nmc-up128 nmc-up192 nmc-a256 nmc-up128_a256 nmc-qkv32 nmc-qkv32_up128 nmc-qkv32_rf \
       nmc-qkv32_up128_rf
-    MEGAC_PROFILE_TILES=qkv32,qkv32_rf prebuild_specs nmc-qkv32 nmc-qkv32_rf
+    MEGAC_PROFILE_TILES=qkv32 prebuild_specs nmc-qkv32
     pack_cubins < build/cz-s31/log.txt ;;
   s47a)  # (prebuild_s46c and prebuild_s47a, the H200) default / up128 / up192 / a256 / up128_a256, engines
          # alternating at bs1 8K until AB_END s (the expert chain's up phase and the attention chain shortened;
@@ -694,9 +699,7 @@ for m in r:
     MEGAC_TINY_TILES=uc timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny-uc.json \
       > $OUT/tiny-uc.log 2>&1; echo tiny uc rc $?
     python3 -c "import json; d=json.load(open('$OUT/tiny-uc.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
-    MEGAC_PROFILE_CASES=${PCASES:-8:8192} MEGAC_PROFILE_TILES=${PTILES:-norc} timeout ${PT:-200} python3 -m gpu.megakernel_check \
-      --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"\|Error\|error' | cut -c1-200
-    for f in $OUT/*.trace.json; do gzip -q "$f"; done ;;
+    profile_tiles ${PCASES:-8:8192} ${PTILES:-norc} ;;
   s46a)  # (prebuild_s46a, ~8 min, the H200) the default, norc and rbatch engines alternating at bs8 until AB_END s
          # (is the router_combine default's +1.6 % at bs8 its residual staging?), then the default against rbatch
          # at bs1 until AB1_END s, then one profiled bs8 8K step of the default

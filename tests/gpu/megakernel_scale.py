@@ -1621,10 +1621,10 @@ TILES = {
     "qkv32_up128": {"qkv_bn": 32, "moe_up_bn": 128},
     # and the routing waves before the QKV tiles (the router first on its SMs)
     "qkv32_rf": {"qkv_bn": 32, "order": "schedules/experiments/router-first.yaml"},
+    "qkv32_up128_rf": {"qkv_bn": 32, "moe_up_bn": 128, "order": "schedules/experiments/router-first.yaml"},
     # a sliding layer's attention splits on its QKV SMs, so ~50 SMs take the up claims as routing ends
     "upfree": {"order": "schedules/experiments/up-free.yaml"},
     "upfirstb": {"order": "schedules/experiments/up-first-b.yaml"},
-    "qkv32_up128_rf": {"qkv_bn": 32, "moe_up_bn": 128, "order": "schedules/experiments/router-first.yaml"},
     # O-projection tiles of 256 features (32 of 512 KB: one per attention SM of a sliding layer at
     # batch 1, for orders that put the O-projection there)
     "sd8_up128_o256": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256},
