@@ -1625,6 +1625,10 @@ TILES = {
     # a sliding layer's attention splits on its QKV SMs, so ~50 SMs take the up claims as routing ends
     "upfree": {"order": "schedules/experiments/up-free.yaml"},
     "upfirstb": {"order": "schedules/experiments/up-first-b.yaml"},
+    # and smaller up claims with it (96 of 512 KB / 64 of 768 KB): under tuned up128 lost because too few
+    # SMs were free to take them at once (~19 at ~5 us); up-free frees ~50
+    "upfree_up128": {"order": "schedules/experiments/up-free.yaml", "moe_up_bn": 128},
+    "upfree_up192": {"order": "schedules/experiments/up-free.yaml", "moe_up_bn": 192},
     # O-projection tiles of 256 features (32 of 512 KB: one per attention SM of a sliding layer at
     # batch 1, for orders that put the O-projection there)
     "sd8_up128_o256": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256},
