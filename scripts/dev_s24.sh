@@ -671,12 +671,14 @@ for m in r:
   prebuild_s48b)  # (adds to prebuild_s47b's set) up-free with smaller up claims
     prebuild_specs nmc-upfree_up128 nmc-upfree_up192
     pack_cubins < build/cz-s31/log.txt ;;
-  s48b)  # (prebuild_s48b, any GPU) the two-row rbatch slice, then default / upfree / upfirstb / upfree_up128 /
-         # upfree_up192, engines alternating at bs1 8K until AB_END s, then one profiled bs1 8K step of upfree
-    MEGAC_CHECK_VARIANT=rbatch MEGAC_CHECK_ROWS=2 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
-      --out $OUT/slice-rbatch-2.json 2>&1 | grep -v Warning | grep -i "cos\|top\|ok\|error" | head -8 | cut -c1-300
+  s48b)  # (prebuild_s48b, any GPU) default / upfree / upfirstb / upfree_up128 / upfree_up192, engines
+         # alternating at bs1 8K until AB_END s, then one profiled bs1 8K step of upfree, then (SLICE=1) the
+         # two-row rbatch slice
     SETS=default,upfree,upfirstb,upfree_up128,upfree_up192 AB_END=${AB_END:-330} bash "$0" s47a
-    MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml MEGAC_PROFILE_TILES_ONLY=1 profile_tiles 1:8192 upfree ;;
+    MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml MEGAC_PROFILE_TILES_ONLY=1 profile_tiles 1:8192 upfree
+    [ "${SLICE:-0}" = 1 ] && MEGAC_CHECK_VARIANT=rbatch MEGAC_CHECK_ROWS=2 timeout 150 python3 -m gpu.megakernel_check \
+      --run nmc_slice --out $OUT/slice-rbatch-2.json 2>&1 | grep -v Warning | grep -i "cos\|top\|ok\|error" | head -8 \
+      | cut -c1-300 ;;
   s47b)  # (prebuild_s47b, any GPU) default / upfree / upfirstb, engines alternating at bs1 8K until AB_END s,
          # then one profiled bs1 8K step of upfree
     SETS=default,upfree,upfirstb AB_END=${AB_END:-330} bash "$0" s47a
