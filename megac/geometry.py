@@ -295,6 +295,19 @@ DEFAULT_TILES = {
     # router and the ranking take as long), and each claim's staging of the
     # row (~4 us) delays its stream by more than its primed ring holds. Off
     "up_combine": 0,
+    # full-attention layers' splits as static ATTN_DECODE tasks in schedules
+    # of at most this many rows (0: none): sized for the context bucket
+    # (attn_splits of the bucket's context per row and KV head, as a sliding
+    # layer's are for its window), placed by the wave order and primed before
+    # their waits, instead of ATTN_DRAIN claims of the host's attention queue
+    # (then not written). Splits past a row's count (the host's split word)
+    # write empty partials. Why (forty-seventh session's H100 trace, batch 1):
+    # a full layer's claimed split lands its first chunk ~10 us after its
+    # hand-off against ~3 for a sliding layer's primed static split, its SMs
+    # claim it only after finding the up queue empty, and the full layers run
+    # ~10 us longer than the sliding ones for ~2 us more KV. The same split
+    # ranges and arithmetic: the same bits. Off until measured
+    "full_static_attn": 0,
 }
 
 #: The tiles that give the plain batch-1 schedule of the sessions before the
@@ -590,6 +603,9 @@ class Geometry:
     #: routed up claims fold the norm with the MoE combine (DEFAULT_TILES'
     #: up_combine; see ``up_combined``)
     up_combine: bool = False
+    #: full-attention layers' splits are static ATTN_DECODE tasks (DEFAULT_TILES'
+    #: full_static_attn >= rows; see ``static_attn``)
+    full_static: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -726,6 +742,7 @@ class Geometry:
             router_combine=bool(t["router_combine"] and experts) and spec.block == "parallel",
             qkv_combine=bool(t["qkv_combine"] and experts) and spec.block == "parallel",
             up_combine=bool(t["up_combine"] and experts) and spec.block == "parallel",
+            full_static=0 < rows <= t["full_static_attn"],
         )
 
     def with_context(self, context: int) -> "Geometry":
@@ -755,11 +772,21 @@ class Geometry:
     def max_splits(self) -> int:
         return max(self.full_max_splits, self.sliding_static_splits)
 
+    def static_attn(self, layer: int) -> bool:
+        """Whether ``layer``'s attention splits are static ATTN_DECODE tasks
+        (sliding layers always; full ones where ``full_static``), not claims."""
+        return bool(self.sliding[layer] or self.full_static)
+
+    def static_splits(self, layer: int) -> int:
+        """Static split tasks per (row, kv head) of ``layer`` (``static_attn``)."""
+        return self.sliding_static_splits if self.sliding[layer] else self.full_max_splits
+
     @cached_property
     def split_signature(self) -> tuple:
         """Two buckets with the same signature compile to the same task words
-        (``max_splits`` only sizes a buffer: take the largest bucket's)."""
-        return (self.sliding_static_splits,)
+        (``max_splits`` only sizes a buffer: take the largest bucket's); static
+        full-layer splits are sized for the bucket's context."""
+        return (self.sliding_static_splits,) + ((self.full_max_splits,) if self.full_static else ())
 
     @cached_property
     def attn_queue_cap(self) -> int:

@@ -182,8 +182,9 @@ def attend(vm, layer: int, rows: np.ndarray, kvhs: np.ndarray, splits: np.ndarra
 
 
 class AttnDecode(OpDef):
-    """One (row, kv head, KV split) of paged GQA flash-decode (sliding layers:
-    static tasks sized for the context bucket)."""
+    """One (row, kv head, KV split) of paged GQA flash-decode: static tasks
+    sized for the context bucket (sliding layers: for the window; full ones
+    where the geometry's ``full_static`` says: for the bucket's context)."""
 
     op = Op.ATTN_DECODE
     node_kinds = ("attn",)
@@ -193,7 +194,7 @@ class AttnDecode(OpDef):
     warm_fn = "attn_warm"
 
     def flags(self, nt, geo):
-        return int(Flag.SLIDING)
+        return int(Flag.SLIDING) if geo.sliding[nt.layer] else 0
 
     def check_tiles(self, F_, geo):
         if np.any(F_["SPLIT"] >= geo.max_splits):

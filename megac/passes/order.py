@@ -16,7 +16,9 @@ num_sms)`` consecutive SMs from the cursor (task j on cursor + j mod width)
 and moves the cursor past them: "attention on half the SMs", so that at
 batch 8 the other half reaches its expert claims while the splits run
 instead of after two rounds of them (a claimer wave, on every SM by
-design, ignores its share). Each node kind of
+design, ignores its share; a placed one is an error, but for a full
+layer's attention, claimed or static by the schedule (geometry
+``full_static``): claimed, it is dealt in place). Each node kind of
 a layer appears exactly once; an omitted, repeated or unknown wave, or a
 host that is not an earlier dealt wave, is rejected with a one-line error
 naming the file and the wave. A claimer host (attention claimed by every
@@ -361,6 +363,10 @@ def run(lw: Lowering) -> str:
                     if not nt.claimer:
                         where[p] = pos[n_ == nt.index]
             h_ = np.full(len(n_), -1, dtype=np.int64)
+            if hosts and (c_ >= 0).any() and parts == ["attn"]:
+                # a full layer's attention is claimed or static by the schedule (geometry
+                # full_static): claimed, it runs on every SM and is dealt in place, as its share is
+                hosts = None
             if hosts and (c_ >= 0).any():
                 raise PassError(NAME, f"wave '{w}' is a claimer wave (one claimer on every SM): it cannot be "
                                       f"placed on other waves' SMs")

@@ -2,8 +2,8 @@
 
 Opcode by node kind and flags come from the opcode registry
 (``megac.ops``: ``OpDef.node_kinds`` / ``sliding`` / ``flags``; attention
-lowers to ATTN_DECODE on sliding layers, to the ATTN_DRAIN claimer on full
-ones). Header words are left for ``depend`` (no waits, no signal).
+lowers to ATTN_DECODE on sliding layers (and on full ones where the
+geometry's ``full_static`` says), to the ATTN_DRAIN claimer on full ones). Header words are left for ``depend`` (no waits, no signal).
 
 Ensures: every task has an opcode in ``abi.Op`` (not NOP), every
 opcode-specific field set by ``tile`` exists for that opcode and every field
@@ -40,7 +40,7 @@ def run(lw: Lowering) -> str:
     geo = lw.geo
     counts: dict[str, int] = {}
     for nt in lw.nodes:
-        op = opcode_for(nt.kind, bool(nt.kind == "attn" and geo.sliding[nt.layer]))
+        op = opcode_for(nt.kind, bool(nt.kind == "attn" and geo.static_attn(nt.layer)))
         nt.op = op
         names = [name for name, _ in abi.OP_FIELDS[op]]
         missing = [f for f in names if f not in nt.fields]

@@ -134,11 +134,12 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         F = dict(N0=n0, N_LEN=np.full_like(n0, bn), K0=np.zeros_like(n0), K_LEN=np.full_like(n0, D),
                  SPLIT=np.zeros_like(n0), PART=part[h], HEAD=head[h], **_fold_fields(geo, l, n0, geo.qkv_combined(l)))
         shape, box = (geo.qkv_width,), _boxes((n0, n0 + bn))
-    elif k == "attn" and geo.sliding[l]:
-        S = geo.sliding_static_splits
+    elif k == "attn" and geo.static_attn(l):
+        S = geo.static_splits(l)
         row, kvh, split = _grid(range(R), range(geo.kv_heads), range(S))
+        count_word = tw.attn_splits_sliding(0) if geo.sliding[l] else tw.attn_splits_full(0)
         F = dict(ROW=row, KV_HEAD=kvh, SPLIT=split,
-                 NUM_SPLITS=abi.dyn(tw.attn_splits_sliding(0)) + row,
+                 NUM_SPLITS=abi.dyn(count_word) + row,
                  WINDOW=np.full_like(row, geo.window[l]))
         shape, box = (R, geo.kv_heads, S), _boxes((row, row + 1), (kvh, kvh + 1), (split, split + 1))
     elif k in ("attn", "moe_upgate", "moe_down"):

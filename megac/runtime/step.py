@@ -143,7 +143,7 @@ def host_words(geo, positions: Sequence[int], targets: np.ndarray, attn_queue: n
         targets[tw.attn_splits_full(i)] = full[i]
         targets[tw.attn_splits_sliding(i)] = geo.attn_splits(min(n, geo.max_window)) if geo.max_window else 0
     n = 0
-    if geo.full_layers:
+    if geo.full_layers and not geo.full_static:  # static full-layer splits read no queue
         heads = geo.kv_heads
         n = heads * sum(full)
         if n > attn_queue.shape[0]:

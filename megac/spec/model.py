@@ -180,7 +180,7 @@ class TargetSpec(BaseModel):
             elif k == "split_down":
                 if not -1 <= x <= 65536:
                     raise ValueError(f"{k} is a row bound in 0..65536, 0: none, -1: automatic (got {x})")
-            elif k in ("routed_claims", "norm_fold"):
+            elif k in ("routed_claims", "norm_fold", "full_static_attn"):
                 if not 0 <= x <= 65536:
                     raise ValueError(f"{k} is a row bound in 0..65536, 0: none (got {x})")
             elif k == "combine_splits":

@@ -600,10 +600,10 @@ def prebuild(only: list[str] | None = None) -> None:
 
     full = load_spec("north-mini-code")
     specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
-        *[tiny_spec(n, t) for n in ("tiny-llama", "tiny-moe") for t in ("rcomb", "rcqc", "rcqcfc", "uc")],
+        *[tiny_spec(n, t) for n in ("tiny-llama", "tiny-moe") for t in ("rcomb", "rcqc", "rcqcfc", "uc", "fs")],
         full, slice_spec(), *[slice_spec(n) for n in ("sd8", "sd8_up128", "split8", "merge", "split1_merge", "plain", "plain_nofold",
                                              "plain_unrouted", "nomerge", "plain_merge", "split_nofold",
-                                             "split_unrouted", "split1_own", "kvh", "rcomb", "rcqc", "rcqcfc", "uc")],
+                                             "split_unrouted", "split1_own", "kvh", "rcomb", "rcqc", "rcqcfc", "uc", "fs")],
         *scale.config_specs(), *[scale.context_spec(hd) for hd in scale.CONTEXT_HEAD_DIMS], *[scale.split_spec(t, m) for t, m in scale.SPLITS],
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
         *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)],

@@ -1629,6 +1629,10 @@ TILES = {
     # SMs were free to take them at once (~19 at ~5 us); up-free frees ~50
     "upfree_up128": {"order": "schedules/experiments/up-free.yaml", "moe_up_bn": 128},
     "upfree_up192": {"order": "schedules/experiments/up-free.yaml", "moe_up_bn": 192},
+    # a full layer's attention splits as static tasks (geometry full_static, batch 1) on its QKV SMs
+    # before their up claimers (primed, no claim hops); with up-free's sliding layers too
+    "fs": {"full_static_attn": 1, "order": "schedules/experiments/full-static.yaml"},
+    "fsuf": {"full_static_attn": 1, "order": "schedules/experiments/up-free-static.yaml"},
     # O-projection tiles of 256 features (32 of 512 KB: one per attention SM of a sliding layer at
     # batch 1, for orders that put the O-projection there)
     "sd8_up128_o256": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256},
