@@ -2,8 +2,9 @@
 
 Opcode by node kind and flags come from the opcode registry
 (``megac.ops``: ``OpDef.node_kinds`` / ``sliding`` / ``flags``; attention
-lowers to ATTN_DECODE on sliding layers (and on full ones where the
-geometry's ``full_static`` says), to the ATTN_DRAIN claimer on full ones). Header words are left for ``depend`` (no waits, no signal).
+lowers to ATTN_DECODE on sliding layers, and on full ones where the
+geometry's ``full_static`` says; else to the ATTN_DRAIN claimer on full
+ones). Header words are left for ``depend`` (no waits, no signal).
 
 Ensures: every task has an opcode in ``abi.Op`` (not NOP), every
 opcode-specific field set by ``tile`` exists for that opcode and every field
