@@ -46,14 +46,17 @@ def _decode_access(acc, t, layer, row, kvh, split, geo, split_hi=None) -> None:
     acc.add("attn_lse_part", True, t, at(layer), sp, at(row), heads)
 
 
+def _split_fixed_bytes(geo) -> int:
+    """One split's bytes whatever its keys: the query heads read, the partial
+    outputs written."""
+    return geo.heads_per_kv * geo.head_dim * BF16 + geo.heads_per_kv * (geo.head_dim + 1) * FP32
+
+
 def split_bytes(geo, span_tokens: np.ndarray, splits: np.ndarray) -> np.ndarray:
     """One (row, kv head, split): its share of K and V, the query heads, the
     partial outputs."""
     tokens = -(-np.maximum(span_tokens, 1) // np.maximum(splits, 1))
-    kv = tokens * geo.head_dim * 2 * BF16
-    q = geo.heads_per_kv * geo.head_dim * BF16
-    part = geo.heads_per_kv * (geo.head_dim + 1) * FP32
-    return kv + q + part
+    return tokens * geo.head_dim * 2 * BF16 + _split_fixed_bytes(geo)
 
 
 def _context(geo, params) -> int:
@@ -222,7 +225,10 @@ class AttnDecode(OpDef):
         # a windowed layer's split count is the host's for its window (runtime.step writes
         # attn_splits(min(n, window)) to the sliding word), not the context's
         ns = resolve_dyn(field(w, self.op, "NUM_SPLITS"), layer_splits(w, geo, ctx))
-        return split_bytes(geo, sp, ns)
+        # a split past the row's count (a bucket's static tasks at a shorter context) reads no
+        # keys: it writes its empty partials only
+        empty = field(w, self.op, "SPLIT") >= ns
+        return np.where(empty, _split_fixed_bytes(geo), split_bytes(geo, sp, ns))
 
     def run(self, vm, words):
         op = self.op

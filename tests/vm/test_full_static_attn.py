@@ -127,3 +127,26 @@ def test_the_full_static_order_puts_a_full_layers_splits_on_its_qkv_sms_before_t
     two = compile_one(spec, order, 2, 1024)
     drains = tasks_of(two, Op.ATTN_DRAIN)
     assert len(drains) == two.tasks.shape[0] * len(two.geometry.full_layers)
+
+
+def test_the_cost_model_charges_a_static_full_layers_keys_once_at_a_shorter_context():
+    """A bucket's static splits at a context shorter than the bucket's: the
+    splits past the row's count read no keys, so a full layer's attention
+    moves the context's K and V once (within one key a split of rounding),
+    not the bucket's splits times the context's split length."""
+    from megac import costmodel as cm
+
+    spec = _spec("tiny-moe", 1)
+    sched = compile_one(spec, "tuned", 1, 1024)
+    geo = sched.geometry
+    full = [l for l in geo.full_layers]
+    for ctx in (100, 500):
+        r = cm.simulate(sched, context=ctx)
+        ns = geo.attn_splits(ctx)
+        assert ns < geo.full_max_splits
+        fixed = geo.heads_per_kv * geo.head_dim * 2 + geo.heads_per_kv * (geo.head_dim + 1) * 4
+        for l in full:
+            m = (r.layer == l) & (r.opcode == Op.ATTN_DECODE)
+            kv = r.nbytes[m].sum() - m.sum() * fixed
+            want = geo.kv_heads * ctx * geo.head_dim * 2 * 2
+            assert want <= kv <= want + geo.kv_heads * ns * geo.head_dim * 2 * 2, (ctx, l)
