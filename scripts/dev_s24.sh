@@ -62,6 +62,12 @@ tiny_variant() {  # the tiny models against the VM under VARIANTS name $1 ("": t
     > $OUT/tiny.log 2>&1; echo tiny rc $?
   python3 -c "import json; d=json.load(open('$OUT/tiny.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['min_cos_vs_vm']) for m, r in d['result'].items()})"
 }
+tiny_tiles() {  # the tiny models against the VM under TILES set $1 (check tiny, MEGAC_TINY_TILES; $2: its
+                # timeout), into $OUT/tiny-$1.json, one line of results
+  MEGAC_TINY_TILES=$1 timeout ${2:-150} python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny-$1.json \
+    > $OUT/tiny-$1.log 2>&1; echo tiny $1 rc $?
+  python3 -c "import json; d=json.load(open('$OUT/tiny-$1.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
+}
 grid_128k() {  # megac bench of today's default at bs 1-8 x 128K (the grid's second part; GK: its timeout)
   timeout ${GK:-400} python3 -c "from megac.cli import main; main()" bench north-mini-code --backend cuda --random-weights \
     --batch-size 1,2,4,8 --context 131072 --steps 20 --json $OUT/grid128k.json 2>&1 \
@@ -650,9 +656,7 @@ for m in r:
   s46b)  # (prebuild_s46b, ~9 min, the H200) uc checked (the tiny models against the VM: tokens, a row alone
          # equal to it in a batch, repeat and adopted steps; the one-row NMC slice against fp32), then uc against
          # the default, engines alternating at bs1 until AB_END s
-    MEGAC_TINY_TILES=uc timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny-uc.json \
-      > $OUT/tiny-uc.log 2>&1; echo tiny uc rc $?
-    python3 -c "import json; d=json.load(open('$OUT/tiny-uc.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
+    tiny_tiles uc
     MEGAC_CHECK_TILES=uc MEGAC_CHECK_ROWS=1 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
       --out $OUT/slice-uc-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
     t=default,uc; for i in $(seq 1 ${ROUNDS:-8}); do t=$t,default#$i,uc#$i; done
@@ -681,11 +685,7 @@ for m in r:
          # the call has time (END s), fs checked (the tiny models against the VM, the one-row NMC slice against
          # fp32) and one profiled bs1 8K step of fsuf. SETS, SLICE=0, PROF=0 narrow it
     SETS=${SETS:-default,upfree,fs,fsuf} AB_END=${AB_END:-300} bash "$0" s47a
-    if [ $((${END:-560} - SECONDS)) -gt 80 ]; then
-      MEGAC_TINY_TILES=fs timeout 100 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny-fs.json \
-        > $OUT/tiny-fs.log 2>&1; echo tiny fs rc $?
-      python3 -c "import json; d=json.load(open('$OUT/tiny-fs.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
-    fi
+    [ $((${END:-560} - SECONDS)) -gt 80 ] && tiny_tiles fs 100
     [ "${SLICE:-1}" = 1 ] && [ $((${END:-560} - SECONDS)) -gt 100 ] && MEGAC_CHECK_TILES=fs MEGAC_CHECK_ROWS=1 \
       timeout $((${END:-560} - SECONDS - 10)) python3 -m gpu.megakernel_check --run nmc_slice --out $OUT/slice-fs-1.json \
       2>&1 | grep -v Warning | tail -2 | cut -c1-400
@@ -728,9 +728,7 @@ for m in r:
          # model under uc (its claims' fold on the plain GEMM path); one profiled bs8 8K step of the default
          # and of norc (where the router_combine default's bs8 time goes)
     verify rbatch rbatch 2
-    MEGAC_TINY_TILES=uc timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny-uc.json \
-      > $OUT/tiny-uc.log 2>&1; echo tiny uc rc $?
-    python3 -c "import json; d=json.load(open('$OUT/tiny-uc.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
+    tiny_tiles uc
     profile_tiles ${PCASES:-8:8192} ${PTILES:-norc} ;;
   s46a)  # (prebuild_s46a, ~8 min, the H200) the default, norc and rbatch engines alternating at bs8 until AB_END s
          # (is the router_combine default's +1.6 % at bs8 its residual staging?), then the default against rbatch
@@ -750,9 +748,7 @@ for m in r:
          # rcqcfc, then default / rcomb / rcqc / rcqcfc, engines alternating at bs1 until AB_END s
     bash "$0" s44t
     for tt in rcqc rcqcfc; do
-      MEGAC_TINY_TILES=$tt timeout 150 python3 -m gpu.megakernel_check --run tiny --out $OUT/tiny-$tt.json \
-        > $OUT/tiny-$tt.log 2>&1; echo tiny $tt rc $?
-      python3 -c "import json; d=json.load(open('$OUT/tiny-$tt.json/megakernel_check.json'))['tiny']; print(d['ok'], {m: (r['tokens_equal_vm'], r['adopted_step_bit_identical'], r['repeat_bit_identical'], r['alone_equals_batch'], r['min_cos_vs_vm'], r['alone_tokens_equal_vm'], r['alone_min_cos_vs_vm']) for m, r in d['result'].items()})" 2>&1 | tail -2
+      tiny_tiles $tt
     done
     MEGAC_CHECK_TILES=rcqcfc MEGAC_CHECK_ROWS=1 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
       --out $OUT/slice-rcqcfc-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
