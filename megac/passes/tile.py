@@ -119,6 +119,13 @@ def _up_fold_fields(geo: Geometry, l: int, like: np.ndarray) -> dict[str, np.nda
     return {n: np.zeros_like(like) for n in NORM_IN_FIELDS}
 
 
+def _split_count(geo: Geometry, l: int) -> int:
+    """The dynamic target naming row 0's attention split count in layer ``l``
+    (the host's sliding or full-layer word; row r's is this + r)."""
+    tw = geo.target_words
+    return abi.dyn(tw.attn_splits_sliding(0) if geo.sliding[l] else tw.attn_splits_full(0))
+
+
 def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
     k, l = nt.kind, nt.layer
     R, D, hd = geo.rows, geo.hidden, geo.head_dim
@@ -137,9 +144,8 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
     elif k == "attn" and geo.static_attn(l):
         S = geo.static_splits(l)
         row, kvh, split = _grid(range(R), range(geo.kv_heads), range(S))
-        count_word = tw.attn_splits_sliding(0) if geo.sliding[l] else tw.attn_splits_full(0)
         F = dict(ROW=row, KV_HEAD=kvh, SPLIT=split,
-                 NUM_SPLITS=abi.dyn(count_word) + row,
+                 NUM_SPLITS=_split_count(geo, l) + row,
                  WINDOW=np.full_like(row, geo.window[l]))
         shape, box = (R, geo.kv_heads, S), _boxes((row, row + 1), (kvh, kvh + 1), (split, split + 1))
     elif k in ("attn", "moe_upgate", "moe_down"):
@@ -168,19 +174,14 @@ def _tile_node(nt: NodeTasks, geo: Geometry) -> None:
         shape, box = (1,), _boxes((0, 1))
     elif k == "attn_combine":
         row, kvh = _grid(range(R), range(geo.kv_heads))
-        if geo.sliding[l]:
-            ns = abi.dyn(tw.attn_splits_sliding(0)) + row
-        else:
-            ns = abi.dyn(tw.attn_splits_full(0)) + row
-        F = dict(ROW=row, KV_HEAD=kvh, NUM_SPLITS=ns)
+        F = dict(ROW=row, KV_HEAD=kvh, NUM_SPLITS=_split_count(geo, l) + row)
         shape, box = (R, geo.kv_heads), _boxes((row, row + 1), (kvh, kvh + 1))
     elif k == "o_proj":
         kw = geo.heads_per_kv * hd
         nn0, nlen = _ranges(D, geo.o_proj_bn)
         s, t = _grid(range(geo.kv_heads), range(len(nn0)))
         # o_proj_merge: each tile merges its KV head's splits of the one row
-        merge = (abi.dyn(tw.attn_splits_sliding(0) if geo.sliding[l] else tw.attn_splits_full(0))
-                 if geo.o_proj_merge else 0)
+        merge = _split_count(geo, l) if geo.o_proj_merge else 0
         F = dict(N0=nn0[t], N_LEN=nlen[t], K0=s * kw, K_LEN=np.full_like(s, kw), SPLIT=s,
                  MERGE_SPLITS=np.full_like(s, merge))
         shape, box = (geo.kv_heads, D), _boxes((s, s + 1), (nn0[t], nn0[t] + nlen[t]))
