@@ -139,13 +139,12 @@ def test_the_cost_model_charges_a_static_full_layers_keys_once_at_a_shorter_cont
     spec = _spec("tiny-moe", 1)
     sched = compile_one(spec, "tuned", 1, 1024)
     geo = sched.geometry
-    full = [l for l in geo.full_layers]
     for ctx in (100, 500):
         r = cm.simulate(sched, context=ctx)
         ns = geo.attn_splits(ctx)
         assert ns < geo.full_max_splits
         fixed = geo.heads_per_kv * geo.head_dim * 2 + geo.heads_per_kv * (geo.head_dim + 1) * 4
-        for l in full:
+        for l in geo.full_layers:
             m = (r.layer == l) & (r.opcode == Op.ATTN_DECODE)
             kv = r.nbytes[m].sum() - m.sum() * fixed
             want = geo.kv_heads * ctx * geo.head_dim * 2 * 2
