@@ -675,6 +675,30 @@ for m in r:
   prebuild_s48b)  # (adds to prebuild_s47b's set) up-free with smaller up claims
     prebuild_specs nmc-upfree_up128 nmc-upfree_up192
     pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s49)  # (a fresh checkout, ~s48c's needs only) the default, fs and the up-free orders' NMC builds, fs's tiny
+                 # models and slice, fsuf's profiled build, the bench's ceiling kernel
+    prebuild_start
+    SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs north-mini-code nmc-fs tiny-llama-fs tiny-moe-fs nmc-slice-fs
+    MEGAC_PROFILE_TILES=upfree MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml prebuild_specs nmc-upfree
+    MEGAC_PROFILE_TILES=fsuf MEGAC_PROFILE_ORDER=schedules/experiments/up-free-static.yaml prebuild_specs nmc-fsuf
+    prebuild_ceiling
+    pack_cubins < build/cz-s31/log.txt ;;
+  s49c)  # (prebuild_s49 + nmc-nfin nmc-fs_nfin) default / nfin / fs / fs_nfin at bs1 8K, engines alternating until
+         # AB_END s (every MoE layer's norm on its finalize SM, off the next layer's QKV SMs)
+    SETS=${SETS:-default,nfin,fs,fs_nfin} AB_END=${AB_END:-420} ROUNDS=${ROUNDS:-6} bash "$0" s47a ;;
+  s49b)  # (prebuild_s49) default against fs at bs1 1K and 4K, engines alternating until AB_END s (does a full layer's
+         # static attention win where it reads few keys?)
+    t=default,fs; for i in 1 2 3 4; do t=$t,default#$i,fs#$i; done
+    AT=$((${AB_END:-300} - SECONDS)) TB=1 TC=1024,4096 TLIST=$t bash "$0" ab | cut -c1-90 ;;
+  s49a)  # (prebuild_s49 and fs's profiled build, any GPU) default against fs at bs1 32K (until A32_END s) and 128K
+         # (until A128_END), engines alternating, then one profiled bs1 8K step of fs (is a full layer's attention
+         # slower static where it reads 4-16x the keys?)
+    t=default,fs; for i in 1 2 3 4 5; do t=$t,default#$i,fs#$i; done
+    AT=$((${A32_END:-230} - SECONDS)) TB=1 TC=32768 TLIST=$t bash "$0" ab | cut -c1-60; mv $OUT/ab.json $OUT/ab32k.json
+    AT=$((${A128_END:-420} - SECONDS)) TB=1 TC=131072 TLIST=$t bash "$0" ab | cut -c1-60; mv $OUT/ab.json $OUT/ab128k.json
+    [ $((${END:-560} - SECONDS)) -gt 80 ] && PT=$((${END:-560} - SECONDS - 10)) \
+      MEGAC_PROFILE_ORDER=schedules/experiments/full-static.yaml MEGAC_PROFILE_TILES_ONLY=1 profile_tiles 1:8192 fs
+    true ;;
   prebuild_s48c)  # (adds to prebuild_s48b's set) static full-layer splits (TILES fs, fsuf): the tiny models and
                   # the slice under fs, the NMC builds of fs and fsuf, fsuf's profiled build
     SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs tiny-llama-fs tiny-moe-fs nmc-slice-fs nmc-fs

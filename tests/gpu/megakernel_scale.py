@@ -1633,6 +1633,11 @@ TILES = {
     # before their up claimers (primed, no claim hops); with up-free's sliding layers too
     "fs": {"full_static_attn": 1, "order": "schedules/experiments/full-static.yaml"},
     "fsuf": {"full_static_attn": 1, "order": "schedules/experiments/up-free-static.yaml"},
+    # every MoE layer's norm on its finalize SM (no QKV tile of the next layer behind it; the forty-ninth
+    # session's fs trace: the norm SM's QKV tile ends ~10 us after the rest and gates its KV head's
+    # attention), re-timed on today's default (the thirty-third session's, even, was on another)
+    "nfin": {"order": "schedules/experiments/routed-norm-on-finalize.yaml"},
+    "fs_nfin": {"full_static_attn": 1, "order": "schedules/experiments/full-static-norm-fin.yaml"},
     # O-projection tiles of 256 features (32 of 512 KB: one per attention SM of a sliding layer at
     # batch 1, for orders that put the O-projection there)
     "sd8_up128_o256": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256},
