@@ -683,6 +683,9 @@ for m in r:
     MEGAC_PROFILE_TILES=fsuf MEGAC_PROFILE_ORDER=schedules/experiments/up-free-static.yaml prebuild_specs nmc-fsuf
     prebuild_ceiling
     pack_cubins < build/cz-s31/log.txt ;;
+  s49e)  # (prebuild_s49 + nmc-nfin + nmc-faf) default / faf (a full layer's claimed attention before its up
+         # claimers again) / nfin at bs1 8K, engines alternating until AB_END s
+    SETS=${SETS:-default,faf,nfin} AB_END=${AB_END:-300} ROUNDS=${ROUNDS:-6} bash "$0" s47a ;;
   s49d)  # (prebuild_s49 + nmc-tma3) tensor-copy rings of 3 chunks a warp (TILES tma3, variant attn_tma3): a
          # batch-1 static split primes 3 of its warps' 4 chunks before its wait (2 by default), in the layer's head
          # where the memory system has room; engines alternating at bs1 and bs8 8K until AB_END s, bits checked

@@ -1641,6 +1641,8 @@ TILES = {
     # tensor-copy rings of 3 chunks a warp (attn_tma3): a batch-1 static split primes 3 of its warps' 4
     # chunks before its wait, in the layer's head where the memory system has room (forty-ninth session)
     "tma3": {"variant": "attn_tma3"},
+    # a full layer's claimed attention before its up claimers again (tuned without moe_routed_full)
+    "faf": {"order": "schedules/experiments/full-attn-first.yaml"},
     # O-projection tiles of 256 features (32 of 512 KB: one per attention SM of a sliding layer at
     # batch 1, for orders that put the O-projection there)
     "sd8_up128_o256": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256},
