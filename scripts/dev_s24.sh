@@ -675,10 +675,13 @@ for m in r:
   prebuild_s48b)  # (adds to prebuild_s47b's set) up-free with smaller up claims
     prebuild_specs nmc-upfree_up128 nmc-upfree_up192
     pack_cubins < build/cz-s31/log.txt ;;
-  prebuild_s49)  # (a fresh checkout, ~s48c's needs only) the default, fs and the up-free orders' NMC builds, fs's tiny
-                 # models and slice, fsuf's profiled build, the bench's ceiling kernel
+  prebuild_s49)  # (a fresh checkout, ~7 min) what s48c and s49a-e need: the default, fs and the up-free orders' NMC
+                 # builds, fs's tiny models and slice, fs's and fsuf's profiled builds, nfin / fs_nfin / tma3 / faf,
+                 # the bench's ceiling kernel
     prebuild_start
-    SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs north-mini-code nmc-fs tiny-llama-fs tiny-moe-fs nmc-slice-fs
+    SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs north-mini-code tiny-llama-fs tiny-moe-fs nmc-slice-fs \
+      nmc-nfin nmc-fs_nfin nmc-tma3 nmc-faf
+    MEGAC_PROFILE_TILES=fs MEGAC_PROFILE_ORDER=schedules/experiments/full-static.yaml prebuild_specs nmc-fs
     MEGAC_PROFILE_TILES=upfree MEGAC_PROFILE_ORDER=schedules/experiments/up-free.yaml prebuild_specs nmc-upfree
     MEGAC_PROFILE_TILES=fsuf MEGAC_PROFILE_ORDER=schedules/experiments/up-free-static.yaml prebuild_specs nmc-fsuf
     prebuild_ceiling
@@ -688,7 +691,8 @@ for m in r:
     SETS=${SETS:-default,faf,nfin} AB_END=${AB_END:-300} ROUNDS=${ROUNDS:-6} bash "$0" s47a ;;
   s49d)  # (prebuild_s49 + nmc-tma3) tensor-copy rings of 3 chunks a warp (TILES tma3, variant attn_tma3): a
          # batch-1 static split primes 3 of its warps' 4 chunks before its wait (2 by default), in the layer's head
-         # where the memory system has room; engines alternating at bs1 and bs8 8K until AB_END s, bits checked
+         # where the memory system has room; engines alternating at bs1 and bs8 8K until AB_END s (bits checked
+         # where the model fits twice; not on an 80 GB H100)
     TB=${TB:-1,8} SETS=${SETS:-default,tma3} AB_END=${AB_END:-300} ROUNDS=${ROUNDS:-5} bash "$0" s47a ;;
   s49c)  # (prebuild_s49 + nmc-nfin nmc-fs_nfin) default / nfin / fs / fs_nfin at bs1 8K, engines alternating until
          # AB_END s (every MoE layer's norm on its finalize SM, off the next layer's QKV SMs)
