@@ -363,13 +363,13 @@ def run(lw: Lowering) -> str:
                     if not nt.claimer:
                         where[p] = pos[n_ == nt.index]
             h_ = np.full(len(n_), -1, dtype=np.int64)
-            if hosts and (c_ >= 0).any() and parts == ["attn"]:
+            if hosts and (c_ >= 0).any():
+                if parts != ["attn"]:
+                    raise PassError(NAME, f"wave '{w}' is a claimer wave (one claimer on every SM): it cannot be "
+                                          f"placed on other waves' SMs")
                 # a full layer's attention is claimed or static by the schedule (geometry
                 # full_static): claimed, it runs on every SM and is dealt in place, as its share is
                 hosts = None
-            if hosts and (c_ >= 0).any():
-                raise PassError(NAME, f"wave '{w}' is a claimer wave (one claimer on every SM): it cannot be "
-                                      f"placed on other waves' SMs")
             if hosts:
                 # task j of the placed wave runs where host entry j mod #hosts ran
                 hp = np.concatenate(hosts)
