@@ -146,6 +146,12 @@ __device__ __noinline__ void oproj_ahead_l2(const LaunchDesc* d, const int32_t* 
 }
 #endif
 
+#if MEGAC_SLOTS_EARLY
+// ops_gemm.cuh (included after this header): a timing probe's preload
+template <class M>
+__device__ __forceinline__ void slots_early(const Ctx& c, const int32_t* w, int lane);
+#endif
+
 template <class M, class Dispatch>
 __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ gdesc) {
   extern __shared__ __align__(1024) uint8_t smem[];  // the scratch's alignment (kScratchOffset) from here
@@ -253,6 +259,10 @@ __device__ __forceinline__ void megakernel_body(const LaunchDesc* __restrict__ g
     // weights never depend on the waits: a static GEMM's first chunks stream
     // while thread 0 waits for its inputs
     c.primed = (rows::kEarly || tc::kBulk) && Dispatch::prime(c, ts->w);
+#if MEGAC_SLOTS_EARLY
+    // a folding task's slots and scores before its waits (ops_gemm.cuh; a timing probe)
+    if (threadIdx.x >= 32 && threadIdx.x < 64) slots_early<M>(c, ts->w, threadIdx.x & 31);
+#endif
 #if MEGAC_QKV_L2
     // a QKV tile's whole weight span toward L2 behind its prime's copies, while
     // its waits (the layer's tail) run (ops_gemm.cuh); warp 1: thread 0 waits

@@ -218,8 +218,24 @@ __device__ __forceinline__ bool one_claim_each_covers(int32_t claims) { return c
 #define MEGAC_DOWN_PAIRS 0
 #endif
 
+// 0: a routed up claimer (batch 1) takes one up tile a claim. T > 0: the
+// layer's first claims take two adjacent up tiles of one expert (one GEMM
+// over both), its last T one each (ops_moe.cuh moe_up_claims), with up
+// tiles half as long (TILES up128p: 1 MB pairs, 512 KB singles). Why: at
+// batch 1 ~19 SMs claim as routing ends (the router's and the free ones)
+// and ~29 QKV SMs ~7 us later, after their QKV tile; every claim streams
+// 1 MB, so the late claims end ~8 us after the early ones and each
+// expert's down claims wait for its slowest up tile (forty-seventh
+// session's layer 22: up claims end 28-30 early, 36-38 late, the down
+// phase 38-51). Guided self-scheduling: the early claimers keep whole
+// tiles, the late ones take halves and end with them.
+#ifndef MEGAC_UP_PAIRS
+#define MEGAC_UP_PAIRS 0
+#endif
+
 // How many queue records a claimed record covers (its Offsets' count where
-// it has one: the down claims' under MEGAC_DOWN_PAIRS; else 1).
+// it has one: the down claims' under MEGAC_DOWN_PAIRS, the up claims' under
+// MEGAC_UP_PAIRS; else 1).
 template <class Offsets>
 __device__ __forceinline__ auto claim_records_impl(const Offsets& o, const int32_t* rec, int)
     -> decltype(o.count(rec)) {
@@ -295,7 +311,7 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
         if (!defer) MEGAC_MARK(1);  // the claim's own wait
         const int32_t sb = w[signal_base_field];
         ts->claim_signal = sb >= 0 ? sb + so : -1;
-#if MEGAC_DOWN_PAIRS
+#if MEGAC_DOWN_PAIRS || MEGAC_UP_PAIRS
         // a claim of two down records signals twice in one add (counter
         // indices stay below 2^24: the count rides above them)
         if (sb >= 0) ts->claim_signal |= (claim_records(offsets, ts->rec) - 1) << 24;
@@ -332,7 +348,7 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
     run();
     __syncthreads();
     MEGAC_MARK(6);  // the claimed tile's work (its GEMM stamps 2-5 on the way)
-#if MEGAC_DOWN_PAIRS
+#if MEGAC_DOWN_PAIRS || MEGAC_UP_PAIRS
     if (threadIdx.x == 0 && ts->claim_signal >= 0)
       signal_counter(ptr<uint32_t>(c.d->counters) + (ts->claim_signal & 0xffffff), 1u + (ts->claim_signal >> 24));
 #else

@@ -657,13 +657,16 @@ __device__ __forceinline__ float4 weighted_add(float4 acc, float w, float4 y, bo
 // D % 4 == 0), out fp32 [rows, D], k <= 32, features [c0, c0 + cols)
 // (multiples of 4; cols 0: all D). Slots and weights are staged in shared
 // memory; up to 8 expert outputs are loaded before the first add.
+// kPre: the row's slots and scores are in smem / ws already (ops_gemm.cuh
+// slots_early, a timing probe).
+template <bool kPre = false>
 __device__ __forceinline__ void combine_row(const float* y, const int32_t* slot, const float* w,
                                             float* out, int row, int k, int D, int32_t* smem, int64_t ld = 0,
                                             int c0 = 0, int cols = 0) {
   if (ld == 0) ld = D;
   if (cols == 0) cols = D;
   float* ws = reinterpret_cast<float*>(smem + 32);
-  if (threadIdx.x < k) {
+  if (!kPre && threadIdx.x < k) {
     smem[threadIdx.x] = __ldcg(slot + row * k + threadIdx.x);
     ws[threadIdx.x] = __ldcg(w + row * k + threadIdx.x);
   }

@@ -15,6 +15,18 @@
 
 #include "profile_marks.cuh"
 
+// 1: a TIMING PROBE, not a candidate (its reads are not ordered: it can
+// read the previous step's routing): at one row, a folding QKV tile's and a
+// COMBINE_IN router tile's slots and scores (route_slot, topk_w of
+// NORM_LAYER) are loaded into their staging words as the task starts,
+// before its waits (ops_gemm.cuh slots_early), and the fold skips that
+// round trip. Measures what taking the first of the fold's two dependent L2
+// round trips off both of a MoE layer's chain heads is worth before the
+// ordered form (a wait on the finalize's counter) is built. 0: off.
+#ifndef MEGAC_SLOTS_EARLY
+#define MEGAC_SLOTS_EARLY 0
+#endif
+
 namespace megac {
 namespace norm {
 
@@ -50,6 +62,9 @@ struct MoeRow {
   const int32_t* slot;
   const float* w;
   int k;
+#if MEGAC_SLOTS_EARLY
+  int pre;  // the slots and scores are in rs / rw already (ops_norm.cuh slots_early: a timing probe)
+#endif
 };
 
 // ADD_MOE: the row's slots and scores, loaded by threads q < k into
@@ -62,6 +77,9 @@ struct MoeSlots {
   __device__ __forceinline__ void load(const MoeRow* m) {
     if (m != nullptr) {
       __syncthreads();  // thread 0's MoeRow (written before the call) in view
+#if MEGAC_SLOTS_EARLY
+      if (m->pre) return;
+#endif
       if (int(threadIdx.x) < m->k) {
         slot = __ldcg(m->slot + threadIdx.x);
         w = __ldcg(m->w + threadIdx.x);
@@ -69,6 +87,9 @@ struct MoeSlots {
     }
   }
   __device__ __forceinline__ void share(const MoeRow& m, int32_t* rs, float* rw) const {
+#if MEGAC_SLOTS_EARLY
+    if (m.pre) return;  // in rs / rw since before the task's waits (and its barrier)
+#endif
     if (int(threadIdx.x) < m.k) {
       rs[threadIdx.x] = slot;
       rw[threadIdx.x] = w;
@@ -327,6 +348,45 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
   MoeSlots ms;
   ms.load(a.moe);
 #endif
+#if MEGAC_SLOTS_EARLY && MEGAC_FOLD_MOE
+  if (a.moe != nullptr && a.moe->pre) {
+    // the slots are in rs / rw (slots_early, a timing probe): the experts'
+    // rows go out with the residual's and the partials' loads, one round
+    // trip; their weighted sum (moe_add_vec's arithmetic) is added last, as there
+    const MoeRow& m = *a.moe;
+    float4 u[kMoeMaxK][kNormVecRuns];
+#pragma unroll
+    for (int q = 0; q < kMoeMaxK; ++q)
+#pragma unroll
+      for (int j = 0; j < kNormVecRuns; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        u[q][j] = (q < m.k && c < n4) ? __ldcg(reinterpret_cast<const float4*>(m.y + int64_t(rs[q]) * a.D) + c)
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+    for (int j = 0; j < kNormVecRuns; ++j) {
+      const int c = threadIdx.x + j * blockDim.x;
+      g[j] = c < n4 ? __ldg(reinterpret_cast<const uint2*>(a.gamma) + c) : make_uint2(0u, 0u);
+      v[j] = c < n4 ? __ldcg(reinterpret_cast<const float4*>(a.x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    add_sets(a, nsets, int(threadIdx.x), n4, v);
+    float4 acc[kNormVecRuns];
+#pragma unroll
+    for (int q = 0; q < kMoeMaxK; ++q)
+      if (q < m.k) {
+        const float w = rw[q];
+#pragma unroll
+        for (int j = 0; j < kNormVecRuns; ++j) {
+          const float4 p = make_float4(__fmul_rn(w, u[q][j].x), __fmul_rn(w, u[q][j].y), __fmul_rn(w, u[q][j].z),
+                                       __fmul_rn(w, u[q][j].w));
+          acc[j] = q == 0 ? p : add_rn(acc[j], p);
+        }
+      }
+#pragma unroll
+    for (int j = 0; j < kNormVecRuns; ++j) v[j] = add_rn(v[j], acc[j]);
+  } else
+#endif
+  {
 #pragma unroll
   for (int j = 0; j < kNormVecRuns; ++j) {
     const int c = threadIdx.x + j * blockDim.x;
@@ -340,6 +400,7 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
     moe_add_vec(a, *a.moe, rs, rw, v);
   }
 #endif
+  }
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < kNormVecRuns; ++j) {

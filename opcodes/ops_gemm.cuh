@@ -213,14 +213,28 @@ __device__ __forceinline__ WeightSpan lm_head_weights(const Ctx& c, const int32_
                  MK_W(lm_head, K_LEN), M::HIDDEN);
 }
 
+// A routed up claim's N_TILE with this bit covers its tile and the next
+// (MEGAC_UP_PAIRS, ops_moe.cuh UpPairs): one tile twice as long.
+constexpr int32_t kUpPair = 1 << 24;
+
+// The first gate/up row of a claimed up record, and how many it covers.
+__device__ __forceinline__ int up_n0(const int32_t* rec, int nlen_full) {
+  if constexpr (MEGAC_UP_PAIRS > 0) return (rec[rec_moe_up::N_TILE] & (kUpPair - 1)) * nlen_full;
+  return rec[rec_moe_up::N_TILE] * nlen_full;
+}
+__device__ __forceinline__ int up_nlen(const int32_t* rec, int nlen_full) {
+  if constexpr (MEGAC_UP_PAIRS > 0) return (rec[rec_moe_up::N_TILE] & kUpPair) ? 2 * nlen_full : nlen_full;
+  return nlen_full;
+}
+
 // A claimed expert tile's weights (record {expert, n_tile, slot0, rows}).
 template <class M>
 __device__ __forceinline__ WeightSpan moe_up_weights(const Ctx& c, const int32_t* rec) {
   const int slot = ptr<const int32_t>(c.d->layer_slot)[c.ts->w[H_LAYER]];
   const int nlen_full = MK_F(moe_upgate_drain, N_LEN);
-  const int n0 = rec[rec_moe_up::N_TILE] * nlen_full;
+  const int n0 = up_n0(rec, nlen_full);
   return span<M>(ptr<const bf16>(c.d->w_moe_upgate) + Layout<M>::w_moe_upgate(slot, rec[rec_moe_up::EXPERT]), n0, 0,
-                 min(nlen_full, 2 * M::EXPERT_WIDTH - n0), M::HIDDEN, M::HIDDEN);
+                 min(up_nlen(rec, nlen_full), 2 * M::EXPERT_WIDTH - n0), M::HIDDEN, M::HIDDEN);
 }
 
 // A claimed down record's N_TILE with this bit covers its tile and the next
@@ -272,6 +286,45 @@ __device__ __forceinline__ void tiled_span_l2(const WeightSpan& s, int lane) {
     }
   }
 }
+
+#if MEGAC_SLOTS_EARLY
+// MEGAC_SLOTS_EARLY (norm.cuh; a timing probe, unordered): lane `lane` of
+// warp 1 loads entry `lane` of row 0's slots and scores of a task that
+// reads them (`w`: a QKV tile with NORM_IN and ADD_MOE, a router tile with
+// COMBINE_IN and NORM_LAYER >= 0, a MOE_COMBINE) into the words it reads
+// them from, before the task's waits (the header-wait barrier publishes them).
+template <class M>
+__device__ __forceinline__ void slots_early(const Ctx& c, const int32_t* w, int lane) {
+  if constexpr (M::NUM_EXPERTS > 0) {
+    using Lay = Layout<M>;
+    if (c.d->rows != 1 || lane >= M::TOP_K) return;
+    const int op = w[H_OPCODE], flags = w[H_FLAGS];
+    float* ys = GemmScratch<M>::ys(c);
+    int32_t* rs;
+    float* rw;
+    int layer;
+    if (op == OP_QKV_PROJ && (flags & FLAG_NORM_IN) && (flags & FLAG_ADD_MOE)) {
+      layer = w[f_qkv_proj::NORM_LAYER];
+      rs = reinterpret_cast<int32_t*>(ys + 64);
+      rw = ys + 64 + norm::kMoeMaxK;
+    } else if (op == OP_ROUTER_GEMM && (flags & FLAG_COMBINE_IN) && w[f_router_gemm::NORM_LAYER] >= 0) {
+      layer = w[f_router_gemm::NORM_LAYER];
+      rs = reinterpret_cast<int32_t*>(ys);
+      rw = ys + M::MAX_ROWS * M::TOP_K;
+    } else if (op == OP_MOE_COMBINE && !(flags & FLAG_SPLIT_DOWN) && !MEGAC_COMBINE_POLL) {
+      layer = w[H_LAYER];  // moe::combine_row's words: slots at scratch[0..k), scores at scratch[32..]
+      rs = reinterpret_cast<int32_t*>(c.scratch);
+      rw = reinterpret_cast<float*>(c.scratch) + 32;
+    } else {
+      return;
+    }
+    const int32_t slot = __ldcg(ptr<const int32_t>(c.d->route_slot) + Lay::topk(layer, 0) + lane);
+    const float wt = __ldcg(ptr<const float>(c.d->topk_w) + Lay::topk(layer, 0) + lane);
+    rs[lane] = slot;
+    rw[lane] = wt;
+  }
+}
+#endif
 
 // The O-projection tile of words `w` into L2, spread over 32 lanes.
 template <class M>
@@ -637,7 +690,7 @@ __device__ __forceinline__ void moe_up_tile(const Ctx& c, const int32_t* rowof =
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER];
   const int s0 = c.ts->rec[rec_moe_up::SLOT0], nr = c.ts->rec[rec_moe_up::ROWS];
-  const int n0 = c.ts->rec[rec_moe_up::N_TILE] * MK_F(moe_upgate_drain, N_LEN);
+  const int n0 = up_n0(c.ts->rec, MK_F(moe_upgate_drain, N_LEN));
   const WeightSpan ws = moe_up_weights<M>(c, c.ts->rec);
   MEGAC_MARK(11);  // the claimed tile's weight span known
   const bf16* x = rowof != nullptr ? ptr<const bf16>(d->x_norm) + Lay::x_norm(xslot, 0)

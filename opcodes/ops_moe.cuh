@@ -225,6 +225,12 @@ __device__ __forceinline__ bool moe_combine(const Ctx& c) {
     return moe::combine_row_polled<M::TOP_K>(const_cast<float*>(y), slot, w, out, row, M::HIDDEN, smem, ld, c0, cols,
                                              c.site, expired);
   }
+#if MEGAC_SLOTS_EARLY
+  if (d->rows == 1) {  // slots_early loaded row 0's slots and scores before the waits (a timing probe)
+    moe::combine_row<true>(y, slot, w, out, row, M::TOP_K, M::HIDDEN, smem, ld, c0, cols);
+    return true;
+  }
+#endif
   moe::combine_row(y, slot, w, out, row, M::TOP_K, M::HIDDEN, smem, ld, c0, cols);
   return true;
 }
@@ -239,6 +245,33 @@ struct MoeUpOffsets {
     wo = 0;
     so = split ? 0 : rec[rec_moe_up::EXPERT];
   }
+#if MEGAC_UP_PAIRS
+  // up tiles the claim covers (a pair: MEGAC_UP_PAIRS), each one arrival on its expert's counter
+  __device__ int32_t count(const int32_t* rec) const { return (rec[rec_moe_up::N_TILE] & kUpPair) ? 2 : 1; }
+#endif
+};
+
+// MEGAC_UP_PAIRS (mk_core.cuh): of a layer's `len` routed up tiles
+// (active experts x UP_TILES), claims i < np = (len - T) / 2 cover tiles
+// 2i and 2i + 1, claim i >= np tile i + np alone (T rounded up to len's
+// parity). Index p is tile p % UP_TILES of the (p / UP_TILES)-th active
+// expert, and UP_TILES is even where pairs are taken, so a pair's two tiles
+// are one expert's, adjacent: one GEMM over both (N_TILE with kUpPair).
+// Not with the split-K down (its moe_out tile is the up tile) nor where a
+// pair's output does not fit the GEMM's staging (2 N_LEN > MAX_NLEN).
+struct UpPairs {
+  int32_t np;  // pair claims
+  __device__ UpPairs(int32_t len, int tiles, int nlen, bool split, int max_nlen) {
+    np = 0;
+    if (MEGAC_UP_PAIRS > 0 && !split && tiles % 2 == 0 && 2 * nlen <= max_nlen) {
+      const int32_t singles = min(len, MEGAC_UP_PAIRS + ((len - MEGAC_UP_PAIRS) & 1));
+      np = (len - singles) / 2;
+    }
+  }
+  __device__ int32_t claims(int32_t len) const { return len - np; }
+  // claim i's first tile (its index p), and whether it covers p + 1 too
+  __device__ int32_t first(int32_t i) const { return i < np ? 2 * i : i + np; }
+  __device__ bool pair(int32_t i) const { return i < np; }
 };
 struct MoeDownOffsets {
   __device__ void operator()(const int32_t* rec, int32_t& wo, int32_t& so) const {
@@ -331,6 +364,9 @@ struct DownPairSource {
 // Where the router folds the MoE combine the claims wait on the norm that
 // writes their rows (TASK_WAIT_BASE) after the ranking; the early X copies
 // would read those rows before that wait.
+#if MEGAC_UP_FIRST_EARLY && MEGAC_UP_PAIRS
+#error "MEGAC_UP_FIRST_EARLY derives the first record from the index one tile a claim: not with MEGAC_UP_PAIRS"
+#endif
 #if MEGAC_UP_FIRST_EARLY && MEGAC_ROUTER_COMBINE
 #error "MEGAC_UP_FIRST_EARLY issues the claim's X before its wait on the norm: not with MEGAC_ROUTER_COMBINE"
 #endif
@@ -367,6 +403,26 @@ template <class M>
 __device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint32_t idx, const int32_t* sum,
                                               const int32_t* rowof, int tiles, int xslot, bool first_issued = false) {
   bool first = true;
+#if MEGAC_UP_PAIRS
+  const UpPairs pairs(sum[0] * tiles, tiles, MK_F(moe_upgate_drain, N_LEN), (c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0,
+                      M::MAX_NLEN);
+  const int32_t nclaims = pairs.claims(sum[0] * tiles);
+  auto source = [&](int32_t* rec) {
+    if (!first) {
+      if (MEGAC_UP_ONE_CLAIM && one_claim_each_covers(nclaims)) return false;
+      idx = atomicAdd(head, 1u);
+    }
+    first = false;
+    if (static_cast<int32_t>(idx) >= nclaims) return false;
+    const int p = pairs.first(static_cast<int32_t>(idx));
+    const int a = p / tiles;
+    rec[rec_moe_up::EXPERT] = sum[1 + 3 * a];
+    rec[rec_moe_up::N_TILE] = (p - a * tiles) | (pairs.pair(static_cast<int32_t>(idx)) ? kUpPair : 0);
+    rec[rec_moe_up::SLOT0] = sum[2 + 3 * a];
+    rec[rec_moe_up::ROWS] = sum[3 + 3 * a];
+    return true;
+  };
+#else
   auto source = [&](int32_t* rec) {
     if (!first) {
       if (MEGAC_UP_ONE_CLAIM && one_claim_each_covers(sum[0] * tiles)) return false;
@@ -381,6 +437,7 @@ __device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint
     rec[rec_moe_up::ROWS] = sum[3 + 3 * a];
     return true;
   };
+#endif
   return claim_loop(c, source, f_moe_upgate_drain::TASK_WAIT_BASE, f_moe_upgate_drain::TASK_WAIT_TARGET,
                     f_moe_upgate_drain::TASK_SIGNAL_BASE, MoeUpOffsets{(c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0}, [](const int32_t*) {},
                     [&]() {
@@ -437,7 +494,13 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
   int32_t* nact = act + E;     // [1]
   int32_t* rank = nact + 1;    // [n]
   int32_t* ids = work + moe::finalize_smem_words(E, RS::kEntries);
+#if MEGAC_UP_PAIRS
+  const UpDrainedStop stop{idx, UpPairs(min(E, n) * tiles, tiles, MK_F(moe_upgate_drain, N_LEN),
+                                        (ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0, M::MAX_NLEN)
+                                    .claims(min(E, n) * tiles)};
+#else
   const UpDrainedStop stop{idx, min(E, n) * tiles};
+#endif
   int32_t* sum = RS::summary(c);  // [0] nact, [1 + 3a ..] (e, slot0, rows), [1 + 3 entries + slot] row
   int32_t* rowof = sum + 1 + 3 * RS::kEntries;
   if constexpr (MEGAC_TOPK_WARP && MEGAC_ROUTED_ONE_ROW) {

@@ -134,6 +134,9 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
         m->slot = ptr<const int32_t>(d->route_slot) + Lay::topk(layer, row);
         m->w = ptr<const float>(d->topk_w) + Lay::topk(layer, row);
         m->k = M::TOP_K;
+#if MEGAC_SLOTS_EARLY
+        m->pre = 0;
+#endif
       }
       a.moe = m;
     }
@@ -251,24 +254,27 @@ __device__ __forceinline__ void stage_combine_in(const Ctx& c, const NormIn f, i
     const int n = rows * K;
     int32_t* rs = reinterpret_cast<int32_t*>(red);  // [rows * K]: entry m * K + j
     float* rw = red + M::MAX_ROWS * K;              // [rows * K]
-    // threadIdx.x and blockDim.x read where used: a local copy of them (or
-    // a loop over the entries where one pass does) spilled the megakernel
-    if constexpr (M::MAX_ROWS * K <= M::THREADS) {
-      if (threadIdx.x < n) {  // both loads out before either store
-        const int32_t slot = __ldcg(ptr<const int32_t>(d->route_slot) + Lay::topk(f.layer, 0) + threadIdx.x);
-        const float w = __ldcg(ptr<const float>(d->topk_w) + Lay::topk(f.layer, 0) + threadIdx.x);
-        rs[threadIdx.x] = slot;
-        rw[threadIdx.x] = w;
+    // MEGAC_SLOTS_EARLY (a timing probe): at one row slots_early loaded them before the task's waits
+    if (!(MEGAC_SLOTS_EARLY && rows == 1)) {
+      // threadIdx.x and blockDim.x read where used: a local copy of them (or
+      // a loop over the entries where one pass does) spilled the megakernel
+      if constexpr (M::MAX_ROWS * K <= M::THREADS) {
+        if (threadIdx.x < n) {  // both loads out before either store
+          const int32_t slot = __ldcg(ptr<const int32_t>(d->route_slot) + Lay::topk(f.layer, 0) + threadIdx.x);
+          const float w = __ldcg(ptr<const float>(d->topk_w) + Lay::topk(f.layer, 0) + threadIdx.x);
+          rs[threadIdx.x] = slot;
+          rw[threadIdx.x] = w;
+        }
+      } else {
+        for (int e = threadIdx.x; e < n; e += blockDim.x) {
+          const int32_t slot = __ldcg(ptr<const int32_t>(d->route_slot) + Lay::topk(f.layer, 0) + e);
+          const float w = __ldcg(ptr<const float>(d->topk_w) + Lay::topk(f.layer, 0) + e);
+          rs[e] = slot;
+          rw[e] = w;
+        }
       }
-    } else {
-      for (int e = threadIdx.x; e < n; e += blockDim.x) {
-        const int32_t slot = __ldcg(ptr<const int32_t>(d->route_slot) + Lay::topk(f.layer, 0) + e);
-        const float w = __ldcg(ptr<const float>(d->topk_w) + Lay::topk(f.layer, 0) + e);
-        rs[e] = slot;
-        rw[e] = w;
-      }
+      __syncthreads();
     }
-    __syncthreads();
     const float* xr = ptr<const float>(d->x_resid) + Lay::x_resid(f.resid, 0) + f.k0;
     const float* pa = ptr<const float>(d->o_part) + Lay::o_part(f.layer, 0, 0) + f.k0;
     const float* y = ptr<const float>(d->moe_out) + Lay::moe_out(f.layer, 0) + f.k0;
@@ -316,6 +322,9 @@ __device__ __forceinline__ void stage_norm_in(const Ctx& c, const NormIn& f, int
             e->slot = ptr<const int32_t>(c.d->route_slot) + Lay::topk(f.layer, m);
             e->w = ptr<const float>(c.d->topk_w) + Lay::topk(f.layer, m);
             e->k = M::TOP_K;
+#if MEGAC_SLOTS_EARLY
+            e->pre = rows == 1 && f.layer >= 0;  // slots_early loaded row 0's before the waits
+#endif
           }
           a.moe = e;
         }

@@ -686,6 +686,39 @@ for m in r:
     MEGAC_PROFILE_TILES=fsuf MEGAC_PROFILE_ORDER=schedules/experiments/up-free-static.yaml prebuild_specs nmc-fsuf
     prebuild_ceiling
     pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s50)  # (a fresh checkout, ~4 min) what s50a needs: the default, the paired up claims (TILES up128p,
+                 # up128p48, up128p_dn128p), dn128p and up128 for reference, up128p's one-row slice
+    prebuild_start
+    SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs north-mini-code nmc-up128p nmc-up128p48 \
+      nmc-up128p_dn128p nmc-dn128p nmc-up128
+    prebuild_variants nmc-slice-up128p:upair
+    pack_cubins < build/cz-s31/log.txt ;;
+  s50a)  # (prebuild_s50, any GPU, the H200 for the verdict; ~9.5 min) the paired up claims checked (the one-row
+         # NMC slice under up128p against fp32), then default / up128p / up128p48 / up128p_dn128p / dn128p at bs1
+         # 8K, engines alternating until AB_END s
+    MEGAC_CHECK_TILES=up128p MEGAC_CHECK_VARIANT=upair MEGAC_CHECK_ROWS=1 timeout 150 python3 -m gpu.megakernel_check --run nmc_slice \
+      --out $OUT/slice-up128p-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
+    SETS=${SETS:-default,up128p,up128p48,up128p_dn128p,dn128p} AB_END=${AB_END:-560} ROUNDS=${ROUNDS:-6} bash "$0" s47a ;;
+  prebuild_s50b)  # (~3 min) what s50b needs: the default, the slots-early probe (TILES se) and both profiled
+    prebuild_start
+    MEGAC_PROFILE_VARIANTS=slots_early prebuild_specs north-mini-code nmc-se
+    pack_cubins < build/cz-s31/log.txt ;;
+  s50b)  # (prebuild_s50b, any GPU; ~8 min) the slots-early timing probe (norm.cuh MEGAC_SLOTS_EARLY: one L2 round
+         # trip off the folds of the QKV and router tiles and off the combine; its reads are unordered, so its
+         # logits may differ) against the default, engines alternating at bs1 8K until AB_END s, then one
+         # profiled bs1 8K step of each
+    SETS=${SETS:-default,se} AB_END=${AB_END:-330} ROUNDS=${ROUNDS:-10} bash "$0" s47a
+    [ $((${END:-560} - SECONDS)) -gt 90 ] && PT=$((${END:-560} - SECONDS - 10)) profile_variant slots_early
+    true ;;
+  prebuild_s50c)  # (~4 min) what s50c needs: the default and whole-head QKV tiles (TILES qkv128); for an H200,
+                  # the paired claims (up128p, up128p_dn128p, dn128p) too
+    prebuild_start
+    prebuild_specs north-mini-code nmc-qkv128 nmc-dn128p nmc-up128p nmc-up128p_dn128p
+    pack_cubins < build/cz-s31/log.txt ;;
+  s50c)  # (prebuild_s50c, any GPU; ~5 min) whole-head QKV tiles on today's default (40 QKV tiles of 512 KB: 40
+         # more SMs hold no task before their up claimer, so every up claim can start as routing ends) against
+         # the default, engines alternating at bs1 8K until AB_END s
+    SETS=${SETS:-default,qkv128} AB_END=${AB_END:-300} ROUNDS=${ROUNDS:-10} bash "$0" s47a ;;
   s49e)  # (prebuild_s49 + nmc-nfin + nmc-faf) default / faf (a full layer's claimed attention before its up
          # claimers again) / nfin at bs1 8K, engines alternating until AB_END s
     SETS=${SETS:-default,faf,nfin} AB_END=${AB_END:-300} ROUNDS=${ROUNDS:-6} bash "$0" s47a ;;

@@ -2,8 +2,9 @@
 
     PYTHONPATH=.:tests .venv/bin/python scripts/prebuild_builds.py SPEC[:BUILD[+BUILD]] ...
 
-SPEC: a bundled spec name, nmc-slice (the check's North Mini Code slice) or
-nmc-NAME (the TILES set NAME of tests/gpu/megakernel_scale.py);
+SPEC: a bundled spec name, nmc-slice (the check's North Mini Code slice),
+nmc-slice-NAME (the slice under the TILES set NAME of
+tests/gpu/megakernel_scale.py) or nmc-NAME (that TILES set);
 BUILD: a tests/gpu/megakernel_scale.py VARIANTS name or `profile` (nothing:
 the headers' default). Each line printed names the cubin (in build/cubin,
 which scripts/dev_s24.sh packs and carries). Unlike gpu.megakernel_check
@@ -24,6 +25,8 @@ def spec_named(name):
     from megac.spec import load_spec
     if name == "nmc-slice":
         return slice_spec()
+    if name.startswith("nmc-slice-"):  # the slice under a TILES set
+        return slice_spec(name[len("nmc-slice-"):])
     if name.startswith("nmc-"):
         return scale.tile_spec(name[4:], scale.TILES[name[4:]])
     return load_spec(name)

@@ -883,6 +883,16 @@ VARIANTS = {
     # a down claim takes two adjacent records but for the queue's last 26 / 16 (mk_core.cuh MEGAC_DOWN_PAIRS)
     "dpair": {"MEGAC_DOWN_PAIRS": 26},
     "dpair16": {"MEGAC_DOWN_PAIRS": 16},
+    # a routed up claim takes two adjacent up tiles but for the layer's last 56 / 48 claims (mk_core.cuh
+    # MEGAC_UP_PAIRS; with 128-row up tiles: the ~19 early claimers 1 MB each, the late ones 512 KB);
+    # upair_dpair: and the down claims paired as dpair's
+    "upair": {"MEGAC_UP_PAIRS": 56},
+    "upair48": {"MEGAC_UP_PAIRS": 48},
+    "upair_dpair": {"MEGAC_UP_PAIRS": 56, "MEGAC_DOWN_PAIRS": 26},
+    # a timing probe (norm.cuh MEGAC_SLOTS_EARLY: its reads are not ordered, its values may be the last
+    # step's): the folds' slots and scores loaded before the task's waits, one L2 round trip off the
+    # QKV and router tiles that start both of a MoE layer's chains
+    "slots_early": {"MEGAC_SLOTS_EARLY": 1},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1643,6 +1653,15 @@ TILES = {
     "tma3": {"variant": "attn_tma3"},
     # a full layer's claimed attention before its up claimers again (tuned without moe_routed_full)
     "faf": {"order": "schedules/experiments/full-attn-first.yaml"},
+    # guided self-scheduling of the batch-1 up claims (fiftieth session): 128-row up tiles, the layer's
+    # first claims two at a time (1 MB, for the ~19 SMs that claim as routing ends), its last 56 (48)
+    # alone (512 KB, for the QKV SMs that claim ~7 us later), so the late claims end with the early
+    # ones; up128p_dn128p: and the down claims paired as dn128p's
+    "up128p": {"moe_up_bn": 128, "variant": "upair"},
+    "up128p48": {"moe_up_bn": 128, "variant": "upair48"},
+    "up128p_dn128p": {"moe_up_bn": 128, "moe_down_bn": 128, "variant": "upair_dpair"},
+    # the slots-early timing probe on the default tiles (not a candidate: its logits may differ)
+    "se": {"variant": "slots_early"},
     # O-projection tiles of 256 features (32 of 512 KB: one per attention SM of a sliding layer at
     # batch 1, for orders that put the O-projection there)
     "sd8_up128_o256": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256},
