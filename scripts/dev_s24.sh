@@ -713,11 +713,12 @@ for m in r:
   prebuild_s50c)  # (~4 min) what s50c needs: the default and whole-head QKV tiles (TILES qkv128); for an H200,
                   # the paired claims (up128p, up128p_dn128p, dn128p) too
     prebuild_start
-    prebuild_specs north-mini-code nmc-qkv128 nmc-dn128p nmc-up128p nmc-up128p_dn128p
+    prebuild_specs north-mini-code nmc-qkv128 nmc-dn128p nmc-up128p nmc-up128p_dn128p nmc-p2div
     pack_cubins < build/cz-s31/log.txt ;;
   s50c)  # (prebuild_s50c, any GPU; ~5 min) whole-head QKV tiles on today's default (40 QKV tiles of 512 KB: 40
          # more SMs hold no task before their up claimer, so every up claim can start as routing ends) against
-         # the default, engines alternating at bs1 8K until AB_END s
+         # the default, engines alternating at bs1 8K until AB_END s; on an H200 also the sets only it can
+         # decide (SETS=default,qkv128,dn128p,up128p_dn128p,p2div)
     SETS=${SETS:-default,qkv128} AB_END=${AB_END:-300} ROUNDS=${ROUNDS:-10} bash "$0" s47a ;;
   s49e)  # (prebuild_s49 + nmc-nfin + nmc-faf) default / faf (a full layer's claimed attention before its up
          # claimers again) / nfin at bs1 8K, engines alternating until AB_END s

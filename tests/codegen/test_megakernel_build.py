@@ -146,6 +146,35 @@ def test_the_claimed_attention_prime_the_drained_stop_and_the_combine_folds_comp
 
 
 @needs_nvcc
+def test_the_paired_claims_and_the_slots_probe_compile(tmp_path):
+    # The fiftieth session's switches, off by default: the routed up claims
+    # in pairs (mk_core.cuh MEGAC_UP_PAIRS) beside the paired down claims
+    # (MEGAC_DOWN_PAIRS: the claim loop's signal then counts a claim's
+    # records for either queue), and the folds' slots loaded before the
+    # waits (norm.cuh MEGAC_SLOTS_EARLY, a timing probe). One North Mini Code
+    # build with all three: no spills, and other code than the default's (a
+    # guard that compiled them away would pass unnoticed otherwise). Pairs
+    # derive each claim's tiles from its index, so the early first claim
+    # (MEGAC_UP_FIRST_EARLY, one tile a claim) is refused beside them.
+    from megac.gpu.build import build_cubin
+    from megac.resources import opcodes_dir
+
+    spec = load_spec("north-mini-code")
+    res = compile_schedules(spec, batch_sizes=[1])
+    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    inc = [opcodes_dir(), tmp_path]
+    on = build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_PAIRS": 56, "MEGAC_DOWN_PAIRS": 26, "MEGAC_SLOTS_EARLY": 1},
+                     include_dirs=inc, cache_dir=tmp_path / "on")
+    off = build_cubin(tmp_path / SOURCE, include_dirs=inc, cache_dir=tmp_path / "off")
+    k = report(on)["kernels"]["megakernel"]
+    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
+    assert on.read_bytes() != off.read_bytes()
+    with pytest.raises(Exception, match="MEGAC_UP_PAIRS"):
+        build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_PAIRS": 56, "MEGAC_UP_FIRST_EARLY": 1, "MEGAC_ROUTER_COMBINE": 0},
+                    include_dirs=inc, cache_dir=tmp_path / "first-early")
+
+
+@needs_nvcc
 def test_the_hop_switches_and_the_profile_marks_compile(tmp_path):
     # The dependency hop's switches (counters.cuh MEGAC_SIGNAL_ACQREL,
     # common.cuh MEGAC_ABORT_EVERY, mk_core.cuh MEGAC_WAIT_PAIR)

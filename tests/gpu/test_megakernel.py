@@ -133,6 +133,16 @@ def test_split_down_slice_matches_the_fp32_reference(tmp_path):
     _routed_ok(_run("nmc_slice", tmp_path, MEGAC_CHECK_TILES="sd8_up128"))
 
 
+def test_paired_up_claims_match_the_fp32_reference(tmp_path):
+    """The batch-1 up claims in pairs (mk_core.cuh MEGAC_UP_PAIRS, TILES
+    up128p: 128-row up tiles, the layer's first claims two adjacent tiles
+    of one expert as one GEMM and two arrivals on its counter, its last 56
+    one each): the default slice's acceptance at one row (measured, H100:
+    min cosine 0.99997, top-1 agreement 1.0)."""
+    _routed_ok(_run("nmc_slice", tmp_path, MEGAC_CHECK_TILES="up128p", MEGAC_CHECK_VARIANT="upair",
+                    MEGAC_CHECK_ROWS="1"))
+
+
 @pytest.mark.parametrize("rows", ["1", "2"])
 def test_split_on_its_own_up_tiles_matches_the_fp32_reference(tmp_path, rows):
     """The batch-1 split on 128-row up tiles beside the 256-row tiles of
