@@ -287,6 +287,10 @@ __device__ __forceinline__ void tiled_span_l2(const WeightSpan& s, int lane) {
   }
 }
 
+#if MEGAC_SLOTS_EARLY && MEGAC_UP_COMBINE
+// stage_norm_in marks a folding up claim's row as preloaded, which slots_early never loads
+#error "MEGAC_SLOTS_EARLY preloads no up claim's slots: not with MEGAC_UP_COMBINE"
+#endif
 #if MEGAC_SLOTS_EARLY
 // MEGAC_SLOTS_EARLY (norm.cuh; a timing probe, unordered): lane `lane` of
 // warp 1 loads entry `lane` of row 0's slots and scores of a task that

@@ -172,6 +172,10 @@ def test_the_paired_claims_and_the_slots_probe_compile(tmp_path):
     with pytest.raises(Exception, match="MEGAC_UP_PAIRS"):
         build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_PAIRS": 56, "MEGAC_UP_FIRST_EARLY": 1, "MEGAC_ROUTER_COMBINE": 0},
                     include_dirs=inc, cache_dir=tmp_path / "first-early")
+    # the probe marks a folding up claim's row preloaded, which it never loads: refused beside up_combine
+    with pytest.raises(Exception, match="MEGAC_UP_COMBINE"):
+        build_cubin(tmp_path / SOURCE, defines={"MEGAC_SLOTS_EARLY": 1, "MEGAC_UP_COMBINE": 1}, include_dirs=inc,
+                    cache_dir=tmp_path / "slots-up-combine")
 
 
 @needs_nvcc
