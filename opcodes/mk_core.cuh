@@ -318,8 +318,8 @@ __device__ __forceinline__ bool claim_loop(const Ctx& c, Source source, int wait
         const int32_t sb = w[signal_base_field];
         ts->claim_signal = sb >= 0 ? sb + so : -1;
 #if MEGAC_DOWN_PAIRS || MEGAC_UP_PAIRS
-        // a claim of two down records signals twice in one add (counter
-        // indices stay below 2^24: the count rides above them)
+        // a claim of two records (paired down or up claims) signals twice in
+        // one add (counter indices stay below 2^24: the count rides above them)
         if (sb >= 0) ts->claim_signal |= (claim_records(offsets, ts->rec) - 1) << 24;
 #endif
       }

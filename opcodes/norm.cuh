@@ -92,9 +92,6 @@ struct MoeSlots {
     }
   }
   __device__ __forceinline__ void share(const MoeRow& m, int32_t* rs, float* rw) const {
-#if MEGAC_SLOTS_EARLY
-    if (m.pre) return;  // in rs / rw since before the task's waits (and its barrier)
-#endif
     if (int(threadIdx.x) < m.k) {
       rs[threadIdx.x] = slot;
       rw[threadIdx.x] = w;
@@ -308,14 +305,11 @@ __device__ __forceinline__ bool vec_fits(const AddNorm& a) {
 }
 
 #if MEGAC_FOLD_MOE
-// MOE_COMBINE's sum of this thread's runs (moe_sum's arithmetic per element:
-// w0 * y0, then + wq * yq in k order, product and sum rounded apart) added
-// to v, the last plane; every expert's loads out at once (one L2 round trip).
-// The row's slots and scores in shared memory (rs, rw).
-__device__ __forceinline__ void moe_add_vec(const AddNorm& a, const MoeRow& m, const int32_t* rs, const float* rw,
-                                            float4 (&v)[kNormVecRuns]) {
+// The row's expert outputs of this thread's runs into u: every expert's
+// loads out at once (one L2 round trip). The row's slots in shared memory (rs).
+__device__ __forceinline__ void moe_load_vec(const AddNorm& a, const MoeRow& m, const int32_t* rs,
+                                             float4 (&u)[kMoeMaxK][kNormVecRuns]) {
   const int n4 = a.D / 4;
-  float4 u[kMoeMaxK][kNormVecRuns];
 #pragma unroll
   for (int q = 0; q < kMoeMaxK; ++q)
 #pragma unroll
@@ -324,6 +318,13 @@ __device__ __forceinline__ void moe_add_vec(const AddNorm& a, const MoeRow& m, c
       u[q][j] = (q < m.k && c < n4) ? __ldcg(reinterpret_cast<const float4*>(m.y + int64_t(rs[q]) * a.D) + c)
                                     : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+}
+
+// MOE_COMBINE's sum of the loaded outputs u (moe_sum's arithmetic per
+// element: w0 * y0, then + wq * yq in k order, product and sum rounded
+// apart) added to v, the last plane. The row's scores in shared memory (rw).
+__device__ __forceinline__ void moe_sum_vec(const MoeRow& m, const float* rw, const float4 (&u)[kMoeMaxK][kNormVecRuns],
+                                            float4 (&v)[kNormVecRuns]) {
   float4 acc[kNormVecRuns];
 #pragma unroll
   for (int q = 0; q < kMoeMaxK; ++q)
@@ -339,7 +340,29 @@ __device__ __forceinline__ void moe_add_vec(const AddNorm& a, const MoeRow& m, c
 #pragma unroll
   for (int j = 0; j < kNormVecRuns; ++j) v[j] = add_rn(v[j], acc[j]);
 }
+
+// Both, after the other planes' adds (slots and scores in rs, rw).
+__device__ __forceinline__ void moe_add_vec(const AddNorm& a, const MoeRow& m, const int32_t* rs, const float* rw,
+                                            float4 (&v)[kNormVecRuns]) {
+  float4 u[kMoeMaxK][kNormVecRuns];
+  moe_load_vec(a, m, rs, u);
+  moe_sum_vec(m, rw, u, v);
+}
 #endif
+
+// This thread's runs of gamma and of the row's residual plus its partial
+// sets (add_sets' order), the vector form's planes before the experts.
+__device__ __forceinline__ void load_planes(const AddNorm& a, int nsets, uint2 (&g)[kNormVecRuns],
+                                            float4 (&v)[kNormVecRuns]) {
+  const int n4 = a.D / 4;
+#pragma unroll
+  for (int j = 0; j < kNormVecRuns; ++j) {
+    const int c = threadIdx.x + j * blockDim.x;
+    g[j] = c < n4 ? __ldg(reinterpret_cast<const uint2*>(a.gamma) + c) : make_uint2(0u, 0u);
+    v[j] = c < n4 ? __ldcg(reinterpret_cast<const float4*>(a.x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  add_sets(a, nsets, int(threadIdx.x), n4, v);
+}
 
 __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
   const int nsets = a.n0 + a.n1;
@@ -356,54 +379,21 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
 #if MEGAC_SLOTS_EARLY && MEGAC_FOLD_MOE
   if (a.moe != nullptr && a.moe->pre) {
     // the slots are in rs / rw (slots_early, a timing probe): the experts'
-    // rows go out with the residual's and the partials' loads, one round
-    // trip; their weighted sum (moe_add_vec's arithmetic) is added last, as there
-    const MoeRow& m = *a.moe;
+    // rows go out first, with the residual's and the partials' loads, one
+    // round trip; their weighted sum is added last, as moe_add_vec adds it
     float4 u[kMoeMaxK][kNormVecRuns];
-#pragma unroll
-    for (int q = 0; q < kMoeMaxK; ++q)
-#pragma unroll
-      for (int j = 0; j < kNormVecRuns; ++j) {
-        const int c = threadIdx.x + j * blockDim.x;
-        u[q][j] = (q < m.k && c < n4) ? __ldcg(reinterpret_cast<const float4*>(m.y + int64_t(rs[q]) * a.D) + c)
-                                      : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-    for (int j = 0; j < kNormVecRuns; ++j) {
-      const int c = threadIdx.x + j * blockDim.x;
-      g[j] = c < n4 ? __ldg(reinterpret_cast<const uint2*>(a.gamma) + c) : make_uint2(0u, 0u);
-      v[j] = c < n4 ? __ldcg(reinterpret_cast<const float4*>(a.x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    add_sets(a, nsets, int(threadIdx.x), n4, v);
-    float4 acc[kNormVecRuns];
-#pragma unroll
-    for (int q = 0; q < kMoeMaxK; ++q)
-      if (q < m.k) {
-        const float w = rw[q];
-#pragma unroll
-        for (int j = 0; j < kNormVecRuns; ++j) {
-          const float4 p = make_float4(__fmul_rn(w, u[q][j].x), __fmul_rn(w, u[q][j].y), __fmul_rn(w, u[q][j].z),
-                                       __fmul_rn(w, u[q][j].w));
-          acc[j] = q == 0 ? p : add_rn(acc[j], p);
-        }
-      }
-#pragma unroll
-    for (int j = 0; j < kNormVecRuns; ++j) v[j] = add_rn(v[j], acc[j]);
+    moe_load_vec(a, *a.moe, rs, u);
+    load_planes(a, nsets, g, v);
+    moe_sum_vec(*a.moe, rw, u, v);
   } else
 #endif
   {
-#pragma unroll
-  for (int j = 0; j < kNormVecRuns; ++j) {
-    const int c = threadIdx.x + j * blockDim.x;
-    g[j] = c < n4 ? __ldg(reinterpret_cast<const uint2*>(a.gamma) + c) : make_uint2(0u, 0u);
-    v[j] = c < n4 ? __ldcg(reinterpret_cast<const float4*>(a.x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  add_sets(a, nsets, int(threadIdx.x), n4, v);
+    load_planes(a, nsets, g, v);
 #if MEGAC_FOLD_MOE
-  if (a.moe != nullptr) {  // MOE_COMBINE's plane, the last one added
-    ms.share(*a.moe, rs, rw);
-    moe_add_vec(a, *a.moe, rs, rw, v);
-  }
+    if (a.moe != nullptr) {  // MOE_COMBINE's plane, the last one added
+      ms.share(*a.moe, rs, rw);
+      moe_add_vec(a, *a.moe, rs, rw, v);
+    }
 #endif
   }
   float ss = 0.f;

@@ -213,18 +213,34 @@ __device__ __forceinline__ WeightSpan lm_head_weights(const Ctx& c, const int32_
                  MK_W(lm_head, K_LEN), M::HIDDEN);
 }
 
-// A routed up claim's N_TILE with this bit covers its tile and the next
-// (MEGAC_UP_PAIRS, ops_moe.cuh UpPairs): one tile twice as long.
-constexpr int32_t kUpPair = 1 << 24;
+// A claimed expert record's N_TILE with this bit covers its tile and the
+// next, one tile twice as long: the up claims' pairs (MEGAC_UP_PAIRS,
+// ops_moe.cuh UpPairs) and the down claims' (MEGAC_DOWN_PAIRS, ops_moe.cuh
+// DownPairSource); the records' N_TILE is one word (moe_routing.cuh).
+constexpr int32_t kClaimPair = 1 << 24;
+constexpr int32_t kUpPair = kClaimPair, kDownPair = kClaimPair;
+
+// The first row of a claimed record's tile (N_TILE `n_tile` of tiles of
+// `nlen_full` rows), how many rows it covers and how many records: kPaired,
+// where the queue's claims may be pairs.
+template <bool kPaired>
+__device__ __forceinline__ int claim_n0(int32_t n_tile, int nlen_full) {
+  if constexpr (kPaired) return (n_tile & (kClaimPair - 1)) * nlen_full;
+  return n_tile * nlen_full;
+}
+template <bool kPaired>
+__device__ __forceinline__ int claim_nlen(int32_t n_tile, int nlen_full) {
+  if constexpr (kPaired) return (n_tile & kClaimPair) ? 2 * nlen_full : nlen_full;
+  return nlen_full;
+}
+__device__ __forceinline__ int32_t claim_count(int32_t n_tile) { return (n_tile & kClaimPair) ? 2 : 1; }
 
 // The first gate/up row of a claimed up record, and how many it covers.
 __device__ __forceinline__ int up_n0(const int32_t* rec, int nlen_full) {
-  if constexpr (MEGAC_UP_PAIRS > 0) return (rec[rec_moe_up::N_TILE] & (kUpPair - 1)) * nlen_full;
-  return rec[rec_moe_up::N_TILE] * nlen_full;
+  return claim_n0<(MEGAC_UP_PAIRS > 0)>(rec[rec_moe_up::N_TILE], nlen_full);
 }
 __device__ __forceinline__ int up_nlen(const int32_t* rec, int nlen_full) {
-  if constexpr (MEGAC_UP_PAIRS > 0) return (rec[rec_moe_up::N_TILE] & kUpPair) ? 2 * nlen_full : nlen_full;
-  return nlen_full;
+  return claim_nlen<(MEGAC_UP_PAIRS > 0)>(rec[rec_moe_up::N_TILE], nlen_full);
 }
 
 // A claimed expert tile's weights (record {expert, n_tile, slot0, rows}).
@@ -237,18 +253,12 @@ __device__ __forceinline__ WeightSpan moe_up_weights(const Ctx& c, const int32_t
                  min(up_nlen(rec, nlen_full), 2 * M::EXPERT_WIDTH - n0), M::HIDDEN, M::HIDDEN);
 }
 
-// A claimed down record's N_TILE with this bit covers its tile and the next
-// (MEGAC_DOWN_PAIRS, ops_moe.cuh DownPairSource): one tile twice as long.
-constexpr int32_t kDownPair = 1 << 24;
-
 // The first output feature of a claimed down record, and how many it covers.
 __device__ __forceinline__ int down_n0(const int32_t* rec, int nlen_full) {
-  if constexpr (MEGAC_DOWN_PAIRS > 0) return (rec[rec_moe_down::N_TILE] & (kDownPair - 1)) * nlen_full;
-  return rec[rec_moe_down::N_TILE] * nlen_full;
+  return claim_n0<(MEGAC_DOWN_PAIRS > 0)>(rec[rec_moe_down::N_TILE], nlen_full);
 }
 __device__ __forceinline__ int down_nlen(const int32_t* rec, int nlen_full) {
-  if constexpr (MEGAC_DOWN_PAIRS > 0) return (rec[rec_moe_down::N_TILE] & kDownPair) ? 2 * nlen_full : nlen_full;
-  return nlen_full;
+  return claim_nlen<(MEGAC_DOWN_PAIRS > 0)>(rec[rec_moe_down::N_TILE], nlen_full);
 }
 
 template <class M>

@@ -247,7 +247,7 @@ struct MoeUpOffsets {
   }
 #if MEGAC_UP_PAIRS
   // up tiles the claim covers (a pair: MEGAC_UP_PAIRS), each one arrival on its expert's counter
-  __device__ int32_t count(const int32_t* rec) const { return (rec[rec_moe_up::N_TILE] & kUpPair) ? 2 : 1; }
+  __device__ int32_t count(const int32_t* rec) const { return claim_count(rec[rec_moe_up::N_TILE]); }
 #endif
 };
 
@@ -273,13 +273,19 @@ struct UpPairs {
   __device__ int32_t first(int32_t i) const { return i < np ? 2 * i : i + np; }
   __device__ bool pair(int32_t i) const { return i < np; }
 };
+
+// The pairs of a routed claimer's `len` up tiles, `tiles` an expert (its words' N_LEN and flags).
+template <class M>
+__device__ __forceinline__ UpPairs up_pairs(const Ctx& c, int32_t len, int tiles) {
+  return UpPairs(len, tiles, MK_F(moe_upgate_drain, N_LEN), (c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0, M::MAX_NLEN);
+}
 struct MoeDownOffsets {
   __device__ void operator()(const int32_t* rec, int32_t& wo, int32_t& so) const {
     wo = rec[rec_moe_down::EXPERT];
     so = 0;
   }
   // queue records the claim covers (a pair: MEGAC_DOWN_PAIRS)
-  __device__ int32_t count(const int32_t* rec) const { return (rec[rec_moe_down::N_TILE] & kDownPair) ? 2 : 1; }
+  __device__ int32_t count(const int32_t* rec) const { return claim_count(rec[rec_moe_down::N_TILE]); }
 };
 
 // MEGAC_DOWN_PAIRS (mk_core.cuh): claim i of a layer's down queue of `len`
@@ -404,8 +410,7 @@ __device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint
                                               const int32_t* rowof, int tiles, int xslot, bool first_issued = false) {
   bool first = true;
 #if MEGAC_UP_PAIRS
-  const UpPairs pairs(sum[0] * tiles, tiles, MK_F(moe_upgate_drain, N_LEN), (c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0,
-                      M::MAX_NLEN);
+  const UpPairs pairs = up_pairs<M>(c, sum[0] * tiles, tiles);
   const int32_t nclaims = pairs.claims(sum[0] * tiles);
   auto source = [&](int32_t* rec) {
     if (!first) {
@@ -495,9 +500,7 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
   int32_t* rank = nact + 1;    // [n]
   int32_t* ids = work + moe::finalize_smem_words(E, RS::kEntries);
 #if MEGAC_UP_PAIRS
-  const UpDrainedStop stop{idx, UpPairs(min(E, n) * tiles, tiles, MK_F(moe_upgate_drain, N_LEN),
-                                        (ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) != 0, M::MAX_NLEN)
-                                    .claims(min(E, n) * tiles)};
+  const UpDrainedStop stop{idx, up_pairs<M>(c, min(E, n) * tiles, tiles).claims(min(E, n) * tiles)};
 #else
   const UpDrainedStop stop{idx, min(E, n) * tiles};
 #endif

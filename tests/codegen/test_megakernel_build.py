@@ -21,12 +21,19 @@ from megac.spec import load_spec
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 
 
+def _artifact(tmp_path, spec, batch_sizes):
+    """``spec``'s schedules for ``batch_sizes`` compiled and written as a
+    tuned artifact into ``tmp_path`` (what the builds below read)."""
+    res = compile_schedules(spec, batch_sizes=batch_sizes)
+    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    return res
+
+
 @needs_nvcc
 @pytest.mark.parametrize("name", ["north-mini-code", "smollm2-135m", "tiny-moe"])
 def test_megakernel_compiles_without_spills(name, tmp_path):
     spec = load_spec(name)
-    res = compile_schedules(spec, batch_sizes=[1, 8])
-    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    _artifact(tmp_path, spec, [1, 8])
     cubin = build_megakernel(tmp_path)
     assert cubin == tmp_path / CUBIN and cubin.stat().st_size > 0
     k = report(cubin)["kernels"]["megakernel"]
@@ -51,8 +58,7 @@ def test_head_major_kv_build_has_no_spills(tmp_path):
 
     llama = load_spec("tiny-llama")
     spec = variant(llama, "llama-kvh", tiles={"kv_head_major": 1})
-    res = compile_schedules(spec, batch_sizes=[1, 8])
-    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    _artifact(tmp_path, spec, [1, 8])
     k = report(build_megakernel(tmp_path))["kernels"]["megakernel"]
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
     assert "KV_HEAD_MAJOR = 1;" in (tmp_path / SOURCE).read_text()
@@ -67,8 +73,7 @@ def test_split_down_build_has_no_spills(tmp_path):
 
     nmc = load_spec("north-mini-code")
     spec = variant(nmc, "nmc-split", tiles={"split_down": 8, "moe_up_bn": 128})
-    res = compile_schedules(spec, batch_sizes=[1, 8])
-    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    _artifact(tmp_path, spec, [1, 8])
     k = report(build_megakernel(tmp_path))["kernels"]["megakernel"]
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
     assert "MOE_OUT_TILES = 12;" in (tmp_path / SOURCE).read_text()
@@ -85,8 +90,7 @@ def test_ring_stages_of_ten_blocks_keep_the_accumulators_in_registers(tmp_path):
     from megac.resources import opcodes_dir
 
     spec = load_spec("smollm2-135m")
-    res = compile_schedules(spec, batch_sizes=[1])
-    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    _artifact(tmp_path, spec, [1])
     cubin = build_cubin(tmp_path / SOURCE, defines={"MEGAC_TC_STAGE_BLOCKS": 10},
                         include_dirs=[opcodes_dir(), tmp_path], cache_dir=tmp_path / "cache")
     k = report(cubin)["kernels"]["megakernel"]
@@ -104,8 +108,7 @@ def test_the_claimed_attention_prime_the_drained_stop_and_the_combine_folds_comp
     from megac.resources import opcodes_dir
 
     spec = load_spec("north-mini-code")
-    res = compile_schedules(spec, batch_sizes=[1])
-    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    res = _artifact(tmp_path, spec, [1])
     inc = [opcodes_dir(), tmp_path]
     # and MEGAC_UP_DRAINED_STOP (ops_moe.cuh, on by default): a drained routed
     # up claimer stops before it ranks; and MEGAC_ROUTER_COMBINE (ops_gemm.cuh):
@@ -160,8 +163,7 @@ def test_the_paired_claims_and_the_slots_probe_compile(tmp_path):
     from megac.resources import opcodes_dir
 
     spec = load_spec("north-mini-code")
-    res = compile_schedules(spec, batch_sizes=[1])
-    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    _artifact(tmp_path, spec, [1])
     inc = [opcodes_dir(), tmp_path]
     on = build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_PAIRS": 56, "MEGAC_DOWN_PAIRS": 26, "MEGAC_SLOTS_EARLY": 1},
                      include_dirs=inc, cache_dir=tmp_path / "on")
@@ -194,8 +196,7 @@ def test_the_hop_switches_and_the_profile_marks_compile(tmp_path):
     from megac.resources import opcodes_dir
 
     spec = load_spec("tiny-moe")
-    res = compile_schedules(spec, batch_sizes=[1, 8])
-    write_artifact(tmp_path, spec, res.schedules, order="tuned")
+    _artifact(tmp_path, spec, [1, 8])
     defines = {"MEGAC_SIGNAL_ACQREL": 1, "MEGAC_ABORT_EVERY": 16, "MEGAC_WAIT_PAIR": 1, "MEGAC_PROFILE": 1,
                "MEGAC_DESC_ROWS": 1, "MEGAC_TC_WALK_POS": 1, "MEGAC_TC_WALK_CACHE": 1, "MEGAC_TC_BISECT": 1}
     cubin = build_cubin(tmp_path / SOURCE, defines=defines, include_dirs=[opcodes_dir(), tmp_path],
