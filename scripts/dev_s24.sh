@@ -710,6 +710,21 @@ for m in r:
     SETS=${SETS:-default,se} AB_END=${AB_END:-330} ROUNDS=${ROUNDS:-10} bash "$0" s47a
     [ $((${END:-560} - SECONDS)) -gt 90 ] && PT=$((${END:-560} - SECONDS - 10)) profile_variant slots_early
     true ;;
+  prebuild_s51)  # (~5 min) prebuild_s50c's set, qkv128's profiled build (s51p) and the fold block (s51f)
+    prebuild_start
+    MEGAC_PROFILE_TILES=qkv128 prebuild_specs north-mini-code nmc-qkv128 nmc-dn128p nmc-up128p nmc-up128p_dn128p \
+      nmc-p2div
+    prebuild_variants nmc-slice-qkv128
+    PYTHONPATH=.:tests .venv/bin/python -c "from megac.gpu.build import REPO, build_cubin; \
+      print(build_cubin(REPO / 'opcodes/tests/fold_l2_test.cu'))" | tee -a build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s51f)  # (prebuild_s51, any GPU; ~20 s) N SMs sum the same 13 fp32 planes from L2 at once (a QKV tile's norm
+         # fold, ~3 us profiled at a layer's head where ~88 tiles fold together): same lines against private copies
+    timeout ${FT:-120} python3 -m gpu.blocks.fold_l2 --full --json $OUT/fold_l2.json > $OUT/fold_l2.log 2>&1
+    python3 -c "import json; d=json.load(open('$OUT/fold_l2.json')); print([c for c in d['checks'] if not c.get('ok', True)][:3]); [print(l) for l in d['bench']]" ;;
+  s51p)  # (prebuild_s51, any GPU; ~3 min) one profiled bs1 8K step of the default and of qkv128 (does a QKV
+         # tile's fold end sooner when half as many tiles pull the same ~106 KB from L2 at once?)
+    PT=$((${END:-560} - SECONDS - 10)) profile_tiles 1:8192 qkv128 ;;
   prebuild_s50c)  # (~4 min) what s50c needs: the default and whole-head QKV tiles (TILES qkv128); for an H200,
                   # the paired claims (up128p, up128p_dn128p, dn128p) too
     prebuild_start
