@@ -60,13 +60,17 @@ __device__ __forceinline__ float4 ldcg4(const float4* p) {
 // memory, all in flight before the first wait (the most the SM can have
 // out); else loads into registers (how many are in flight at once is
 // ptxas's choice, as in the megakernel's fold).
-template <bool kAsync>
+// kRotate (with kAsync): CTA b issues its copies from plane b mod kPlanes on,
+// so the SMs do not all ask for the same lines at the same moment; each
+// lands in its plane's slot and the sum's order is unchanged (same bits).
+template <bool kAsync, bool kRotate = false>
 __device__ __forceinline__ void fold_round(const float4* src, float* out) {
   extern __shared__ __align__(16) float4 st[];  // kAsync: kAsyncSmem bytes (launched with them)
   float4 u[kPlanes][kRuns];
   if constexpr (kAsync) {
-#pragma unroll
-    for (int p = 0; p < kPlanes; ++p)
+    int p = kRotate ? int(blockIdx.x % kPlanes) : 0;
+#pragma unroll 1
+    for (int i = 0; i < kPlanes; ++i, p = p + 1 == kPlanes ? 0 : p + 1)
 #pragma unroll
       for (int j = 0; j < kRuns; ++j)
         megac::cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(&st[(p * kRuns + j) * kThreads + threadIdx.x])),
@@ -99,7 +103,7 @@ __device__ __forceinline__ void fold_round(const float4* src, float* out) {
 }
 
 // planes: [copies][kPlanes][2048] fp32; CTA b reads copy (private ? b : 0).
-template <bool kAsync>
+template <bool kAsync, bool kRotate>
 __device__ __forceinline__ void fold_l2(const float* __restrict__ planes, int private_copies,
                                         const int32_t* __restrict__ active, int nactive, int reps,
                                         float* __restrict__ out, unsigned long long* __restrict__ times, int* gate) {
@@ -109,7 +113,7 @@ __device__ __forceinline__ void fold_l2(const float* __restrict__ planes, int pr
   for (int rep = 0; rep < reps; ++rep) {
     if (!grid_meet(gate, nactive * (rep + 1))) return;
     const unsigned long long t0 = megac::globaltimer_ns();
-    fold_round<kAsync>(src, out + int64_t(b) * 2048);
+    fold_round<kAsync, kRotate>(src, out + int64_t(b) * 2048);
     if (threadIdx.x == 0) {
       times[(int64_t(rep) * gridDim.x + b) * 2 + 0] = t0;
       times[(int64_t(rep) * gridDim.x + b) * 2 + 1] = megac::globaltimer_ns();
@@ -117,14 +121,15 @@ __device__ __forceinline__ void fold_l2(const float* __restrict__ planes, int pr
   }
 }
 
-#define FOLD_L2(name, async)                                                                                      \
+#define FOLD_L2(name, async, rotate)                                                                                      \
   extern "C" __global__ void __launch_bounds__(kThreads)                                                          \
       name(const float* planes, int private_copies, const int32_t* active, int nactive, int reps, float* out,     \
            unsigned long long* times, int* gate) {                                                                \
-    fold_l2<async>(planes, private_copies, active, nactive, reps, out, times, gate);                              \
+    fold_l2<async, rotate>(planes, private_copies, active, nactive, reps, out, times, gate);                              \
   }
 
-FOLD_L2(fold_l2_regs, false)
-FOLD_L2(fold_l2_async, true)
+FOLD_L2(fold_l2_regs, false, false)
+FOLD_L2(fold_l2_async, true, false)
+FOLD_L2(fold_l2_async_rot, true, true)
 
 extern "C" __global__ void fold_l2_async_smem_bytes(int* out) { *out = kAsyncSmem; }

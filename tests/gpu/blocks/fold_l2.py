@@ -4,7 +4,8 @@ At the head of a batch-1 MoE layer ~88 tiles each sum the residual, four
 O-projection partials and eight expert rows (13 x 8 KB) before their GEMM,
 and the profiled fold takes ~3 us. Is that the SMs reading the same lines at
 once (`same`), the L2's total traffic (`private`: every CTA its own copy), or
-one CTA's own loads (N = 1)? (opcodes/tests/fold_l2_test.cu)
+one CTA's own loads (N = 1)? And do the SMs contend less when each starts
+at another plane (`async_rot`)? (opcodes/tests/fold_l2_test.cu)
 
 Checks: every active CTA's sum equals torch's (the same plane order, fp32);
 every timed round met its grid barrier. Bench lines: the median and p90 of a
@@ -44,7 +45,7 @@ def run(quick: bool) -> dict:
     smem_out = torch.zeros(1, dtype=torch.int32, device="cuda")
     launch(mod, "fold_l2_async_smem_bytes", (1,), (1,), (smem_out,))
     torch.cuda.synchronize()
-    cases = [(k, pr, n) for k in ("regs", "async") for pr in (0, 1) for n in counts]
+    cases = [(k, pr, n) for k in ("regs", "async", "async_rot") for pr in (0, 1) for n in counts]
     for kernel, private, n in cases:
         act_np = np.zeros(sms, dtype=np.int32)
         act_np[np.unique((np.arange(n) * sms) // n)] = 1  # spread over the chip
@@ -54,7 +55,7 @@ def run(quick: bool) -> dict:
         gate.zero_()
         launch(mod, f"fold_l2_{kernel}", (sms,), (256,),
                (planes, np.int32(private), act, np.int32(int(act_np.sum())), np.int32(reps), out, times, gate),
-               shared_mem=int(smem_out.item()) if kernel == "async" else 0, cooperative=True)
+               shared_mem=int(smem_out.item()) if kernel.startswith("async") else 0, cooperative=True)
         torch.cuda.synchronize()
         on = torch.from_numpy(act_np == 1).cuda()
         src = planes if private else planes[:1].expand(sms, PLANES, D)
