@@ -9,10 +9,11 @@
 //
 // One CTA per SM (256 threads). Active CTAs meet at a grid barrier on a
 // global counter (bounded spin; the launch is cooperative, so all are
-// resident), then each thread loads its kRuns float4 of every plane at once,
-// as the megakernel's vector fold does (norm.cuh moe_load_vec /
-// load_planes), adds them in plane order and writes the sum to out[cta]; a
-// CTA barrier, then its end time. kReps rounds, a grid barrier before each;
+// resident), then each thread loads its kRuns float4 of every plane (into
+// registers, as the megakernel's vector fold does in norm.cuh moe_load_vec /
+// load_planes, or all out at once by cp.async), adds them in plane order and
+// writes the sum to out[cta]; a CTA barrier, then its end time. `reps`
+// rounds, a grid barrier before each;
 // times[(rep * gridDim.x + cta) * 2 + {0, 1}] = {start, end} ns by the
 // global timer (0 for an inactive CTA).
 #include <cstdint>
@@ -34,17 +35,17 @@ __device__ bool grid_meet(int* gate, int target) {
     __threadfence();
     atomicAdd(gate, 1);
     int spins = 0;
-    while (atomicAdd(gate, 0) < target && ++spins < (1 << 24)) {
+    while (atomicAdd(gate, 0) < target && ++spins < (1 << 22)) {
     }
-    ok = spins < (1 << 24);
+    ok = spins < (1 << 22);  // ~4 s of L2 atomics at most
   }
   __syncthreads();
   return ok != 0;
 }
 
-// ld.global.cg as a volatile asm: the 26 loads go out in program order
-// before the first add needs one (plain __ldcg let the compiler sum as it
-// loads, a handful in flight).
+// ld.global.cg as a volatile asm: the loads stay in program order. ptxas
+// still sums as they land (36 registers: not all 26 of a thread's loads are
+// in flight at once), which is why the cp.async form exists beside it.
 __device__ __forceinline__ float4 ldcg4(const float4* p) {
   float4 v;
   asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
