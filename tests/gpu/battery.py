@@ -49,6 +49,15 @@ def check(name: str, ok: bool, detail: Any = "") -> dict:
     return {"name": name, "ok": bool(ok), "detail": detail if isinstance(detail, str) else json.dumps(detail)}
 
 
+def no_spills(cubin) -> dict:
+    """The check every block makes of its cubin: no kernel spills registers
+    (ptxas's report; a spill usually means an array indexed at run time)."""
+    from megac.gpu.build import resources  # noqa: PLC0415
+
+    spills = {k: v["spill_stores"] for k, v in resources(cubin).items() if v.get("spill_stores")}
+    return check("no_spills", not spills, spills or "0 spill stores")
+
+
 def speed_target(name: str, met: bool, detail: Any = "") -> dict:
     """A speed target, recorded in the block's JSON (``measurements``) and in
     the battery table, never part of pass/fail: a test checks behaviour, a

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu.battery import bench, block_main, check, speed_target, time_cuda
-from megac.gpu.build import build_cubin, resources
+from gpu.battery import bench, block_main, check, no_spills, speed_target, time_cuda
+from megac.gpu.build import build_cubin
 # the kernel megac bench's ceiling reads with, its data and its check: one home
 from megac.gpu.ceiling import SOURCE, exact_sum, random_words
 
@@ -42,9 +42,7 @@ def measure(quick: bool, reps: int | None = None) -> tuple[list[dict], list[dict
     ]
     checks, lines = [], []
     best = 0.0
-    res = resources(cubin)
-    spills = {k: v["spill_stores"] for k, v in res.items() if v.get("spill_stores")}
-    checks.append(check("no_spills", not spills, spills or "0 spill stores"))
+    checks.append(no_spills(cubin))
     for label, kernel, grid, block in shapes:
         def go(kernel=kernel, grid=grid, block=block):
             launch(mod, kernel, (grid,), (block,), (words, np.uint64(n_vec), out))

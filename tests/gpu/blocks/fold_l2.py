@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu.battery import block_main, check
-from megac.gpu.build import REPO, build_cubin, resources
+from gpu.battery import block_main, check, no_spills
+from megac.gpu.build import REPO, build_cubin
 
 SOURCE = REPO / "opcodes" / "tests" / "fold_l2_test.cu"
 PLANES, D = 13, 2048
@@ -30,9 +30,7 @@ def run(quick: bool) -> dict:
 
     checks, lines = [], []
     cubin = build_cubin(SOURCE)
-    res = resources(cubin)
-    spills = {k: v["spill_stores"] for k, v in res.items() if v.get("spill_stores")}
-    checks.append(check("no_spills", not spills, spills or "0 spill stores"))
+    checks.append(no_spills(cubin))
     mod = load_module(cubin)
     sms = sm_count()
     gen = torch.Generator(device="cuda").manual_seed(2051)

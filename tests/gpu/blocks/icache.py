@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu.battery import block_main, check
-from megac.gpu.build import REPO, build_cubin, resources
+from gpu.battery import block_main, check, no_spills
+from megac.gpu.build import REPO, build_cubin
 
 SOURCE = REPO / "opcodes" / "tests" / "icache_test.cu"
 THREADS = 256
@@ -34,9 +34,7 @@ def run(quick: bool) -> dict:
     from megac.gpu.launch import launch, load_module, sm_count  # noqa: PLC0415
 
     cubin = build_cubin(SOURCE)
-    res = resources(cubin)
-    spills = {k: v["spill_stores"] for k, v in res.items() if v.get("spill_stores")}
-    checks = [check("no_spills", not spills, spills or "0 spill stores")]
+    checks = [no_spills(cubin)]
     mod = load_module(cubin)
     sms = sm_count()
     reps = 4 if quick else 16

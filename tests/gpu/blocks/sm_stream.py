@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu.battery import block_main, check
-from megac.gpu.build import REPO, build_cubin, resources
+from gpu.battery import block_main, check, no_spills
+from megac.gpu.build import REPO, build_cubin
 
 SOURCE = REPO / "opcodes" / "tests" / "sm_stream_test.cu"
 KERNELS = ("sm_stream_2x8k", "sm_stream_3x8k", "sm_stream_2x12k", "sm_stream_4x4k")
@@ -48,9 +48,7 @@ def run(quick: bool) -> dict:
 
     checks, lines = [], []
     cubin = build_cubin(SOURCE)
-    res = resources(cubin)
-    spills = {k: v["spill_stores"] for k, v in res.items() if v.get("spill_stores")}
-    checks.append(check("no_spills", not spills, spills or "0 spill stores"))
+    checks.append(no_spills(cubin))
     mod = load_module(cubin)
     sms = sm_count()
     words = random_words(sms * PER_SM // 4, seed=97)

@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from gpu.battery import bench, block_main, ceiling_tbps, check, speed_target, time_cuda
-from megac.gpu.build import REPO, build_cubin, resources
+from gpu.battery import bench, block_main, ceiling_tbps, check, no_spills, speed_target, time_cuda
+from megac.gpu.build import REPO, build_cubin
 
 SOURCE = REPO / "opcodes" / "tests" / "weight_stream_test.cu"
 TARGET_PCT = 92.0
@@ -96,9 +96,7 @@ def run(quick: bool) -> dict:
     metrics["ceiling_tbps"] = ceiling
 
     cubin = build_cubin(SOURCE)
-    res = resources(cubin)
-    spills = {k: v["spill_stores"] for k, v in res.items() if v.get("spill_stores")}
-    checks.append(check("no_spills", not spills, spills or "0 spill stores"))
+    checks.append(no_spills(cubin))
     mod = load_module(cubin)
     sms = sm_count()
 
