@@ -43,24 +43,14 @@ __device__ bool grid_meet(int* gate, int target) {
   return ok != 0;
 }
 
-// ld.global.cg as a volatile asm: the loads stay in program order. ptxas
-// still sums as they land (36 registers: not all 26 of a thread's loads are
-// in flight at once), which is why the cp.async form exists beside it.
-__device__ __forceinline__ float4 ldcg4(const float4* p) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "l"(p));
-  return v;
-}
-
 }  // namespace
 
 // One round of one CTA's fold: each thread's kRuns float4 of every plane,
 // summed in plane order into out. kAsync: every load a cp.async into shared
 // memory, all in flight before the first wait (the most the SM can have
-// out); else loads into registers (how many are in flight at once is
-// ptxas's choice, as in the megakernel's fold).
+// out); else __ldcg into registers, as the megakernel's fold loads (ptxas
+// sums as they land: 36 registers, so not all 26 of a thread's loads are
+// in flight at once).
 // kRotate (with kAsync): CTA b issues its copies from plane b mod kPlanes on,
 // so the SMs do not all ask for the same lines at the same moment; each
 // lands in its plane's slot and the sum's order is unchanged (same bits).
@@ -86,7 +76,7 @@ __device__ __forceinline__ void fold_round(const float4* src, float* out) {
 #pragma unroll
     for (int p = 0; p < kPlanes; ++p)
 #pragma unroll
-      for (int j = 0; j < kRuns; ++j) u[p][j] = ldcg4(src + p * 512 + threadIdx.x + j * kThreads);
+      for (int j = 0; j < kRuns; ++j) u[p][j] = __ldcg(src + p * 512 + threadIdx.x + j * kThreads);
   }
 #pragma unroll
   for (int j = 0; j < kRuns; ++j) {
