@@ -300,6 +300,23 @@ __device__ __forceinline__ void add_rmsnorm(const AddNorm& a, float* red) {
 // scale, as against the VM).
 constexpr int kNormVecRuns = kNormBatch / 4;
 
+// MEGAC_FOLD_MARKS (profile builds only; VARIANTS fold_marks): stamps inside
+// a fold, where the fifty-second session's traces left ~1.2 us of a QKV
+// tile's fold unexplained (~2.7 us profiled against ~1.5 us for the same
+// bytes in one round, fold_l2 block): 8 stage_norm_in's entry, 6 the
+// slots' loads out, 9 the residual and partials summed, 11 the slots
+// shared, then 0 as before. Marks 6, 8, 9, 11 are unused by these tasks.
+#ifndef MEGAC_FOLD_MARKS
+#define MEGAC_FOLD_MARKS 0
+#endif
+#if MEGAC_FOLD_MARKS
+#define MEGAC_FOLD_MARK(i) MEGAC_MARK(i)
+#define MEGAC_FOLD_MARK_AFTER(i, v) MEGAC_MARK_AFTER(i, v)
+#else
+#define MEGAC_FOLD_MARK(i) ((void)0)
+#define MEGAC_FOLD_MARK_AFTER(i, v) ((void)0)
+#endif
+
 __device__ __forceinline__ bool vec_fits(const AddNorm& a) {
   return (MEGAC_FOLD_MOE || a.moe == nullptr) && a.D % 4 == 0 && a.D <= kNormBatch * int(blockDim.x);
 }
@@ -388,10 +405,13 @@ __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {
   } else
 #endif
   {
+    MEGAC_FOLD_MARK(6);  // ms.load's barrier passed, the slots' loads out
     load_planes(a, nsets, g, v);
+    MEGAC_FOLD_MARK_AFTER(9, v[0].x);  // thread 0's residual and partials summed
 #if MEGAC_FOLD_MOE
     if (a.moe != nullptr) {  // MOE_COMBINE's plane, the last one added
       ms.share(*a.moe, rs, rw);
+      MEGAC_FOLD_MARK(11);  // the slots shared (their barrier passed)
       moe_add_vec(a, *a.moe, rs, rw, v);
     }
 #endif

@@ -381,8 +381,23 @@ __device__ __forceinline__ void qkv_l2(const Ctx& c, const int32_t* w, int lane)
 
 // How many stages per warp the dispatcher primes for the static task `w`
 // (its words as compiled: MERGE_SPLITS may still be a target-word reference).
+// Stages per warp a QKV tile primes before its waits (a timing probe; -1:
+// the whole ring, as every static GEMM task). Why: at a MoE layer's head
+// ~80 QKV tiles prime 128 KB each (~10 MB of HBM reads) as the previous
+// layer's down claims end, the moment the layer's folds and routing, all
+// round trips, start; a fold takes ~2.7 us in the megakernel against ~1.5
+// us for its bytes on a quiet machine (fifty-second session, fold_l2).
+// 0: none (the tile's ring streams after its fold).
+#ifndef MEGAC_QKV_PRIME
+#define MEGAC_QKV_PRIME -1
+#endif
+
 template <class M>
 __device__ __forceinline__ int prime_stages(const int32_t* w) {
+#if MEGAC_QKV_PRIME >= 0
+  static_assert(MEGAC_QKV_PRIME <= tc::kStages, "a QKV tile primes at most its ring");
+  if (w[H_OPCODE] == OP_QKV_PROJ) return MEGAC_QKV_PRIME;
+#endif
   return w[H_OPCODE] == OP_O_PROJ && w[f_o_proj::MERGE_SPLITS] != 0 ? MEGAC_MERGE_PRIME : tc::kStages;
 }
 
@@ -391,6 +406,9 @@ __device__ __forceinline__ int prime_stages(const int32_t* w) {
 // True when it primed: the task's gemm() then goes on from there (Ctx::primed).
 template <class M>
 __device__ __forceinline__ bool prime_gemm(const Ctx& c, const WeightSpan& s, int stages = tc::kStages) {
+#if MEGAC_QKV_PRIME == 0
+  if (stages == 0) return false;  // not primed: the tile issues its ring itself
+#endif
   if constexpr (GemmScratch<M>::kTc && tc::kBulk) {
     tc::prime(s, GemmScratch<M>::tc_ring(c), &c.ts->tc, stages);
 #if MEGAC_TC_WARM

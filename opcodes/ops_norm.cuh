@@ -309,6 +309,7 @@ __device__ __forceinline__ void stage_norm_in(const Ctx& c, const NormIn& f, int
   }
 #endif
   if constexpr (M::HIDDEN <= norm::kNormBatch * M::THREADS) {
+    MEGAC_FOLD_MARK(8);  // the fold entered (norm.cuh MEGAC_FOLD_MARKS)
     for (int m = 0; m < rows; ++m) {
       norm::AddNorm a = norm_planes<M>(c.d, f.layer, m, f.resid, f.n_attn, f.n_ffn, f.slot);
 #if MEGAC_FOLD_MOE

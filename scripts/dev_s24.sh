@@ -710,6 +710,16 @@ for m in r:
     SETS=${SETS:-default,se} AB_END=${AB_END:-330} ROUNDS=${ROUNDS:-10} bash "$0" s47a
     [ $((${END:-560} - SECONDS)) -gt 90 ] && PT=$((${END:-560} - SECONDS - 10)) profile_variant slots_early
     true ;;
+  prebuild_s52)  # (~6 min) the fold-marks profile build (s52m) beside the default's; the QKV prime probes (s52q)
+    prebuild_start
+    MEGAC_PROFILE_VARIANTS=fold_marks prebuild_specs north-mini-code nmc-qp1 nmc-qp0
+    pack_cubins < build/cz-s31/log.txt ;;
+  s52m)  # (prebuild_s52, any GPU; ~3 min) one profiled bs1 8K step of the default and of fold_marks (norm.cuh
+         # MEGAC_FOLD_MARKS: where a QKV tile's ~2.7 us fold goes, against ~1.5 us for its bytes in one round)
+    PT=$((${END:-560} - SECONDS - 10)) profile_variant fold_marks ;;
+  s52q)  # (prebuild_s52, any GPU; ~5 min) QKV tiles priming one stage a warp / none before their waits
+         # (ops_gemm.cuh MEGAC_QKV_PRIME) against the default, engines alternating at bs1 8K until AB_END s
+    SETS=${SETS:-default,qp1,qp0} AB_END=${AB_END:-300} ROUNDS=${ROUNDS:-10} bash "$0" s47a ;;
   prebuild_s51)  # (~5 min) prebuild_s50c's set, qkv128's profiled build (s51p) and the fold block (s51f)
     prebuild_start
     MEGAC_PROFILE_TILES=qkv128 prebuild_specs north-mini-code nmc-qkv128 nmc-dn128p nmc-up128p nmc-up128p_dn128p \

@@ -893,6 +893,11 @@ VARIANTS = {
     # step's): the folds' slots and scores loaded before the task's waits, one L2 round trip off the
     # QKV and router tiles that start both of a MoE layer's chains
     "slots_early": {"MEGAC_SLOTS_EARLY": 1},
+    # profile builds: stamps inside the folds (norm.cuh MEGAC_FOLD_MARKS; no other effect)
+    "fold_marks": {"MEGAC_FOLD_MARKS": 1},
+    # a QKV tile primes one stage a warp / none before its waits (ops_gemm.cuh MEGAC_QKV_PRIME; the same bits)
+    "qkvp1": {"MEGAC_QKV_PRIME": 1},
+    "qkvp0": {"MEGAC_QKV_PRIME": 0},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1662,6 +1667,8 @@ TILES = {
     "up128p_dn128p": {"moe_up_bn": 128, "moe_down_bn": 128, "variant": "upair_dpair"},
     # the slots-early timing probe on the default tiles (not a candidate: its logits may differ)
     "se": {"variant": "slots_early"},
+    "qp1": {"variant": "qkvp1"},
+    "qp0": {"variant": "qkvp0"},
     # O-projection tiles of 256 features (32 of 512 KB: one per attention SM of a sliding layer at
     # batch 1, for orders that put the O-projection there)
     "sd8_up128_o256": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256},
