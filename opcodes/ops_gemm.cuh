@@ -381,13 +381,18 @@ __device__ __forceinline__ void qkv_l2(const Ctx& c, const int32_t* w, int lane)
 
 // How many stages per warp the dispatcher primes for the static task `w`
 // (its words as compiled: MERGE_SPLITS may still be a target-word reference).
-// Stages per warp a QKV tile primes before its waits (a timing probe; -1:
-// the whole ring, as every static GEMM task). Why: at a MoE layer's head
-// ~80 QKV tiles prime 128 KB each (~10 MB of HBM reads) as the previous
-// layer's down claims end, the moment the layer's folds and routing, all
-// round trips, start; a fold takes ~2.7 us in the megakernel against ~1.5
-// us for its bytes on a quiet machine (fifty-second session, fold_l2).
-// 0: none (the tile's ring streams after its fold).
+// Stages per warp a QKV tile primes before its waits (-1: the whole ring,
+// as every other static GEMM task; 0: none, the tile's ring streams after
+// its fold). Why fewer: at a MoE layer's head ~80 QKV tiles prime 128 KB
+// each (~10 MB of HBM reads) as the previous layer's down claims end, the
+// moment the layer's folds and routing, all round trips, start; a QKV
+// tile's fold takes ~2.5 us in the megakernel against ~1.5 us for the same
+// bytes on a quiet machine (fifty-second session: fold_l2, MEGAC_FOLD_MARKS).
+// Measured (H100, NMC 8K, engines alternating, three calls, 9-12 engines a
+// side): 1 stage bs1 -0.59 / -0.73 / -0.57 % (median), bs8 +0.03 %; none
+// +1.4 % (the GEMM then starts a round trip late). The generated source sets
+// 1 where the QKV tiles fold the combine (megac/codegen/megakernel.py
+// switch_defaults), -1 elsewhere (the builds measured before it).
 #ifndef MEGAC_QKV_PRIME
 #define MEGAC_QKV_PRIME -1
 #endif

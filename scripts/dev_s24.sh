@@ -116,9 +116,9 @@ case "${1:-tails}" in
     MEGAC_PROFILE_CASES=1:8192 MEGAC_PROFILE_TILES=${PT:-sd8_up128_o256} MEGAC_PROFILE_ORDER=${PO:-$E/split-oproj-on-attn.yaml} \
       timeout 400 python3 -m gpu.megakernel_check --run profile --out $OUT/profile.json 2>&1 | grep -v Warning | grep '^{"' | cut -c1-160
     gzip -q $OUT/*.json 2>/dev/null; ls -la $OUT ;;
-  ab)  # engines alternating: the default and TILES=$AB, bs1 (TB) 8K; AT: its timeout (s)
+  ab)  # engines alternating: the default and TILES=$AB, bs1 (TB) 8K; AT: its timeout (s); AB_OUT: the JSON's name
     MEGAC_VARIANTS=default MEGAC_TILES=${TLIST:-$AB,default#1,$AB#1,default#2,$AB#2} MEGAC_TILE_BATCHES=${TB:-1} \
-      MEGAC_TILE_CONTEXTS=${TC:-8192} timeout ${AT:-560} python3 -m gpu.megakernel_check --run tiles --out $OUT/ab.json 2>&1 \
+      MEGAC_TILE_CONTEXTS=${TC:-8192} timeout ${AT:-560} python3 -m gpu.megakernel_check --run tiles --out $OUT/${AB_OUT:-ab}.json 2>&1 \
       | grep -v Warning | grep '^{"' ;;
   verify)  # the device changes: tiny and hang, fp32 slices of TILES sets SLICE (ROWS rows)
     timeout 300 python3 -m gpu.megakernel_check --run tiny hang --out $OUT/battery.json 2>&1 | grep -v Warning | tail -6
@@ -714,6 +714,28 @@ for m in r:
     prebuild_start
     MEGAC_PROFILE_VARIANTS=fold_marks prebuild_specs north-mini-code nmc-qp1 nmc-qp0
     pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s52b)  # (~6 min) s52r's set: the router over 16 SMs alone and with qkvp1, r16's one-row slice
+    prebuild_start
+    prebuild_specs north-mini-code nmc-qp1 nmc-r16 nmc-qp1_r16
+    prebuild_variants nmc-slice-r16
+    pack_cubins < build/cz-s31/log.txt ;;
+  s52r)  # (prebuild_s52b, any GPU; ~6 min) default / qp1 / r16 / qp1_r16 at bs1 8K, engines alternating until
+         # AB_END s; then r16's one-row slice against fp32 (another split-K sum of the logits: other bits)
+    SETS=${SETS:-default,qp1,r16,qp1_r16} AB_END=${AB_END:-330} ROUNDS=${ROUNDS:-8} bash "$0" s47a
+    [ $((${END:-560} - SECONDS)) -gt 60 ] && MEGAC_CHECK_TILES=r16 MEGAC_CHECK_ROWS=1 \
+      timeout $((${END:-560} - SECONDS - 10)) python3 -m gpu.megakernel_check --run nmc_slice \
+      --out $OUT/slice-r16-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
+    true ;;
+  prebuild_s52c)  # (~4 min) s52d's set: qkvp1 on the tiny models, the default and qp1 at bs1 / bs8
+    prebuild_start
+    prebuild_variants tiny-moe:qkvp1 tiny-llama:qkvp1
+    prebuild_specs north-mini-code nmc-qp1
+    pack_cubins < build/cz-s31/log.txt ;;
+  s52d)  # (prebuild_s52c, any GPU; ~6 min) qkvp1 as a default would need it: the tiny models against the VM,
+         # then default / qp1 engines alternating at bs8 8K (AB8_END s), then at bs1 until AB_END s
+    tiny_variant qkvp1
+    SETS=default,qp1 AB_END=${AB8_END:-200} ROUNDS=${ROUNDS8:-6} TB=8 AB_OUT=ab-bs8 bash "$0" s47a
+    SETS=default,qp1 AB_END=$((${AB_END:-420} - SECONDS)) ROUNDS=${ROUNDS:-8} bash "$0" s47a ;;
   s52m)  # (prebuild_s52, any GPU; ~3 min) one profiled bs1 8K step of the default and of fold_marks (norm.cuh
          # MEGAC_FOLD_MARKS: where a QKV tile's ~2.7 us fold goes, against ~1.5 us for its bytes in one round)
     PT=$((${END:-560} - SECONDS - 10)) profile_variant fold_marks ;;

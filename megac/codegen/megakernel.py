@@ -175,7 +175,11 @@ def switch_defaults(schedules) -> list[tuple[str, int]]:
             ("MEGAC_TOPK_WARP", int(not split)),
             ("MEGAC_ROUTER_COMBINE", int(comb)),
             ("MEGAC_QKV_COMBINE", int(qkv_comb)),
-            ("MEGAC_UP_COMBINE", int(up_comb))]
+            ("MEGAC_UP_COMBINE", int(up_comb)),
+            # where the QKV tiles fold the combine (a MoE layer's head: ~80 tiles each summing ~104 KB
+            # from L2 as the previous layer's down claims end) they prime one stage a warp, not the
+            # ring (ops_gemm.cuh MEGAC_QKV_PRIME: NMC bs1 -0.6 % on an H100, bs8 even); others as measured
+            ("MEGAC_QKV_PRIME", 1 if qkv_comb else -1)]
 
 
 # (buffer, Layout<Model> expression per dimension, condition on the model)

@@ -64,8 +64,10 @@ MARK_NAMES = {
     "ATTN_DRAIN": (*_CLAIM_MARKS[:2], *_ATTN_MARKS, "tile done", "", "claim handed to the CTA", "", "", "",
                    *_SPLIT_MARKS),
     "ATTN_DECODE": ("", "", *_ATTN_MARKS, "", "", "", "", "", "", *_SPLIT_MARKS),
-    # a static GEMM task's tile (stamps 2-5 only)
-    **{op: ("", "", *_GEMM_MARKS, "", _WALK_MARK, "", "", "", "", *_PRIME_MARKS)
+    # a static GEMM task's tile (stamps 2-5; a folding QKV tile 0 too, and with MEGAC_FOLD_MARKS the
+    # fold's steps 8, 6, 9, 11: norm.cuh)
+    **{op: ("fold: loads and adds", "", *_GEMM_MARKS, "fold: slots out", _WALK_MARK, "fold entered",
+            "fold: planes summed", "", "fold: slots shared", *_PRIME_MARKS)
        for op in ("QKV_PROJ", "FFN_UPGATE_ACT", "FFN_DOWN", "ROUTER_GEMM", "LM_HEAD")},
     # a merging O-projection tile (ops_gemm.cuh gemm): its stages issued, then its input merged
     "O_PROJ": ("", "", *_GEMM_MARKS, "", _WALK_MARK, "", "", "ring stages issued", "", *_PRIME_MARKS),

@@ -197,8 +197,11 @@ def test_the_hop_switches_and_the_profile_marks_compile(tmp_path):
 
     spec = load_spec("tiny-moe")
     _artifact(tmp_path, spec, [1, 8])
+    # and the fifty-second session's: the fold's stamps (norm.cuh MEGAC_FOLD_MARKS) and QKV tiles that
+    # prime nothing before their waits (ops_gemm.cuh MEGAC_QKV_PRIME 0: prime_gemm declines)
     defines = {"MEGAC_SIGNAL_ACQREL": 1, "MEGAC_ABORT_EVERY": 16, "MEGAC_WAIT_PAIR": 1, "MEGAC_PROFILE": 1,
-               "MEGAC_DESC_ROWS": 1, "MEGAC_TC_WALK_POS": 1, "MEGAC_TC_WALK_CACHE": 1, "MEGAC_TC_BISECT": 1}
+               "MEGAC_DESC_ROWS": 1, "MEGAC_TC_WALK_POS": 1, "MEGAC_TC_WALK_CACHE": 1, "MEGAC_TC_BISECT": 1,
+               "MEGAC_FOLD_MARKS": 1, "MEGAC_QKV_PRIME": 0}
     cubin = build_cubin(tmp_path / SOURCE, defines=defines, include_dirs=[opcodes_dir(), tmp_path],
                         cache_dir=tmp_path / "cache")
     k = report(cubin)["kernels"]["megakernel"]
@@ -206,6 +209,23 @@ def test_the_hop_switches_and_the_profile_marks_compile(tmp_path):
     with pytest.raises(Exception, match="power of two"):
         build_cubin(tmp_path / SOURCE, defines={"MEGAC_ABORT_EVERY": 3}, include_dirs=[opcodes_dir(), tmp_path],
                     cache_dir=tmp_path / "cache3")
+
+
+def test_qkv_tiles_prime_one_stage_where_they_fold_the_combine():
+    # ops_gemm.cuh MEGAC_QKV_PRIME: where a MoE layer's QKV tiles fold the
+    # combine (North Mini Code, the tiny MoE model) they prime one stage a
+    # warp before their waits (fifty-second session: -0.6 % at NMC batch 1,
+    # H100); a dense model keeps its whole primed ring (the build measured
+    # for it). The generated source says so under #ifndef, so a variant's -D
+    # still wins.
+    from megac.codegen.megakernel import switch_defaults
+
+    for name, want in (("north-mini-code", 1), ("tiny-moe", 1), ("smollm2-135m", -1), ("tiny-llama", -1)):
+        spec = load_spec(name)
+        res = compile_schedules(spec, batch_sizes=[1])
+        assert dict(switch_defaults(res.schedules))["MEGAC_QKV_PRIME"] == want, name
+        src = render_megakernel(spec, res.schedules)
+        assert re.search(rf"#ifndef MEGAC_QKV_PRIME\n#define MEGAC_QKV_PRIME {want}\n#endif", src), name
 
 
 def test_dispatch_covers_the_registry_and_layout_is_checked():

@@ -895,9 +895,12 @@ VARIANTS = {
     "slots_early": {"MEGAC_SLOTS_EARLY": 1},
     # profile builds: stamps inside the folds (norm.cuh MEGAC_FOLD_MARKS; no other effect)
     "fold_marks": {"MEGAC_FOLD_MARKS": 1},
-    # a QKV tile primes one stage a warp / none before its waits (ops_gemm.cuh MEGAC_QKV_PRIME; the same bits)
+    # a QKV tile primes one stage a warp / none / its whole ring before its waits (ops_gemm.cuh
+    # MEGAC_QKV_PRIME; the same bits; 1 the default where the QKV tiles fold the combine since the
+    # fifty-second session, qkvp_ring the code before it)
     "qkvp1": {"MEGAC_QKV_PRIME": 1},
     "qkvp0": {"MEGAC_QKV_PRIME": 0},
+    "qkvp_ring": {"MEGAC_QKV_PRIME": -1},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1669,6 +1672,10 @@ TILES = {
     "se": {"variant": "slots_early"},
     "qp1": {"variant": "qkvp1"},
     "qp0": {"variant": "qkvp0"},
+    "qpring": {"variant": "qkvp_ring"},
+    # the router over 16 SMs (r16) with QKV tiles priming one stage a warp: today's router tile spends ~1 us
+    # of its ~3.6 us on the MMA over its 64 KB, on the MoE chain every layer (fifty-second session's H100 stamps)
+    "qp1_r16": {"router_splits": 16, "variant": "qkvp1"},
     # O-projection tiles of 256 features (32 of 512 KB: one per attention SM of a sliding layer at
     # batch 1, for orders that put the O-projection there)
     "sd8_up128_o256": {"split_down": 8, "moe_up_bn": 128, "o_proj_bn": 256},
