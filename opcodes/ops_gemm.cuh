@@ -379,8 +379,6 @@ __device__ __forceinline__ void qkv_l2(const Ctx& c, const int32_t* w, int lane)
 #define MEGAC_MERGE_PRIME 1
 #endif
 
-// How many stages per warp the dispatcher primes for the static task `w`
-// (its words as compiled: MERGE_SPLITS may still be a target-word reference).
 // Stages per warp a QKV tile primes before its waits (-1: the whole ring,
 // as every other static GEMM task; 0: none, the tile's ring streams after
 // its fold). Why fewer: at a MoE layer's head ~80 QKV tiles prime 128 KB
@@ -397,6 +395,8 @@ __device__ __forceinline__ void qkv_l2(const Ctx& c, const int32_t* w, int lane)
 #define MEGAC_QKV_PRIME -1
 #endif
 
+// How many stages per warp the dispatcher primes for the static task `w`
+// (its words as compiled: MERGE_SPLITS may still be a target-word reference).
 template <class M>
 __device__ __forceinline__ int prime_stages(const int32_t* w) {
 #if MEGAC_QKV_PRIME >= 0
