@@ -118,6 +118,14 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
 #define MEGAC_COMBINE_POLL 0
 #endif
 
+// The router tile that folds the MoE combine (COMBINE_IN): ops_gemm.cuh
+// says what the switch does. Its default here, once, for the three headers
+// that read it (ops_gemm.cuh, ops_norm.cuh, moe_routing.cuh); a generated
+// megakernel sets it before the headers (codegen switch_defaults).
+#ifndef MEGAC_ROUTER_COMBINE
+#define MEGAC_ROUTER_COMBINE 0
+#endif
+
 // 16 bytes by one relaxed gpu-scope load (a poll of data another SM
 // stores: each 32-bit element is read whole, with no order between them).
 __device__ __forceinline__ uint4 ld_relaxed_gpu_v4(const void* p) {

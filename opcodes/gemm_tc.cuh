@@ -62,11 +62,11 @@ __host__ __device__ constexpr int part_bytes(int nwarps) { return nwarps * 16 * 
 // from L1 (ld.ca) instead of an L2 round trip behind nothing yet (~1.3 us at
 // batch 1); 0: each claim stages them through L2 (ld.cg). 0 by default in
 // a build with the router that folds the combine (MEGAC_ROUTER_COMBINE,
-// ops_gemm.cuh): there the rows' norm is the claims' own wait, after the
-// ranking, and a pull at the header's acquire could land before the norm's
-// rows.
+// ops_gemm.cuh; its default in common.cuh): there the rows' norm is the
+// claims' own wait, after the ranking, and a pull at the header's acquire
+// could land before the norm's rows.
 #ifndef MEGAC_UP_X_L1
-#if defined(MEGAC_ROUTER_COMBINE) && MEGAC_ROUTER_COMBINE
+#if MEGAC_ROUTER_COMBINE
 #define MEGAC_UP_X_L1 0
 #else
 #define MEGAC_UP_X_L1 1

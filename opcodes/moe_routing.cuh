@@ -54,12 +54,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 #define MEGAC_TOPK_RANK_HALVES 0
 #endif
 
-// COMBINE_IN finalize (rows_inv_rms, the scaled weights): ops_gemm.cuh says
-// what the switch does; the default is its (this header may come first).
-#ifndef MEGAC_ROUTER_COMBINE
-#define MEGAC_ROUTER_COMBINE 0
-#endif
-
 // Router split-K partials whose loads are issued before the first add: the
 // partials come from other SMs through L2, and one split at a time left
 // ROUTER_TOPK at ~10 us on every MoE layer's critical path (a loaded L2

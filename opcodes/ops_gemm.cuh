@@ -65,10 +65,8 @@ constexpr bool kTiled = MEGAC_TC_GEMM && M::GEMM_TILED;
 // -1.0 % with that wait in the claimer's header. Every router of such a
 // model is unnormalised (NORM_LAYER -1: the norm's residual, where no fold
 // applies), so it is batch invariant (checked on an H100, forty-fifth
-// session: -2.6 % there), and the tile is on by default.
-#ifndef MEGAC_ROUTER_COMBINE
-#define MEGAC_ROUTER_COMBINE 0
-#endif
+// session: -2.6 % there), and the tile is on by default (its header
+// default, 0, in common.cuh).
 
 // MEGAC_QKV_COMBINE (its default in norm.cuh): 1: QKV_PROJ tiles flagged
 // NORM_IN and ADD_MOE (the qkv_combine tile) add the previous layer's

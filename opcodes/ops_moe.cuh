@@ -458,6 +458,21 @@ __device__ __forceinline__ bool moe_up_claims(const Ctx& c, uint32_t* head, uint
                     });
 }
 
+// 1: a one-row routed up claimer reads its claims' wait counter (the norm
+// task's, where the router folds the combine) with warp 1 while warp 0
+// ranks, and where it is met clears the wait from the task's words in
+// shared memory, so the first claim goes to its tile without another
+// acquire round trip. Why: the profiles put ~0.8 us between a claimer's
+// ranking and its claim handed to the CTA, most of it that read, on the
+// MoE chain every layer, and the norm had ended before the ranking in 87 %
+// of the layers (fifty-second session's H100 trace). 0: the claim loop
+// waits after the ranking. The counter is met for the rest of the launch
+// once seen met (its target is its whole count), so clearing it holds for
+// every later claim of the task.
+#ifndef MEGAC_UP_WAIT_EARLY
+#define MEGAC_UP_WAIT_EARLY 0
+#endif
+
 // Routed claims, whole CTA: rank, count and scan as finalize_cta does, then
 // the claim loop over the records derived from that (the queue head's atomic
 // as for a queue in memory); no claimed task waits (the router's counter,
@@ -543,6 +558,18 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
           }
         }
       }
+#if MEGAC_UP_WAIT_EARLY
+      else if (threadIdx.x == 32) {
+        // while warp 0 ranks: the claims' own wait (the norm that writes
+        // x_norm, ROUTER_COMBINE) read once; met, its word is cleared so the
+        // claim loop does not wait again (this acquire, then the barrier
+        // below, orders every thread's x_norm reads as the loop's wait did)
+        const int32_t wb = ts->w[f_moe_upgate_drain::TASK_WAIT_BASE];
+        if (wb >= 0 && ld_acquire_gpu(ptr<const uint32_t>(d->counters) + wb) >=
+                           static_cast<uint32_t>(resolve(d, ts->w[f_moe_upgate_drain::TASK_WAIT_TARGET])))
+          ts->w[f_moe_upgate_drain::TASK_WAIT_BASE] = -1;
+      }
+#endif
       if (__syncthreads_or(threadIdx.x == 0 && halted)) return true;  // drained: as the claim loop's empty claim
       MEGAC_MARK(7);  // ranked, the claims' summary written (after rank_one_row_warp's 0 and 1)
       if constexpr (MEGAC_UP_FIRST_EARLY && GemmScratch<M>::kTc && tc::kBulk) {

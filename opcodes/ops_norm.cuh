@@ -28,12 +28,6 @@
 #define MEGAC_NORM_VEC 1
 #endif
 
-// COMBINE_IN staging (stage_combine_in): ops_gemm.cuh says what the switch
-// does; the default is its (this header is included before it).
-#ifndef MEGAC_ROUTER_COMBINE
-#define MEGAC_ROUTER_COMBINE 0
-#endif
-
 // 1: the residual form of COMBINE_IN (a router tile where no fold applies:
 // every router of a router_combine model past one row) loads an element's
 // rows together before it stores them (stage_combine_in). 0: row by row.

@@ -726,6 +726,22 @@ for m in r:
       timeout $((${END:-560} - SECONDS - 10)) python3 -m gpu.megakernel_check --run nmc_slice \
       --out $OUT/slice-r16-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
     true ;;
+  prebuild_s53)  # (~5 min) s53's set: today's default (QKV tiles priming one stage a warp), the ring as before
+                 # (qpring), megac bench's ceiling kernel
+    prebuild_start
+    prebuild_specs north-mini-code nmc-qpring nmc-uwe
+    prebuild_variants tiny-moe:up_wait_early tiny-llama:up_wait_early
+    prebuild_ceiling
+    pack_cubins < build/cz-s31/log.txt ;;
+  s53)  # (prebuild_s53; meant for the H200, any GPU runs it; ~9 min) the fifty-second session's default (MEGAC_QKV_PRIME
+        # 1, measured on H100s only) against the ring primed as before (qpring) and the up claims' wait read while
+        # the claimer ranks (uwe: ops_moe.cuh MEGAC_UP_WAIT_EARLY; the tiny MoE model under it first), engines
+        # alternating at bs1 8K until AB_END s; then megac bench of the default at bs1 (ENG engines) for the
+        # headline while the call has time (END s)
+    tiny_variant up_wait_early
+    SETS=${SETS:-default,qpring,uwe} AB_END=${AB_END:-330} ROUNDS=${ROUNDS:-10} bash "$0" s47a
+    [ $((${END:-560} - SECONDS)) -gt 120 ] && BS=${BS:-1} ENG=${ENG:-3} BT=$((${END:-560} - SECONDS - 10)) bash "$0" bench
+    true ;;
   prebuild_s52c)  # (~4 min) s52d's set: qkvp1 on the tiny models, the default and qp1 at bs1 / bs8
     prebuild_start
     prebuild_variants tiny-moe:qkvp1 tiny-llama:qkvp1

@@ -3,8 +3,12 @@
 # /tmp keeps each while the machine stays warm), and export
 # the paths the checks and profilers need.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-# again whenever the carried set of wheels changed (a warm machine keeps /tmp/site)
-if [ -d .whl ] && [ "$(ls .whl)" != "$(cat /tmp/site/.whl-list 2>/dev/null)" ]; then
+# again whenever the carried set of wheels changed (a warm machine keeps /tmp/site); only where
+# the carried binary wheels are this python's (the GPU machine's 3.12: a prebuild here, on
+# another python, sources this file too and has its own .venv)
+tag="-cp$(python3 -c 'import sys; print("%d%d" % sys.version_info[:2])')-"
+if [ -d .whl ] && ! ls .whl | grep -- '-cp3[0-9]*-' | grep -qv -- "$tag" &&
+  [ "$(ls .whl)" != "$(cat /tmp/site/.whl-list 2>/dev/null)" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
     ls .whl > /tmp/site/.whl-list
 fi

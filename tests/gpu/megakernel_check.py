@@ -584,6 +584,11 @@ CHECKS = {"serve": check_serve, "serve_burst": check_serve_burst, "serve_fault":
           "orders": check_orders, "rng": check_rng, "nmc_slice": check_nmc_slice, **scale.CHECKS}
 
 
+#: TILES sets checked as a default would be (the tiny models under them and the NMC slice): the folds
+#: (rcomb, rcqc, rcqcfc, uc) and the full layer's static attention (fs); --prebuild builds both forms
+CHECKED_AS_DEFAULT = ("rcomb", "rcqc", "rcqcfc", "uc", "fs")
+
+
 def prebuild(only: list[str] | None = None) -> None:
     """Artifacts and cubins of the models the checks compile (build here,
     carry build/cubin): the same compile as on the GPU gives the same
@@ -600,10 +605,10 @@ def prebuild(only: list[str] | None = None) -> None:
 
     full = load_spec("north-mini-code")
     specs = [load_spec(n) for n in ("tiny-llama", "tiny-moe", "smollm2-135m")] + [
-        *[tiny_spec(n, t) for n in ("tiny-llama", "tiny-moe") for t in ("rcomb", "rcqc", "rcqcfc", "uc", "fs")],
+        *[tiny_spec(n, t) for n in ("tiny-llama", "tiny-moe") for t in CHECKED_AS_DEFAULT],
         full, slice_spec(), *[slice_spec(n) for n in ("sd8", "sd8_up128", "split8", "merge", "split1_merge", "plain", "plain_nofold",
                                              "plain_unrouted", "nomerge", "plain_merge", "split_nofold",
-                                             "split_unrouted", "split1_own", "kvh", "rcomb", "rcqc", "rcqcfc", "uc", "fs")],
+                                             "split_unrouted", "split1_own", "kvh", *CHECKED_AS_DEFAULT)],
         *scale.config_specs(), *[scale.context_spec(hd) for hd in scale.CONTEXT_HEAD_DIMS], *[scale.split_spec(t, m) for t, m in scale.SPLITS],
         *[scale.tile_spec(n, t) for n, t in scale.TILES.items()],
         *[fused_spec(n, g) for n in ("tiny-moe", "north-mini-code") for g in (False, True)],

@@ -901,6 +901,9 @@ VARIANTS = {
     "qkvp1": {"MEGAC_QKV_PRIME": 1},
     "qkvp0": {"MEGAC_QKV_PRIME": 0},
     "qkvp_ring": {"MEGAC_QKV_PRIME": -1},
+    # a one-row routed up claimer reads its claims' wait (the norm's counter) while it ranks (ops_moe.cuh
+    # MEGAC_UP_WAIT_EARLY; the same bits)
+    "up_wait_early": {"MEGAC_UP_WAIT_EARLY": 1},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1673,6 +1676,7 @@ TILES = {
     "qp1": {"variant": "qkvp1"},
     "qp0": {"variant": "qkvp0"},
     "qpring": {"variant": "qkvp_ring"},
+    "uwe": {"variant": "up_wait_early"},
     # the router over 16 SMs (r16) with QKV tiles priming one stage a warp: today's router tile spends ~1 us
     # of its ~3.6 us on the MMA over its 64 KB, on the MoE chain every layer (fifty-second session's H100 stamps)
     "qp1_r16": {"router_splits": 16, "variant": "qkvp1"},
