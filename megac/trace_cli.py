@@ -5,6 +5,8 @@
     megac bench north-mini-code --backend cuda --random-weights --batch-size 1 --context 8192 \\
         --profile step.json                       # on the GPU: one profiled step
     megac trace step.json --plot layer-bw.png     # here: TB/s through a layer, by opcode
+    megac trace step.json --heads                 # how each MoE layer's chains start (the routing chain)
+    megac trace step.json --tails                 # how they end
 
 See megac/trace_report.py for what the numbers are.
 """
@@ -37,12 +39,16 @@ from megac.calibrate_cli import traced_step_options
                    "layer's first run), the opcodes' spans and the tasks that ended last.")
 @click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --layer: draw that layer's per-SM timeline (.png or .svg).")
+@click.option("--heads", is_flag=True,
+              help="Instead: how every MoE layer's chains start after the layer before's last down claim (the "
+                   "router tiles, the norm the up claims wait on, the first claimers' ranking and first expert "
+                   "byte, a QKV tile's fold), with the medians per kind of layer.")
 @click.option("--tails", is_flag=True,
               help="Instead: how every MoE layer's two chains end (the last O-projection tile, the last down "
                    "claim), the down claims taken after the up claims ended and the O-projection tiles queued "
                    "behind up claims, with the medians per kind of layer.")
 def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, json_out, marks, layer, timeline,
-              tails):
+              heads, tails):
     """Where the bandwidth of the step in TRACE goes: per layer kind, TB/s by opcode through a layer.
     With --layer N: who did what in layer N, SM by SM."""
     from megac.calibrate_cli import traced_step
@@ -54,6 +60,14 @@ def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, j
         raise click.UsageError("--timeline draws one layer: pass --layer N too")
     if tails and layer is not None:
         raise click.UsageError("--tails reads every layer: pass it without --layer")
+    if heads and (layer is not None or tails):
+        raise click.UsageError("--heads reads every layer: pass it without --layer or --tails")
+    if heads:
+        from megac.calibrate_cli import read_trace, trace_records
+        from megac.trace_layer import format_heads, step_heads
+
+        click.echo(format_heads(step_heads(trace_records(read_trace(trace, "trace"), trace, "trace"))))
+        return
     if tails:
         from megac.calibrate_cli import read_trace, trace_records
         from megac.trace_layer import format_tails, step_tails

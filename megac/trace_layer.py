@@ -189,6 +189,134 @@ def format_tails(tails: list[Tails]) -> str:
     return "\n".join(lines)
 
 
+#: the first up claimers a head's "ranked" and "handed" are the median of (the ones that claim as
+#: routing ends, before the QKV SMs join)
+FIRST_CLAIMERS = 8
+#: MEGAC_MARK indices (megac/gpu/profile.py MARK_NAMES): a GEMM tile's activations staged and first
+#: stage landed, a folding QKV tile's loads and adds, a routed up claimer's ranking done and its claim
+#: handed to the CTA
+MARK_STAGED, MARK_LANDED, MARK_FOLDED, MARK_RANKED, MARK_HANDED = 2, 3, 0, 7, 8
+
+
+@dataclass
+class Head:
+    """How a MoE layer's chains start (``megac trace --heads``), in µs from
+    the end of the layer before's last down claimer that ran a claim (its
+    expert outputs are an input of both chains): the layer before's last
+    O-projection tile (the other input: where it ends later, the attention
+    chain gates the layer); the router tiles' waits ended, their
+    activations staged and their end; the layer before's
+    norm task (the x_norm its up claims wait on); the first up claimers'
+    ranking done and their first claim handed to the CTA (median of the
+    FIRST_CLAIMERS that ran first); the first expert weight stage landed;
+    and how long a QKV tile's fold took after its wait (median). NaN where
+    the trace has no such task or stamp (a build without MEGAC_MARK)."""
+
+    layer: int
+    kind: str  # "full" (its attention claimed) or "sliding"
+    oproj_end: float
+    router_waited: float
+    router_staged: float
+    router_end: float
+    norm_end: float
+    ranked: float
+    handed: float
+    first_byte: float
+    qkv_fold: float
+
+
+_NAN = float("nan")
+
+
+def _mark(r: dict, i: int) -> float | None:
+    m = r.get("marks_us") or []
+    return m[i] if i < len(m) and m[i] is not None else None
+
+
+def _median(xs) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else _NAN
+
+
+def layer_head(records, layer: int) -> Head | None:
+    """Layer ``layer``'s Head from a trace's records; None where it or the
+    layer before ran no expert claims."""
+    before = [r for r in records if r["layer"] == layer - 1 and r["op"] == "MOE_DOWN_DRAIN" and r["claims"] > 0]
+    mine = [r for r in records if r["layer"] == layer]
+    ups = sorted((r for r in mine if r["op"] == "MOE_UPGATE_DRAIN" and r["claims"] > 0), key=lambda r: r["waited_us"])
+    if not before or not ups:
+        return None
+    t0 = max(r["end_us"] for r in before)
+    rel = lambda xs: [x - t0 for x in xs]  # noqa: E731
+    routers = [r for r in mine if r["op"] == "ROUTER_GEMM"]
+    staged = [_mark(r, MARK_STAGED) for r in routers]
+    norms = [r for r in records if r["layer"] == layer - 1 and r["op"] == "ADD_RMSNORM"]
+    first = ups[:FIRST_CLAIMERS]
+    landed = [x for x in (_mark(r, MARK_LANDED) for r in ups) if x is not None]
+    folds = [_mark(r, MARK_FOLDED) - r["waited_us"] for r in mine
+             if r["op"] == "QKV_PROJ" and _mark(r, MARK_FOLDED) is not None]
+    oproj = [r for r in records if r["layer"] == layer - 1 and r["op"] == "O_PROJ"]
+    return Head(layer, "full" if any(r["op"] == "ATTN_DRAIN" for r in mine) else "sliding",
+                max(rel(r["end_us"] for r in oproj), default=_NAN),
+                max(rel(r["waited_us"] for r in routers), default=_NAN),
+                max(rel(x for x in staged if x is not None), default=_NAN) if all(x is not None for x in staged)
+                else _NAN,
+                max(rel(r["end_us"] for r in routers), default=_NAN),
+                max(rel(r["end_us"] for r in norms), default=_NAN),
+                _median(rel(x for x in (_mark(r, MARK_RANKED) for r in first) if x is not None)),
+                _median(rel(x for x in (_mark(r, MARK_HANDED) for r in first) if x is not None)),
+                min(rel(landed), default=_NAN), _median(folds))
+
+
+_HEAD_FIELDS = ("oproj_end", "router_waited", "router_staged", "router_end", "norm_end", "ranked", "handed", "first_byte",
+                "qkv_fold")
+
+
+def step_heads(records) -> list[Head]:
+    """Every MoE layer's Head (after the first MoE layer), in layer order."""
+    if not records:
+        raise MegacError("trace: the trace holds no task records")
+    layers = sorted({r["layer"] for r in records if r["layer"] >= 0})
+    heads = [h for h in (layer_head(records, layer) for layer in layers) if h is not None]
+    if not heads:
+        raise MegacError("trace: no two consecutive layers of the trace ran expert claims (--heads reads the "
+                         "MoE layers after a MoE layer)")
+    return heads
+
+
+def format_heads(heads: list[Head]) -> str:
+    """A line per layer, then the medians per kind of layer."""
+    names = ("O-proj end", "router wait", "router staged", "router end", "norm end", "ranked", "claim handed", "first byte",
+             "QKV fold")
+    head = f"{'layer':>5} {'kind':>8} " + " ".join(f"{n:>{max(len(n), 7)}}" for n in names)
+
+    def row(label: str, kind: str, values) -> str:
+        return f"{label:>5} {kind:>8} " + " ".join(f"{v:>{max(len(n), 7)}.2f}" for n, v in zip(names, values))
+
+    lines = ["how each MoE layer's chains start (us from the end of the layer before's last down claim): the "
+             "layer before's last O-projection tile; the router tiles' waits, staged inputs and end; the layer before's norm (the up claims' wait); the "
+             f"first {FIRST_CLAIMERS} up claimers' ranking and first claim handed to the CTA (median); the first "
+             "expert weight stage landed; a QKV tile's fold after its wait (median, a duration)",
+             "", head] + [row(str(h.layer), h.kind, [getattr(h, f) for f in _HEAD_FIELDS]) for h in heads]
+    lines += ["", "median by kind of layer:", head]
+    for kind in ("sliding", "full"):
+        mine = [h for h in heads if h.kind == kind]
+        if mine:
+            meds = [_median(v for h in mine if (v := getattr(h, f)) == v) for f in _HEAD_FIELDS]  # NaN left out
+            lines.append(row(f"x{len(mine)}", kind, meds))
+    late = [h for h in heads if h.norm_end == h.norm_end and h.ranked == h.ranked]
+    if late:
+        n = sum(1 for h in late if h.norm_end > h.ranked)
+        lines += ["", f"the norm ended after the first claimers ranked in {n} of {len(late)} layers (their "
+                      "claims then wait on it)"]
+    gated = [h for h in heads if h.oproj_end == h.oproj_end]
+    if gated:
+        n = sum(1 for h in gated if h.oproj_end > 0)
+        lines.append(f"the layer before's last O-projection tile ended after its last down claim in {n} of "
+                     f"{len(gated)} layers (the attention chain gates the layer's start there)")
+    return "\n".join(lines)
+
+
 def layer_records(records, view: LayerView) -> list[dict]:
     """The layer's records with times from the layer's first run (for
     megac.plot.plot_measured)."""
@@ -197,5 +325,5 @@ def layer_records(records, view: LayerView) -> list[dict]:
             for r in records if r["layer"] == view.layer]
 
 
-__all__ = ["LayerView", "Tails", "Task", "format_layer_view", "format_tails", "layer_records", "layer_tails",
-           "layer_view", "step_tails"]
+__all__ = ["Head", "LayerView", "Tails", "Task", "format_heads", "format_layer_view", "format_tails", "layer_head",
+           "layer_records", "layer_tails", "layer_view", "step_heads", "step_tails"]

@@ -159,3 +159,75 @@ def test_trace_tails_command(tmp_path):
     assert "late down" in r.output and "median by kind of layer:" in r.output
     r = CliRunner().invoke(main, ["trace", str(path), "--tails", "--layer", "5"])
     assert r.exit_code != 0 and "--tails reads every layer" in r.output
+
+
+def _marked(sm, task, op, layer, start, waited, end, claims=0, **marks):
+    """A record with stamps: marks m0=..., m2=... (µs, as the trace writes them)."""
+    r = _rec(sm, task, op, layer, start, waited, end, claims)
+    r["marks_us"] = [marks.get(f"m{i}") for i in range(16)]
+    return r
+
+
+# layer 4's last working down claim ends at 100 (a drained claimer later does not count); its last
+# O-projection tile at 101, its norm at 106. Layer 5 (sliding) starts from there: routers wait to 101.5 /
+# 102, stage at 103 / 103.5, end 105 / 106; three up claimers rank at 109, 109.5, 112, hand their claims
+# to the CTA at 109.8, 110, 113, and land their first stages at 111, 112, 114 (a drained claimer and a
+# QKV tile's fold of 2.5 and 3.0 us beside). Layer 6 (full) has no stamps, no norm and no O-projection
+# before it: NaN, not numbers made up.
+HEAD_RECORDS = [
+    _rec(0, 0, "MOE_DOWN_DRAIN", 4, 80.0, 85.0, 100.0, claims=1),
+    _rec(1, 0, "MOE_DOWN_DRAIN", 4, 95.0, 96.0, 103.0, claims=0),
+    _rec(2, 0, "O_PROJ", 4, 90.0, 92.0, 101.0),
+    _rec(3, 0, "ADD_RMSNORM", 4, 99.0, 101.0, 106.0),
+    _marked(0, 1, "ROUTER_GEMM", 5, 99.0, 101.5, 105.0, m2=103.0),
+    _marked(1, 1, "ROUTER_GEMM", 5, 99.0, 102.0, 106.0, m2=103.5),
+    _marked(2, 1, "QKV_PROJ", 5, 95.0, 101.5, 110.0, m0=104.0),
+    _marked(3, 1, "QKV_PROJ", 5, 95.0, 102.0, 111.0, m0=105.0),
+    _marked(0, 2, "MOE_UPGATE_DRAIN", 5, 105.5, 106.5, 130.0, claims=1, m7=109.0, m8=109.8, m3=111.0),
+    _marked(1, 2, "MOE_UPGATE_DRAIN", 5, 106.5, 107.0, 131.0, claims=1, m7=109.5, m8=110.0, m3=112.0),
+    _marked(4, 0, "MOE_UPGATE_DRAIN", 5, 109.0, 110.0, 132.0, claims=1, m7=112.0, m8=113.0, m3=114.0),
+    _marked(5, 0, "MOE_UPGATE_DRAIN", 5, 109.0, 110.0, 110.5, claims=0, m7=110.2),
+    _rec(2, 2, "MOE_DOWN_DRAIN", 5, 120.0, 125.0, 140.0, claims=1),
+    _rec(0, 3, "ATTN_DRAIN", 6, 141.0, 142.0, 150.0, claims=1),
+    _rec(1, 3, "ROUTER_GEMM", 6, 141.0, 143.0, 146.0),
+    _rec(3, 2, "MOE_UPGATE_DRAIN", 6, 146.0, 147.0, 170.0, claims=1),
+]
+
+
+def test_heads_say_how_each_moe_layer_starts_after_the_layer_before():
+    from megac.trace_layer import format_heads, layer_head, step_heads
+
+    h = layer_head(HEAD_RECORDS, 5)
+    got = (h.kind, h.oproj_end, h.router_waited, h.router_staged, h.router_end, h.norm_end, h.ranked, h.handed,
+           h.first_byte, h.qkv_fold)
+    assert got == pytest.approx(("sliding", 1.0, 2.0, 3.5, 6.0, 6.0, 9.5, 10.0, 11.0, 2.75))
+    full = layer_head(HEAD_RECORDS, 6)
+    assert full.kind == "full" and (full.router_waited, full.router_end) == (3.0, 6.0)
+    for f in ("oproj_end", "router_staged", "norm_end", "ranked", "handed", "first_byte", "qkv_fold"):
+        v = getattr(full, f)
+        assert v != v, f  # NaN: no such task or stamp in the trace
+    assert layer_head(HEAD_RECORDS, 4) is None  # no MoE layer before it
+    heads = step_heads(HEAD_RECORDS)
+    assert [(x.layer, x.kind) for x in heads] == [(5, "sliding"), (6, "full")]
+    text = format_heads(heads)
+    assert "median by kind of layer:" in text
+    assert "the norm ended after the first claimers ranked in 0 of 1 layers" in text
+    assert "ended after its last down claim in 1 of 1 layers" in text
+    row = next(ln.split() for ln in text.splitlines() if ln.split()[:2] == ["5", "sliding"])
+    assert row[2:] == ["1.00", "2.00", "3.50", "6.00", "6.00", "9.50", "10.00", "11.00", "2.75"]
+    with pytest.raises(MegacError, match="no two consecutive layers of the trace ran expert claims"):
+        step_heads([r for r in HEAD_RECORDS if r["layer"] != 4 and r["layer"] != 5])
+    with pytest.raises(MegacError, match="no task records"):
+        step_heads([])
+
+
+def test_trace_heads_command(tmp_path):
+    from megac.cli import main
+
+    path = tmp_path / "step.trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(chrome_trace(HEAD_RECORDS, {"model": "nmc-x", "batch": 1})).encode()))
+    r = CliRunner().invoke(main, ["trace", str(path), "--heads"])
+    assert r.exit_code == 0, r.output
+    assert "router staged" in r.output and "median by kind of layer:" in r.output
+    r = CliRunner().invoke(main, ["trace", str(path), "--heads", "--tails"])
+    assert r.exit_code != 0 and "--heads reads every layer" in r.output
