@@ -35,7 +35,9 @@ namespace megac {
 // GPU) and the add. Both are release patterns of the PTX memory model; a
 // counter's signal sits on every hop of a step's critical path. The
 // twenty-first session's single red.release.gpu measured mixed (NMC bs1
-// +2.8 %, bs1 32K -1.8 %); this form is untried. 0: the SC fence.
+// +2.8 %, bs1 32K -1.8 %); this form (twenty-seventh session, H200, one
+// engine, interleaved rounds) NMC bs1 2.751 against 2.715, bs8 8.528
+// against 8.545: no gain. 0: the SC fence.
 #ifndef MEGAC_SIGNAL_ACQREL
 #define MEGAC_SIGNAL_ACQREL 0
 #endif
