@@ -62,17 +62,12 @@ def trace_cmd(trace, model, batch_size, context, order, bin_us, ceiling, plot, j
         raise click.UsageError("--tails reads every layer: pass it without --layer")
     if heads and (layer is not None or tails):
         raise click.UsageError("--heads reads every layer: pass it without --layer or --tails")
-    if heads:
+    if heads or tails:  # every layer, from the trace's records alone
         from megac.calibrate_cli import read_trace, trace_records
-        from megac.trace_layer import format_heads, step_heads
+        from megac.trace_layer import format_heads, format_tails, step_heads, step_tails
 
-        click.echo(format_heads(step_heads(trace_records(read_trace(trace, "trace"), trace, "trace"))))
-        return
-    if tails:
-        from megac.calibrate_cli import read_trace, trace_records
-        from megac.trace_layer import format_tails, step_tails
-
-        click.echo(format_tails(step_tails(trace_records(read_trace(trace, "trace"), trace, "trace"))))
+        records = trace_records(read_trace(trace, "trace"), trace, "trace")
+        click.echo(format_heads(step_heads(records)) if heads else format_tails(step_tails(records)))
         return
     if layer is not None:
         _layer(trace, layer, timeline, say)

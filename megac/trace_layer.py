@@ -241,35 +241,41 @@ def _median(xs) -> float:
 def layer_head(records, layer: int) -> Head | None:
     """Layer ``layer``'s Head from a trace's records; None where it or the
     layer before ran no expert claims."""
-    before = [r for r in records if r["layer"] == layer - 1 and r["op"] == "MOE_DOWN_DRAIN" and r["claims"] > 0]
+    prev = [r for r in records if r["layer"] == layer - 1]
     mine = [r for r in records if r["layer"] == layer]
+    downs = [r for r in prev if r["op"] == "MOE_DOWN_DRAIN" and r["claims"] > 0]
     ups = sorted((r for r in mine if r["op"] == "MOE_UPGATE_DRAIN" and r["claims"] > 0), key=lambda r: r["waited_us"])
-    if not before or not ups:
+    if not downs or not ups:
         return None
-    t0 = max(r["end_us"] for r in before)
-    rel = lambda xs: [x - t0 for x in xs]  # noqa: E731
+    t0 = max(r["end_us"] for r in downs)
+
+    def last(times) -> float:  # the latest, from t0
+        return max((x - t0 for x in times), default=_NAN)
+
+    def mid(times) -> float:  # the median of those stamped, from t0
+        return _median(x - t0 for x in times if x is not None)
+
     routers = [r for r in mine if r["op"] == "ROUTER_GEMM"]
     staged = [_mark(r, MARK_STAGED) for r in routers]
-    norms = [r for r in records if r["layer"] == layer - 1 and r["op"] == "ADD_RMSNORM"]
     first = ups[:FIRST_CLAIMERS]
     landed = [x for x in (_mark(r, MARK_LANDED) for r in ups) if x is not None]
     folds = [_mark(r, MARK_FOLDED) - r["waited_us"] for r in mine
              if r["op"] == "QKV_PROJ" and _mark(r, MARK_FOLDED) is not None]
-    oproj = [r for r in records if r["layer"] == layer - 1 and r["op"] == "O_PROJ"]
     return Head(layer, "full" if any(r["op"] == "ATTN_DRAIN" for r in mine) else "sliding",
-                max(rel(r["end_us"] for r in oproj), default=_NAN),
-                max(rel(r["waited_us"] for r in routers), default=_NAN),
-                max(rel(x for x in staged if x is not None), default=_NAN) if all(x is not None for x in staged)
-                else _NAN,
-                max(rel(r["end_us"] for r in routers), default=_NAN),
-                max(rel(r["end_us"] for r in norms), default=_NAN),
-                _median(rel(x for x in (_mark(r, MARK_RANKED) for r in first) if x is not None)),
-                _median(rel(x for x in (_mark(r, MARK_HANDED) for r in first) if x is not None)),
-                min(rel(landed), default=_NAN), _median(folds))
+                last(r["end_us"] for r in prev if r["op"] == "O_PROJ"),
+                last(r["waited_us"] for r in routers),
+                last(staged) if None not in staged else _NAN,  # every router stamped, or no figure
+                last(r["end_us"] for r in routers),
+                last(r["end_us"] for r in prev if r["op"] == "ADD_RMSNORM"),
+                mid(_mark(r, MARK_RANKED) for r in first),
+                mid(_mark(r, MARK_HANDED) for r in first),
+                min((x - t0 for x in landed), default=_NAN), _median(folds))
 
 
-_HEAD_FIELDS = ("oproj_end", "router_waited", "router_staged", "router_end", "norm_end", "ranked", "handed", "first_byte",
-                "qkv_fold")
+#: (Head field, column label) in the order format_heads prints them
+_HEAD_COLUMNS = (("oproj_end", "O-proj end"), ("router_waited", "router wait"), ("router_staged", "router staged"),
+                 ("router_end", "router end"), ("norm_end", "norm end"), ("ranked", "ranked"),
+                 ("handed", "claim handed"), ("first_byte", "first byte"), ("qkv_fold", "QKV fold"))
 
 
 def step_heads(records) -> list[Head]:
@@ -286,23 +292,23 @@ def step_heads(records) -> list[Head]:
 
 def format_heads(heads: list[Head]) -> str:
     """A line per layer, then the medians per kind of layer."""
-    names = ("O-proj end", "router wait", "router staged", "router end", "norm end", "ranked", "claim handed", "first byte",
-             "QKV fold")
-    head = f"{'layer':>5} {'kind':>8} " + " ".join(f"{n:>{max(len(n), 7)}}" for n in names)
+    widths = [max(len(label), 7) for _, label in _HEAD_COLUMNS]
+    head = f"{'layer':>5} {'kind':>8} " + " ".join(f"{label:>{w}}" for (_, label), w in zip(_HEAD_COLUMNS, widths))
 
     def row(label: str, kind: str, values) -> str:
-        return f"{label:>5} {kind:>8} " + " ".join(f"{v:>{max(len(n), 7)}.2f}" for n, v in zip(names, values))
+        return f"{label:>5} {kind:>8} " + " ".join(f"{v:>{w}.2f}" for v, w in zip(values, widths))
 
     lines = ["how each MoE layer's chains start (us from the end of the layer before's last down claim): the "
-             "layer before's last O-projection tile; the router tiles' waits, staged inputs and end; the layer before's norm (the up claims' wait); the "
-             f"first {FIRST_CLAIMERS} up claimers' ranking and first claim handed to the CTA (median); the first "
-             "expert weight stage landed; a QKV tile's fold after its wait (median, a duration)",
-             "", head] + [row(str(h.layer), h.kind, [getattr(h, f) for f in _HEAD_FIELDS]) for h in heads]
+             "layer before's last O-projection tile; the router tiles' waits, staged inputs and end; the layer "
+             f"before's norm (the up claims' wait); the first {FIRST_CLAIMERS} up claimers' ranking and first claim "
+             "handed to the CTA (median); the first expert weight stage landed; a QKV tile's fold after its wait "
+             "(median, a duration)",
+             "", head] + [row(str(h.layer), h.kind, [getattr(h, f) for f, _ in _HEAD_COLUMNS]) for h in heads]
     lines += ["", "median by kind of layer:", head]
     for kind in ("sliding", "full"):
         mine = [h for h in heads if h.kind == kind]
         if mine:
-            meds = [_median(v for h in mine if (v := getattr(h, f)) == v) for f in _HEAD_FIELDS]  # NaN left out
+            meds = [_median(v for h in mine if (v := getattr(h, f)) == v) for f, _ in _HEAD_COLUMNS]  # NaN left out
             lines.append(row(f"x{len(mine)}", kind, meds))
     late = [h for h in heads if h.norm_end == h.norm_end and h.ranked == h.ranked]
     if late:

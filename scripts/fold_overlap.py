@@ -6,31 +6,23 @@ stamp after the task's run start) and the number of other folds whose spans over
 the median and p10-p90 per overlap band. A fold that is as slow alone as among 80 others is bound by
 its own SM's loads, not by the L2's traffic (perf-notes, fifty-first session).
 
-    python3 scripts/fold_overlap.py benchmarks/profile-nmc-bs1-8k-2026-12-07-h100-session47.trace.json.gz
+    .venv/bin/python scripts/fold_overlap.py benchmarks/profile-nmc-bs1-8k-2026-12-07-h100-session47.trace.json.gz
 """
-import gzip
-import json
 import sys
+from pathlib import Path
 
 import numpy as np
+
+from megac.calibrate_cli import read_trace, trace_records
 
 BANDS = ((0, 5), (5, 20), (20, 40), (40, 60), (60, 80), (80, 10**6))
 
 
 def folds(path: str) -> list[tuple[str, float, float]]:
     """(opcode, run start us, fold done us) of every folding GEMM task."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path) as f:
-        d = json.load(f)
-    events = d["traceEvents"] if isinstance(d, dict) else d
-    out = []
-    for e in events:
-        if e.get("ph") != "X" or e["name"] not in ("QKV_PROJ", "ROUTER_GEMM"):
-            continue
-        marks = e["args"].get("marks_us") or []
-        if marks and marks[0] is not None:
-            out.append((e["name"], e["ts"], marks[0]))
-    return out
+    records = trace_records(read_trace(Path(path), "fold_overlap"), Path(path), "fold_overlap")
+    return [(r["op"], r["waited_us"], r["marks_us"][0]) for r in records
+            if r["op"] in ("QKV_PROJ", "ROUTER_GEMM") and r["marks_us"] and r["marks_us"][0] is not None]
 
 
 def main(path: str) -> None:
