@@ -55,6 +55,64 @@ __device__ __forceinline__ void signal_counter(uint32_t* counter, uint32_t n = 1
 #endif
 }
 
+// How a wait polls a counter that is not yet met. Each poll is one loaded
+// L2 round trip (~0.5-1 us under the step's streaming), and with one poll
+// in flight a count that lands just after a poll left is seen a whole round
+// trip later: ~half a round trip of every hop on a step's critical path
+// (4-5 hops a MoE layer; docs/perf-notes.md, fifty-second session's
+// `--heads`). MEGAC_POLL_DEPTH D > 1 keeps D polls in flight, issued
+// MEGAC_POLL_GAP_CYCLES apart (SM clocks, ~a loaded round trip / D) and
+// each reissued as soon as the value it returned was looked at, so a count
+// is seen ~a round trip / D after it lands, at D loads a round trip against
+// the counter's L2 slice. When one is met, the others are still in flight:
+// their registers are not reused before they land. 1: one poll in flight,
+// MEGAC_POLL_SLEEP_NS between a poll's return and the next (0: none; the
+// sleep keeps 132 pollers from flooding one L2 slice).
+// Measured (H200, fifty-third session, NMC bs1 8K, engines alternating, 13-14
+// a side): D 2 +1.1 %, D 4 +1.6 %, no sleep -0.1 % (even). More polls in
+// flight lose: dozens of SMs wait on one counter at a layer's head (80 QKV
+// tiles, the claimers), so D times the polls queue at the L2 slice that
+// must also serve the signaller's add, or the in-flight polls' registers
+// stall thread 0 after its wait (not told apart). Off (1, 20 ns).
+#ifndef MEGAC_POLL_DEPTH
+#define MEGAC_POLL_DEPTH 1
+#endif
+#ifndef MEGAC_POLL_GAP_CYCLES
+#define MEGAC_POLL_GAP_CYCLES 400
+#endif
+#ifndef MEGAC_POLL_SLEEP_NS
+#define MEGAC_POLL_SLEEP_NS 20
+#endif
+static_assert(MEGAC_POLL_DEPTH >= 1 && MEGAC_POLL_DEPTH <= 8, "MEGAC_POLL_DEPTH: 1 .. 8 polls in flight");
+
+__device__ __forceinline__ void spin_cycles(uint32_t n) {
+  const uint32_t t0 = static_cast<uint32_t>(clock());
+  while (static_cast<uint32_t>(clock()) - t0 < n) {
+  }
+}
+
+// MEGAC_POLL_DEPTH > 1: poll until *counter >= target (true) or the watchdog
+// says stop (false); `seen` is the last value looked at.
+template <int D>
+__device__ __forceinline__ bool poll_deep(const uint32_t* counter, uint32_t target, uint32_t& seen, SpinBound& bound,
+                                          const WaitSite& site) {
+  uint32_t v[D];
+#pragma unroll
+  for (int i = 0; i < D; ++i) {
+    v[i] = ld_relaxed_gpu(counter);
+    if (i + 1 < D) spin_cycles(MEGAC_POLL_GAP_CYCLES);
+  }
+  for (;;) {
+#pragma unroll
+    for (int i = 0; i < D; ++i) {
+      seen = v[i];  // waits for poll i alone; the later ones stay in flight
+      if (seen >= target) return true;
+      v[i] = ld_relaxed_gpu(counter);
+    }
+    if (!bound.keep_going(site)) return false;
+  }
+}
+
 // Spin until *counter >= target. ONE thread calls it; false means the
 // watchdog fired (or another CTA aborted) and the caller must leave its task
 // loop without touching the task's outputs.
@@ -73,23 +131,32 @@ __device__ __forceinline__ bool wait_counter(const uint32_t* counter, uint32_t t
   uint32_t seen = ld_acquire_gpu(counter);
   if (seen < target) {
     SpinBound bound;
-    for (;;) {
-      if (!bound.keep_going(site)) {
-        if (bound.expired) {
-          report_error(site.status, site.task, site.opcode, counter_index,
-                       static_cast<int32_t>(seen), static_cast<int32_t>(target),
-                       site.layer, kErrCounterTimeout);
+    // Relaxed polls: an acquire load also invalidates the SM's whole L1
+    // (CCTL.IVALL), and a warp that polled that way through a 64 us
+    // attention step cost its SM's decode stream 3-8 %.
+    bool met;
+    if constexpr (MEGAC_POLL_DEPTH > 1) {
+      met = poll_deep<MEGAC_POLL_DEPTH>(counter, target, seen, bound, site);
+    } else {
+      for (;;) {
+        if (!bound.keep_going(site)) {
+          met = false;
+          break;
         }
-        return false;
+        if (MEGAC_POLL_SLEEP_NS > 0) __nanosleep(MEGAC_POLL_SLEEP_NS);
+        seen = ld_relaxed_gpu(counter);
+        if (seen >= target) {
+          met = true;
+          break;
+        }
       }
-      // A short sleep keeps 132 pollers from flooding the L2 slice that
-      // holds the counter; longer ones add directly to the dependency latency.
-      __nanosleep(20);
-      // Relaxed polls: an acquire load also invalidates the SM's whole L1
-      // (CCTL.IVALL), and a warp that polled that way through a 64 us
-      // attention step cost its SM's decode stream 3-8 %.
-      seen = ld_relaxed_gpu(counter);
-      if (seen >= target) break;
+    }
+    if (!met) {
+      if (bound.expired) {
+        report_error(site.status, site.task, site.opcode, counter_index, static_cast<int32_t>(seen),
+                     static_cast<int32_t>(target), site.layer, kErrCounterTimeout);
+      }
+      return false;
     }
     // One acquire (of a value at least as new) orders the reads after it.
     ld_acquire_gpu(counter);

@@ -726,6 +726,27 @@ for m in r:
       timeout $((${END:-560} - SECONDS - 10)) python3 -m gpu.megakernel_check --run nmc_slice \
       --out $OUT/slice-r16-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
     true ;;
+  prebuild_s53b)  # (~8 min) s53b's set: the default, waits keeping 2 / 4 polls in flight and polls without the
+                  # sleep (TILES pd2 / pd4 / pns0), the tiny models under poll4, megac bench's ceiling kernel
+    prebuild_start
+    prebuild_specs north-mini-code nmc-pd2 nmc-pd4 nmc-pns0
+    prebuild_variants tiny-moe:poll4 tiny-llama:poll4
+    prebuild_ceiling
+    pack_cubins < build/cz-s31/log.txt ;;
+  s53b)  # (prebuild_s53b, any GPU; ~9 min) how a wait polls (counters.cuh MEGAC_POLL_DEPTH / MEGAC_POLL_SLEEP_NS):
+         # the tiny models under poll4 against the VM, then default / pns0 / pd2 / pd4 engines alternating at
+         # bs1 8K until AB_END s
+    tiny_variant poll4
+    SETS=${SETS:-default,pns0,pd2,pd4} AB_END=${AB_END:-560} ROUNDS=${ROUNDS:-10} bash "$0" s47a ;;
+  prebuild_s53c)  # (~4 min) s53c's set: the default, polls 200 / 800 ns apart (TILES pns200 / pns800), the
+                  # release as fence.acq_rel + a relaxed add (sacq)
+    prebuild_start
+    prebuild_specs north-mini-code nmc-pns200 nmc-pns800 nmc-sacq
+    pack_cubins < build/cz-s31/log.txt ;;
+  s53c)  # (prebuild_s53c, any GPU; ~7 min) the polls' rate against the counter's L2 slice (s53b: 2 / 4 polls in
+         # flight +1.1 / +1.6 %) and the signal's fence: default / pns200 / pns800 / sacq engines alternating at
+         # bs1 8K until AB_END s
+    SETS=${SETS:-default,pns200,pns800,sacq} AB_END=${AB_END:-360} ROUNDS=${ROUNDS:-10} bash "$0" s47a ;;
   prebuild_s53)  # (~5 min) s53's set: today's default (QKV tiles priming one stage a warp), the ring as before
                  # (qpring), megac bench's ceiling kernel
     prebuild_start

@@ -904,6 +904,16 @@ VARIANTS = {
     # a one-row routed up claimer reads its claims' wait (the norm's counter) while it ranks (ops_moe.cuh
     # MEGAC_UP_WAIT_EARLY; the same bits)
     "up_wait_early": {"MEGAC_UP_WAIT_EARLY": 1},
+    # a wait keeps 2 / 4 polls of its counter in flight, a round trip / D apart (counters.cuh
+    # MEGAC_POLL_DEPTH; a count is seen ~a round trip / D after it lands, not ~one); poll_ns0: one
+    # poll in flight, no sleep between polls (MEGAC_POLL_SLEEP_NS 0). The same bits.
+    "poll2": {"MEGAC_POLL_DEPTH": 2, "MEGAC_POLL_GAP_CYCLES": 800},
+    "poll4": {"MEGAC_POLL_DEPTH": 4, "MEGAC_POLL_GAP_CYCLES": 400},
+    "poll_ns0": {"MEGAC_POLL_SLEEP_NS": 0},
+    # one poll in flight, 200 / 800 ns between a poll's return and the next: fewer polls against the
+    # counter's L2 slice (the signaller's add is served there), each count seen later
+    "poll_ns200": {"MEGAC_POLL_SLEEP_NS": 200},
+    "poll_ns800": {"MEGAC_POLL_SLEEP_NS": 800},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1677,6 +1687,14 @@ TILES = {
     "qp0": {"variant": "qkvp0"},
     "qpring": {"variant": "qkvp_ring"},
     "uwe": {"variant": "up_wait_early"},
+    "pd2": {"variant": "poll2"},
+    "pd4": {"variant": "poll4"},
+    "pns0": {"variant": "poll_ns0"},
+    "pns200": {"variant": "poll_ns200"},
+    "pns800": {"variant": "poll_ns800"},
+    # a counter's release as fence.acq_rel + a relaxed add (counters.cuh MEGAC_SIGNAL_ACQREL; last timed in
+    # the twenty-seventh session, on a kernel 10 % slower)
+    "sacq": {"variant": "sig_acqrel"},
     # the router over 16 SMs (r16) with QKV tiles priming one stage a warp: today's router tile spends ~1 us
     # of its ~3.6 us on the MMA over its 64 KB, on the MoE chain every layer (fifty-second session's H100 stamps)
     "qp1_r16": {"router_splits": 16, "variant": "qkvp1"},
