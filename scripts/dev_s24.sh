@@ -739,14 +739,14 @@ for m in r:
     tiny_variant poll4
     SETS=${SETS:-default,pns0,pd2,pd4} AB_END=${AB_END:-560} ROUNDS=${ROUNDS:-10} bash "$0" s47a ;;
   prebuild_s53c)  # (~4 min) s53c's set: the default, polls 200 / 800 ns apart (TILES pns200 / pns800), the
-                  # release as fence.acq_rel + a relaxed add (sacq)
+                  # release as fence.acq_rel + a relaxed add (sacq), the attention splits unprimed (anp)
     prebuild_start
-    prebuild_specs north-mini-code nmc-pns200 nmc-pns800 nmc-sacq
+    prebuild_specs north-mini-code nmc-pns200 nmc-pns800 nmc-sacq nmc-anp
     pack_cubins < build/cz-s31/log.txt ;;
   s53c)  # (prebuild_s53c, any GPU; ~7 min) the polls' rate against the counter's L2 slice (s53b: 2 / 4 polls in
-         # flight +1.1 / +1.6 %) and the signal's fence: default / pns200 / pns800 / sacq engines alternating at
-         # bs1 8K until AB_END s
-    SETS=${SETS:-default,pns200,pns800,sacq} AB_END=${AB_END:-360} ROUNDS=${ROUNDS:-10} bash "$0" s47a ;;
+         # flight +1.1 / +1.6 %), the signal's fence, the splits' prime: default / pns200 / pns800 / sacq / anp
+         # engines alternating at bs1 8K until AB_END s
+    SETS=${SETS:-default,pns200,pns800,sacq,anp} AB_END=${AB_END:-360} ROUNDS=${ROUNDS:-10} bash "$0" s47a ;;
   prebuild_s53)  # (~5 min) s53's set: today's default (QKV tiles priming one stage a warp), the ring as before
                  # (qpring), megac bench's ceiling kernel
     prebuild_start

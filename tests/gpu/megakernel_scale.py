@@ -1695,6 +1695,9 @@ TILES = {
     # a counter's release as fence.acq_rel + a relaxed add (counters.cuh MEGAC_SIGNAL_ACQREL; last timed in
     # the twenty-seventh session, on a kernel 10 % slower)
     "sacq": {"variant": "sig_acqrel"},
+    # no attention split primes its first chunks before its waits (the QKV tiles' lighter prime won: bytes
+    # in a layer's head lengthen the round trips of the chains that run there)
+    "anp": {"variant": "attn_noprime"},
     # the router over 16 SMs (r16) with QKV tiles priming one stage a warp: today's router tile spends ~1 us
     # of its ~3.6 us on the MMA over its 64 KB, on the MoE chain every layer (fifty-second session's H100 stamps)
     "qp1_r16": {"router_splits": 16, "variant": "qkvp1"},
