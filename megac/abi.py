@@ -446,12 +446,14 @@ class TargetWords:
 #: (float scratch gets NaN): an element read before it is written shows
 INT_POISON = -7
 
-#: the bits of an fp32 moe_out word not yet written this step. The host fills
-#: moe_out with them once (and again after an abort); a combine built to poll
-#: its experts' outputs instead of their counter (MEGAC_COMBINE_POLL,
-#: moe_routing.cuh) reads its range until no word holds them, then writes them
-#: back for the next step. A NaN payload no arithmetic produces (the GPU's NaN
-#: results are 0x7FFFFFFF), so a real NaN still lands.
+#: the bits of an fp32 moe_out or router_part word not yet written this step.
+#: The host fills both with them once (and again after an abort or a poisoned
+#: step); a combine built to poll its experts' outputs instead of their
+#: counter (MEGAC_COMBINE_POLL, moe_routing.cuh) reads its range until no word
+#: holds them, then writes them back for the next step; a routed claimer built
+#: to poll the router's partials (MEGAC_ROUTER_POLL) reads them likewise, and
+#: the next layer's finalize writes them back. A NaN payload no arithmetic
+#: produces (the GPU's NaN results are 0x7FFFFFFF), so a real NaN still lands.
 UNLANDED_F32 = 0x7FBADBAD
 
 # Watchdog status buffer: int32[STATUS_WORDS] per launch, zeroed by the host.

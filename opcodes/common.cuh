@@ -118,6 +118,32 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
 #define MEGAC_COMBINE_POLL 0
 #endif
 
+// A one-row routed up claimer that polls its router partials instead of the
+// router's counter (ops_moe.cuh moe_upgate_routed, moe_routing.cuh
+// poll_one_row_warp; mk_core.cuh header_waits skips its WAIT0). Each word of
+// router_part holds UNLANDED_F32 until a router tile stores it; the claimer
+// reads row 0's partials until no word does, then sums and ranks them. Why:
+// from a router tile's stores to a claimer's summed logits the counter form
+// pays the tile's fence (its stores acknowledged), the counter's add, the
+// claimer's poll of it (~a round trip after it lands), then two rounds of
+// partial loads (MEGAC_TOPK_WARP_SPLITS): ~4 loaded L2 round trips on the
+// expert chain of every MoE layer (fifty-second session's `--heads`: router
+// end -> ranked ~4 us); here the poll is the load, ~1-1.5 round trips. Who
+// writes the sentinel back: ROUTE_FINALIZE of layer L, for layer L - 1's
+// partials (the first MoE layer's: the last MoE layer's, of the step
+// before). It runs after the router of layer L, which runs after every
+// claim of layer L - 1 (their down tiles, then the combine it folds) and
+// after layer L - 1's finalize; a claimer that claims nothing (drained)
+// leaves its poll through its stop() instead. The host fills router_part
+// once, and again after a poisoned step or an abort (megac/gpu/backend.py
+// _unland). The router's counter stays (the finalize's, the VM's, the
+// watchdog report's). Only for claimers whose claims wait on the norm
+// themselves (TASK_WAIT_BASE >= 0, the router folding the combine): there
+// the router's counter orders nothing else they read. 0: the counter.
+#ifndef MEGAC_ROUTER_POLL
+#define MEGAC_ROUTER_POLL 0
+#endif
+
 // The router tile that folds the MoE combine (COMBINE_IN): ops_gemm.cuh
 // says what the switch does. Its default here, once, for the three headers
 // that read it (ops_gemm.cuh, ops_norm.cuh, moe_routing.cuh); a generated

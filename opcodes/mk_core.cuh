@@ -127,6 +127,16 @@ __device__ __forceinline__ bool combine_polls(const int32_t* w) {
   return MEGAC_COMBINE_POLL && w[H_OPCODE] == OP_MOE_COMBINE && !(w[H_FLAGS] & FLAG_SPLIT_DOWN);
 }
 
+// A one-row routed up claimer of a build whose claimers poll the router's
+// partials instead of its counter (MEGAC_ROUTER_POLL, common.cuh): its WAIT0
+// is the router's counter (its only header wait: tests/test_router_poll.py),
+// left unread; its claims wait on the norm themselves (TASK_WAIT_BASE).
+__device__ __forceinline__ bool router_polls(const int32_t* w) {
+  return MEGAC_ROUTER_POLL && w[H_OPCODE] == OP_MOE_UPGATE_DRAIN && w[f_moe_upgate_drain::ROUTE_SPLITS] > 0 &&
+         w[f_moe_upgate_drain::NUM_ROWS] == 1 && w[f_moe_upgate_drain::TASK_WAIT_BASE] >= 0 &&
+         !(w[H_FLAGS] & FLAG_NORM_IN) && w[H_WAIT1] < 0;
+}
+
 // Thread 0: the header waits of the task in c.ts->w; after WAIT0,
 // `resolve_fields(c)` turns the opcode's dynamic fields into values, then
 // TARGET1 is read and WAIT1 waited. False: the watchdog fired or another
@@ -141,6 +151,10 @@ __device__ __forceinline__ bool header_waits(const Ctx& c, ResolveFields resolve
     if (!wait_counters2(ctr + w[H_WAIT0], uint32_t(w[H_TARGET0]), w[H_WAIT0], ctr + w[H_WAIT1],
                         uint32_t(w[H_TARGET1]), w[H_WAIT1], c.site))
       return false;
+    resolve_fields(c);
+    return true;
+  }
+  if (router_polls(w)) {  // its one wait, the router's, is its poll of the partials (ops_moe.cuh)
     resolve_fields(c);
     return true;
   }

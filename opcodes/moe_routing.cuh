@@ -129,36 +129,109 @@ __host__ __device__ constexpr bool one_row_warp_fits(int E, int K) {
   return E <= 32 * kWarpKeys && K <= 32 && K <= E;
 }
 
+// MEGAC_ROUTER_POLL (common.cuh): warp 0 (all 32 lanes) reads row 0's
+// router partials (split s of expert e at parts + s * split_stride + e; all
+// kSplits of a lane's experts in flight at once) until no word holds
+// UNLANDED_F32, then sums them as rank_one_row_warp does (split order: the
+// same logits, bit for bit) into v. 0: summed. 1: while a word was still
+// unlanded, thread 0's stop() said the claimer is drained (it never ranks:
+// the words may already be the next write-back's). 2: the watchdog fired
+// (its record names `counter_index`, the router's counter, and its value)
+// or another CTA aborted. num_splits <= kSplits.
+template <int kSplits, class Stop>
+__device__ __forceinline__ int poll_one_row_warp(const float* parts, size_t split_stride, int num_splits, int E,
+                                                 Stop stop, float (&v)[kWarpKeys], const WaitSite& site,
+                                                 const uint32_t* counter, int32_t counter_index, uint32_t target) {
+  const int lane = threadIdx.x & 31;
+  uint32_t q[kWarpKeys][kSplits];
+  SpinBound bound;
+  uint32_t polls = 0;
+  for (;;) {
+    bool landed = true;
+#pragma unroll
+    for (int j = 0; j < kWarpKeys; ++j)
+#pragma unroll
+      for (int s = 0; s < kSplits; ++s) {
+        q[j][s] = lane + 32 * j < E && s < num_splits
+                      ? ld_relaxed_gpu(reinterpret_cast<const uint32_t*>(parts + s * split_stride + lane + 32 * j))
+                      : 0u;
+      }
+#pragma unroll
+    for (int j = 0; j < kWarpKeys; ++j)
+#pragma unroll
+      for (int s = 0; s < kSplits; ++s) landed = landed && q[j][s] != UNLANDED_F32;
+    if (__all_sync(kFullMask, landed)) break;
+    if (__shfl_sync(kFullMask, lane == 0 && stop() ? 1 : 0, 0)) return 1;
+    // the abort flag and the clock every 8th poll (as the polled combine)
+    int go = 1;
+    if (lane == 0 && (++polls & 7u) == 0u && !bound.keep_going(site)) {
+      go = 0;
+      if (bound.expired)
+        report_error(site.status, site.task, site.opcode, counter_index, static_cast<int32_t>(ld_relaxed_gpu(counter)),
+                     static_cast<int32_t>(target), site.layer, kErrCounterTimeout);
+    }
+    if (!__shfl_sync(kFullMask, go, 0)) return 2;
+  }
+#pragma unroll
+  for (int j = 0; j < kWarpKeys; ++j) {
+    v[j] = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSplits; ++s)
+      if (s < num_splits) v[j] = s == 0 ? __uint_as_float(q[j][s]) : __fadd_rn(v[j], __uint_as_float(q[j][s]));
+  }
+  MEGAC_MARK(0);  // thread 0's partials landed and summed
+  return 0;
+}
+
 // Warp 0 (all 32 lanes): row 0's E logits summed over num_splits router
 // partials (parts + s * split_stride + e, added in split order as the count's
 // sums), then, unless thread 0's stop() says so (after the sums: returns
 // false, warp-uniform), ranked: lane j < K gets entry j's expert id (and,
 // kValues, its logit). one_row_warp_fits(E, K) must hold.
-template <bool kValues, class Stop>
+//
+// kPollSplits > 0 (MEGAC_ROUTER_POLL): the partials polled until landed
+// (poll_one_row_warp, every split at once; `poll` names the router's counter
+// for the watchdog's record and takes its verdict: 1 drained, 2 failed; the
+// call then returns false, nothing ranked).
+struct RouterPoll {
+  const WaitSite* site;
+  const uint32_t* counter;
+  int32_t counter_index;
+  uint32_t target;
+  int verdict;
+};
+template <bool kValues, class Stop, int kPollSplits = 0>
 __device__ __forceinline__ bool rank_one_row_warp(const float* __restrict__ parts, size_t split_stride, int num_splits,
-                                                  int E, int K, Stop stop, int& id_out, float& v_out) {
+                                                  int E, int K, Stop stop, int& id_out, float& v_out,
+                                                  RouterPoll* poll = nullptr) {
   const int lane = threadIdx.x & 31;
   float v[kWarpKeys];
+  if constexpr (kPollSplits > 0) {
+    poll->verdict = poll_one_row_warp<kPollSplits>(parts, split_stride, num_splits, E, stop, v, *poll->site,
+                                                   poll->counter, poll->counter_index, poll->target);
+    if (poll->verdict != 0) return false;
+  } else {
 #pragma unroll
-  for (int j = 0; j < kWarpKeys; ++j) v[j] = 0.f;
-  for (int s0 = 0; s0 < num_splits; s0 += kWarpSplits) {
-    // partials come from other tasks of this launch: coherent loads, all at once
-    float q[kWarpKeys][kWarpSplits];
+    for (int j = 0; j < kWarpKeys; ++j) v[j] = 0.f;
+    for (int s0 = 0; s0 < num_splits; s0 += kWarpSplits) {
+      // partials come from other tasks of this launch: coherent loads, all at once
+      float q[kWarpKeys][kWarpSplits];
 #pragma unroll
-    for (int j = 0; j < kWarpKeys; ++j)
+      for (int j = 0; j < kWarpKeys; ++j)
 #pragma unroll
-      for (int s = 0; s < kWarpSplits; ++s)
-        q[j][s] = lane + 32 * j < E && s0 + s < num_splits ? __ldcg(parts + (s0 + s) * split_stride + lane + 32 * j)
-                                                           : 0.f;
+        for (int s = 0; s < kWarpSplits; ++s)
+          q[j][s] = lane + 32 * j < E && s0 + s < num_splits ? __ldcg(parts + (s0 + s) * split_stride + lane + 32 * j)
+                                                             : 0.f;
 #pragma unroll
-    for (int j = 0; j < kWarpKeys; ++j)
+      for (int j = 0; j < kWarpKeys; ++j)
 #pragma unroll
-      for (int s = 0; s < kWarpSplits; ++s)
-        if (s0 + s < num_splits) v[j] = s0 + s == 0 ? q[j][s] : __fadd_rn(v[j], q[j][s]);
-  }
-  MEGAC_MARK(0);  // thread 0's partials summed (an L2 round trip)
-  if constexpr (Stop::kOn) {
-    if (__shfl_sync(kFullMask, lane == 0 && stop() ? 1 : 0, 0)) return false;
+        for (int s = 0; s < kWarpSplits; ++s)
+          if (s0 + s < num_splits) v[j] = s0 + s == 0 ? q[j][s] : __fadd_rn(v[j], q[j][s]);
+    }
+    MEGAC_MARK(0);  // thread 0's partials summed (an L2 round trip)
+    if constexpr (Stop::kOn) {
+      if (__shfl_sync(kFullMask, lane == 0 && stop() ? 1 : 0, 0)) return false;
+    }
   }
   uint32_t hi[kWarpKeys];  // 0: no key (past E, or taken): below every logit's
 #pragma unroll

@@ -181,6 +181,20 @@ __device__ __forceinline__ bool route_finalize(const Ctx& c) {
   bool ok = true;
   if constexpr (M::NUM_EXPERTS > 0)  // a dense model has no MoE task (and no top-k to size)
     ok = moe::finalize_cta(a, reinterpret_cast<int32_t*>(c.scratch), c.site);
+#if MEGAC_ROUTER_POLL
+  if constexpr (M::NUM_EXPERTS > 0) {
+    // the layer before's router partials (the first MoE layer: the last's,
+    // of the step before) back to unlanded for the claimers' next poll; every
+    // reader of them is done (common.cuh; tests/test_router_poll.py)
+    static_assert(M::MOE_LAYERS_CONTIGUOUS, "the layer before a MoE layer's is the MoE layer before it");
+    static_assert((M::ROUTER_SPLITS * M::MAX_ROWS * M::NUM_EXPERTS) % 4 == 0, "a layer's partials in 16-byte words");
+    const int prev = layer == M::FIRST_MOE_LAYER ? M::LAST_MOE_LAYER : layer - 1;
+    uint4* part = reinterpret_cast<uint4*>(ptr<float>(d->router_part) + Lay::router_part(prev, 0, 0));
+    const uint4 unlanded = make_uint4(UNLANDED_F32, UNLANDED_F32, UNLANDED_F32, UNLANDED_F32);
+    for (int i = threadIdx.x; i < M::ROUTER_SPLITS * M::MAX_ROWS * M::NUM_EXPERTS / 4; i += blockDim.x)
+      __stcg(part + i, unlanded);
+  }
+#endif
   __syncthreads();
   return ok;
 }
@@ -531,9 +545,20 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
         const int lane = threadIdx.x;
         int e;
         float v;
-        halted = !moe::rank_one_row_warp<false>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0),
-                                                size_t(M::MAX_ROWS) * M::NUM_EXPERTS,
-                                                MK_F(moe_upgate_drain, ROUTE_SPLITS), E, K, stop, e, v);
+#if MEGAC_ROUTER_POLL
+        if (router_polls(ts->w)) {  // the partials polled, not the router's counter (common.cuh)
+          static_assert(M::ROUTER_SPLITS <= 8, "a lane polls every split of its experts at once");
+          moe::RouterPoll poll{&c.site, ptr<const uint32_t>(d->counters) + ts->w[H_WAIT0], ts->w[H_WAIT0],
+                               uint32_t(ts->w[H_TARGET0]), 0};
+          halted = !moe::rank_one_row_warp<false, UpDrainedStop, M::ROUTER_SPLITS>(
+              ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0), size_t(M::MAX_ROWS) * M::NUM_EXPERTS,
+              MK_F(moe_upgate_drain, ROUTE_SPLITS), E, K, stop, e, v, &poll);
+          if (poll.verdict == 2 && lane == 0) ts->ok = 0;  // the watchdog's, or another CTA's abort
+        } else
+#endif
+          halted = !moe::rank_one_row_warp<false>(ptr<const float>(d->router_part) + Lay::router_part(layer, 0, 0),
+                                                  size_t(M::MAX_ROWS) * M::NUM_EXPERTS,
+                                                  MK_F(moe_upgate_drain, ROUTE_SPLITS), E, K, stop, e, v);
         if (!halted) {
           int pos = 0;
           for (int j = 0; j < K; ++j) pos += __shfl_sync(moe::kFullMask, e, j) < e;
@@ -570,7 +595,12 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
           ts->w[f_moe_upgate_drain::TASK_WAIT_BASE] = -1;
       }
 #endif
+#if MEGAC_ROUTER_POLL
+      // drained: as the claim loop's empty claim (a failed poll: the task fails)
+      if (__syncthreads_or(threadIdx.x == 0 && halted)) return ts->ok != 0;
+#else
       if (__syncthreads_or(threadIdx.x == 0 && halted)) return true;  // drained: as the claim loop's empty claim
+#endif
       MEGAC_MARK(7);  // ranked, the claims' summary written (after rank_one_row_warp's 0 and 1)
       if constexpr (MEGAC_UP_FIRST_EARLY && GemmScratch<M>::kTc && tc::kBulk) {
         if (!(ts->w[H_FLAGS] & FLAG_SPLIT_DOWN)) {

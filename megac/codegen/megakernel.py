@@ -125,6 +125,7 @@ def model_constants(spec, schedules) -> list[tuple[str, int]]:
         raise MegacError(f"megakernel: {spec.name}: target.tiles.split_down needs every GEMM on the tensor "
                          f"cores (rows in 16s, K in 32s); set split_down: 0")
     kmax, nmax = _gemm_extents(schedules)
+    moe = geo.moe_layers
     if len({s.geometry.kv_head_major for s in schedules}) > 1:  # one KV pool serves every schedule
         raise MegacError(f"megakernel: {spec.name}: the schedules lay the KV pools out differently")
     if len({s.geometry.moe_chunk for s in schedules}) > 1:  # one weight layout serves every schedule
@@ -141,6 +142,10 @@ def model_constants(spec, schedules) -> list[tuple[str, int]]:
         ("NORM_SLOTS", geo.norm_slots), ("FFN_SPLITS", geo.ffn_splits), ("ROUTER_SPLITS", geo.router_splits),
         ("LM_BN", geo.lm_bn), ("LM_TILES", geo.lm_tiles), ("MAX_KLEN", kmax), ("MAX_NLEN", nmax),
         ("THREADS", THREADS), ("GEMM_TILED", int(gemm_tiled(schedules))),
+        # the MoE layers' span (-1 without experts): where a finalize writes the router partials it no
+        # longer needs back to unlanded (opcodes/ops_moe.cuh, MEGAC_ROUTER_POLL)
+        ("FIRST_MOE_LAYER", moe[0] if moe else -1), ("LAST_MOE_LAYER", moe[-1] if moe else -1),
+        ("MOE_LAYERS_CONTIGUOUS", int(moe == list(range(moe[0], moe[-1] + 1)) if moe else 1)),
     ]
 
 

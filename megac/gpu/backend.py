@@ -241,6 +241,10 @@ class CudaBackend(TorchPrefillMixin):
         # a captured step graph launches the build it was captured with: a
         # swapped-in build (the profiler's) would otherwise never run
         self._step_graphs = {}
+        if getattr(self, "buf", None):
+            # the build before may not write polled words back (a build that does not poll leaves
+            # router_part landed): a build that polls must start from unlanded words
+            self._unland()
 
     def reserve_counters(self, n: int) -> None:
         """Lay the host-written words and the per-step zeroed buffers out in
@@ -618,15 +622,19 @@ class CudaBackend(TorchPrefillMixin):
         return super().prefill(row, token_ids).float()
 
     def _unland(self) -> None:
-        """moe_out's words to abi.UNLANDED_F32: what a combine that polls its
-        experts' outputs (MEGAC_COMBINE_POLL) reads as not yet written. Such
-        a combine writes the bits back as it reads, so this is needed once,
-        and again after an abort, which can leave a layer's outputs landed
-        and unread. Harmless for other builds: their combines read moe_out
-        only after the counter says it is written."""
-        out = self.buf.get("moe_out")
-        if out is not None:
-            out.view(_torch().int32).fill_(abi.UNLANDED_F32)  # < 2**31: an int32 as it is
+        """moe_out's and router_part's words to abi.UNLANDED_F32: what a
+        combine that polls its experts' outputs (MEGAC_COMBINE_POLL) and a
+        routed claimer that polls the router's partials (MEGAC_ROUTER_POLL)
+        read as not yet written. The device writes the bits back once the
+        words are read (the combine as it reads; a layer's finalize for the
+        layer before's partials), so this is needed once, and again after an
+        abort, which can leave a layer's words landed and unread, or a
+        poisoned step (NaN would read as landed). Harmless for other builds:
+        they read both only after a counter says they are written."""
+        for name in ("moe_out", "router_part"):
+            out = self.buf.get(name)
+            if out is not None and out.numel():
+                out.view(_torch().int32).fill_(abi.UNLANDED_F32)  # < 2**31: an int32 as it is
 
     # ------------------------------------------------------------------ the watchdog report
     def _hang(self, sched, status: np.ndarray) -> MegakernelHang:

@@ -166,9 +166,11 @@ def test_the_paired_claims_and_the_slots_probe_compile(tmp_path):
     _artifact(tmp_path, spec, [1])
     inc = [opcodes_dir(), tmp_path]
     # (and the fifty-second session's early read of the up claims' wait, ops_moe.cuh MEGAC_UP_WAIT_EARLY;
-    # the fifty-third's waits with four polls in flight, counters.cuh MEGAC_POLL_DEPTH)
+    # the fifty-third's waits with four polls in flight, counters.cuh MEGAC_POLL_DEPTH, and the routed claimers
+    # polling the router's partials, common.cuh MEGAC_ROUTER_POLL)
     on = build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_PAIRS": 56, "MEGAC_DOWN_PAIRS": 26, "MEGAC_SLOTS_EARLY": 1,
-                                                 "MEGAC_UP_WAIT_EARLY": 1, "MEGAC_POLL_DEPTH": 4},
+                                                 "MEGAC_UP_WAIT_EARLY": 1, "MEGAC_POLL_DEPTH": 4,
+                                                 "MEGAC_ROUTER_POLL": 1},
                      include_dirs=inc, cache_dir=tmp_path / "on")
     off = build_cubin(tmp_path / SOURCE, include_dirs=inc, cache_dir=tmp_path / "off")
     k = report(on)["kernels"]["megakernel"]

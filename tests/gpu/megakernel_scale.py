@@ -914,6 +914,9 @@ VARIANTS = {
     # counter's L2 slice (the signaller's add is served there), each count seen later
     "poll_ns200": {"MEGAC_POLL_SLEEP_NS": 200},
     "poll_ns800": {"MEGAC_POLL_SLEEP_NS": 800},
+    # a one-row routed claimer polls the router's partials instead of its counter; a layer's finalize
+    # writes the layer before's back to unlanded (common.cuh MEGAC_ROUTER_POLL; the same bits)
+    "router_poll": {"MEGAC_ROUTER_POLL": 1},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1698,6 +1701,7 @@ TILES = {
     # no attention split primes its first chunks before its waits (the QKV tiles' lighter prime won: bytes
     # in a layer's head lengthen the round trips of the chains that run there)
     "anp": {"variant": "attn_noprime"},
+    "rpoll": {"variant": "router_poll"},
     # the router over 16 SMs (r16) with QKV tiles priming one stage a warp: today's router tile spends ~1 us
     # of its ~3.6 us on the MMA over its 64 KB, on the MoE chain every layer (fifty-second session's H100 stamps)
     "qp1_r16": {"router_splits": 16, "variant": "qkvp1"},
