@@ -190,9 +190,9 @@ __device__ __forceinline__ int poll_one_row_warp(const float* parts, size_t spli
 // kValues, its logit). one_row_warp_fits(E, K) must hold.
 //
 // kPollSplits > 0 (MEGAC_ROUTER_POLL): the partials polled until landed
-// (poll_one_row_warp, every split at once; `poll` names the router's counter
-// for the watchdog's record and takes its verdict: 1 drained, 2 failed; the
-// call then returns false, nothing ranked).
+// (poll_one_row_warp, every split at once), then stop() asked as above;
+// `poll` names the router's counter for the watchdog's record and takes the
+// verdict: 1 drained, 2 failed (the call then returns false, nothing ranked).
 struct RouterPoll {
   const WaitSite* site;
   const uint32_t* counter;
@@ -210,6 +210,12 @@ __device__ __forceinline__ bool rank_one_row_warp(const float* __restrict__ part
     poll->verdict = poll_one_row_warp<kPollSplits>(parts, split_stride, num_splits, E, stop, v, *poll->site,
                                                    poll->counter, poll->counter_index, poll->target);
     if (poll->verdict != 0) return false;
+    if constexpr (Stop::kOn) {  // landed, but a drained claimer still ranks nothing
+      if (__shfl_sync(kFullMask, lane == 0 && stop() ? 1 : 0, 0)) {
+        poll->verdict = 1;
+        return false;
+      }
+    }
   } else {
 #pragma unroll
     for (int j = 0; j < kWarpKeys; ++j) v[j] = 0.f;
