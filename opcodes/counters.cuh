@@ -68,12 +68,13 @@ __device__ __forceinline__ void signal_counter(uint32_t* counter, uint32_t n = 1
 // their registers are not reused before they land. 1: one poll in flight,
 // MEGAC_POLL_SLEEP_NS between a poll's return and the next (0: none; the
 // sleep keeps 132 pollers from flooding one L2 slice).
-// Measured (H200, fifty-third session, NMC bs1 8K, engines alternating, 13-14
-// a side): D 2 +1.1 %, D 4 +1.6 %, no sleep -0.1 % (even). More polls in
-// flight lose: dozens of SMs wait on one counter at a layer's head (80 QKV
-// tiles, the claimers), so D times the polls queue at the L2 slice that
-// must also serve the signaller's add, or the in-flight polls' registers
-// stall thread 0 after its wait (not told apart). Off (1, 20 ns).
+// Measured (H200, fifty-third session, NMC bs1 8K, engines alternating, 12-14
+// a side): D 2 +1.1 %, D 4 +1.6 %; one poll with no sleep -0.1 %, 200 ns
+// -0.1 % (even), 800 ns +1.1 %. The polls' rate does not contend (200 ns
+// apart is even), and a count seen ~0.4 us later on every hop costs 1.1 %,
+// so D polls in flight, which see it sooner, pay for something else: most
+// likely thread 0 stalling after its wait until the other polls land (their
+// registers are reused). Off (1, 20 ns).
 #ifndef MEGAC_POLL_DEPTH
 #define MEGAC_POLL_DEPTH 1
 #endif

@@ -535,6 +535,14 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
 #endif
   int32_t* sum = RS::summary(c);  // [0] nact, [1 + 3a ..] (e, slot0, rows), [1 + 3 entries + slot] row
   int32_t* rowof = sum + 1 + 3 * RS::kEntries;
+#if MEGAC_ROUTER_POLL
+  // as header_waits decided it (it left the router's counter unread): read
+  // before warp 1 may clear TASK_WAIT_BASE (MEGAC_UP_WAIT_EARLY)
+  const bool polls = router_polls(ts->w);
+#if MEGAC_UP_WAIT_EARLY
+  __syncthreads();
+#endif
+#endif
   if constexpr (MEGAC_TOPK_WARP && MEGAC_ROUTED_ONE_ROW) {
     if (rows == 1 && moe::one_row_warp_fits(E, K)) {
       // warp 0 sums, ranks and places the row's K experts (the one-row
@@ -546,7 +554,7 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
         int e;
         float v;
 #if MEGAC_ROUTER_POLL
-        if (router_polls(ts->w)) {  // the partials polled, not the router's counter (common.cuh)
+        if (polls) {  // the partials polled, not the router's counter (common.cuh)
           static_assert(M::ROUTER_SPLITS <= 8, "a lane polls every split of its experts at once");
           moe::RouterPoll poll{&c.site, ptr<const uint32_t>(d->counters) + ts->w[H_WAIT0], ts->w[H_WAIT0],
                                uint32_t(ts->w[H_TARGET0]), 0};
