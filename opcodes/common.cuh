@@ -139,7 +139,9 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
 // _unland). The router's counter stays (the finalize's, the VM's, the
 // watchdog report's). Only for claimers whose claims wait on the norm
 // themselves (TASK_WAIT_BASE >= 0, the router folding the combine): there
-// the router's counter orders nothing else they read. 0: the counter.
+// the router's counter orders nothing else they read. A model of one MoE
+// layer cannot take it (its finalize would unland its own layer's partials:
+// the build refuses). 0: the counter.
 #ifndef MEGAC_ROUTER_POLL
 #define MEGAC_ROUTER_POLL 0
 #endif

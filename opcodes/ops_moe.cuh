@@ -187,6 +187,8 @@ __device__ __forceinline__ bool route_finalize(const Ctx& c) {
     // of the step before) back to unlanded for the claimers' next poll; every
     // reader of them is done (common.cuh; tests/test_router_poll.py)
     static_assert(M::MOE_LAYERS_CONTIGUOUS, "the layer before a MoE layer's is the MoE layer before it");
+    // one MoE layer: its finalize would unland the partials its own claimers still poll
+    static_assert(M::FIRST_MOE_LAYER < M::LAST_MOE_LAYER, "MEGAC_ROUTER_POLL needs two MoE layers or more");
     static_assert((M::ROUTER_SPLITS * M::MAX_ROWS * M::NUM_EXPERTS) % 4 == 0, "a layer's partials in 16-byte words");
     const int prev = layer == M::FIRST_MOE_LAYER ? M::LAST_MOE_LAYER : layer - 1;
     uint4* part = reinterpret_cast<uint4*>(ptr<float>(d->router_part) + Lay::router_part(prev, 0, 0));

@@ -186,6 +186,25 @@ def test_the_paired_claims_and_the_slots_probe_compile(tmp_path):
 
 
 @needs_nvcc
+def test_router_poll_refuses_a_model_of_one_moe_layer(tmp_path):
+    # MEGAC_ROUTER_POLL (common.cuh): a layer's finalize unlands the router
+    # partials of the MoE layer before it, the first MoE layer's the last's.
+    # With one MoE layer those are its own, still polled by its claimers: the
+    # build says so instead of compiling a step that would hang.
+    from megac.gpu.build import build_cubin
+    from megac.resources import opcodes_dir
+    from models import variant
+
+    lay = [{"attention": "full", "window": None, "rope": True, "ffn": "dense"},
+           {"attention": "sliding", "window": 8, "rope": True, "ffn": "moe"}]
+    spec = variant(load_spec("tiny-moe"), "one-moe-layer", layers=lay, tie_embeddings=False)
+    _artifact(tmp_path, spec, [1])
+    with pytest.raises(Exception, match="two MoE layers or more"):
+        build_cubin(tmp_path / SOURCE, defines={"MEGAC_ROUTER_POLL": 1}, include_dirs=[opcodes_dir(), tmp_path],
+                    cache_dir=tmp_path / "poll")
+
+
+@needs_nvcc
 def test_the_hop_switches_and_the_profile_marks_compile(tmp_path):
     # The dependency hop's switches (counters.cuh MEGAC_SIGNAL_ACQREL,
     # common.cuh MEGAC_ABORT_EVERY, mk_core.cuh MEGAC_WAIT_PAIR)
