@@ -51,6 +51,13 @@ def _polling(p: Program) -> np.ndarray:
                           & (p.w1 < 0))
 
 
+def _up_parts(p: Program, layer: int) -> np.ndarray:
+    """The happens-before nodes of layer ``layer``'s claimed up tiles (parts follow the live tasks)."""
+    g = [(grp.layer, grp.queue) for grp in p.groups]
+    mine = np.array([g[int(i)] == (layer, int(Queue.MOE_UP)) for i in p.part_group], dtype=bool)
+    return p.n + np.flatnonzero(mine)
+
+
 @pytest.fixture(scope="module", params=["north-mini-code", "tiny-moe"])
 def compiled(request):
     return _program(request.param)
@@ -80,14 +87,12 @@ def test_the_skipped_wait_is_the_routers_alone(compiled):
 def test_every_reader_of_a_layers_partials_precedes_the_next_finalize(compiled):
     _, _, p, hb = compiled
     moe = p.geo.moe_layers
-    part_layer = np.array([p.groups[int(g)].layer for g in p.part_group], dtype=np.int64)
-    part_queue = np.array([p.groups[int(g)].queue for g in p.part_group], dtype=np.int64)
     checked = 0
     for prev, layer in zip(moe, moe[1:]):
         fin = np.flatnonzero((p.op == int(Op.ROUTE_FINALIZE)) & (p.layer == layer))
         assert len(fin), f"no ROUTE_FINALIZE in layer {layer}"
         readers = np.flatnonzero(np.isin(p.op, [int(Op.ROUTE_FINALIZE), int(Op.ROUTER_TOPK)]) & (p.layer == prev))
-        ups = p.n + np.flatnonzero((part_layer == prev) & (part_queue == int(Queue.MOE_UP)))
+        ups = _up_parts(p, prev)
         assert len(readers) and len(ups), f"layer {prev}: no finalize or claimed up tiles"
         for a in np.concatenate([readers, ups]):
             ok = hb(np.full(len(fin), a), fin)
@@ -103,10 +108,8 @@ def test_a_finalize_does_not_precede_the_claims_it_would_unland():
     _, _, p, hb = _program("north-mini-code")
     layer = p.geo.moe_layers[1]
     fin = np.flatnonzero((p.op == int(Op.ROUTE_FINALIZE)) & (p.layer == layer))
-    part_layer = np.array([p.groups[int(g)].layer for g in p.part_group], dtype=np.int64)
-    part_queue = np.array([p.groups[int(g)].queue for g in p.part_group], dtype=np.int64)
-    ups = p.n + np.flatnonzero((part_layer == layer) & (part_queue == int(Queue.MOE_UP)))
-    assert not hb(ups, np.full(len(ups), fin[0])).any()
+    ups = _up_parts(p, layer)
+    assert len(ups) and not hb(ups, np.full(len(ups), fin[0])).any()
 
 
 def test_the_moe_span_constants():
