@@ -146,6 +146,20 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
 #define MEGAC_ROUTER_POLL 0
 #endif
 
+// A timing probe, not a candidate: with MEGAC_ROUTER_POLL, a polling
+// claimer's claims skip their wait on the norm (TASK_WAIT_BASE) and read
+// x_norm as they find it (the layer before's values, or part-written: the
+// logits are wrong). What it measures: how much of the expert chain's head
+// the norm still gates once the router's hop is polled (the fifty-third
+// session's `--heads`: the norm ends ~2 us after the router, before the
+// counter form's ranking in 39 of 47 layers). 0: the claims wait.
+#ifndef MEGAC_PROBE_UP_NO_NORM
+#define MEGAC_PROBE_UP_NO_NORM 0
+#endif
+#if MEGAC_PROBE_UP_NO_NORM && !MEGAC_ROUTER_POLL
+#error "MEGAC_PROBE_UP_NO_NORM probes the polling claimers: with MEGAC_ROUTER_POLL"
+#endif
+
 // The router tile that folds the MoE combine (COMBINE_IN): ops_gemm.cuh
 // says what the switch does. Its default here, once, for the three headers
 // that read it (ops_gemm.cuh, ops_norm.cuh, moe_routing.cuh); a generated

@@ -32,8 +32,12 @@ from megac.spec import load_spec
 F = abi.field_index
 
 
-def _program(name: str):
+def _program(name: str, tiles: dict | None = None):
     spec = load_spec(name)
+    if tiles:
+        from models import variant
+
+        spec = variant(spec, f"{name}-{'-'.join(tiles)}", tiles={**(spec.target.tiles or {}), **tiles})
     sched = compile_schedules(spec, batch_sizes=[1]).schedules[0]
     p = Program.from_schedule(sched)
     out = Sink()
@@ -58,9 +62,13 @@ def _up_parts(p: Program, layer: int) -> np.ndarray:
     return p.n + np.flatnonzero(mine)
 
 
-@pytest.fixture(scope="module", params=["north-mini-code", "tiny-moe"])
+# fused_combine: the norm sums the experts itself (no MOE_COMBINE at batch 1), so the claims' wait on it
+# is one hop after the down claims (TILES rpfc: router_poll beside it)
+@pytest.fixture(scope="module", params=[("north-mini-code", None), ("tiny-moe", None),
+                                        ("north-mini-code", {"fused_combine": 1})],
+                ids=["nmc", "tiny-moe", "nmc-fused-combine"])
 def compiled(request):
-    return _program(request.param)
+    return _program(*request.param)
 
 
 def test_the_skipped_wait_is_the_routers_alone(compiled):

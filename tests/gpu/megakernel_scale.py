@@ -917,6 +917,9 @@ VARIANTS = {
     # a one-row routed claimer polls the router's partials instead of its counter; a layer's finalize
     # writes the layer before's back to unlanded (common.cuh MEGAC_ROUTER_POLL; the same bits)
     "router_poll": {"MEGAC_ROUTER_POLL": 1},
+    # a timing probe on router_poll (common.cuh MEGAC_PROBE_UP_NO_NORM: the polling claimers' claims skip
+    # their wait on the norm; wrong logits): how much of the expert chain's head the norm still gates
+    "rpoll_nonorm": {"MEGAC_ROUTER_POLL": 1, "MEGAC_PROBE_UP_NO_NORM": 1},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1702,6 +1705,10 @@ TILES = {
     # in a layer's head lengthen the round trips of the chains that run there)
     "anp": {"variant": "attn_noprime"},
     "rpoll": {"variant": "router_poll"},
+    "rpnn": {"variant": "rpoll_nonorm"},
+    # and the norm summing the experts itself (fused_combine, the forty-fifth session's +0.7 % when the
+    # norm ended before the claimers ranked): the norm the polling claims wait on a hop sooner
+    "rpfc": {"fused_combine": 1, "variant": "router_poll"},
     # the router over 16 SMs (r16) with QKV tiles priming one stage a warp: today's router tile spends ~1 us
     # of its ~3.6 us on the MMA over its 64 KB, on the MoE chain every layer (fifty-second session's H100 stamps)
     "qp1_r16": {"router_splits": 16, "variant": "qkvp1"},
