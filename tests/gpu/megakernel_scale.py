@@ -920,6 +920,8 @@ VARIANTS = {
     # a timing probe on router_poll (common.cuh MEGAC_PROBE_UP_NO_NORM: the polling claimers' claims skip
     # their wait on the norm; wrong logits): how much of the expert chain's head the norm still gates
     "rpoll_nonorm": {"MEGAC_ROUTER_POLL": 1, "MEGAC_PROBE_UP_NO_NORM": 1},
+    # and with the claims' wait on the norm read while warp 0 polls and ranks (MEGAC_UP_WAIT_EARLY)
+    "router_poll_uwe": {"MEGAC_ROUTER_POLL": 1, "MEGAC_UP_WAIT_EARLY": 1},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1709,6 +1711,9 @@ TILES = {
     # and the norm summing the experts itself (fused_combine, the forty-fifth session's +0.7 % when the
     # norm ended before the claimers ranked): the norm the polling claims wait on a hop sooner
     "rpfc": {"fused_combine": 1, "variant": "router_poll"},
+    # and the claims' wait on that norm read while the claimer polls (up_wait_early): what rpnn probes, as a
+    # candidate (the same bits as the default)
+    "rpfcu": {"fused_combine": 1, "variant": "router_poll_uwe"},
     # the router over 16 SMs (r16) with QKV tiles priming one stage a warp: today's router tile spends ~1 us
     # of its ~3.6 us on the MMA over its 64 KB, on the MoE chain every layer (fifty-second session's H100 stamps)
     "qp1_r16": {"router_splits": 16, "variant": "qkvp1"},
