@@ -546,6 +546,11 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
   if (polls && threadIdx.x == 0) ts->w[f_moe_upgate_drain::TASK_WAIT_BASE] = -1;
 #endif
 #if MEGAC_UP_WAIT_EARLY
+  // a polling claimer's warp 1 reads the claims' wait until warp 0 has
+  // ranked (up_ranked), not once: it starts before the norm can have ended
+  // (it waits on nothing, and the norm ends ~with the router)
+  __shared__ int up_ranked;
+  if (threadIdx.x == 0) up_ranked = 0;
   __syncthreads();
 #endif
 #endif
@@ -596,17 +601,41 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
             }
           }
         }
+#if MEGAC_ROUTER_POLL && MEGAC_UP_WAIT_EARLY
+        __syncwarp();
+        if (lane == 0) *reinterpret_cast<volatile int*>(&up_ranked) = 1;  // ranked or halted: warp 1 stops
+#endif
       }
 #if MEGAC_UP_WAIT_EARLY
       else if (threadIdx.x == 32) {
         // while warp 0 ranks: the claims' own wait (the norm that writes
-        // x_norm, ROUTER_COMBINE) read once; met, its word is cleared so the
-        // claim loop does not wait again (this acquire, then the barrier
-        // below, orders every thread's x_norm reads as the loop's wait did)
+        // x_norm, ROUTER_COMBINE) read once (a polling claimer: until it is
+        // met or warp 0 has ranked); met, its word is cleared so the claim
+        // loop does not wait again (this acquire, then the barrier below,
+        // orders every thread's x_norm reads as the loop's wait did)
         const int32_t wb = ts->w[f_moe_upgate_drain::TASK_WAIT_BASE];
-        if (wb >= 0 && ld_acquire_gpu(ptr<const uint32_t>(d->counters) + wb) >=
-                           static_cast<uint32_t>(resolve(d, ts->w[f_moe_upgate_drain::TASK_WAIT_TARGET])))
-          ts->w[f_moe_upgate_drain::TASK_WAIT_BASE] = -1;
+        if (wb >= 0) {
+          const uint32_t* ctr = ptr<const uint32_t>(d->counters) + wb;
+          const uint32_t target = static_cast<uint32_t>(resolve(d, ts->w[f_moe_upgate_drain::TASK_WAIT_TARGET]));
+#if MEGAC_ROUTER_POLL
+          const bool again = polls;
+#else
+          constexpr bool again = false;
+#endif
+          for (;;) {
+            if (ld_acquire_gpu(ctr) >= target) {
+              ts->w[f_moe_upgate_drain::TASK_WAIT_BASE] = -1;
+              break;
+            }
+#if MEGAC_ROUTER_POLL
+            if (!again || *reinterpret_cast<volatile int*>(&up_ranked)) break;
+            __nanosleep(20);
+#else
+            (void)again;
+            break;
+#endif
+          }
+        }
       }
 #endif
 #if MEGAC_ROUTER_POLL
