@@ -734,24 +734,25 @@ for m in r:
     tiny_variant router_poll ;;
   prebuild_s54)  # (~5 min) s54's set: router_poll checked as a default would be (the tiny models, the watchdog,
                  # the one-row slice), the tiny models under router_poll_uwe, the NMC builds of TILES rpoll,
-                 # rpnn, rpfc, rpfcu beside the default's and the GEMM walk cached by prime() (tcwc, last timed on
+                 # rpnn, rpfc, rpfcu, rpfcun beside the default's and the GEMM walk cached by prime() (tcwc, last timed on
                  # an H100), megac bench's ceiling kernel
     prebuild_start
     prebuild_variants tiny-moe:router_poll tiny-llama:router_poll nmc-slice:router_poll tiny-moe:router_poll_uwe \
       tiny-llama:router_poll_uwe
-    prebuild_specs north-mini-code nmc-rpoll nmc-rpnn nmc-rpfc nmc-rpfcu nmc-tcwc
+    prebuild_specs north-mini-code nmc-rpoll nmc-rpnn nmc-rpfc nmc-rpfcu nmc-rpfcun nmc-tcwc
     prebuild_ceiling
     pack_cubins < build/cz-s31/log.txt ;;
   s54)  # (prebuild_s54, the H200; ~9 min) a routed claimer polling the router's partials (common.cuh
         # MEGAC_ROUTER_POLL): checked as a default would be, then default / rpoll / rpnn (its claims not
         # waiting on the norm: a timing probe, common.cuh MEGAC_PROBE_UP_NO_NORM) / rpfcu (router_poll with
         # the norm summing the experts, fused_combine, and the claims' wait on it read while the claimer
-        # polls, MEGAC_UP_WAIT_EARLY: rpnn's candidate form; the tiny models under it first) engines
-        # alternating at bs1 8K until AB_END s. Others built: rpfc (without up_wait_early), tcwc (gemm_tc.cuh
+        # polls, MEGAC_UP_WAIT_EARLY: rpnn's candidate form; the tiny models under it first) / rpfcun (and
+        # the norm on the finalize SM: its QKV tile no longer the last of its KV head's) engines alternating
+        # at bs1 8K until AB_END s. Others built: rpfc (without up_wait_early), tcwc (gemm_tc.cuh
         # MEGAC_TC_WALK_CACHE, ~0.35 us off every GEMM tile's prologue, the router's on the expert chain)
     verify router_poll rpoll 1
     tiny_variant router_poll_uwe
-    SETS=${SETS:-default,rpoll,rpnn,rpfcu} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-14} bash "$0" s47a ;;
+    SETS=${SETS:-default,rpoll,rpnn,rpfcu,rpfcun} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-14} bash "$0" s47a ;;
   prebuild_s53b)  # (~8 min) s53b's set: the default, waits keeping 2 / 4 polls in flight and polls without the
                   # sleep (TILES pd2 / pd4 / pns0), the tiny models under poll4, megac bench's ceiling kernel
     prebuild_start

@@ -17,6 +17,8 @@ re-derivation."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -30,15 +32,16 @@ from megac.passes.violations import Sink
 from megac.spec import load_spec
 
 F = abi.field_index
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _program(name: str, tiles: dict | None = None):
+def _program(name: str, tiles: dict | None = None, order: str = "tuned"):
     spec = load_spec(name)
     if tiles:
         from models import variant
 
         spec = variant(spec, f"{name}-{'-'.join(tiles)}", tiles={**(spec.target.tiles or {}), **tiles})
-    sched = compile_schedules(spec, batch_sizes=[1]).schedules[0]
+    sched = compile_schedules(spec, order=order, batch_sizes=[1]).schedules[0]
     p = Program.from_schedule(sched)
     out = Sink()
     build_groups(p, out)
@@ -63,10 +66,13 @@ def _up_parts(p: Program, layer: int) -> np.ndarray:
 
 
 # fused_combine: the norm sums the experts itself (no MOE_COMBINE at batch 1), so the claims' wait on it
-# is one hop after the down claims (TILES rpfc: router_poll beside it)
+# is one hop after the down claims (TILES rpfc / rpfcu: router_poll beside it); and with the norm on the
+# finalize SM (TILES rpfcun)
 @pytest.fixture(scope="module", params=[("north-mini-code", None), ("tiny-moe", None),
-                                        ("north-mini-code", {"fused_combine": 1})],
-                ids=["nmc", "tiny-moe", "nmc-fused-combine"])
+                                        ("north-mini-code", {"fused_combine": 1}),
+                                        ("north-mini-code", {"fused_combine": 1},
+                                         str(ROOT / "schedules/experiments/routed-norm-on-finalize.yaml"))],
+                ids=["nmc", "tiny-moe", "nmc-fused-combine", "nmc-fused-combine-norm-on-finalize"])
 def compiled(request):
     return _program(*request.param)
 

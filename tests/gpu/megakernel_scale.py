@@ -1714,6 +1714,11 @@ TILES = {
     # and the claims' wait on that norm read while the claimer polls (up_wait_early): what rpnn probes, as a
     # candidate (the same bits as the default)
     "rpfcu": {"fused_combine": 1, "variant": "router_poll_uwe"},
+    # and the norm on the finalize SM (no QKV tile there): with fused_combine the norm still ends a hop and ~3 us
+    # after the down claims, and the SM that runs it starts its next QKV tile that late, the last of its KV
+    # head's (fifty-fourth session, the session-52 trace: the norm SM's tile ends ~10 us after the median)
+    "rpfcun": {"fused_combine": 1, "variant": "router_poll_uwe",
+               "order": "schedules/experiments/routed-norm-on-finalize.yaml"},
     # the router over 16 SMs (r16) with QKV tiles priming one stage a warp: today's router tile spends ~1 us
     # of its ~3.6 us on the MMA over its 64 KB, on the MoE chain every layer (fifty-second session's H100 stamps)
     "qp1_r16": {"router_splits": 16, "variant": "qkvp1"},
