@@ -748,11 +748,11 @@ for m in r:
         # the norm summing the experts, fused_combine, and the claims' wait on it read while the claimer
         # polls, MEGAC_UP_WAIT_EARLY: rpnn's candidate form; the tiny models under it first) / rpfcun (and
         # the norm on the finalize SM: its QKV tile no longer the last of its KV head's) engines alternating
-        # at bs1 8K until AB_END s. Others built: rpfc (without up_wait_early), tcwc (gemm_tc.cuh
+        # at bs1 8K until AB_END s (the probe last in each round: its logits are wrong). Others built: rpfc (without up_wait_early), tcwc (gemm_tc.cuh
         # MEGAC_TC_WALK_CACHE, ~0.35 us off every GEMM tile's prologue, the router's on the expert chain)
     verify router_poll rpoll 1
     tiny_variant router_poll_uwe
-    SETS=${SETS:-default,rpoll,rpnn,rpfcu,rpfcun} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-14} bash "$0" s47a ;;
+    SETS=${SETS:-default,rpoll,rpfcu,rpfcun,rpnn} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-14} bash "$0" s47a ;;
   prebuild_s53b)  # (~8 min) s53b's set: the default, waits keeping 2 / 4 polls in flight and polls without the
                   # sleep (TILES pd2 / pd4 / pns0), the tiny models under poll4, megac bench's ceiling kernel
     prebuild_start
