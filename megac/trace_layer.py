@@ -209,8 +209,12 @@ class Head:
     norm task (the x_norm its up claims wait on); the first up claimers'
     ranking done and their first claim handed to the CTA (median of the
     FIRST_CLAIMERS that ran first); the first expert weight stage landed;
-    and how long a QKV tile's fold took after its wait (median). NaN where
-    the trace has no such task or stamp (a build without MEGAC_MARK)."""
+    how long a QKV tile's fold took after its wait (median); the layer's
+    last QKV tile's end, how far after the median tile's end it came, and
+    the opcode its SM ran just before it (the attention splits of its KV
+    head wait for it, and every O-projection tile for them: fifty-fourth
+    session, the norm's SM). NaN (or "") where the trace has no such task or
+    stamp (a build without MEGAC_MARK)."""
 
     layer: int
     kind: str  # "full" (its attention claimed) or "sliding"
@@ -223,6 +227,9 @@ class Head:
     handed: float
     first_byte: float
     qkv_fold: float
+    qkv_last: float = float("nan")
+    qkv_late: float = float("nan")
+    qkv_last_after: str = ""
 
 
 _NAN = float("nan")
@@ -261,6 +268,14 @@ def layer_head(records, layer: int) -> Head | None:
     landed = [x for x in (_mark(r, MARK_LANDED) for r in ups) if x is not None]
     folds = [_mark(r, MARK_FOLDED) - r["waited_us"] for r in mine
              if r["op"] == "QKV_PROJ" and _mark(r, MARK_FOLDED) is not None]
+    qkvs = [r for r in mine if r["op"] == "QKV_PROJ"]
+    qkv_last, qkv_late, after = _NAN, _NAN, ""
+    if qkvs:
+        lq = max(qkvs, key=lambda r: r["end_us"])
+        qkv_last = lq["end_us"] - t0
+        qkv_late = lq["end_us"] - statistics.median(r["end_us"] for r in qkvs)
+        before = [r for r in records if r["sm"] == lq["sm"] and r["end_us"] <= lq["start_us"]]
+        after = max(before, key=lambda r: r["end_us"])["op"] if before else ""
     return Head(layer, "full" if any(r["op"] == "ATTN_DRAIN" for r in mine) else "sliding",
                 last(r["end_us"] for r in prev if r["op"] == "O_PROJ"),
                 last(r["waited_us"] for r in routers),
@@ -269,13 +284,14 @@ def layer_head(records, layer: int) -> Head | None:
                 last(r["end_us"] for r in prev if r["op"] == "ADD_RMSNORM"),
                 mid(_mark(r, MARK_RANKED) for r in first),
                 mid(_mark(r, MARK_HANDED) for r in first),
-                min((x - t0 for x in landed), default=_NAN), _median(folds))
+                min((x - t0 for x in landed), default=_NAN), _median(folds), qkv_last, qkv_late, after)
 
 
 #: (Head field, column label) in the order format_heads prints them
 _HEAD_COLUMNS = (("oproj_end", "O-proj end"), ("router_waited", "router wait"), ("router_staged", "router staged"),
                  ("router_end", "router end"), ("norm_end", "norm end"), ("ranked", "ranked"),
-                 ("handed", "claim handed"), ("first_byte", "first byte"), ("qkv_fold", "QKV fold"))
+                 ("handed", "claim handed"), ("first_byte", "first byte"), ("qkv_fold", "QKV fold"),
+                 ("qkv_last", "QKV last"), ("qkv_late", "QKV late"))
 
 
 def step_heads(records) -> list[Head]:
@@ -295,15 +311,20 @@ def format_heads(heads: list[Head]) -> str:
     widths = [max(len(label), 7) for _, label in _HEAD_COLUMNS]
     head = f"{'layer':>5} {'kind':>8} " + " ".join(f"{label:>{w}}" for (_, label), w in zip(_HEAD_COLUMNS, widths))
 
-    def row(label: str, kind: str, values) -> str:
-        return f"{label:>5} {kind:>8} " + " ".join(f"{v:>{w}.2f}" for v, w in zip(values, widths))
+    head += "  QKV last after"
+
+    def row(label: str, kind: str, values, after: str = "") -> str:
+        return (f"{label:>5} {kind:>8} " + " ".join(f"{v:>{w}.2f}" for v, w in zip(values, widths))
+                + (f"  {SHORT.get(after, after)}" if after else ""))
 
     lines = ["how each MoE layer's chains start (us from the end of the layer before's last down claim): the "
              "layer before's last O-projection tile; the router tiles' waits, staged inputs and end; the layer "
              f"before's norm (the up claims' wait); the first {FIRST_CLAIMERS} up claimers' ranking and first claim "
              "handed to the CTA (median); the first expert weight stage landed; a QKV tile's fold after its wait "
-             "(median, a duration)",
-             "", head] + [row(str(h.layer), h.kind, [getattr(h, f) for f, _ in _HEAD_COLUMNS]) for h in heads]
+             "(median, a duration); the last QKV tile's end, how long after the median tile's it came (its KV "
+             "head's attention waits for it) and what its SM ran before it",
+             "", head] + [row(str(h.layer), h.kind, [getattr(h, f) for f, _ in _HEAD_COLUMNS], h.qkv_last_after)
+                          for h in heads]
     lines += ["", "median by kind of layer:", head]
     for kind in ("sliding", "full"):
         mine = [h for h in heads if h.kind == kind]
@@ -320,6 +341,10 @@ def format_heads(heads: list[Head]) -> str:
         n = sum(1 for h in gated if h.oproj_end > 0)
         lines.append(f"the layer before's last O-projection tile ended after its last down claim in {n} of "
                      f"{len(gated)} layers (the attention chain gates the layer's start there)")
+    afters = [h.qkv_last_after for h in heads if h.qkv_last_after]
+    if afters:
+        top = max(set(afters), key=afters.count)
+        lines.append(f"the last QKV tile ran after {top} on its SM in {afters.count(top)} of {len(afters)} layers")
     return "\n".join(lines)
 
 

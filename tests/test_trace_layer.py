@@ -172,7 +172,8 @@ def _marked(sm, task, op, layer, start, waited, end, claims=0, **marks):
 # O-projection tile at 101, its norm at 106. Layer 5 (sliding) starts from there: routers wait to 101.5 /
 # 102, stage at 103 / 103.5, end 105 / 106; three up claimers rank at 109, 109.5, 112, hand their claims
 # to the CTA at 109.8, 110, 113, and land their first stages at 111, 112, 114 (a drained claimer and a
-# QKV tile's fold of 2.5 and 3.0 us beside). Layer 6 (full) has no stamps, no norm and no O-projection
+# QKV tile's fold of 2.5 and 3.0 us beside; the second QKV tile runs after its SM's norm, ends at 116, 3 us
+# after the median tile's end). Layer 6 (full) has no stamps, no norm and no O-projection
 # before it: NaN, not numbers made up.
 HEAD_RECORDS = [
     _rec(0, 0, "MOE_DOWN_DRAIN", 4, 80.0, 85.0, 100.0, claims=1),
@@ -182,7 +183,7 @@ HEAD_RECORDS = [
     _marked(0, 1, "ROUTER_GEMM", 5, 99.0, 101.5, 105.0, m2=103.0),
     _marked(1, 1, "ROUTER_GEMM", 5, 99.0, 102.0, 106.0, m2=103.5),
     _marked(2, 1, "QKV_PROJ", 5, 95.0, 101.5, 110.0, m0=104.0),
-    _marked(3, 1, "QKV_PROJ", 5, 95.0, 102.0, 111.0, m0=105.0),
+    _marked(3, 1, "QKV_PROJ", 5, 106.5, 107.0, 116.0, m0=110.0),  # after SM 3's norm: the layer's last QKV tile
     _marked(0, 2, "MOE_UPGATE_DRAIN", 5, 105.5, 106.5, 130.0, claims=1, m7=109.0, m8=109.8, m3=111.0),
     _marked(1, 2, "MOE_UPGATE_DRAIN", 5, 106.5, 107.0, 131.0, claims=1, m7=109.5, m8=110.0, m3=112.0),
     _marked(4, 0, "MOE_UPGATE_DRAIN", 5, 109.0, 110.0, 132.0, claims=1, m7=112.0, m8=113.0, m3=114.0),
@@ -199,13 +200,16 @@ def test_heads_say_how_each_moe_layer_starts_after_the_layer_before():
 
     h = layer_head(HEAD_RECORDS, 5)
     got = (h.kind, h.oproj_end, h.router_waited, h.router_staged, h.router_end, h.norm_end, h.ranked, h.handed,
-           h.first_byte, h.qkv_fold)
-    assert got == pytest.approx(("sliding", 1.0, 2.0, 3.5, 6.0, 6.0, 9.5, 10.0, 11.0, 2.75))
+           h.first_byte, h.qkv_fold, h.qkv_last, h.qkv_late)
+    assert got == pytest.approx(("sliding", 1.0, 2.0, 3.5, 6.0, 6.0, 9.5, 10.0, 11.0, 2.75, 16.0, 3.0))
+    assert h.qkv_last_after == "ADD_RMSNORM"
     full = layer_head(HEAD_RECORDS, 6)
     assert full.kind == "full" and (full.router_waited, full.router_end) == (3.0, 6.0)
-    for f in ("oproj_end", "router_staged", "norm_end", "ranked", "handed", "first_byte", "qkv_fold"):
+    for f in ("oproj_end", "router_staged", "norm_end", "ranked", "handed", "first_byte", "qkv_fold", "qkv_last",
+              "qkv_late"):
         v = getattr(full, f)
         assert v != v, f  # NaN: no such task or stamp in the trace
+    assert full.qkv_last_after == ""
     assert layer_head(HEAD_RECORDS, 4) is None  # no MoE layer before it
     heads = step_heads(HEAD_RECORDS)
     assert [(x.layer, x.kind) for x in heads] == [(5, "sliding"), (6, "full")]
@@ -214,7 +218,9 @@ def test_heads_say_how_each_moe_layer_starts_after_the_layer_before():
     assert "the norm ended after the first claimers ranked in 0 of 1 layers" in text
     assert "ended after its last down claim in 1 of 1 layers" in text
     row = next(ln.split() for ln in text.splitlines() if ln.split()[:2] == ["5", "sliding"])
-    assert row[2:] == ["1.00", "2.00", "3.50", "6.00", "6.00", "9.50", "10.00", "11.00", "2.75"]
+    assert row[2:] == ["1.00", "2.00", "3.50", "6.00", "6.00", "9.50", "10.00", "11.00", "2.75", "16.00", "3.00",
+                       "NORM"]
+    assert "the last QKV tile ran after ADD_RMSNORM on its SM in 1 of 1 layers" in text
     with pytest.raises(MegacError, match="no two consecutive layers of the trace ran expert claims"):
         step_heads([r for r in HEAD_RECORDS if r["layer"] != 4 and r["layer"] != 5])
     with pytest.raises(MegacError, match="no task records"):
