@@ -753,6 +753,21 @@ for m in r:
     verify router_poll rpoll 1
     tiny_variant router_poll_uwe
     SETS=${SETS:-default,rpoll,rpfcu,rpfcun,rpnn} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-14} bash "$0" s47a ;;
+  prebuild_s54p)  # (~2 min) s54p's set: North Mini Code's plain and profiled builds of the default, router_poll and
+                  # rpoll_nonorm (megac/gpu/profile.py's stamps)
+    prebuild_start
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=router_poll,rpoll_nonorm \
+      MEGAC_PROFILE_VARIANTS=router_poll,rpoll_nonorm MEGAC_ORDER_TILES=none .venv/bin/python -m gpu.megakernel_check \
+      --prebuild north-mini-code 2>&1 | grep -v Warning | grep -v "(interleaved)\|(attention-first)" | tee build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s54p)  # (prebuild_s54p, any GPU; ~4 min) one profiled bs1 8K step of the default, router_poll and rpoll_nonorm on
+         # one engine (PT: its timeout), the traces gzipped into $OUT: where the earlier ranking went
+    PT=${PT:-300} profile_variant ${PV:-router_poll,rpoll_nonorm}
+    rm -f $OUT/profile-north-mini-code-bs1-ctx8192-*.json ;;
+  s54q)  # (after prebuild_s54p, the rpfcun builds added by hand: see perf-notes, fifty-fourth session; any GPU, ~3
+         # min) one profiled bs1 8K step of TILES rpfcun without and with its variant (router_poll_uwe)
+    MEGAC_PROFILE_TILES_ONLY=1 MEGAC_PROFILE_ORDER=schedules/experiments/routed-norm-on-finalize.yaml \
+      MEGAC_PROFILE_VARIANTS=router_poll_uwe PT=${PT:-200} profile_tiles 1:8192 rpfcun ;;
   prebuild_s53b)  # (~8 min) s53b's set: the default, waits keeping 2 / 4 polls in flight and polls without the
                   # sleep (TILES pd2 / pd4 / pns0), the tiny models under poll4, megac bench's ceiling kernel
     prebuild_start
