@@ -141,7 +141,12 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
 // themselves (TASK_WAIT_BASE >= 0, the router folding the combine): there
 // the router's counter orders nothing else they read. A model of one MoE
 // layer cannot take it (its finalize would unland its own layer's partials:
-// the build refuses). 0: the counter.
+// the build refuses). 0: the counter. Measured (fifty-fourth session, H100,
+// NMC bs1 8K): +0.40 %. The ranking then follows the router by 1.8 us
+// instead of 4.1, but a polling claimer starts as soon as its SM is free
+// and polls ~10 us a layer with no sleep; the sliding layers' QKV stream
+// (the attention chain) ran longer: +1.7 us a sliding layer, -1.1 us a
+// full one (docs/perf-notes.md).
 #ifndef MEGAC_ROUTER_POLL
 #define MEGAC_ROUTER_POLL 0
 #endif
@@ -152,7 +157,9 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
 // logits are wrong). What it measures: how much of the expert chain's head
 // the norm still gates once the router's hop is polled (the fifty-third
 // session's `--heads`: the norm ends ~2 us after the router, before the
-// counter form's ranking in 39 of 47 layers). 0: the claims wait.
+// counter form's ranking in 39 of 47 layers). 0: the claims wait. Measured
+// (fifty-fourth session, H100): as slow as MEGAC_ROUTER_POLL alone, so the
+// norm was not the gate.
 #ifndef MEGAC_PROBE_UP_NO_NORM
 #define MEGAC_PROBE_UP_NO_NORM 0
 #endif
