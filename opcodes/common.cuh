@@ -146,7 +146,11 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
 // instead of 4.1, but a polling claimer starts as soon as its SM is free
 // and polls ~10 us a layer with no sleep; the sliding layers' QKV stream
 // (the attention chain) ran longer: +1.7 us a sliding layer, -1.1 us a
-// full one (docs/perf-notes.md).
+// full one (docs/perf-notes.md). 2: the claimer waits on its claims' norm
+// first (its header, one thread with the usual sleep), then reads the
+// partials: no load while the router runs (the norm ends ~2 us after it),
+// and the claims' own wait is then met (ranked -> handed ~0.9 us in the
+// default's stamps).
 #ifndef MEGAC_ROUTER_POLL
 #define MEGAC_ROUTER_POLL 0
 #endif

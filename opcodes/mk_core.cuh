@@ -155,6 +155,13 @@ __device__ __forceinline__ bool header_waits(const Ctx& c, ResolveFields resolve
     return true;
   }
   if (router_polls(w)) {  // its one wait, the router's, is its poll of the partials (ops_moe.cuh)
+    if constexpr (MEGAC_ROUTER_POLL == 2) {
+      // the claims' own wait (the norm that writes x_norm) first, so the poll
+      // loads nothing while the router runs; the claimer then clears it from
+      // its words (ops_moe.cuh): met here, no claim waits again
+      const int32_t t = resolve(c.d, w[f_moe_upgate_drain::TASK_WAIT_TARGET]);
+      if (!wait_on(c, w[f_moe_upgate_drain::TASK_WAIT_BASE], t)) return false;
+    }
     resolve_fields(c);
     return true;
   }

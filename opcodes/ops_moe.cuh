@@ -541,7 +541,10 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
   // as header_waits decided it (it left the router's counter unread): read
   // before warp 1 may clear TASK_WAIT_BASE (MEGAC_UP_WAIT_EARLY)
   const bool polls = router_polls(ts->w);
-#if MEGAC_PROBE_UP_NO_NORM
+#if MEGAC_PROBE_UP_NO_NORM || MEGAC_ROUTER_POLL == 2
+  // the probe: the claims' wait dropped; MEGAC_ROUTER_POLL 2: met in the
+  // header already (mk_core.cuh header_waits; its acquire and the barrier
+  // after the header order every thread's x_norm reads)
   __syncthreads();  // every thread has read the task word before thread 0 drops the claims' wait
   if (polls && threadIdx.x == 0) ts->w[f_moe_upgate_drain::TASK_WAIT_BASE] = -1;
 #endif

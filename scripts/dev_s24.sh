@@ -753,6 +753,19 @@ for m in r:
     verify router_poll rpoll 1
     tiny_variant router_poll_uwe
     SETS=${SETS:-default,rpoll,rpfcu,rpfcun,rpnn} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-14} bash "$0" s47a ;;
+  prebuild_s55)  # (~4 min) s55's set: router_poll_norm checked as a default would be (the tiny models, the watchdog,
+                 # the one-row slice), its NMC build (TILES rpn2) beside the default's and tcwc, megac bench's ceiling
+    prebuild_start
+    prebuild_variants tiny-moe:router_poll_norm tiny-llama:router_poll_norm nmc-slice:router_poll_norm
+    prebuild_specs north-mini-code nmc-rpn2 nmc-tcwc
+    prebuild_ceiling
+    pack_cubins < build/cz-s31/log.txt ;;
+  s55)  # (prebuild_s55, the H200; ~9 min) the polling claimer that waits on its claims' norm first
+        # (common.cuh MEGAC_ROUTER_POLL 2: no polls while the router runs, the claims' wait met before the
+        # ranking): checked as a default would be, then default / rpn2 / tcwc engines alternating at bs1 8K
+        # until AB_END s
+    verify router_poll_norm rpn2 1
+    SETS=${SETS:-default,rpn2,tcwc} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-16} bash "$0" s47a ;;
   prebuild_s54p)  # (~2 min) s54p's set: North Mini Code's plain and profiled builds of the default, router_poll and
                   # rpoll_nonorm (megac/gpu/profile.py's stamps)
     prebuild_start

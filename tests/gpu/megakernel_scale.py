@@ -922,6 +922,9 @@ VARIANTS = {
     "rpoll_nonorm": {"MEGAC_ROUTER_POLL": 1, "MEGAC_PROBE_UP_NO_NORM": 1},
     # and with the claims' wait on the norm read while warp 0 polls and ranks (MEGAC_UP_WAIT_EARLY)
     "router_poll_uwe": {"MEGAC_ROUTER_POLL": 1, "MEGAC_UP_WAIT_EARLY": 1},
+    # the polling claimer waits on its claims' norm first, then reads the partials (MEGAC_ROUTER_POLL 2: no polls
+    # while the router runs, the claims' wait met before the ranking; fifty-fourth session)
+    "router_poll_norm": {"MEGAC_ROUTER_POLL": 2},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1708,6 +1711,7 @@ TILES = {
     "anp": {"variant": "attn_noprime"},
     "rpoll": {"variant": "router_poll"},
     "rpnn": {"variant": "rpoll_nonorm"},
+    "rpn2": {"variant": "router_poll_norm"},
     # and the norm summing the experts itself (fused_combine, the forty-fifth session's +0.7 % when the
     # norm ended before the claimers ranked): the norm the polling claims wait on a hop sooner
     "rpfc": {"fused_combine": 1, "variant": "router_poll"},
