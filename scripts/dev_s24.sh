@@ -766,6 +766,8 @@ for m in r:
         # until AB_END s
     verify router_poll_norm rpn2 1
     SETS=${SETS:-default,rpn2,tcwc} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-16} bash "$0" s47a ;;
+  s55v)  # (prebuild_s55, any GPU; ~2 min) s55's checks alone
+    verify router_poll_norm rpn2 1 ;;
   prebuild_s54p)  # (~2 min) s54p's set: North Mini Code's plain and profiled builds of the default, router_poll and
                   # rpoll_nonorm (megac/gpu/profile.py's stamps)
     prebuild_start
