@@ -762,9 +762,8 @@ for m in r:
     pack_cubins < build/cz-s31/log.txt ;;
   s55)  # (prebuild_s55, the H200; ~9 min) the polling claimer that waits on its claims' norm first
         # (common.cuh MEGAC_ROUTER_POLL 2: no polls while the router runs, the claims' wait met before the
-        # ranking): checked as a default would be, then default / rpn2 / tcwc engines alternating at bs1 8K
-        # until AB_END s
-    verify router_poll_norm rpn2 1
+        # ranking; checked as a default would be by s55v in the fifty-fourth session, H100): default / rpn2 /
+        # tcwc engines alternating at bs1 8K until AB_END s
     SETS=${SETS:-default,rpn2,tcwc} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-16} bash "$0" s47a ;;
   s55v)  # (prebuild_s55, any GPU; ~2 min) s55's checks alone
     verify router_poll_norm rpn2 1 ;;
