@@ -620,21 +620,15 @@ __device__ __forceinline__ bool moe_upgate_routed(const Ctx& c) {
         if (wb >= 0) {
           const uint32_t* ctr = ptr<const uint32_t>(d->counters) + wb;
           const uint32_t target = static_cast<uint32_t>(resolve(d, ts->w[f_moe_upgate_drain::TASK_WAIT_TARGET]));
-#if MEGAC_ROUTER_POLL
-          const bool again = polls;
-#else
-          constexpr bool again = false;
-#endif
           for (;;) {
             if (ld_acquire_gpu(ctr) >= target) {
               ts->w[f_moe_upgate_drain::TASK_WAIT_BASE] = -1;
               break;
             }
 #if MEGAC_ROUTER_POLL
-            if (!again || *reinterpret_cast<volatile int*>(&up_ranked)) break;
+            if (!polls || *reinterpret_cast<volatile int*>(&up_ranked)) break;
             __nanosleep(20);
 #else
-            (void)again;
             break;
 #endif
           }
