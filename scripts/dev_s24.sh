@@ -778,10 +778,6 @@ for m in r:
          # one engine (PT: its timeout), the traces gzipped into $OUT: where the earlier ranking went
     PT=${PT:-300} profile_variant ${PV:-router_poll,rpoll_nonorm}
     rm -f $OUT/profile-north-mini-code-bs1-ctx8192-*.json ;;
-  s54q)  # (after prebuild_s54p, the rpfcun builds added by hand: see perf-notes, fifty-fourth session; any GPU, ~3
-         # min) one profiled bs1 8K step of TILES rpfcun without and with its variant (router_poll_uwe)
-    MEGAC_PROFILE_TILES_ONLY=1 MEGAC_PROFILE_ORDER=schedules/experiments/routed-norm-on-finalize.yaml \
-      MEGAC_PROFILE_VARIANTS=router_poll_uwe PT=${PT:-200} profile_tiles 1:8192 rpfcun ;;
   prebuild_s53b)  # (~8 min) s53b's set: the default, waits keeping 2 / 4 polls in flight and polls without the
                   # sleep (TILES pd2 / pd4 / pns0), the tiny models under poll4, megac bench's ceiling kernel
     prebuild_start
