@@ -155,6 +155,26 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
 #define MEGAC_ROUTER_POLL 0
 #endif
 
+// With MEGAC_ROUTER_POLL: 1 polls in the full-attention layers alone (the
+// generated MEGAC_FULL_LAYERS_LO/HI masks); a sliding layer's claimers wait
+// on the router's counter as without the poll. Why: the fifty-fourth
+// session's profiles (H100) gave the poll -1.1 us a full layer (there the
+// up claims go first and the expert chain gates) and +1.7 us a sliding one
+// (its polls slow the QKV stream, the attention chain that gates there).
+// 0: every MoE layer polls.
+#ifndef MEGAC_ROUTER_POLL_FULL
+#define MEGAC_ROUTER_POLL_FULL 0
+#endif
+#if MEGAC_ROUTER_POLL_FULL && !MEGAC_ROUTER_POLL
+#error "MEGAC_ROUTER_POLL_FULL picks the layers that poll: with MEGAC_ROUTER_POLL"
+#endif
+#ifndef MEGAC_FULL_LAYERS_LO  // a build outside the generated megakernel.cu: no layer is full
+#define MEGAC_FULL_LAYERS_LO 0u
+#endif
+#ifndef MEGAC_FULL_LAYERS_HI
+#define MEGAC_FULL_LAYERS_HI 0u
+#endif
+
 // A timing probe, not a candidate: with MEGAC_ROUTER_POLL, a polling
 // claimer's claims skip their wait on the norm (TASK_WAIT_BASE) and read
 // x_norm as they find it (the layer before's values, or part-written: the

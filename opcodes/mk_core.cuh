@@ -131,10 +131,16 @@ __device__ __forceinline__ bool combine_polls(const int32_t* w) {
 // partials instead of its counter (MEGAC_ROUTER_POLL, common.cuh): its WAIT0
 // is the router's counter (its only header wait: tests/test_router_poll.py),
 // left unread; its claims wait on the norm themselves (TASK_WAIT_BASE).
+// MEGAC_ROUTER_POLL_FULL: only a full-attention layer's claimers poll.
+__device__ __forceinline__ bool full_layer(int layer) {
+  const uint32_t mask = layer < 32 ? uint32_t(MEGAC_FULL_LAYERS_LO) : uint32_t(MEGAC_FULL_LAYERS_HI);
+  return layer < 64 && ((mask >> (layer & 31)) & 1u);
+}
+
 __device__ __forceinline__ bool router_polls(const int32_t* w) {
   return MEGAC_ROUTER_POLL && w[H_OPCODE] == OP_MOE_UPGATE_DRAIN && w[f_moe_upgate_drain::ROUTE_SPLITS] > 0 &&
          w[f_moe_upgate_drain::NUM_ROWS] == 1 && w[f_moe_upgate_drain::TASK_WAIT_BASE] >= 0 &&
-         !(w[H_FLAGS] & FLAG_NORM_IN) && w[H_WAIT1] < 0;
+         !(w[H_FLAGS] & FLAG_NORM_IN) && w[H_WAIT1] < 0 && (!MEGAC_ROUTER_POLL_FULL || full_layer(w[H_LAYER]));
 }
 
 // Thread 0: the header waits of the task in c.ts->w; after WAIT0,

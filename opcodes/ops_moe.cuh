@@ -189,6 +189,8 @@ __device__ __forceinline__ bool route_finalize(const Ctx& c) {
     static_assert(M::MOE_LAYERS_CONTIGUOUS, "the layer before a MoE layer's is the MoE layer before it");
     // one MoE layer: its finalize would unland the partials its own claimers still poll
     static_assert(M::FIRST_MOE_LAYER < M::LAST_MOE_LAYER, "MEGAC_ROUTER_POLL needs two MoE layers or more");
+    // the generated masks hold layers 0-63 (megac/codegen/megakernel.py full_layer_masks)
+    static_assert(!MEGAC_ROUTER_POLL_FULL || M::NUM_LAYERS <= 64, "MEGAC_ROUTER_POLL_FULL: a model of 64 layers or fewer");
     static_assert((M::ROUTER_SPLITS * M::MAX_ROWS * M::NUM_EXPERTS) % 4 == 0, "a layer's partials in 16-byte words");
     const int prev = layer == M::FIRST_MOE_LAYER ? M::LAST_MOE_LAYER : layer - 1;
     uint4* part = reinterpret_cast<uint4*>(ptr<float>(d->router_part) + Lay::router_part(prev, 0, 0));

@@ -753,6 +753,16 @@ for m in r:
     verify router_poll rpoll 1
     tiny_variant router_poll_uwe
     SETS=${SETS:-default,rpoll,rpfcu,rpfcun,rpnn} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-14} bash "$0" s47a ;;
+  prebuild_s55b)  # (~5 min) s55b's set: the polls in the full-attention layers alone (TILES rpf, rpn2f) beside
+                  # the default, the tiny MoE model under router_poll_full (the layer masks' path)
+    prebuild_start
+    prebuild_variants tiny-moe:router_poll_full
+    prebuild_specs north-mini-code nmc-rpf nmc-rpn2f
+    pack_cubins < build/cz-s31/log.txt ;;
+  s55b)  # (prebuild_s55b, any GPU; ~10 min) common.cuh MEGAC_ROUTER_POLL_FULL: the tiny MoE model under
+         # router_poll_full against the VM, then default / rpf / rpn2f engines alternating at bs1 8K until AB_END s
+    tiny_variant router_poll_full
+    SETS=${SETS:-default,rpf,rpn2f} AB_END=${AB_END:-520} ROUNDS=${ROUNDS:-16} bash "$0" s47a ;;
   prebuild_s55)  # (~4 min) s55's set: router_poll_norm checked as a default would be (the tiny models, the watchdog,
                  # the one-row slice), its NMC build (TILES rpn2) beside the default's and tcwc, megac bench's ceiling
     prebuild_start

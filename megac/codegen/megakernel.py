@@ -184,7 +184,19 @@ def switch_defaults(schedules) -> list[tuple[str, int]]:
             # where the QKV tiles fold the combine (a MoE layer's head: ~80 tiles each summing ~104 KB
             # from L2 as the previous layer's down claims end) they prime one stage a warp, not the
             # ring (ops_gemm.cuh MEGAC_QKV_PRIME: NMC bs1 -0.6 % on an H100, bs8 even); others as measured
-            ("MEGAC_QKV_PRIME", 1 if qkv_comb else -1)]
+            ("MEGAC_QKV_PRIME", 1 if qkv_comb else -1),
+            # the model's full-attention layers as two 32-bit masks (layers 0-31, 32-63): facts, not switches,
+            # for a switch that acts on full layers alone (common.cuh MEGAC_ROUTER_POLL_FULL)
+            *full_layer_masks(geo.full_layers)]
+
+
+def full_layer_masks(full_layers) -> list[tuple[str, str]]:
+    """MEGAC_FULL_LAYERS_LO / _HI: bit i of LO is layer i, of HI layer 32 + i
+    (a model of more than 64 layers sets no bit past 63; the one switch that
+    reads them refuses such a model)."""
+    lo = sum(1 << i for i in full_layers if i < 32)
+    hi = sum(1 << (i - 32) for i in full_layers if 32 <= i < 64)
+    return [("MEGAC_FULL_LAYERS_LO", f"0x{lo:08x}u"), ("MEGAC_FULL_LAYERS_HI", f"0x{hi:08x}u")]
 
 
 # (buffer, Layout<Model> expression per dimension, condition on the model)

@@ -169,10 +169,12 @@ def test_the_paired_claims_and_the_slots_probe_compile(tmp_path):
     # the fifty-third's waits with four polls in flight, counters.cuh MEGAC_POLL_DEPTH, and the routed claimers
     # polling the router's partials, common.cuh MEGAC_ROUTER_POLL, whose warp 1 then reads the claims' wait until
     # warp 0 has ranked; the fifty-fourth's probe of claims that skip that wait, MEGAC_PROBE_UP_NO_NORM, and the
-    # form that waits on the norm before it polls, MEGAC_ROUTER_POLL 2: the first form's code and that wait)
+    # form that waits on the norm before it polls, MEGAC_ROUTER_POLL 2: the first form's code and that wait; the
+    # fifty-fifth's polls in the full-attention layers alone, MEGAC_ROUTER_POLL_FULL)
     on = build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_PAIRS": 56, "MEGAC_DOWN_PAIRS": 26, "MEGAC_SLOTS_EARLY": 1,
                                                  "MEGAC_UP_WAIT_EARLY": 1, "MEGAC_POLL_DEPTH": 4,
-                                                 "MEGAC_ROUTER_POLL": 2, "MEGAC_PROBE_UP_NO_NORM": 1},
+                                                 "MEGAC_ROUTER_POLL": 2, "MEGAC_PROBE_UP_NO_NORM": 1,
+                                                 "MEGAC_ROUTER_POLL_FULL": 1},
                      include_dirs=inc, cache_dir=tmp_path / "on")
     off = build_cubin(tmp_path / SOURCE, include_dirs=inc, cache_dir=tmp_path / "off")
     k = report(on)["kernels"]["megakernel"]
@@ -185,6 +187,10 @@ def test_the_paired_claims_and_the_slots_probe_compile(tmp_path):
     with pytest.raises(Exception, match="MEGAC_PROBE_UP_NO_NORM"):
         build_cubin(tmp_path / SOURCE, defines={"MEGAC_PROBE_UP_NO_NORM": 1}, include_dirs=inc,
                     cache_dir=tmp_path / "probe-no-poll")
+    # the full layers' polls pick which claimers poll: refused where none does
+    with pytest.raises(Exception, match="MEGAC_ROUTER_POLL_FULL"):
+        build_cubin(tmp_path / SOURCE, defines={"MEGAC_ROUTER_POLL_FULL": 1}, include_dirs=inc,
+                    cache_dir=tmp_path / "full-no-poll")
     # the probe marks a folding up claim's row preloaded, which it never loads: refused beside up_combine
     with pytest.raises(Exception, match="MEGAC_UP_COMBINE"):
         build_cubin(tmp_path / SOURCE, defines={"MEGAC_SLOTS_EARLY": 1, "MEGAC_UP_COMBINE": 1}, include_dirs=inc,
@@ -341,3 +347,21 @@ def test_a_folded_norm_needs_a_row_in_one_pass(tmp_path):
     m = write_artifact(tmp_path, wide, res.schedules, order="tuned")
     assert not (tmp_path / SOURCE).exists()
     assert "norm_fold needs hidden_size <= 2048 (got 2056)" in m["megakernel_unsupported"]
+
+
+def test_the_full_layer_masks_name_the_full_attention_layers():
+    # megac/codegen/megakernel.py full_layer_masks: MEGAC_FULL_LAYERS_LO/HI
+    # (read by common.cuh MEGAC_ROUTER_POLL_FULL) set bit i for layer i of
+    # full attention, as the spec's layers say (not the geometry that made them)
+    from megac.codegen.megakernel import switch_defaults
+
+    for name in ("north-mini-code", "tiny-moe", "smollm2-135m"):
+        spec = load_spec(name)
+        res = compile_schedules(spec, batch_sizes=[1])
+        got = dict(switch_defaults(res.schedules))
+        lo, hi = (int(got[k].rstrip("u"), 16) for k in ("MEGAC_FULL_LAYERS_LO", "MEGAC_FULL_LAYERS_HI"))
+        full = {i for i, layer in enumerate(spec.layers) if layer.attention == "full"}
+        assert {i for i in range(64) if (lo | hi << 32) >> i & 1} == full, name
+    nmc = load_spec("north-mini-code")
+    sliding = [layer.attention for layer in nmc.layers].count("sliding")
+    assert 0 < sliding < len(nmc.layers)  # the model mixes both kinds, so the masks tell them apart

@@ -925,6 +925,10 @@ VARIANTS = {
     # the polling claimer waits on its claims' norm first, then reads the partials (MEGAC_ROUTER_POLL 2: no polls
     # while the router runs, the claims' wait met before the ranking; fifty-fourth session)
     "router_poll_norm": {"MEGAC_ROUTER_POLL": 2},
+    # the polls in the full-attention layers alone (common.cuh MEGAC_ROUTER_POLL_FULL: the fifty-fourth
+    # session's profiles gave the poll -1.1 us a full layer, +1.7 us a sliding one)
+    "router_poll_full": {"MEGAC_ROUTER_POLL": 1, "MEGAC_ROUTER_POLL_FULL": 1},
+    "router_poll_norm_full": {"MEGAC_ROUTER_POLL": 2, "MEGAC_ROUTER_POLL_FULL": 1},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1712,6 +1716,8 @@ TILES = {
     "rpoll": {"variant": "router_poll"},
     "rpnn": {"variant": "rpoll_nonorm"},
     "rpn2": {"variant": "router_poll_norm"},
+    "rpf": {"variant": "router_poll_full"},
+    "rpn2f": {"variant": "router_poll_norm_full"},
     # and the norm summing the experts itself (fused_combine, the forty-fifth session's +0.7 % when the
     # norm ended before the claimers ranked): the norm the polling claims wait on a hop sooner
     "rpfc": {"fused_combine": 1, "variant": "router_poll"},
