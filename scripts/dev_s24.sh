@@ -759,6 +759,18 @@ for m in r:
     prebuild_variants tiny-moe:router_poll_full
     prebuild_specs north-mini-code nmc-rpf nmc-rpn2f
     pack_cubins < build/cz-s31/log.txt ;;
+  prebuild_s55bp)  # (~7 min) prebuild_s55b's set and, in the same archive, s55p's: the profiled default,
+                   # router_poll_norm and router_poll_full builds of North Mini Code
+    bash "$0" prebuild_s55b > /dev/null
+    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=router_poll_norm,router_poll_full \
+      MEGAC_PROFILE_VARIANTS=router_poll_norm,router_poll_full MEGAC_ORDER_TILES=none .venv/bin/python -m \
+      gpu.megakernel_check --prebuild north-mini-code 2>&1 | grep -v Warning | grep -v "(interleaved)\|(attention-first)" \
+      | tee -a build/cz-s31/log.txt
+    pack_cubins < build/cz-s31/log.txt ;;
+  s55p)  # (prebuild_s55bp, any GPU; ~4 min) one profiled bs1 8K step of the default, router_poll_norm and
+         # router_poll_full on one engine, the traces gzipped into $OUT: why rpn2 lost
+    PT=${PT:-300} profile_variant ${PV:-router_poll_norm,router_poll_full}
+    rm -f $OUT/profile-north-mini-code-bs1-ctx8192-*.json ;;
   s55b)  # (prebuild_s55b, any GPU; ~10 min) common.cuh MEGAC_ROUTER_POLL_FULL: the tiny MoE model under
          # router_poll_full against the VM, then default / rpf / rpn2f engines alternating at bs1 8K until AB_END s
     tiny_variant router_poll_full
