@@ -929,6 +929,11 @@ VARIANTS = {
     # session's profiles gave the poll -1.1 us a full layer, +1.7 us a sliding one)
     "router_poll_full": {"MEGAC_ROUTER_POLL": 1, "MEGAC_ROUTER_POLL_FULL": 1},
     "router_poll_norm_full": {"MEGAC_ROUTER_POLL": 2, "MEGAC_ROUTER_POLL_FULL": 1},
+    # a probe of the poll build's fixed costs: MEGAC_ROUTER_POLL's code with no layer polling (the masks
+    # emptied; every finalize still writes the partials back): rpf lost 1.09 % (fifty-fifth session, H100)
+    # where the profiles gave its full layers -1.1 us and left its sliding layers as the default's
+    "router_poll_none": {"MEGAC_ROUTER_POLL": 1, "MEGAC_ROUTER_POLL_FULL": 1, "MEGAC_FULL_LAYERS_LO": 0,
+                         "MEGAC_FULL_LAYERS_HI": 0},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1718,6 +1723,7 @@ TILES = {
     "rpn2": {"variant": "router_poll_norm"},
     "rpf": {"variant": "router_poll_full"},
     "rpn2f": {"variant": "router_poll_norm_full"},
+    "rpnone": {"variant": "router_poll_none"},
     # and the norm summing the experts itself (fused_combine, the forty-fifth session's +0.7 % when the
     # norm ended before the claimers ranked): the norm the polling claims wait on a hop sooner
     "rpfc": {"fused_combine": 1, "variant": "router_poll"},
