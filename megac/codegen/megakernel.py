@@ -158,7 +158,7 @@ def model_constants(spec, schedules) -> list[tuple[str, int]]:
 WALK_POS_MIN_HIDDEN = 1024
 
 
-def switch_defaults(schedules) -> list[tuple[str, int]]:
+def switch_defaults(schedules) -> list[tuple[str, int | str]]:
     """Compile-time switches (opcodes/*.cuh macros) whose default depends on
     the model: emitted before the headers, each under #ifndef so a build's
     -D (a variant) still wins."""
