@@ -29,8 +29,9 @@ prebuild_start() {  # an empty build/cz-s31 for the next set (its log.txt: what 
   rm -rf build/cz-s31 && mkdir -p build/cz-s31 build/cz && : > build/cz-s31/log.txt
 }
 prebuild_specs() {  # megakernel_check --prebuild of these specs into the log (SKIP_RE: the lines not packed,
-                    # by default the interleaved and attention-first orders' builds)
-  MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=default MEGAC_ORDER_TILES=none \
+                    # by default the interleaved and attention-first orders' builds; PB_VARIANTS: the VARIANTS
+                    # built beside, by default the default alone)
+  MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=${PB_VARIANTS:-default} MEGAC_ORDER_TILES=none \
     .venv/bin/python -m gpu.megakernel_check --prebuild "$@" 2>&1 | grep -v Warning \
     | grep -v "${SKIP_RE:-(interleaved)\|(attention-first)}" | tee -a build/cz-s31/log.txt
 }
@@ -770,10 +771,8 @@ for m in r:
   prebuild_s55bp)  # (~7 min) prebuild_s55b's set and, in the same archive, s55p's: the profiled default,
                    # router_poll_norm and router_poll_full builds of North Mini Code
     bash "$0" prebuild_s55b > /dev/null
-    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=router_poll_norm,router_poll_full \
-      MEGAC_PROFILE_VARIANTS=router_poll_norm,router_poll_full MEGAC_ORDER_TILES=none .venv/bin/python -m \
-      gpu.megakernel_check --prebuild north-mini-code 2>&1 | grep -v Warning | grep -v "(interleaved)\|(attention-first)" \
-      | tee -a build/cz-s31/log.txt
+    PB_VARIANTS=router_poll_norm,router_poll_full MEGAC_PROFILE_VARIANTS=router_poll_norm,router_poll_full \
+      prebuild_specs north-mini-code
     pack_cubins < build/cz-s31/log.txt ;;
   s55p)  # (prebuild_s55bp, any GPU; ~4 min) one profiled bs1 8K step of the default, router_poll_norm and
          # router_poll_full on one engine, the traces gzipped into $OUT: why rpn2 lost
@@ -800,9 +799,7 @@ for m in r:
   prebuild_s54p)  # (~2 min) s54p's set: North Mini Code's plain and profiled builds of the default, router_poll and
                   # rpoll_nonorm (megac/gpu/profile.py's stamps)
     prebuild_start
-    MEGAC_CACHE_DIR=$PWD/.gpucache PYTHONPATH=.:tests MEGAC_VARIANTS=router_poll,rpoll_nonorm \
-      MEGAC_PROFILE_VARIANTS=router_poll,rpoll_nonorm MEGAC_ORDER_TILES=none .venv/bin/python -m gpu.megakernel_check \
-      --prebuild north-mini-code 2>&1 | grep -v Warning | grep -v "(interleaved)\|(attention-first)" | tee build/cz-s31/log.txt
+    PB_VARIANTS=router_poll,rpoll_nonorm MEGAC_PROFILE_VARIANTS=router_poll,rpoll_nonorm prebuild_specs north-mini-code
     pack_cubins < build/cz-s31/log.txt ;;
   s54p)  # (prebuild_s54p, any GPU; ~4 min) one profiled bs1 8K step of the default, router_poll and rpoll_nonorm on
          # one engine (PT: its timeout), the traces gzipped into $OUT: where the earlier ranking went
