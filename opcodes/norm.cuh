@@ -321,6 +321,20 @@ __device__ __forceinline__ bool vec_fits(const AddNorm& a) {
   return (MEGAC_FOLD_MOE || a.moe == nullptr) && a.D % 4 == 0 && a.D <= kNormBatch * int(blockDim.x);
 }
 
+// A TIMING PROBE, not a candidate (its sums are wrong): the vector form's
+// folds (a QKV tile's, the norm task's) load half of the partial sets and
+// half of the row's expert rows, the rest read as zero: the bytes a fold
+// would load if the O-projection's partials and the experts' outputs were
+// bf16 planes instead of fp32 (~60 of ~104 KB a fold). Measures what
+// halving the fold's planes is worth on the two chain heads before the
+// bf16 planes (a change of moe_out's and o_part's dtype in the ABI, the VM
+// and every reader) are built. 0: off.
+#ifndef MEGAC_PROBE_FOLD_HALF
+#define MEGAC_PROBE_FOLD_HALF 0
+#endif
+// the partial sets / expert rows of n a probed fold loads
+__device__ __forceinline__ int fold_loaded(int n) { return MEGAC_PROBE_FOLD_HALF ? (n + 1) / 2 : n; }
+
 #if MEGAC_FOLD_MOE
 // The row's expert outputs of this thread's runs into u: every expert's
 // loads out at once (one L2 round trip). The row's slots in shared memory (rs).
@@ -332,7 +346,7 @@ __device__ __forceinline__ void moe_load_vec(const AddNorm& a, const MoeRow& m, 
 #pragma unroll
     for (int j = 0; j < kNormVecRuns; ++j) {
       const int c = threadIdx.x + j * blockDim.x;
-      u[q][j] = (q < m.k && c < n4) ? __ldcg(reinterpret_cast<const float4*>(m.y + int64_t(rs[q]) * a.D) + c)
+      u[q][j] = (q < fold_loaded(m.k) && c < n4) ? __ldcg(reinterpret_cast<const float4*>(m.y + int64_t(rs[q]) * a.D) + c)
                                     : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
@@ -378,7 +392,7 @@ __device__ __forceinline__ void load_planes(const AddNorm& a, int nsets, uint2 (
     g[j] = c < n4 ? __ldg(reinterpret_cast<const uint2*>(a.gamma) + c) : make_uint2(0u, 0u);
     v[j] = c < n4 ? __ldcg(reinterpret_cast<const float4*>(a.x) + c) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  add_sets(a, nsets, int(threadIdx.x), n4, v);
+  add_sets(a, fold_loaded(nsets), int(threadIdx.x), n4, v);
 }
 
 __device__ __forceinline__ void add_rmsnorm_vec(const AddNorm& a, float* red) {

@@ -760,14 +760,17 @@ for m in r:
     prebuild_variants tiny-moe:router_poll_full
     prebuild_specs north-mini-code nmc-rpf nmc-rpn2f
     pack_cubins < build/cz-s31/log.txt ;;
-  prebuild_s56)  # (~4 min) s56's set: the default, rpf and the poll build with no layer polling (TILES rpnone)
+  prebuild_s56)  # (~5 min) s56's set: the default, rpf, the poll build with no layer polling (TILES rpnone) and
+                 # the folds loading half their planes (TILES fh, a timing probe)
     prebuild_start
-    prebuild_specs north-mini-code nmc-rpf nmc-rpnone
+    prebuild_specs north-mini-code nmc-rpf nmc-rpnone nmc-fh
     pack_cubins < build/cz-s31/log.txt ;;
   s56)  # (prebuild_s56, any GPU; ~9 min) where rpf's +1.09 % comes from: default / rpf / rpnone engines
         # alternating at bs1 8K until AB_END s (rpnone ~ rpf: the poll build's fixed costs, the finalize's
-        # write-back or the code's layout; rpnone ~ default: the full layers' polls themselves)
-    SETS=${SETS:-default,rpf,rpnone} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-16} bash "$0" s47a ;;
+        # write-back or the code's layout; rpnone ~ default: the full layers' polls themselves); fh: what
+        # bf16 planes (O-projection partials, expert rows) would take off the folds at both chains' heads
+        # (its bits differ: its sums are wrong)
+    SETS=${SETS:-default,rpf,rpnone,fh} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-16} bash "$0" s47a ;;
   prebuild_s55bp)  # (~7 min) prebuild_s55b's set and, in the same archive, s55p's: the profiled default,
                    # router_poll_norm and router_poll_full builds of North Mini Code
     bash "$0" prebuild_s55b > /dev/null

@@ -934,6 +934,9 @@ VARIANTS = {
     # where the profiles gave its full layers -1.1 us and left its sliding layers as the default's
     "router_poll_none": {"MEGAC_ROUTER_POLL": 1, "MEGAC_ROUTER_POLL_FULL": 1, "MEGAC_FULL_LAYERS_LO": 0,
                          "MEGAC_FULL_LAYERS_HI": 0},
+    # a timing probe (norm.cuh MEGAC_PROBE_FOLD_HALF: wrong sums): the vector folds (the QKV tiles', the norm
+    # task's) load half their partial sets and expert rows, the bytes bf16 planes would leave them
+    "fold_half": {"MEGAC_PROBE_FOLD_HALF": 1},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1724,6 +1727,8 @@ TILES = {
     "rpf": {"variant": "router_poll_full"},
     "rpn2f": {"variant": "router_poll_norm_full"},
     "rpnone": {"variant": "router_poll_none"},
+    # the folds' planes halved (a timing probe: what bf16 O-projection partials and expert rows would be worth)
+    "fh": {"variant": "fold_half"},
     # and the norm summing the experts itself (fused_combine, the forty-fifth session's +0.7 % when the
     # norm ended before the claimers ranked): the norm the polling claims wait on a hop sooner
     "rpfc": {"fused_combine": 1, "variant": "router_poll"},
