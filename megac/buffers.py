@@ -36,7 +36,8 @@ def step_buffers(geo) -> dict[str, tuple[str, tuple[int, ...], str, str]]:
         "moe_x": ("bf16", (L, RK, D), "scratch", "slot of (row, k) chosen by ROUTE_FINALIZE"),
         "moe_act": ("bf16", (L, RK, geo.expert_width), "scratch", ""),
         # a tile axis folded into the features where the down projection runs split-K
-        "moe_out": ("fp32", (L, RK, geo.moe_out_tiles * D), "scratch", ""),
+        "moe_out": ("bf16" if geo.moe_out_bf16 else "fp32", (L, RK, geo.moe_out_tiles * D),
+                    "scratch", "bf16 where the tiles ask (moe_out_bf16)"),
         "logits": ("fp32", (R, geo.vocab), "scratch", "read by the sampler"),
         "argmax_part": ("argmax", (R, geo.lm_tiles), "scratch", "abi.ARGMAX_RECORD per LM tile"),
     }

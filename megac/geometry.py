@@ -312,6 +312,16 @@ DEFAULT_TILES = {
     # +1.8 %, 128K +3.8 %: a static split waits for its KV head's slowest
     # QKV tile and stays on its SM, where claimed ones go to any SM that frees
     "full_static_attn": 0,
+    # 1: moe_out (the experts' outputs) is bf16 in every schedule of the
+    # model: the down claims round each output as they store it (as
+    # transformers' bf16 experts do) and every combine widens it back to fp32
+    # before the score-weighted sum. Why: at batch 1 each of a MoE layer's
+    # ~80 QKV tiles folds the row's eight expert outputs (64 of its ~104 KB
+    # of L2 loads, ~1.2 us of its ~2.7 us fold, fifty-second session) at the
+    # head of the attention chain; bf16 halves them. Other bits than fp32's.
+    # Not with split_down (its split-K partials stay fp32) nor the combine
+    # that polls fp32 words (MEGAC_COMBINE_POLL). Off until measured
+    "moe_out_bf16": 0,
 }
 
 #: The tiles that give the plain batch-1 schedule of the sessions before the
@@ -610,6 +620,8 @@ class Geometry:
     #: full-attention layers' splits are static ATTN_DECODE tasks (DEFAULT_TILES'
     #: full_static_attn >= rows; see ``static_attn``)
     full_static: bool = False
+    #: moe_out is bf16 (DEFAULT_TILES' moe_out_bf16; every schedule of a model)
+    moe_out_bf16: bool = False
 
     # ------------------------------------------------------------- builders
     @classmethod
@@ -638,6 +650,8 @@ class Geometry:
         problem = split_tile_problem(t, expert_width) if experts and t["split_down"] else None
         if problem:
             raise ValueError(problem)
+        if experts and t["moe_out_bf16"] and t["split_down"]:
+            raise ValueError("moe_out_bf16 needs split_down 0: the split-K down projection's partials stay fp32")
         moe_chunk = moe_chunk_rows(t, expert_width)  # before the split takes its tiles
         if split:
             t = {**t, "moe_up_bn": split_bn, "o_proj_bn": t["split_o_proj_bn"] or t["o_proj_bn"]}
@@ -747,6 +761,7 @@ class Geometry:
             qkv_combine=bool(t["qkv_combine"] and experts) and spec.block == "parallel",
             up_combine=bool(t["up_combine"] and experts) and spec.block == "parallel",
             full_static=0 < rows <= t["full_static_attn"],
+            moe_out_bf16=bool(t["moe_out_bf16"] and experts),
         )
 
     def with_context(self, context: int) -> "Geometry":

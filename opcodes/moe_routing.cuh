@@ -39,6 +39,7 @@
 #include <cuda_bf16.h>
 
 #include "common.cuh"
+#include "moe_out.cuh"
 #include "profile_marks.cuh"
 
 namespace megac {
@@ -726,14 +727,14 @@ __device__ __forceinline__ float4 weighted_add(float4 acc, float w, float4 y, bo
                      __fadd_rn(acc.w, p.w));
 }
 
-// MOE_COMBINE for one row, whole CTA: y = moe_out (fp32 [rows * k, ld],
+// MOE_COMBINE for one row, whole CTA: y = moe_out (moe_out_t [rows * k, ld],
 // D % 4 == 0), out fp32 [rows, D], k <= 32, features [c0, c0 + cols)
 // (multiples of 4; cols 0: all D). Slots and weights are staged in shared
 // memory; up to 8 expert outputs are loaded before the first add.
 // kPre: the row's slots and scores are in smem / ws already (ops_gemm.cuh
 // slots_early, a timing probe).
 template <bool kPre = false>
-__device__ __forceinline__ void combine_row(const float* y, const int32_t* slot, const float* w,
+__device__ __forceinline__ void combine_row(const moe_out_t* y, const int32_t* slot, const float* w,
                                             float* out, int row, int k, int D, int32_t* smem, int64_t ld = 0,
                                             int c0 = 0, int cols = 0) {
   if (ld == 0) ld = D;
@@ -751,7 +752,7 @@ __device__ __forceinline__ void combine_row(const float* y, const int32_t* slot,
       float4 u[8];
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
-        if (j0 + jj < k) u[jj] = __ldcg(reinterpret_cast<const float4*>(y + smem[j0 + jj] * ld) + c);
+        if (j0 + jj < k) u[jj] = ld4_moe_out(y + smem[j0 + jj] * ld, c);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
         if (j0 + jj < k) acc = weighted_add(acc, ws[j0 + jj], u[jj], j0 + jj == 0);
@@ -852,7 +853,7 @@ __device__ __forceinline__ bool combine_row_polled(float* y, const int32_t* slot
       if (v < 0) return false;
       if (v > 0) break;
     }
-    combine_row(y, slot, w, out, row, K, D, smem, ld, c0, cols);
+    combine_row(reinterpret_cast<const moe_out_t*>(y), slot, w, out, row, K, D, smem, ld, c0, cols);  // fp32 here
     for (int i = threadIdx.x; i < K * nq; i += blockDim.x)
       st_relaxed_gpu_v4(reinterpret_cast<float4*>(y + smem[i / nq] * ld) + q0 + i % nq, unlanded);
   }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "moe_out.cuh"
 #include "profile_marks.cuh"
 
 // 1: a TIMING PROBE, not a candidate (its reads are not ordered: it can
@@ -60,10 +61,10 @@ struct AddNorm {
   const struct MoeRow* moe = nullptr;
 };
 
-// The layer's expert outputs (fp32 [slots, D]) and the row's k routed slots
-// and scores.
+// The layer's expert outputs (moe_out_t [slots, D]: moe_out.cuh) and the
+// row's k routed slots and scores.
 struct MoeRow {
-  const float* y;
+  const moe_out_t* y;
   const int32_t* slot;
   const float* w;
   int k;
@@ -131,7 +132,7 @@ __device__ __forceinline__ void moe_sum(const AddNorm& a, const MoeRow& m, const
 #pragma unroll
       for (int j = 0; j < kNormBatch; ++j) {
         const int i = i0 + j * blockDim.x;
-        u[q][j] = (q0 + q < m.k && i < a.D) ? __ldcg(m.y + int64_t(rs[q0 + q]) * a.D + i) : 0.f;
+        u[q][j] = (q0 + q < m.k && i < a.D) ? ld_moe_out(m.y + int64_t(rs[q0 + q]) * a.D + i) : 0.f;
       }
 #pragma unroll
     for (int q = 0; q < kMoeAtOnce; ++q)
@@ -346,7 +347,7 @@ __device__ __forceinline__ void moe_load_vec(const AddNorm& a, const MoeRow& m, 
 #pragma unroll
     for (int j = 0; j < kNormVecRuns; ++j) {
       const int c = threadIdx.x + j * blockDim.x;
-      u[q][j] = (q < fold_loaded(m.k) && c < n4) ? __ldcg(reinterpret_cast<const float4*>(m.y + int64_t(rs[q]) * a.D) + c)
+      u[q][j] = (q < fold_loaded(m.k) && c < n4) ? ld4_moe_out(m.y + int64_t(rs[q]) * a.D, c)
                                     : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }

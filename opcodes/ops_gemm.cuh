@@ -15,6 +15,7 @@
 #include "gemm_tc.cuh"
 #include "mk_core.cuh"
 #include "mk_layout.cuh"
+#include "moe_out.cuh"
 #include "ops_norm.cuh"
 
 namespace megac {
@@ -772,11 +773,11 @@ __device__ __forceinline__ void moe_down_tile(const Ctx& c) {
   const WeightSpan ws = moe_down_weights<M>(c, c.ts->rec);
   const bf16* x = ptr<const bf16>(d->moe_act) + Lay::moe_act(layer, s0);
   const float* ys = gemm<M>(c, ws, x, M::EXPERT_WIDTH, nr);
-  float* y = ptr<float>(d->moe_out) + Lay::moe_out(layer, s0) + n0;
-  if constexpr (MEGAC_COMBINE_POLL)  // the combine polls these words
-    rows::store_relaxed(ys, y, M::MOE_OUT_TILES * M::HIDDEN, nr, ws.rows);
+  moe_out_t* y = ptr<moe_out_t>(d->moe_out) + Lay::moe_out(layer, s0) + n0;
+  if constexpr (MEGAC_COMBINE_POLL)  // the combine polls these words (fp32 moe_out: common.cuh refuses bf16)
+    rows::store_relaxed(ys, reinterpret_cast<float*>(y), M::MOE_OUT_TILES * M::HIDDEN, nr, ws.rows);
   else
-    rows::store<float>(ys, y, M::MOE_OUT_TILES * M::HIDDEN, nr, ws.rows);
+    rows::store<moe_out_t>(ys, y, M::MOE_OUT_TILES * M::HIDDEN, nr, ws.rows);  // bf16: rounded to nearest
 }
 
 }  // namespace mk

@@ -124,7 +124,7 @@ __device__ __forceinline__ void add_rmsnorm(const Ctx& c) {
       static_assert(M::TOP_K <= norm::kMoeMaxK, "the norm sums at most kMoeMaxK experts");
       norm::MoeRow* m = reinterpret_cast<norm::MoeRow*>(red + 64 + 2 * norm::kMoeMaxK);
       if (threadIdx.x == 0) {
-        m->y = ptr<const float>(d->moe_out) + Lay::moe_out(layer, 0);  // tile 0 (fused_combine: no split_down)
+        m->y = ptr<const moe_out_t>(d->moe_out) + Lay::moe_out(layer, 0);  // tile 0 (fused_combine: no split_down)
         m->slot = ptr<const int32_t>(d->route_slot) + Lay::topk(layer, row);
         m->w = ptr<const float>(d->topk_w) + Lay::topk(layer, row);
         m->k = M::TOP_K;
@@ -271,7 +271,7 @@ __device__ __forceinline__ void stage_combine_in(const Ctx& c, const NormIn f, i
     }
     const float* xr = ptr<const float>(d->x_resid) + Lay::x_resid(f.resid, 0) + f.k0;
     const float* pa = ptr<const float>(d->o_part) + Lay::o_part(f.layer, 0, 0) + f.k0;
-    const float* y = ptr<const float>(d->moe_out) + Lay::moe_out(f.layer, 0) + f.k0;
+    const moe_out_t* y = ptr<const moe_out_t>(d->moe_out) + Lay::moe_out(f.layer, 0) + f.k0;
     const __nv_bfloat16* gamma = ptr<const __nv_bfloat16>(d->w_norm) + Lay::w_norm(f.slot) + f.k0;
     for (int m = 0; m < rows; ++m)
       for (int t = threadIdx.x; t < klen; t += blockDim.x) {  // element k0 + t of row m
@@ -279,8 +279,9 @@ __device__ __forceinline__ void stage_combine_in(const Ctx& c, const NormIn f, i
 #pragma unroll
         for (int s = 0; s < M::KV_HEADS; ++s)
           if (s < f.n_attn) x = __fadd_rn(x, __ldcg(pa + s * int(Lay::o_part(0, 1, 0)) + m * D + t));
-        float acc = __fmul_rn(rw[m * K], __ldcg(y + rs[m * K] * ld + t));
-        for (int k = 1; k < K; ++k) acc = __fadd_rn(acc, __fmul_rn(rw[m * K + k], __ldcg(y + rs[m * K + k] * ld + t)));
+        float acc = __fmul_rn(rw[m * K], ld_moe_out(y + rs[m * K] * ld + t));
+        for (int k = 1; k < K; ++k)
+          acc = __fadd_rn(acc, __fmul_rn(rw[m * K + k], ld_moe_out(y + rs[m * K + k] * ld + t)));
         xs[m * pitch + t] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(gamma[t]), __fadd_rn(x, acc)));
       }
     __syncthreads();
@@ -313,7 +314,7 @@ __device__ __forceinline__ void stage_norm_in(const Ctx& c, const NormIn& f, int
           using Lay = Layout<M>;
           norm::MoeRow* e = reinterpret_cast<norm::MoeRow*>(red + 64 + 2 * norm::kMoeMaxK);
           if (threadIdx.x == 0) {
-            e->y = ptr<const float>(c.d->moe_out) + Lay::moe_out(f.layer, 0);  // tile 0 (no split_down)
+            e->y = ptr<const moe_out_t>(c.d->moe_out) + Lay::moe_out(f.layer, 0);  // tile 0 (no split_down)
             e->slot = ptr<const int32_t>(c.d->route_slot) + Lay::topk(f.layer, m);
             e->w = ptr<const float>(c.d->topk_w) + Lay::topk(f.layer, m);
             e->k = M::TOP_K;

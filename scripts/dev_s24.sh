@@ -771,6 +771,20 @@ for m in r:
         # bf16 planes (O-projection partials, expert rows) would take off the folds at both chains' heads
         # (its bits differ: its sums are wrong)
     SETS=${SETS:-default,rpf,rpnone,fh} AB_END=${AB_END:-540} ROUNDS=${ROUNDS:-16} bash "$0" s47a ;;
+  prebuild_s57)  # (~6 min) s57's set: the tiny models and the NMC slice under mob16 (the experts' outputs in bf16),
+                 # and the NMC builds of the default, rpnone, fh and mob16
+    prebuild_start
+    SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs tiny-llama-mob16 tiny-moe-mob16 nmc-slice-mob16
+    prebuild_specs north-mini-code nmc-rpnone nmc-fh nmc-mob16
+    pack_cubins < build/cz-s31/log.txt ;;
+  s57)  # (prebuild_s57, any GPU; ~9.5 min) mob16 checked as a default would be (the tiny models against the VM, the
+        # one-row NMC slice against fp32), then default / rpnone / fh / mob16 engines alternating at bs1 8K until
+        # AB_END s (s56's question, rpnone, beside what bf16 planes would be worth, fh, and the bf16 expert rows
+        # themselves, mob16; fh's and mob16's bits differ from the default's)
+    tiny_tiles mob16 100
+    MEGAC_CHECK_TILES=mob16 MEGAC_CHECK_ROWS=1 timeout 100 python3 -m gpu.megakernel_check --run nmc_slice \
+      --out $OUT/slice-mob16-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
+    SETS=${SETS:-default,rpnone,fh,mob16} AB_END=$((${AB_END:-550} - SECONDS)) ROUNDS=${ROUNDS:-16} bash "$0" s47a ;;
   prebuild_s55bp)  # (~7 min) prebuild_s55b's set and, in the same archive, s55p's: the profiled default,
                    # router_poll_norm and router_poll_full builds of North Mini Code
     bash "$0" prebuild_s55b > /dev/null

@@ -175,12 +175,15 @@ def switch_defaults(schedules) -> list[tuple[str, int | str]]:
     qkv_comb = any(s.geometry.qkv_combine for s in schedules)
     # and the up claims' fold (MOE_UPGATE_DRAIN flagged NORM_IN and ADD_MOE) likewise
     up_comb = any(s.geometry.up_combine for s in schedules)
+    # moe_out's element type, one for every schedule of the model (the tile is model-wide)
+    moe_bf16 = any(s.geometry.moe_out_bf16 for s in schedules)
     return [("MEGAC_TC_WALK_POS", int(geo.hidden >= WALK_POS_MIN_HIDDEN)),
             ("MEGAC_X_ASYNC", int(geo.num_experts > 0)),
             ("MEGAC_TOPK_WARP", int(not split)),
             ("MEGAC_ROUTER_COMBINE", int(comb)),
             ("MEGAC_QKV_COMBINE", int(qkv_comb)),
             ("MEGAC_UP_COMBINE", int(up_comb)),
+            ("MEGAC_MOE_OUT_BF16", int(moe_bf16)),
             # where the QKV tiles fold the combine (a MoE layer's head: ~80 tiles each summing ~104 KB
             # from L2 as the previous layer's down claims end) they prime one stage a warp, not the
             # ring (ops_gemm.cuh MEGAC_QKV_PRIME: NMC bs1 -0.6 % on an H100, bs8 even); others as measured

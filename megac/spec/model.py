@@ -171,7 +171,7 @@ class TargetSpec(BaseModel):
             if k not in DEFAULT_TILES:
                 raise ValueError(f"unknown tile {k!r} (known: {', '.join(sorted(DEFAULT_TILES))})")
             if k in ("fused_topk", "fused_gather", "fused_combine", "kv_head_major", "router_combine",
-                     "qkv_combine", "up_combine"):
+                     "qkv_combine", "up_combine", "moe_out_bf16"):
                 if x not in (0, 1):
                     raise ValueError(f"{k} is 0 or 1 (got {x})")
             elif k == "o_proj_merge":

@@ -80,6 +80,36 @@ def test_split_down_build_has_no_spills(tmp_path):
 
 
 @needs_nvcc
+def test_moe_out_bf16_build_has_no_spills_and_refuses_the_polled_combine(tmp_path):
+    """North Mini Code with its experts' outputs in bf16 (target tile
+    moe_out_bf16, opcodes/moe_out.cuh): the generated source says so, the
+    build has no spills and other code than the default's (a guard that
+    compiled the switch away would pass otherwise), and the combine that
+    polls fp32 words (MEGAC_COMBINE_POLL) is refused beside it."""
+    from megac.gpu.build import build_cubin
+    from megac.resources import opcodes_dir
+    from models import variant
+
+    spec = variant(load_spec("north-mini-code"), "nmc-mob16", tiles={"moe_out_bf16": 1})
+    on_dir, off_dir = tmp_path / "on", tmp_path / "off"
+    on_dir.mkdir()
+    off_dir.mkdir()
+    _artifact(on_dir, spec, [1])
+    _artifact(off_dir, load_spec("north-mini-code"), [1])
+    assert re.search(r"#ifndef MEGAC_MOE_OUT_BF16\n#define MEGAC_MOE_OUT_BF16 1\n", (on_dir / SOURCE).read_text())
+    assert re.search(r"#define MEGAC_MOE_OUT_BF16 0\n", (off_dir / SOURCE).read_text())
+    on = build_cubin(on_dir / SOURCE, include_dirs=[opcodes_dir(), on_dir], cache_dir=on_dir / "cache")
+    off = build_cubin(on_dir / SOURCE, defines={"MEGAC_MOE_OUT_BF16": 0}, include_dirs=[opcodes_dir(), on_dir],
+                      cache_dir=on_dir / "cache-off")
+    k = report(on)["kernels"]["megakernel"]
+    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["stack"] <= 32, k
+    assert on.read_bytes() != off.read_bytes()
+    with pytest.raises(Exception, match="MEGAC_MOE_OUT_BF16"):
+        build_cubin(on_dir / SOURCE, defines={"MEGAC_COMBINE_POLL": 1}, include_dirs=[opcodes_dir(), on_dir],
+                    cache_dir=on_dir / "cache-poll")
+
+
+@needs_nvcc
 def test_ring_stages_of_ten_blocks_keep_the_accumulators_in_registers(tmp_path):
     # A GEMM ring of 10-block stages (gemm_tc.cuh MEGAC_TC_STAGE_BLOCKS) once
     # indexed the MMA accumulators at run time, so they lived in local memory

@@ -585,8 +585,9 @@ CHECKS = {"serve": check_serve, "serve_burst": check_serve_burst, "serve_fault":
 
 
 #: TILES sets checked as a default would be (the tiny models under them and the NMC slice): the folds
-#: (rcomb, rcqc, rcqcfc, uc) and the full layer's static attention (fs); --prebuild builds both forms
-CHECKED_AS_DEFAULT = ("rcomb", "rcqc", "rcqcfc", "uc", "fs")
+#: (rcomb, rcqc, rcqcfc, uc), the full layer's static attention (fs) and the experts' outputs in bf16 (mob16);
+#: --prebuild builds both forms
+CHECKED_AS_DEFAULT = ("rcomb", "rcqc", "rcqcfc", "uc", "fs", "mob16")
 
 
 def prebuild(only: list[str] | None = None) -> None:

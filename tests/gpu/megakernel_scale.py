@@ -1729,6 +1729,9 @@ TILES = {
     "rpnone": {"variant": "router_poll_none"},
     # the folds' planes halved (a timing probe: what bf16 O-projection partials and expert rows would be worth)
     "fh": {"variant": "fold_half"},
+    # the experts' outputs in bf16 (geometry.py moe_out_bf16, moe_out.cuh): the QKV tiles' and the norm's folds
+    # read 32 KB of expert rows, not 64 (other bits)
+    "mob16": {"moe_out_bf16": 1},
     # and the norm summing the experts itself (fused_combine, the forty-fifth session's +0.7 % when the
     # norm ended before the claimers ranked): the norm the polling claims wait on a hop sooner
     "rpfc": {"fused_combine": 1, "variant": "router_poll"},
