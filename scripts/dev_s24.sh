@@ -775,7 +775,7 @@ for m in r:
                  # and the NMC builds of the default, rpnone, fh and mob16
     prebuild_start
     SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs tiny-llama-mob16 tiny-moe-mob16 nmc-slice-mob16
-    prebuild_specs north-mini-code nmc-rpnone nmc-fh nmc-mob16
+    prebuild_specs north-mini-code nmc-rpnone nmc-fh nmc-mob16 nmc-qnw
     pack_cubins < build/cz-s31/log.txt ;;
   s57)  # (prebuild_s57, any GPU; ~9.5 min) mob16 checked as a default would be (the tiny models against the VM, the
         # one-row NMC slice against fp32), then default / rpnone / fh / mob16 engines alternating at bs1 8K until
@@ -785,6 +785,10 @@ for m in r:
     MEGAC_CHECK_TILES=mob16 MEGAC_CHECK_ROWS=1 timeout 100 python3 -m gpu.megakernel_check --run nmc_slice \
       --out $OUT/slice-mob16-1.json 2>&1 | grep -v Warning | tail -2 | cut -c1-400
     SETS=${SETS:-default,rpnone,fh,mob16} AB_END=$((${AB_END:-550} - SECONDS)) ROUNDS=${ROUNDS:-16} bash "$0" s47a ;;
+  s57b)  # (prebuild_s57, any GPU; ~6 min) default / qnw (the folding QKV tiles skip their waits: a timing probe, its
+         # logits wrong) / mob16 engines alternating at bs1 8K until AB_END s: what the attention chain's head is
+         # worth at all (qnw ~ default: the expert chain gates the layers)
+    SETS=${SETS:-default,qnw,mob16} AB_END=${AB_END:-330} ROUNDS=${ROUNDS:-16} bash "$0" s47a ;;
   prebuild_s55bp)  # (~7 min) prebuild_s55b's set and, in the same archive, s55p's: the profiled default,
                    # router_poll_norm and router_poll_full builds of North Mini Code
     bash "$0" prebuild_s55b > /dev/null

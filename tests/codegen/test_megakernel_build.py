@@ -200,12 +200,14 @@ def test_the_paired_claims_and_the_slots_probe_compile(tmp_path):
     # polling the router's partials, common.cuh MEGAC_ROUTER_POLL, whose warp 1 then reads the claims' wait until
     # warp 0 has ranked; the fifty-fourth's probe of claims that skip that wait, MEGAC_PROBE_UP_NO_NORM, and the
     # form that waits on the norm before it polls, MEGAC_ROUTER_POLL 2: the first form's code and that wait; the
-    # fifty-fifth's polls in the full-attention layers alone, MEGAC_ROUTER_POLL_FULL; the fifty-sixth's probe of
-    # folds that load half their planes, norm.cuh MEGAC_PROBE_FOLD_HALF)
+    # fifty-fifth's polls in the full-attention layers alone, MEGAC_ROUTER_POLL_FULL; the fifty-sixth's probes of
+    # folds that load half their planes, norm.cuh MEGAC_PROBE_FOLD_HALF, and of QKV tiles that skip their waits,
+    # mk_core.cuh MEGAC_PROBE_QKV_NO_WAIT)
     on = build_cubin(tmp_path / SOURCE, defines={"MEGAC_UP_PAIRS": 56, "MEGAC_DOWN_PAIRS": 26, "MEGAC_SLOTS_EARLY": 1,
                                                  "MEGAC_UP_WAIT_EARLY": 1, "MEGAC_POLL_DEPTH": 4,
                                                  "MEGAC_ROUTER_POLL": 2, "MEGAC_PROBE_UP_NO_NORM": 1,
-                                                 "MEGAC_ROUTER_POLL_FULL": 1, "MEGAC_PROBE_FOLD_HALF": 1},
+                                                 "MEGAC_ROUTER_POLL_FULL": 1, "MEGAC_PROBE_FOLD_HALF": 1,
+                                                 "MEGAC_PROBE_QKV_NO_WAIT": 1},
                      include_dirs=inc, cache_dir=tmp_path / "on")
     off = build_cubin(tmp_path / SOURCE, include_dirs=inc, cache_dir=tmp_path / "off")
     k = report(on)["kernels"]["megakernel"]

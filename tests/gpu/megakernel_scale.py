@@ -937,6 +937,9 @@ VARIANTS = {
     # a timing probe (norm.cuh MEGAC_PROBE_FOLD_HALF: wrong sums): the vector folds (the QKV tiles', the norm
     # task's) load half their partial sets and expert rows, the bytes bf16 planes would leave them
     "fold_half": {"MEGAC_PROBE_FOLD_HALF": 1},
+    # a timing probe (mk_core.cuh MEGAC_PROBE_QKV_NO_WAIT: wrong logits): the folding QKV tiles skip their header
+    # waits, the bound of any pipelined layer boundary on the attention chain
+    "qkv_no_wait": {"MEGAC_PROBE_QKV_NO_WAIT": 1},
     # a QKV tile's weights toward L2 as the tile starts, before its waits (the layer before's tail)
     # (ops_gemm.cuh MEGAC_QKV_L2); 2: evict_last
     "qkvl2": {"MEGAC_QKV_L2": 1},
@@ -1729,6 +1732,8 @@ TILES = {
     "rpnone": {"variant": "router_poll_none"},
     # the folds' planes halved (a timing probe: what bf16 O-projection partials and expert rows would be worth)
     "fh": {"variant": "fold_half"},
+    # the attention chain started before the layer before ends (a timing probe)
+    "qnw": {"variant": "qkv_no_wait"},
     # the experts' outputs in bf16 (geometry.py moe_out_bf16, moe_out.cuh): the QKV tiles' and the norm's folds
     # read 32 KB of expert rows, not 64 (other bits)
     "mob16": {"moe_out_bf16": 1},
