@@ -219,6 +219,8 @@ __device__ __forceinline__ bool moe_combine(const Ctx& c) {
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_moe_combine::ROW];
   const moe_out_t* y = ptr<const moe_out_t>(d->moe_out) + Lay::moe_out(layer, 0);
+  // the split-K and polled forms read fp32 words (geometry.py and common.cuh refuse them beside bf16)
+  const float* y32 = reinterpret_cast<const float*>(y);
   const int32_t* slot = ptr<const int32_t>(d->route_slot) + Lay::topk(layer, 0);
   const float* w = ptr<const float>(d->topk_w) + Lay::topk(layer, 0);
   float* out = ptr<float>(d->ffn_part) + Lay::ffn_part(layer, 0, 0);
@@ -227,7 +229,7 @@ __device__ __forceinline__ bool moe_combine(const Ctx& c) {
   const int c0 = c.ts->w[f_moe_combine::COL0], cols = c.ts->w[f_moe_combine::COLS];
   if constexpr (M::MOE_OUT_TILES > 1) {
     if (c.ts->w[H_FLAGS] & FLAG_SPLIT_DOWN) {  // every slot's split-K partials summed first
-      moe::combine_tiles(reinterpret_cast<const float*>(y), slot, w, out, row, M::TOP_K, M::HIDDEN, smem, reinterpret_cast<float4*>(c.scratch + 256),
+      moe::combine_tiles(y32, slot, w, out, row, M::TOP_K, M::HIDDEN, smem, reinterpret_cast<float4*>(c.scratch + 256),
                          M::MOE_OUT_TILES, ld, c0, cols);
       return true;
     }
@@ -240,7 +242,7 @@ __device__ __forceinline__ bool moe_combine(const Ctx& c) {
                    static_cast<int32_t>(ld_relaxed_gpu(ptr<const uint32_t>(d->counters) + hw[H_WAIT1])),
                    resolve(d, hw[H_TARGET1]), c.site.layer, kErrCounterTimeout);
     };
-    return moe::combine_row_polled<M::TOP_K>(const_cast<float*>(reinterpret_cast<const float*>(y)), slot, w, out, row, M::HIDDEN, smem, ld, c0, cols,
+    return moe::combine_row_polled<M::TOP_K>(const_cast<float*>(y32), slot, w, out, row, M::HIDDEN, smem, ld, c0, cols,
                                              c.site, expired);
   }
 #if MEGAC_SLOTS_EARLY
