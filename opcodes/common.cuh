@@ -117,10 +117,6 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
 #ifndef MEGAC_COMBINE_POLL
 #define MEGAC_COMBINE_POLL 0
 #endif
-// its words are fp32 (UNLANDED_F32 is an fp32 word); moe_out.cuh's bf16 form has none
-#if MEGAC_COMBINE_POLL && defined(MEGAC_MOE_OUT_BF16) && MEGAC_MOE_OUT_BF16
-#error "MEGAC_COMBINE_POLL polls fp32 moe_out words: not with MEGAC_MOE_OUT_BF16"
-#endif
 
 // A one-row routed up claimer that polls its router partials instead of the
 // router's counter (ops_moe.cuh moe_upgate_routed, moe_routing.cuh

@@ -16,10 +16,13 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "common.cuh"  // MEGAC_COMBINE_POLL
+
 #ifndef MEGAC_MOE_OUT_BF16
 #define MEGAC_MOE_OUT_BF16 0
 #endif
-#if MEGAC_MOE_OUT_BF16 && defined(MEGAC_COMBINE_POLL) && MEGAC_COMBINE_POLL
+// the polled combine's words are fp32 (UNLANDED_F32 is an fp32 word)
+#if MEGAC_MOE_OUT_BF16 && MEGAC_COMBINE_POLL
 #error "MEGAC_COMBINE_POLL polls fp32 moe_out words: not with MEGAC_MOE_OUT_BF16"
 #endif
 

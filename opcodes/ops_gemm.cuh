@@ -774,7 +774,7 @@ __device__ __forceinline__ void moe_down_tile(const Ctx& c) {
   const bf16* x = ptr<const bf16>(d->moe_act) + Lay::moe_act(layer, s0);
   const float* ys = gemm<M>(c, ws, x, M::EXPERT_WIDTH, nr);
   moe_out_t* y = ptr<moe_out_t>(d->moe_out) + Lay::moe_out(layer, s0) + n0;
-  if constexpr (MEGAC_COMBINE_POLL)  // the combine polls these words (fp32 moe_out: common.cuh refuses bf16)
+  if constexpr (MEGAC_COMBINE_POLL)  // the combine polls these words (fp32 moe_out: moe_out.cuh refuses bf16)
     rows::store_relaxed(ys, reinterpret_cast<float*>(y), M::MOE_OUT_TILES * M::HIDDEN, nr, ws.rows);
   else
     rows::store<moe_out_t>(ys, y, M::MOE_OUT_TILES * M::HIDDEN, nr, ws.rows);  // bf16: rounded to nearest

@@ -219,7 +219,7 @@ __device__ __forceinline__ bool moe_combine(const Ctx& c) {
   const LaunchDesc* d = c.d;
   const int layer = c.ts->w[H_LAYER], row = c.ts->w[f_moe_combine::ROW];
   const moe_out_t* y = ptr<const moe_out_t>(d->moe_out) + Lay::moe_out(layer, 0);
-  // the split-K and polled forms read fp32 words (geometry.py and common.cuh refuse them beside bf16)
+  // the split-K and polled forms read fp32 words (geometry.py and moe_out.cuh refuse them beside bf16)
   const float* y32 = reinterpret_cast<const float*>(y);
   const int32_t* slot = ptr<const int32_t>(d->route_slot) + Lay::topk(layer, 0);
   const float* w = ptr<const float>(d->topk_w) + Lay::topk(layer, 0);

@@ -774,7 +774,7 @@ for m in r:
   prebuild_s57)  # (~6 min) s57's set: the tiny models and the NMC slice under mob16 (the experts' outputs in bf16),
                  # and the NMC builds of the default, rpnone, fh and mob16
     prebuild_start
-    SKIP_RE="(interleaved)\|(attention-first)" prebuild_specs tiny-llama-mob16 tiny-moe-mob16 nmc-slice-mob16
+    prebuild_specs tiny-llama-mob16 tiny-moe-mob16 nmc-slice-mob16
     prebuild_specs north-mini-code nmc-rpnone nmc-fh nmc-mob16 nmc-qnw
     pack_cubins < build/cz-s31/log.txt ;;
   s57)  # (prebuild_s57, any GPU; ~9.5 min) mob16 checked as a default would be (the tiny models against the VM, the
